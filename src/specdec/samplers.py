@@ -1,0 +1,104 @@
+"""Logits -> probability distributions, and sampling from them.
+
+Every sampler is a distribution (greedy is one-hot at the argmax), as in Leviathan et al. §2.2.
+The same `Sampler` shapes both the target's p and the drafter's q, so one verification rule
+(`verify.verify_draft`) is exact for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How logits become a distribution.
+
+    temperature: 0 means greedy (one-hot at the argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off).
+    top_k and top_p compose: top-k first, then top-p on what remains.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise SpecdecError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> probabilities [..., V] in fp32, each row summing to 1."""
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def describe(self) -> str:
+        if self.is_greedy:
+            return "greedy"
+        parts = [f"temperature={self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top_k={self.top_k}")
+        if self.top_p < 1:
+            parts.append(f"top_p={self.top_p:g}")
+        return ", ".join(parts)
+
+
+GREEDY = Sampler(temperature=0.0)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] (fp32).
+
+    Raises SpecdecError on NaN logits rather than returning a silently wrong distribution.
+    """
+    logits = logits.float()
+    if torch.isnan(logits).any():
+        raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p; the top token stays
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one index from each distribution: probs [..., V] -> tokens [...] (long).
+
+    Inverse-CDF sampling, batched over any leading dimensions; it never returns an index of
+    probability 0 (rows need not be normalised, but must have positive mass).
+    """
+    probs = probs.float()
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float32)
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    # u * total can round up to total; fall back to the last index with positive mass
+    positive = probs > 0
+    last_positive = probs.shape[-1] - 1 - positive.flip(-1).int().argmax(-1, keepdim=True)
+    return torch.minimum(idx, last_positive).squeeze(-1)
