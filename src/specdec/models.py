@@ -16,6 +16,7 @@ import torch
 
 from . import registry
 from .errors import SpecdecError
+from .kernels import PackedLinear, has_onednn, pack_linears
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -37,7 +38,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
+    """The working dtype. "auto": bf16 on CUDA and on CPUs with native bf16; on other CPUs fp32
+    for a target (multi-token passes, see kernels.py) and bf16 for a drafter (1-token passes,
+    where half the weight traffic wins and its rounding can only cost acceptance, never exactness).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -48,38 +53,67 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise SpecdecError(f"unknown dtype '{dtype}'; use auto, fp32, bf16 or fp16")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if role == "drafter":
+        return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class LanguageModel:
     """A causal LM with its tokenizer, run one sequence at a time with a croppable KV cache."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str = "model"):
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target"):
+        """Wrap a transformers causal LM.
+
+        role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
+            target in fp32 gets oneDNN-packed linears; a drafter in bf16 on a CPU without native
+            bf16 gets hybrid ones. A target's logits are computed in fp32 even from bf16 weights
+            (they decide the output); a drafter's are not (they only steer acceptance).
+        """
+        if role not in ("target", "drafter"):
+            raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
         self.hf = hf_model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        self.role = role
         self._decoder = getattr(hf_model, hf_model.base_model_prefix)
         head = hf_model.get_output_embeddings()
-        self._head_weight = head.weight
+        weight = head.weight
+        self._device, self._dtype = weight.device, weight.dtype
         self._head_bias = getattr(head, "bias", None)
+        self._head_weight = weight
+        self._head = None
+        self.kernels = "stock"
+        on_cpu = self._device.type == "cpu" and has_onednn()
+        if on_cpu and self._dtype == torch.float32:
+            pack_linears(self._decoder)
+            self.kernels = "onednn-packed"
+            if role == "target":
+                # transformers keeps its dense head (for a tied one it is the embedding too);
+                # our forward uses a packed copy
+                self._head = PackedLinear(weight, self._head_bias)
+        elif on_cpu and self._dtype == torch.bfloat16 and role == "drafter" and not cpu_has_native_bf16():
+            pack_linears(self._decoder, dense_rows=2)
+            self.kernels = "bf16+onednn-packed-fp32"
         # Logits are compared across 1-token and multi-token passes; bf16 logits tie often
-        # (resolution 0.125 near 20), so the head is computed in fp32 (see DESIGN.md).
+        # (resolution 0.125 near 20), so a target's head is computed in fp32 (see DESIGN.md).
+        self.exact_logits = role == "target"
         self._head_weight_fp32 = None
-        if self.dtype != torch.float32 and self.device.type == "cpu":
-            self._head_weight_fp32 = self._head_weight.detach().float()
+        if self.exact_logits and self._dtype != torch.float32 and self._device.type == "cpu":
+            self._head_weight_fp32 = weight.detach().float()
+        self._vocab_size = weight.shape[0]
 
     @property
     def device(self) -> torch.device:
-        return self._head_weight.device
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._head_weight.dtype
+        return self._dtype
 
     @property
     def vocab_size(self) -> int:
         """Size of the logits' last dimension (may exceed the tokenizer's count by padding rows)."""
-        return self._head_weight.shape[0]
+        return self._vocab_size
 
     @property
     def max_context(self) -> int:
@@ -126,12 +160,15 @@ class LanguageModel:
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
         out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
         hidden = out.last_hidden_state[0, -num_logits:]
+        if self._head is not None:
+            return self._head(hidden)
         if self._head_weight_fp32 is not None:
             logits = torch.nn.functional.linear(hidden.float(), self._head_weight_fp32)
-        elif self.dtype != torch.float32:  # CUDA: accumulate and return in fp32 from low-precision weights
+        elif self.dtype != torch.float32 and self.exact_logits:
+            # CUDA: accumulate and return fp32 straight from the low-precision weights
             logits = torch.mm(hidden, self._head_weight.t(), out_dtype=torch.float32)
         else:
-            logits = torch.nn.functional.linear(hidden, self._head_weight)
+            logits = torch.nn.functional.linear(hidden, self._head_weight).float()
         if self._head_bias is not None:
             logits = logits + self._head_bias.float()
         return logits
@@ -158,16 +195,19 @@ class LanguageModel:
 
 
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-         say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
+         role: str = "target", say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
-    dtype="auto" picks bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere (docs/DTYPE.md).
+    role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, docs/KERNELS.md)
+    and whether logits must be exact fp32.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if role not in ("target", "drafter"):
+        raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device, role)
     text = str(name_or_path)
     path = Path(text).expanduser()
     gguf_file = None
@@ -191,15 +231,18 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     hf_logging.set_verbosity_error()
     try:
         extra = {"gguf_file": gguf_file} if gguf_file else {}
+        hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **extra)
     except OSError as exc:
         raise SpecdecError(f"could not load {name_or_path}: {exc}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
     model.to(device)
+    wrapped = LanguageModel(model, tokenizer, name=name, role=role)
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
-    return LanguageModel(model, tokenizer, name=name)
+    return wrapped
 
 
 def check_pair(target: LanguageModel, drafter: LanguageModel) -> None:

