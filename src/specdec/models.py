@@ -88,9 +88,11 @@ class LanguageModel:
             pack_linears(self._decoder)
             self.kernels = "onednn-packed"
             if role == "target":
-                # transformers keeps its dense head (for a tied one it is the embedding too);
-                # our forward uses a packed copy
+                # our forward uses a packed head; transformers' own calls (generate) get it too,
+                # unless the head is tied to the embedding, which must stay dense
                 self._head = PackedLinear(weight, self._head_bias)
+                if not getattr(hf_model.config, "tie_word_embeddings", False):
+                    hf_model.set_output_embeddings(self._head)
         elif on_cpu and self._dtype == torch.bfloat16 and role == "drafter" and not cpu_has_native_bf16():
             pack_linears(self._decoder, dense_rows=2)
             self.kernels = "bf16+onednn-packed-fp32"
@@ -188,10 +190,10 @@ class LanguageModel:
             return list(ids)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return " ".join(map(str, ids))
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",

@@ -1,0 +1,1 @@
+"""The benchmark harness: datasets, methods, and one-run reports."""

@@ -1,0 +1,62 @@
+"""Terminal rendering of decoding steps, like Figure 1 of Leviathan et al.
+
+Accepted draft tokens are green, the first rejected draft token red and struck through, a token
+the target chose after a rejection blue, a bonus token (all drafts accepted) cyan; tokens from a
+plain target step are left uncoloured.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.text import Text
+
+from .generate import GenerationStats, Step
+from .models import LanguageModel
+
+STYLES = {"accepted": "green", "rejected": "red strike", "resampled": "bold blue", "bonus": "bold cyan",
+          "target": ""}
+
+LEGEND = Text.assemble(("accepted draft", STYLES["accepted"]), "  ", ("rejected draft", STYLES["rejected"]), "  ",
+                       ("target after rejection", STYLES["resampled"]), "  ", ("bonus", STYLES["bonus"]))
+
+
+class StepPrinter:
+    """An `on_step` callback that streams each step's tokens, coloured by their origin."""
+
+    def __init__(self, model: LanguageModel, console: Console):
+        self.model, self.console = model, console
+        self.ids: list[int] = []
+        self.text = ""
+
+    def _piece(self, token: int) -> str:
+        """Text that `token` adds after what was emitted so far (handles multi-token characters)."""
+        full = self.model.decode(self.ids + [token])
+        return full[len(self.text):] if full.startswith(self.text) else self.model.decode([token])
+
+    def __call__(self, step: Step) -> None:
+        line = Text()
+        accepted = step.emitted[:step.num_accepted]
+        for token in accepted:
+            piece = self._piece(token)
+            line.append(piece, STYLES["accepted"])
+            self.ids.append(token)
+            self.text += piece
+        if step.num_accepted < len(step.draft_tokens) and len(step.emitted) > step.num_accepted:
+            line.append(self.model.decode([step.draft_tokens[step.num_accepted]]), STYLES["rejected"])
+        for token in step.emitted[step.num_accepted:]:
+            piece = self._piece(token)
+            line.append(piece, STYLES[step.next_kind])
+            self.ids.append(token)
+            self.text += piece
+        self.console.print(line, end="", soft_wrap=True, highlight=False)
+
+
+def summary_line(stats: GenerationStats, method: str) -> str:
+    parts = [f"{stats.new_tokens} tokens in {stats.wall_seconds:.2f} s", f"{stats.tokens_per_second:.2f} tok/s"]
+    if stats.acceptance_rate is not None:
+        parts.append(f"acceptance {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
+    parts.append(f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens "
+                 f"({stats.tokens_per_target_forward:.2f} per forward)")
+    if method == "sd":
+        parts.append(f"{stats.drafter_forwards} drafter forwards")
+    return " · ".join(parts)
