@@ -6,8 +6,10 @@ This ratio decides whether speculative decoding can pay: verifying γ drafts cos
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
+from typing import Iterator
 
 from ..models import LanguageModel, load
 
@@ -31,14 +33,13 @@ def prefill_ms(model: LanguageModel, tokens: int = 128) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1, 2, 4, 6, 9)) -> list[str]:
-    """Markdown rows: per (dtype, role, kernels), ms for 1 token and the ratio for each size."""
-    rows = []
+def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1, 2, 4, 6, 9)) -> Iterator[str]:
+    """Markdown rows, one per (dtype, role, kernels): ms for 1 token and the cost ratio of each size."""
     for dtype, role, kernels in configs:
         model = load(name, dtype=dtype, role=role, kernels=kernels)
         prefill_ms(model, 16)  # warm-up
         ms = {t: forward_ms(model, t) for t in sizes}
         cells = " | ".join(f"{ms[t] / ms[1]:.2f}x" for t in sizes[1:])
-        rows.append(f"| {name} | {dtype} | {role} | {model.kernels} | {ms[1]:.0f} | {cells} | {prefill_ms(model):.0f} |")
+        yield f"| {name} | {dtype} | {role} | {model.kernels} | {ms[1]:.0f} | {cells} | {prefill_ms(model):.0f} |"
         del model
-    return rows
+        gc.collect()  # free one model's weights before loading the next
