@@ -147,6 +147,36 @@ def bench(
         _fail(str(exc))
 
 
+@app.command()
+def theory(
+    alpha: list[float] = typer.Option([0.6, 0.7, 0.8, 0.9], help="Acceptance rate(s) α (repeat the option)."),
+    c: float = typer.Option(0.24, help="Cost coefficient: drafter pass / target pass (measured: docs/KERNELS.md)."),
+    c_hat: float = typer.Option(0.0, "--c-hat", help="Arithmetic ratio ĉ of drafter to target per token."),
+    gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ to tabulate."),
+):
+    """Expected tokens per step, walltime improvement and extra arithmetic per γ (Leviathan et al. §3)."""
+    from rich.table import Table
+
+    from .theory import arithmetic_increase, expected_tokens, optimal_gamma, walltime_improvement
+
+    try:
+        console = Console()
+        for a in alpha:
+            best = optimal_gamma(a, c)
+            table = Table("γ", "expected tokens / step", "walltime improvement", "arithmetic increase",
+                          title=f"α = {a:g}, c = {c:g}, ĉ = {c_hat:g} — optimal γ = {best} "
+                                f"({walltime_improvement(a, best, c):.2f}×)")
+            for g in range(1, gamma_max + 1):
+                mark = " ←" if g == best else ""
+                table.add_row(str(g), f"{expected_tokens(a, g):.2f}", f"{walltime_improvement(a, g, c):.2f}×{mark}",
+                              f"{arithmetic_increase(a, g, c_hat):.2f}×")
+            console.print(table)
+        err.print("[dim]assumes iid acceptance and a verification pass that costs one target pass; "
+                  "on CPUs it costs more (docs/KERNELS.md)[/]")
+    except SpecdecError as exc:
+        _fail(str(exc))
+
+
 @app.command("forward-cost")
 def forward_cost(
     models: str = typer.Option(f"{registry.DEFAULT_TARGET},{registry.DEFAULT_DRAFTER}", help="Comma-separated models."),

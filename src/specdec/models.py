@@ -93,12 +93,12 @@ class LanguageModel:
         if on_cpu and self._dtype == torch.float32:
             pack_linears(self._decoder)
             self.kernels = "onednn-packed"
-            if role == "target":
-                # our forward uses a packed head; transformers' own calls (generate) get it too,
-                # unless the head is tied to the embedding, which must stay dense
-                self._head = PackedLinear(weight, self._head_bias)
-                if not getattr(hf_model.config, "tie_word_embeddings", False):
-                    hf_model.set_output_embeddings(self._head)
+            # our forward uses a packed head; transformers' own calls (generate) get it too,
+            # unless the head is tied to the embedding, which must stay dense
+            self._head = PackedLinear(weight, self._head_bias)
+            if not getattr(hf_model.config, "tie_word_embeddings", False):
+                hf_model.set_output_embeddings(self._head)
+                self._head_weight = None  # let the dense copy go
         elif on_cpu and self._dtype == torch.bfloat16 and role == "drafter" and not cpu_has_native_bf16():
             pack_linears(self._decoder, dense_rows=2)
             self.kernels = "bf16+onednn-packed-fp32"

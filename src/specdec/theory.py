@@ -1,0 +1,62 @@
+"""Closed forms of Leviathan et al. (2023), §3: acceptance, expected tokens, walltime, arithmetic.
+
+alpha: the expected acceptance rate E[β], β = Σ_x min(p(x), q(x)) per position (iid assumption).
+gamma: draft tokens per step. c: cost of one drafter pass / one target pass (walltime).
+c_hat: arithmetic operations of one drafter token / one target token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SpecdecError
+
+
+def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> None:
+    if not 0 <= alpha <= 1:
+        raise SpecdecError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma is not None and (not isinstance(gamma, int) or gamma < 1):
+        raise SpecdecError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if c is not None and c < 0:
+        raise SpecdecError(f"cost coefficient must be >= 0, got {c}")
+
+
+def acceptance_beta(target_probs: torch.Tensor, draft_probs: torch.Tensor, lenience: float = 1.0) -> torch.Tensor:
+    """β = Σ_x min(p(x), q(x)) per position: [..., V], [..., V] -> [...].
+
+    With lenience l in (0, 1] (Leviathan et al. A.5: accept when q(x) ≤ p(x)/l), β = Σ min(q, p/l).
+    """
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"lenience must be in (0, 1], got {lenience}")
+    return torch.minimum(target_probs.float() / lenience, draft_probs.float()).sum(-1)
+
+
+def alpha_from_distributions(target_probs: torch.Tensor, draft_probs: torch.Tensor, lenience: float = 1.0) -> float:
+    """α = E[β] over all leading positions of [..., V] distributions."""
+    return float(acceptance_beta(target_probs, draft_probs, lenience).mean())
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per step, (1 − α^(γ+1)) / (1 − α); γ + 1 when α = 1."""
+    _check(alpha, gamma)
+    if alpha == 1:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def walltime_improvement(alpha: float, gamma: int, c: float) -> float:
+    """Expected speedup over AR, (1 − α^(γ+1)) / ((1 − α)(γc + 1)), if verification costs one pass."""
+    _check(alpha, gamma, c)
+    return expected_tokens(alpha, gamma) / (gamma * c + 1)
+
+
+def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """The integer γ in [1, max_gamma] that maximises `walltime_improvement`."""
+    _check(alpha, c=c)
+    return max(range(1, max_gamma + 1), key=lambda g: walltime_improvement(alpha, g, c))
+
+
+def arithmetic_increase(alpha: float, gamma: int, c_hat: float) -> float:
+    """Expected factor of extra arithmetic, (γĉ + γ + 1)(1 − α) / (1 − α^(γ+1))."""
+    _check(alpha, gamma, c_hat)
+    return (gamma * c_hat + gamma + 1) / expected_tokens(alpha, gamma)
