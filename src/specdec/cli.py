@@ -32,7 +32,8 @@ def _load(name: str, dtype: str, device: str, role: str):
     from .models import load
 
     with err.status(f"loading {name} ({role})…"):
-        return load(name, dtype=dtype, device=device, role=role, say=lambda m: err.print(f"[dim]{m}[/]"))
+        return load(name, dtype=dtype, device=device, role=role,
+                    say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
 
 
 @app.command()
@@ -100,11 +101,11 @@ def install(names: list[str] = typer.Argument(None, help="Registry names (defaul
     for name in names or list(registry.MODELS):
         try:
             if registry.is_installed(name):
-                err.print(f"{name}: installed")
+                err.print(f"{name}: installed", highlight=False)
                 continue
             with err.status(f"installing {name}…") as status:
                 registry.install(name, say=lambda m: status.update(f"{name}: {m}"))
-            err.print(f"{name}: installed in {registry.converted_dir(name)}")
+            err.print(f"{name}: installed in {registry.converted_dir(name)}", highlight=False)
         except SpecdecError as exc:
             _fail(str(exc))
 

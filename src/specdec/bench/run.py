@@ -129,9 +129,9 @@ def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, dra
         if m not in METHODS:
             raise SpecdecError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
     prompts = load_prompts(dataset, limit)
-    target_model = load(target, dtype=dtype, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]"))
+    target_model = load(target, dtype=dtype, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
     drafter_model = load(drafter, dtype=drafter_dtype, role="drafter",
-                         say=lambda msg: console.print(f"[dim]{msg}[/]")) if "sd" in methods else None
+                         say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)) if "sd" in methods else None
     encoded = [target_model.encode(p) for p in prompts]
 
     warm = encoded[0][:32]
