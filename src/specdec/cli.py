@@ -126,7 +126,8 @@ def models():
 def bench(
     dataset: str = typer.Option("humaneval", help="humaneval, or a JSONL file with a 'prompt' field."),
     limit: int = typer.Option(20, help="Number of prompts."),
-    methods: str = typer.Option("ar,sd,hf", help="Comma-separated: ar, sd, hf (transformers' generate)."),
+    methods: str = typer.Option("ar,sd,hf", help="Comma-separated: ar, sd (ours); hf, hf-assisted, hf-lookup "
+                                "(transformers' generate: plain, with the drafter, with prompt lookup)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
     gamma: int = typer.Option(5),

@@ -22,7 +22,8 @@ from ..generate import autoregressive_generate, speculative_generate
 from ..models import LanguageModel, load
 from .datasets import load_prompts
 
-METHODS = ("ar", "sd", "hf")
+METHODS = ("ar", "sd", "hf", "hf-assisted", "hf-lookup")
+NEEDS_DRAFTER = ("sd", "hf-assisted")
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Record:
     tokens: list[int]
     new_tokens: int
     wall_seconds: float
-    target_forwards: int
+    target_forwards: int | None  # None where the method does not report it (transformers' peers)
     drafted: int = 0
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
@@ -42,24 +43,38 @@ class Record:
         return self.new_tokens / self.wall_seconds
 
 
-def hf_generate(model: LanguageModel, ids: list[int], max_new_tokens: int) -> Record:
-    """transformers' own greedy `generate` on the very same model object (same weights, kernels, dtype)."""
+def hf_generate(method: str, model: LanguageModel, ids: list[int], max_new_tokens: int, gamma: int,
+                drafter: LanguageModel | None = None) -> Record:
+    """transformers' own greedy `generate` on the very same model objects (same weights, kernels, dtype).
+
+    hf: plain; hf-assisted: with the drafter as `assistant_model`, a constant γ and no confidence
+    cut-off (like ours); hf-lookup: prompt lookup with up to γ tokens.
+    """
+    peers = {"hf": {}, "hf-assisted": {"assistant_model": drafter.hf if drafter else None},
+             "hf-lookup": {"prompt_lookup_num_tokens": gamma}}
+    if method == "hf-assisted":
+        # transformers reads γ from the *assistant's* generation config, and its default "heuristic"
+        # schedule carries a grown γ (20 was seen) across calls; pin it to ours on every call
+        config = drafter.hf.generation_config
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
+        config.assistant_confidence_threshold = 0.0
     eos = model.eos_token_ids
     inputs = torch.tensor([ids], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
                                 do_sample=False, num_beams=1, repetition_penalty=1.0, temperature=None,
-                                top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
+                                top_p=None, top_k=None, eos_token_id=eos, pad_token_id=eos[0] if eos else None,
+                                **peers[method])
     wall = time.perf_counter() - start
     tokens = out[0, len(ids):].tolist()
-    return Record(-1, "hf", tokens, len(tokens), wall, len(tokens))
+    return Record(-1, method, tokens, len(tokens), wall, len(tokens) if method == "hf" else None)
 
 
 def run_method(method: str, ids: list[int], target: LanguageModel, drafter: LanguageModel | None, gamma: int,
                max_new_tokens: int) -> Record:
-    if method == "hf":
-        return hf_generate(target, ids, max_new_tokens)
+    if method.startswith("hf"):
+        return hf_generate(method, target, ids, max_new_tokens, gamma, drafter)
     if method == "ar":
         result = autoregressive_generate(ids, target, max_new_tokens=max_new_tokens)
     elif method == "sd":
@@ -93,7 +108,8 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
             "median_tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
             "aggregate_tokens_per_second": sum(r.new_tokens for r in rs) / sum(r.wall_seconds for r in rs),
             "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
-            "tokens_per_target_forward": sum(r.new_tokens for r in rs) / sum(r.target_forwards for r in rs),
+            "tokens_per_target_forward": (sum(r.new_tokens for r in rs) / sum(r.target_forwards for r in rs)
+                                          if all(r.target_forwards for r in rs) else None),
         }
         for base in ("ar", "hf"):
             if base in by and base != m:
@@ -131,7 +147,8 @@ def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, dra
     prompts = load_prompts(dataset, limit)
     target_model = load(target, dtype=dtype, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
     drafter_model = load(drafter, dtype=drafter_dtype, role="drafter",
-                         say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)) if "sd" in methods else None
+                         say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)) \
+        if any(m in NEEDS_DRAFTER for m in methods) else None
     encoded = [target_model.encode(p) for p in prompts]
 
     warm = encoded[0][:32]
