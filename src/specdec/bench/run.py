@@ -145,10 +145,12 @@ def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, dra
         if m not in METHODS:
             raise SpecdecError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
     prompts = load_prompts(dataset, limit)
-    target_model = load(target, dtype=dtype, role="target", say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False))
-    drafter_model = load(drafter, dtype=drafter_dtype, role="drafter",
-                         say=lambda msg: console.print(f"[dim]{msg}[/]", highlight=False)) \
-        if any(m in NEEDS_DRAFTER for m in methods) else None
+    def say(msg: str) -> None:
+        console.print(f"[dim]{msg}[/]", highlight=False)
+
+    target_model = load(target, dtype=dtype, role="target", say=say)
+    needs_drafter = any(m in NEEDS_DRAFTER for m in methods)
+    drafter_model = load(drafter, dtype=drafter_dtype, role="drafter", say=say) if needs_drafter else None
     encoded = [target_model.encode(p) for p in prompts]
 
     warm = encoded[0][:32]
@@ -170,11 +172,12 @@ def run_benchmark(dataset: str, limit: int, methods: list[str], target: str, dra
                 progress.advance(task)
 
     summary = summarize(records, methods)
-    for m, s in summary.items():
-        ar_tokens = {r.prompt_index: r.tokens for r in records if r.method == "ar"}
-        s["divergences"] = {i: divergence(target_model, encoded[i], ar_tokens[i], r.tokens)
-                            for r in records if r.method == m and r.prompt_index in s.get("mismatched_prompts", [])
-                            for i in [r.prompt_index]}
+    ar_tokens = {r.prompt_index: r.tokens for r in records if r.method == "ar"}
+    for r in records:  # for each output that left AR's: where, and how close the target's call was
+        entry = summary[r.method]
+        if r.prompt_index in entry.get("mismatched_prompts", []):
+            entry.setdefault("divergences", {})[r.prompt_index] = divergence(
+                target_model, encoded[r.prompt_index], ar_tokens[r.prompt_index], r.tokens)
     command = "specdec " + " ".join(argv[1:]) if argv else None
     info = {"dataset": dataset, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "gamma": gamma,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
