@@ -9,7 +9,7 @@ import torch
 from specdec import LanguageModel, SpecdecError, autoregressive_generate, load, speculative_generate
 from specdec import registry
 from specdec.kernels import PackedLinear
-from specdec.models import resolve_dtype
+from specdec.models import cpu_has_native_bf16, resolve_dtype
 
 from conftest import tiny_model
 
@@ -58,6 +58,19 @@ def test_auto_dtype_and_kernels_follow_the_role():
     assert resolve_dtype("auto", cpu, role="drafter") == torch.bfloat16
     with pytest.raises(SpecdecError, match="unknown dtype"):
         resolve_dtype("int3", cpu)
+    # fp32 on the CPU: packed linears everywhere, the head included, and the same logits as stock
+    packed, stock_wrapped = tiny_model(0, vocab=64), tiny_model(0, vocab=64, kernels="stock")
+    assert packed.kernels == "onednn-packed" and stock_wrapped.kernels == "stock"
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.hf.modules())
+    assert any(isinstance(m, torch.nn.Linear) for m in stock_wrapped.hf.modules())
+    ids = [3, 4, 5, 6]
+    assert torch.allclose(packed.forward(ids, None, 4), stock_wrapped.forward(ids, None, 4), atol=1e-4)
+    # a bf16 drafter on a CPU without native bf16 keeps bf16 weights for short passes
+    if not cpu_has_native_bf16():
+        bf16 = tiny_model(1, vocab=64, kernels="stock").hf.to(torch.bfloat16)
+        drafter = LanguageModel(bf16, None, "d", role="drafter")
+        assert drafter.forward([3, 4, 5], None, 3).dtype == torch.float32
+        assert drafter.kernels == "bf16+onednn-packed-fp32"
 
 
 def test_real_model_loads_with_tokenizer_and_eos(smollm2):

@@ -33,7 +33,7 @@ def cpu_has_native_bf16() -> bool:
 
     Without it (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a 1-token forward is still
     cheaper than fp32 (half the weight traffic), but the cost grows linearly with the number of
-    tokens scored at once, which removes the point of speculative decoding. See docs/DTYPE.md.
+    tokens scored at once, which removes the point of speculative decoding. See docs/KERNELS.md.
     """
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -72,6 +72,8 @@ class LanguageModel:
             bf16 gets hybrid ones. A target's logits are computed in fp32 even from bf16 weights
             (they decide the output); a drafter's are not (they only steer acceptance).
         kernels: "auto" (as above) or "stock" (leave transformers' linear layers alone).
+            Packed weights live in oneDNN's layout: move or cast `hf_model` before wrapping it,
+            not after (`.to()` cannot move them).
         """
         if kernels not in ("auto", "stock"):
             raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
