@@ -62,3 +62,60 @@ def test_models_lists_the_registry():
     assert result.exit_code == 0
     for name in registry.MODELS:
         assert name in result.output
+
+
+@pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "lookup", "--gamma", "3"],
+                                   ["--drafter", "smollm2-135m", "--schedule", "egag", "--gamma-max", "6"],
+                                   ["--drafter", "smollm2-135m", "--schedule", "confidence", "--confidence", "0.6"]])
+def test_generate_with_other_drafters_and_schedules_equals_ar(need_smollm2, extra):
+    common = ["generate", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,", "--target", "smollm2-135m", "--max-new-tokens", "12",
+              "--json"]
+    ar = _json(common + ["--method", "ar"])
+    sd = _json(common + extra)
+    assert sd["tokens"] == ar["tokens"]
+    assert sd["schedule"] and sd["steps"]
+
+
+def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path):
+    out = tmp_path / "r"
+    result = runner.invoke(app, ["bench", "--dataset", "humaneval", "--limit", "2", "--target", "smollm2-135m",
+                                 "--drafter", "smollm2-135m", "--methods", "ar,sd,lookup,hf,hf-assisted-fixed",
+                                 "--max-new-tokens", "6", "--temperature", "0,1", "--json", f"{out}.json",
+                                 "--markdown", f"{out}.md", "--plot", f"{out}.png"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    for m in ("ar", "sd", "lookup", "hf", "hf-assisted-fixed"):
+        for key in ("median_tokens_per_second", "acceptance_rate", "tokens_per_target_forward"):
+            assert key in data["summary"][m]
+    assert data["summary"]["sd"]["identical_to_ar"] == 2 == data["summary"]["hf"]["identical_to_ar"]
+    assert len(data["records"]) == 2 * 5 * 2 and len(data["groups"]) == 2
+    assert "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
+    result = runner.invoke(app, ["measure", "--limit", "1", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
+                                 "--dtype", "fp32", "--drafter-dtype", "fp32", "--gammas", "1,3",
+                                 "--max-new-tokens", "8", "--json", str(tmp_path / "m.json"),
+                                 "--plot", str(tmp_path / "m.png")])
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["alpha"] > 0.95  # the drafter is the target: p = q up to kernel rounding
+    assert 0.5 < m["c"] < 2.0  # same model, so a drafter pass costs about a target pass
+    assert [r["gamma"] for r in m["rows"]] == [1, 3]
+    assert m["rows"][1]["expected_tokens"] == pytest.approx((1 - m["alpha"] ** 4) / (1 - m["alpha"]), rel=1e-6) \
+        if m["alpha"] < 1 else m["rows"][1]["expected_tokens"] == 4
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--methods", "ar,magic"], "unknown method"),
+    (["bench", "--temperature", "hot"], "--temperature takes"),
+    (["bench", "--dataset", "spec-bench", "--tasks", "poetry"], "no task poetry"),
+    (["generate", "x", "--schedule", "sometimes"], "unknown schedule"),
+    (["measure", "--gammas", "0,2"], "--gammas must be"),
+])
+def test_bench_measure_and_schedule_errors(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output

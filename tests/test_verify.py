@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from specdec import SpecdecError, sample, verify_draft
+from specdec.verify import verify_greedy
 
 TRIALS = 1_000_000
 ALPHA = 1e-4
@@ -153,3 +154,20 @@ def test_nan_probabilities_are_a_clear_error():
     p[1, 1] = float("nan")
     with pytest.raises(SpecdecError, match="NaN"):
         verify_draft(p, torch.rand(2, 5), torch.zeros(2, dtype=torch.long))
+
+
+def test_verify_greedy_equals_verify_draft_with_one_hot_p():
+    g = torch.Generator().manual_seed(0)
+    vocab, gamma = 6, 4
+    target_tokens = torch.randint(0, vocab, (500, gamma + 1), generator=g)
+    # drafts that often match the target's prefix, so every accepted length occurs
+    draft_tokens = torch.where(torch.rand(500, gamma, generator=g) < 0.7, target_tokens[:, :gamma],
+                               torch.randint(0, vocab, (500, gamma), generator=g))
+    p = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    q = torch.rand(500, gamma, vocab, generator=g).softmax(-1)
+    n_ref, next_ref = verify_draft(p, q, draft_tokens, g)
+    n, nxt = verify_greedy(target_tokens, draft_tokens)
+    assert torch.equal(n, n_ref) and torch.equal(nxt, next_ref)
+    assert set(n.tolist()) == set(range(gamma + 1))
+    with pytest.raises(SpecdecError, match="target_tokens"):
+        verify_greedy(target_tokens[:, :gamma], draft_tokens)

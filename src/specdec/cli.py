@@ -36,13 +36,24 @@ def _load(name: str, dtype: str, device: str, role: str):
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
 
 
+MODEL_FREE_DRAFTERS = ("ngram", "lookup")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary as the target)."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
+                                "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
-    gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1)."),
+    gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
+    schedule: str = typer.Option("fixed", help="Draft length: fixed, heuristic (+2 / −1), confidence (stop below τ), "
+                                 "egag (entropy-guided)."),
+    gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ (heuristic, egag)."),
+    gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ (heuristic, confidence, egag)."),
+    egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
+    confidence: float = typer.Option(0.4, help="τ of the confidence schedule."),
+    ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass to keep (1 = off)."),
@@ -57,8 +68,10 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, StepPrinter, summary_line
+    from .drafters import LookupDrafter, NgramDrafter
     from .generate import autoregressive_generate, speculative_generate
     from .samplers import Sampler
+    from .schedules import make_schedule
 
     try:
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -66,17 +79,25 @@ def generate(
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
         if not prompt.strip():
             raise SpecdecError("empty prompt")
+        plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
         target_model = _load(target, dtype, device, "target")
-        drafter_model = _load(drafter, drafter_dtype, device, "drafter") if method == Method.sd else None
+        drafter_used = None
+        if method == Method.sd:
+            if drafter == "ngram":
+                drafter_used = NgramDrafter(ngram_n)
+            elif drafter == "lookup":
+                drafter_used = LookupDrafter()
+            else:
+                drafter_used = _load(drafter, drafter_dtype, device, "drafter")
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)
         if printer is not None and method == Method.sd:
             err.print(LEGEND)
         if method == Method.sd:
-            result = speculative_generate(ids, target_model, drafter_model, gamma=gamma, sampler=sampler,
+            result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
                                           max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
-                                          on_step=printer)
+                                          on_step=printer, schedule=plan)
         else:
             result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                              seed=seed, on_step=printer)
@@ -86,8 +107,10 @@ def generate(
         stats = result.stats.to_dict()
         payload = {"text": target_model.decode(result.tokens), "tokens": result.tokens, "stats": stats,
                    "stop_reason": result.stop_reason, "method": method.value, "target": target_model.name,
-                   "drafter": drafter_model.name if drafter_model else None, "sampler": sampler.describe(),
-                   "gamma": gamma if method == Method.sd else None}
+                   "drafter": drafter_used.name if drafter_used is not None else None,
+                   "sampler": sampler.describe(), "schedule": plan.describe() if method == Method.sd else None,
+                   "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info}
+                             for s in result.steps]}
         print(json.dumps(payload, ensure_ascii=False))
     else:
         out.print()
@@ -122,31 +145,109 @@ def models():
     err.print(f"cache: {registry.home()}")
 
 
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 @app.command()
 def bench(
-    dataset: str = typer.Option("humaneval", help="humaneval, or a JSONL file with a 'prompt' field."),
-    limit: int = typer.Option(20, help="Number of prompts."),
-    methods: str = typer.Option("ar,sd,hf", help="Comma-separated: ar, sd (ours); hf, hf-assisted, hf-lookup "
-                                "(transformers' generate: plain, with the drafter, with prompt lookup)."),
+    dataset: str = typer.Option("humaneval", help="Comma-separated: humaneval, spec-bench (chat template; "
+                                "shared/data), or JSONL files with a 'prompt' or 'turns' field."),
+    limit: int = typer.Option(20, help="Prompts per dataset (per task for datasets with tasks)."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
+                                        "translation, summarization, qa, math_reasoning, rag)."),
+    methods: str = typer.Option("ar,sd,hf", help="Comma-separated: ar, sd, sd-heuristic, sd-confidence, sd-egag, "
+                                "ngram, lookup (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
+                                "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
+                                "with prompt lookup)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
-    gamma: int = typer.Option(5),
+    gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
+    gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ of the heuristic and egag schedules."),
+    gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ of heuristic, confidence and egag."),
+    egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
+    confidence: float = typer.Option(0.4, help="Threshold τ of sd-confidence."),
+    ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    temperature: str = typer.Option("0", help="Comma-separated temperatures; 0 = greedy (checks identity to ar)."),
+    seed: int = typer.Option(0, help="Base seed; prompt i is sampled with seed + i by every method."),
     markdown: Optional[str] = typer.Option(None, help="Write a markdown report to this file."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write summary and records as JSON here."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write info, summary, groups and records as JSON."),
+    plot: Optional[str] = typer.Option(None, help="Write a PNG of tokens/s per method and per task."),
     dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
-    """Compare methods on one dataset in one run: interleaved per prompt, after a warm-up."""
+    """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
+    from .bench.methods import Settings
     from .bench.run import run_benchmark
 
     try:
-        run_benchmark(dataset=dataset, limit=limit, methods=[m.strip() for m in methods.split(",") if m.strip()],
-                      target=target, drafter=drafter, gamma=gamma, max_new_tokens=max_new_tokens,
-                      markdown=markdown, json_path=json_path, argv=sys.argv, dtype=dtype,
-                      drafter_dtype=drafter_dtype)
+        try:
+            temperatures = [float(t) for t in _csv(temperature)]
+        except ValueError:
+            raise SpecdecError(f"--temperature takes comma-separated numbers, got {temperature!r}") from None
+        settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
+                            egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n)
+        run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
+                      settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
+                      markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
+                      drafter_dtype=drafter_dtype, device=device)
     except SpecdecError as exc:
         _fail(str(exc))
+
+
+@app.command()
+def measure(
+    dataset: str = typer.Option("humaneval", help="humaneval, spec-bench or a JSONL file."),
+    limit: int = typer.Option(4, help="Prompts (per task for spec-bench)."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
+    gammas: str = typer.Option("1,2,3,4,5,6,7,8", help="Comma-separated γ values to sweep."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    seed: int = typer.Option(0),
+    markdown: Optional[str] = typer.Option(None, help="Write the table as markdown here."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the measurements as JSON here."),
+    plot: Optional[str] = typer.Option(None, help="Write a PNG of predicted and measured speedup over γ."),
+    dtype: str = typer.Option("auto", help="Target dtype."),
+    drafter_dtype: str = typer.Option("auto", help="Drafter dtype."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Measure α, c and the verification cost, then predicted vs measured speedup for each γ."""
+    from rich.markdown import Markdown
+
+    from .bench.datasets import load_prompts
+    from .bench.measure import measure_markdown, measure_plot, run_measure
+    from .bench.run import CHAT_DATASETS
+    from .samplers import Sampler
+
+    try:
+        try:
+            gamma_values = [int(g) for g in _csv(gammas)]
+        except ValueError:
+            raise SpecdecError(f"--gammas takes comma-separated integers, got {gammas!r}") from None
+        if not gamma_values or min(gamma_values) < 1:
+            raise SpecdecError(f"--gammas must be integers >= 1, got {gammas!r}")
+        sampler = Sampler(temperature=temperature)
+        prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
+        target_model = _load(target, dtype, device, "target")
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
+        result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    text = measure_markdown(result)
+    Console().print(Markdown(text))
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(f"command: `specdec {' '.join(sys.argv[1:])}`\n\n" + text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot:
+        measure_plot(result, plot)
 
 
 @app.command()

@@ -13,9 +13,12 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import SpecdecError
-from .models import LanguageModel, check_pair
-from .samplers import GREEDY, Sampler, sample
-from .verify import verify_draft
+from .drafters import Draft, Drafter, ModelDrafter
+from .drafters.base import one_hot
+from .models import LanguageModel
+from .samplers import GREEDY, Sampler, greedy_tokens, sample
+from .schedules import Fixed, Schedule
+from .verify import verify_draft, verify_greedy
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Step:
     num_accepted: int
     next_token: int
     emitted: list[int]  # tokens appended to the output (accepted drafts + next_token, cut at EOS/limit)
+    info: dict = field(default_factory=dict)  # the schedule's per-step values (e.g. EGAG's h_norm, gamma)
 
     @property
     def next_kind(self) -> str:
@@ -89,78 +93,89 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
     while not out.done:
         logits = model.forward(pending, cache, num_logits=1)
         out.stats.target_forwards += 1
-        token = int(sample(sampler.probs(logits[-1]), generator))
+        token = int(_target_token(logits[-1], sampler, generator))
         out.add(Step([], 0, token, []))
         pending = [token]
     return out.finish(time.perf_counter() - start)
 
 
-def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, drafter: LanguageModel,
+def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, drafter: LanguageModel | Drafter,
                          gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
-                         first_target: bool = True, on_step: StepCallback | None = None) -> GenerationResult:
-    """Speculative decoding: the drafter proposes up to `gamma` tokens, the target scores them in
-    one forward pass, and `verify_draft` keeps an exact prefix plus one target token.
+                         first_target: bool = True, on_step: StepCallback | None = None,
+                         schedule: Schedule | None = None) -> GenerationResult:
+    """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
+    pass, and the verification keeps an exact prefix plus one target token.
+
+    drafter: a smaller `LanguageModel` (same vocabulary), or any `Drafter` (drafters/: n-gram,
+        prompt lookup).
+    schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
 
     The output follows the target's distribution under `sampler` exactly (token for token the
     target's greedy output when the sampler is greedy). `first_target=True` makes the first token
-    come from the target's prompt pass alone, before any drafting. `gamma` shrinks near
+    come from the target's prompt pass alone, before any drafting. Drafts shrink near
     `max_new_tokens` and the context limit. Generation stops at any id in `eos_token_ids`
     (default: the target's), also when one arrives inside an accepted draft.
     """
-    check_pair(target, drafter)
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-        raise SpecdecError(f"gamma must be an integer >= 1, got {gamma!r}")
-    prompt, limit, limit_reason, eos = _validate(prompt_ids, [target, drafter], max_new_tokens, eos_token_ids)
+    if not hasattr(drafter, "propose"):  # a model (LanguageModel or anything with its interface)
+        drafter = ModelDrafter(drafter)
+    drafter.check_target(target)
+    if schedule is None:
+        schedule = Fixed(gamma)
+    models = [target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+    prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
     generator = _generator(seed, target.device)
     out = _Output(limit, limit_reason, eos, on_step)
     sequence = list(prompt)
-    target_cache, drafter_cache = target.new_cache(), drafter.new_cache()
+    target_cache = target.new_cache()
+    drafter.start(prompt)
+    schedule.reset()
     start = time.perf_counter()
 
     if first_target:
         logits = target.forward(sequence, target_cache, num_logits=1)
         out.stats.target_forwards += 1
-        sequence += out.add(Step([], 0, int(sample(sampler.probs(logits[-1]), generator)), []))
+        sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
 
     while not out.done:
-        # Leave room for the target's own token: never draft past the output limit.
-        step_gamma = min(gamma, out.remaining - 1)
+        # 1. Draft, leaving room for the target's own token: never past the output limit.
+        budget = min(schedule.budget(), out.remaining - 1)
+        draft = drafter.propose(sequence, budget, sampler, generator, schedule.keep_going) if budget > 0 else Draft([])
 
-        # 1. Draft: feed the drafter what it has not seen yet, then its own proposals.
-        draft_tokens: list[int] = []
-        draft_probs = []
-        pending = sequence[LanguageModel.cache_length(drafter_cache):]
-        for _ in range(step_gamma):
-            logits = drafter.forward(pending, drafter_cache, num_logits=1)
-            out.stats.drafter_forwards += 1
-            q = sampler.probs(logits[-1])
-            token = int(sample(q, generator))
-            draft_tokens.append(token)
-            draft_probs.append(q)
-            pending = [token]
-
-        # 2. Score: one target pass over the unseen tokens and the whole draft.
-        fed = sequence[LanguageModel.cache_length(target_cache):] + draft_tokens
-        logits = target.forward(fed, target_cache, num_logits=step_gamma + 1)
+        # 2. Score: one target pass over the tokens it has not seen and the whole draft.
+        fed = sequence[LanguageModel.cache_length(target_cache):] + draft.tokens
+        logits = target.forward(fed, target_cache, num_logits=len(draft.tokens) + 1)  # [γ+1, V]
         out.stats.target_forwards += 1
-        target_probs = sampler.probs(logits)  # [γ+1, V]
 
         # 3. Verify: the acceptance rule lives in verify.py alone.
-        if draft_tokens:
-            num_accepted, next_token = verify_draft(
-                target_probs, torch.stack(draft_probs),
-                torch.tensor(draft_tokens, device=target_probs.device), generator)
-            num_accepted, next_token = int(num_accepted), int(next_token)
-        else:
-            num_accepted, next_token = 0, int(sample(target_probs[-1], generator))
+        num_accepted, next_token = _verify(logits, draft, sampler, generator)
 
         # 4. Roll back: rejected positions leave both caches.
         kept = len(sequence) + num_accepted
         LanguageModel.crop(target_cache, kept)
-        LanguageModel.crop(drafter_cache, kept)
-        sequence += out.add(Step(draft_tokens, num_accepted, next_token, []))
+        drafter.rollback(kept)
+        schedule.update(len(draft.tokens), num_accepted)
+        sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], schedule.step_info()))
+    out.stats.drafter_forwards = drafter.forwards
     return out.finish(time.perf_counter() - start)
+
+
+def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
+    """The target's own token from logits [V] (greedy without building a one-hot row)."""
+    return greedy_tokens(logits) if sampler.is_greedy else sample(sampler.probs(logits), generator)
+
+
+def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator) -> tuple[int, int]:
+    """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`."""
+    if not draft.tokens:
+        return 0, int(_target_token(logits[-1], sampler, generator))
+    tokens = torch.tensor(draft.tokens, device=logits.device)
+    if sampler.is_greedy:
+        num_accepted, next_token = verify_greedy(greedy_tokens(logits), tokens)
+    else:
+        q = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1], logits.device)
+        num_accepted, next_token = verify_draft(sampler.probs(logits), q, tokens, generator)
+    return int(num_accepted), int(next_token)
 
 
 class _Output:

@@ -87,6 +87,16 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     return logits.softmax(-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> argmax tokens [...] (long): the greedy sampler without building one-hot rows.
+
+    Picks the same token as sampling from `logits_to_probs(logits, temperature=0)`.
+    """
+    if torch.isnan(logits).any():
+        raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+    return logits.float().argmax(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one index from each distribution: probs [..., V] -> tokens [...] (long).
 

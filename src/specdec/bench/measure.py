@@ -1,0 +1,136 @@
+"""The theory checked against measurement (Leviathan et al., Table 4): α, c, verification cost,
+and predicted vs measured speedup over a sweep of γ, on one target/drafter pair.
+
+Two predictions per γ: the paper's, (1 − α^(γ+1)) / ((1 − α)(γc + 1)), which assumes iid
+acceptance and a verification pass that costs one target pass; and the same expected tokens
+over γc + v(γ), with v(γ) the measured cost of a (γ+1)-token pass relative to a 1-token one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..generate import autoregressive_generate, speculative_generate
+from ..models import LanguageModel, check_pair
+from ..samplers import Sampler
+from ..theory import alpha_from_distributions, expected_tokens, walltime_improvement
+from .forward_cost import forward_ms
+
+
+@dataclass
+class GammaRow:
+    gamma: int
+    expected_tokens: float  # per target forward, iid theory
+    measured_tokens: float  # per target forward (drafting steps only)
+    verification_cost: float  # v(γ): (γ+1)-token target pass / 1-token pass
+    predicted_iid: float  # the paper's walltime factor
+    predicted_measured_cost: float  # expected tokens / (γc + v(γ))
+    measured: float  # AR wall time / SD wall time, summed over the prompts
+    measured_alpha: float  # accepted / drafted in this γ's runs
+
+
+def measure_alpha(target: LanguageModel, drafter: LanguageModel, prompt: list[int], generated: list[int],
+                  sampler: Sampler) -> list[float]:
+    """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes)."""
+    from ..theory import acceptance_beta
+
+    ids = prompt + generated
+    n = len(generated)
+    p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from
+    q = sampler.probs(drafter.forward(ids[:-1], None, n))
+    return acceptance_beta(p, q).tolist()
+
+
+def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], gammas: list[int],
+                max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None) -> dict:
+    """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt)."""
+    console = console or Console(stderr=True)
+    check_pair(target, drafter)
+    target_ms = forward_ms(target, 1)
+    drafter_ms = forward_ms(drafter, 1)
+    c = drafter_ms / target_ms
+    verification = {g: forward_ms(target, g + 1) / target_ms for g in gammas}
+
+    runs = {"ar": [], **{g: [] for g in gammas}}
+    betas: list[float] = []
+    autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
+    speculative_generate(prompts[0][:16], target, drafter, gamma=2, sampler=sampler, max_new_tokens=4, seed=seed)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("measure", total=len(prompts) * (len(gammas) + 2))
+        for i, ids in enumerate(prompts):
+            progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: α")
+            ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i)
+            if ar.tokens:
+                betas += measure_alpha(target, drafter, ids, ar.tokens, sampler)
+            progress.advance(bar)
+            order = ["ar", *gammas]
+            order = order[i % len(order):] + order[:i % len(order)]
+            for g in order:
+                progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: " + ("ar" if g == "ar" else f"γ={g}"))
+                if g == "ar":
+                    result = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i)
+                else:
+                    result = speculative_generate(ids, target, drafter, gamma=g, sampler=sampler,
+                                                  max_new_tokens=max_new_tokens, seed=seed + i)
+                runs[g].append(result.stats)
+                progress.advance(bar)
+
+    alpha = statistics.fmean(betas)
+    ar_seconds = sum(s.wall_seconds for s in runs["ar"])
+    rows = []
+    for g in gammas:
+        stats = runs[g]
+        drafted = sum(s.drafted for s in stats)
+        steps = sum(len(s.accepted_per_step) for s in stats)
+        rows.append(GammaRow(
+            gamma=g, expected_tokens=expected_tokens(alpha, g),
+            measured_tokens=(sum(s.accepted for s in stats) + steps) / steps if steps else 0.0,
+            verification_cost=verification[g], predicted_iid=walltime_improvement(alpha, g, c),
+            predicted_measured_cost=expected_tokens(alpha, g) / (g * c + verification[g]),
+            measured=ar_seconds / sum(s.wall_seconds for s in stats),
+            measured_alpha=sum(s.accepted for s in stats) / drafted if drafted else 0.0))
+    return {"alpha": alpha, "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
+            "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name}
+
+
+def measure_markdown(m: dict) -> str:
+    lines = [f"- {m['target']} ← {m['drafter']}, {m['prompts']} prompts, {m['max_new_tokens']} new tokens, "
+             f"{m['sampler']}",
+             f"- α = {m['alpha']:.3f} (mean Σ min(p, q) over {m['positions']} positions of the target's own text)",
+             f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
+             "| γ | expected tokens / step (iid) | measured tokens / step | acceptance | v(γ) = (γ+1)-token pass / "
+             "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in m["rows"]:
+        lines.append(f"| {r['gamma']} | {r['expected_tokens']:.2f} | {r['measured_tokens']:.2f} | "
+                     f"{r['measured_alpha']:.1%} | {r['verification_cost']:.2f} | {r['predicted_iid']:.2f}× | "
+                     f"{r['predicted_measured_cost']:.2f}× | {r['measured']:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def measure_plot(m: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gammas = [r["gamma"] for r in m["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(gammas, [r["predicted_iid"] for r in m["rows"]], "o--", label="predicted (paper: iid α, v = 1)")
+    ax.plot(gammas, [r["predicted_measured_cost"] for r in m["rows"]], "s--", label="predicted with measured v(γ)")
+    ax.plot(gammas, [r["measured"] for r in m["rows"]], "o-", linewidth=2, label="measured")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("γ (draft tokens per step)")
+    ax.set_ylabel("speedup over autoregressive")
+    ax.set_title(f"α = {m['alpha']:.2f}, c = {m['c']:.2f}: {m['target']} ← {m['drafter']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

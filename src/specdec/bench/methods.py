@@ -1,0 +1,128 @@
+"""The methods a benchmark compares: ours through the one speculative loop, and transformers' peers.
+
+Every method runs on the very same model objects (same weights, kernels, dtype) and prompt ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters import LookupDrafter, NgramDrafter
+from ..errors import SpecdecError
+from ..generate import autoregressive_generate, speculative_generate
+from ..models import LanguageModel
+from ..samplers import Sampler
+from ..schedules import make_schedule
+
+METHODS = {
+    "ar": "ours: autoregressive, one target pass per token",
+    "sd": "ours: drafter model, fixed γ",
+    "sd-heuristic": "ours: drafter model, γ +2 after a fully accepted draft, −1 otherwise",
+    "sd-confidence": "ours: drafter model, stop drafting below the drafter's top probability τ",
+    "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
+    "ngram": "ours: NASD n-gram drafter built online, fixed γ",
+    "lookup": "ours: prompt lookup drafter, fixed γ",
+    "hf": "transformers generate, plain",
+    "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
+    "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
+    "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
+}
+NEEDS_DRAFTER = {"sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed"}
+
+
+@dataclass
+class Settings:
+    """What every method shares in one run."""
+
+    max_new_tokens: int = 128
+    gamma: int = 5
+    gamma_min: int = 1
+    gamma_max: int = 10
+    egag_beta: float = 0.0
+    confidence: float = 0.4
+    ngram_n: int = 4
+
+
+@dataclass
+class Record:
+    prompt_id: str  # "<dataset>/<index>@t<temperature>": a method's records pair up by it
+    method: str
+    tokens: list[int]
+    new_tokens: int
+    wall_seconds: float
+    target_forwards: int | None  # None where the method does not report it (transformers' peers)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    dataset: str = ""
+    task: str = ""
+    temperature: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+def check_methods(methods: list[str]) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpecdecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
+                           f"{', '.join(METHODS)}")
+
+
+def run_method(method: str, ids: list[int], target: LanguageModel, drafter: LanguageModel | None,
+               settings: Settings, sampler: Sampler, seed: int | None = None) -> Record:
+    """One generation of `method` on prompt `ids`."""
+    if method.startswith("hf"):
+        return hf_generate(method, target, ids, settings, sampler, seed, drafter)
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
+    if method == "ar":
+        result = autoregressive_generate(ids, target, **common)
+    else:
+        drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter()}
+        schedule_name = method.removeprefix("sd-") if method.startswith("sd-") else "fixed"
+        schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
+                                 settings.egag_beta, settings.confidence)
+        result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
+                                      schedule=schedule, **common)
+    s = result.stats
+    return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
+                  s.accepted, s.accepted_per_step)
+
+
+def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,
+                seed: int | None, drafter: LanguageModel | None = None) -> Record:
+    """transformers' own `generate` on the very same model objects, with the same sampler."""
+    peers = {"hf": {}, "hf-assisted": {"assistant_model": drafter.hf if drafter else None},
+             "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
+             "hf-lookup": {"prompt_lookup_num_tokens": settings.gamma}}
+    if drafter is not None:
+        # transformers reads these from the *assistant's* generation config and may carry state
+        # across calls (a "heuristic" schedule keeps its grown γ): set them afresh on every call
+        config = drafter.hf.generation_config
+        if method == "hf-assisted":  # transformers' defaults
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
+            config.assistant_confidence_threshold = 0.4
+        else:
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = settings.gamma, "constant"
+            config.assistant_confidence_threshold = 0.0
+    if sampler.is_greedy:
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = dict(do_sample=True, temperature=sampler.temperature, top_k=sampler.top_k,
+                        top_p=sampler.top_p)
+    eos = model.eos_token_ids
+    inputs = torch.tensor([ids], device=model.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=settings.max_new_tokens,
+                                num_beams=1, repetition_penalty=1.0, eos_token_id=eos,
+                                pad_token_id=eos[0] if eos else None, **sampling, **peers[method])
+    wall = time.perf_counter() - start
+    tokens = out[0, len(ids):].tolist()
+    return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "hf" else None)

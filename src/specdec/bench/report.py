@@ -1,0 +1,110 @@
+"""Benchmark reports: a rich table, markdown for the docs, and a plot (matplotlib)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+COLUMNS = ("method", "median tok/s", "aggregate tok/s", "median speedup vs ar", "median speedup vs hf",
+           "acceptance", "tokens / target forward", "identical to ar")
+
+
+def _fmt(value, spec=".2f", suffix=""):
+    return "–" if value is None else format(value, spec) + suffix
+
+
+def _cells(method: str, s: dict) -> list[str]:
+    identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else "–"
+    return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]),
+            _fmt(s.get("median_speedup_vs_ar"), ".2f", "×"), _fmt(s.get("median_speedup_vs_hf"), ".2f", "×"),
+            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_forward"]), identical]
+
+
+def render_table(summary: dict, title: str | None = None) -> Table:
+    table = Table(*COLUMNS, title=title)
+    for m, s in summary.items():
+        table.add_row(*_cells(m, s))
+    return table
+
+
+def _markdown_table(summary: dict) -> list[str]:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return lines + ["| " + " | ".join(_cells(m, s)) + " |" for m, s in summary.items()]
+
+
+def _group_name(g: dict) -> str:
+    where = g["dataset"] if g["task"] == g["dataset"] else f"{g['dataset']} / {g['task']}"
+    return f"{where}, " + ("greedy" if g["temperature"] == 0 else f"temperature {g['temperature']:g}")
+
+
+def render_markdown(result: dict) -> str:
+    """The whole report: settings, the overall table, one table per group, histograms, mismatches."""
+    info, summary = result["info"], result["summary"]
+    st = info["settings"]
+    lines = [f"- datasets: {', '.join(info['datasets'])} ({info['prompts']} prompts"
+             + (f", at most {info['limit']} per task" if info.get("limit") else "") + "); temperatures: "
+             + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}",
+             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {st['gamma']} (fixed), "
+             f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence up to γ_max), "
+             f"confidence τ = {st['confidence']:g}, EGAG β = {st['egag_beta']:g}, n-gram n = {st['ngram_n']}",
+             f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
+             f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']})",
+             f"- machine: {info['machine']}"]
+    if info.get("command"):
+        lines.append(f"- command: `{info['command']}`")
+    lines += ["", "### All prompts", "", *_markdown_table(summary)]
+    for g in result["groups"]:
+        lines += ["", f"### {_group_name(g)}", "", *_markdown_table(g["summary"])]
+    hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}
+    if hist:
+        top = max(int(k) for h in hist.values() for k in h)
+        lines += ["", "### Accepted draft tokens per step (all prompts)", "",
+                  "| method | " + " | ".join(str(k) for k in range(top + 1)) + " |", "|---|" + "---|" * (top + 1)]
+        for m, h in hist.items():
+            counts = {int(k): v for k, v in h.items()}
+            lines.append(f"| {m} | " + " | ".join(str(counts.get(k, 0)) for k in range(top + 1)) + " |")
+    lines.append("")
+    mismatched = {m: s["mismatched_prompts"] for m, s in summary.items() if s.get("mismatched_prompts")}
+    if mismatched:
+        lines.append(f"- greedy outputs differing from ar: {mismatched}")
+        for m, s in summary.items():
+            for i, d in s.get("divergences", {}).items():
+                lines.append(f"  - {m}, {i}: first differs at new token {d['position']} (ar {d['reference_token']}, "
+                             f"{m} {d['other_token']}); target's top-2 logit gap there: {d['top2_logit_gap']:.4f}")
+    elif any("identical_to_ar" in s for s in summary.values()):
+        lines.append("- every greedy output is token-identical to ar")
+    methods = list(summary)
+    lines += ["", "### Per prompt (tok/s)", "", "| prompt | " + " | ".join(methods) + " |",
+              "|---|" + "---|" * len(methods)]
+    by_prompt: dict[str, dict] = {}
+    for r in result["records"]:
+        by_prompt.setdefault(r["prompt_id"], {})[r["method"]] = r["tokens_per_second"]
+    for pid, row in by_prompt.items():
+        lines.append(f"| {pid} | " + " | ".join(_fmt(row.get(m)) for m in methods) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(result: dict, path: str) -> None:
+    """Grouped bars: median tokens/s of each method, per (dataset, task, temperature) group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [{"dataset": "all", "task": "all", "temperature": None, "summary": result["summary"]}] + result["groups"]
+    methods = list(result["summary"])
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(methods) / 4)), 4.5))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
+        ys = [g["summary"].get(m, {}).get("median_tokens_per_second", 0.0) for g in groups]
+        ax.bar(xs, ys, width, label=m)
+    labels = ["all prompts"] + [_group_name(g).replace(", ", "\n") for g in groups[1:]]
+    ax.set_xticks(range(len(groups)), labels, fontsize=8)
+    ax.set_ylabel("median tokens / s")
+    info = result["info"]
+    ax.set_title(f"{info['target']} ← {info['drafter']}: {info['settings']['max_new_tokens']} new tokens", fontsize=10)
+    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

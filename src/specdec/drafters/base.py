@@ -1,0 +1,50 @@
+"""The drafter protocol and the proposal it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..samplers import Sampler
+
+# Called after each drafted token with how many are drafted so far and the drafter's own
+# (untempered) logits [V] for the last one, or None for a drafter without a distribution;
+# False stops the draft there. Draft-length schedules (schedules.py) provide it.
+KeepGoing = Callable[[int, "torch.Tensor | None"], bool]
+
+
+@dataclass
+class Draft:
+    """A proposal: `tokens` [n], and `probs` [n, V] the q each token was sampled from.
+
+    probs is None when the drafter proposes deterministically (q one-hot at each token) or
+    when the sampler is greedy (verification then only compares tokens).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What `speculative_generate` needs from a drafter."""
+
+    name: str
+    forwards: int  # drafter forward passes since `start` (0 for model-free drafters)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Forget the previous generation; `prompt` is the new context."""
+
+    def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
+                keep_going: KeepGoing) -> Draft:
+        """Up to `max_tokens` (>= 1) tokens to follow `context` (every token emitted so far, prompt
+        included). An empty draft is allowed: the target then emits one token on its own."""
+
+    def rollback(self, length: int) -> None:
+        """Only `context[:length]` of the last proposal's context + draft was kept."""
+
+
+def one_hot(tokens: Sequence[int], vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """tokens [n] -> [n, V] fp32: the q of a deterministic proposal."""
+    return torch.nn.functional.one_hot(torch.tensor(list(tokens), device=device), vocab_size).float()

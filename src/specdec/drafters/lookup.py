@@ -1,0 +1,56 @@
+"""Prompt lookup decoding: copy what followed the latest earlier occurrence of the current suffix.
+
+Model-free and deterministic (q is one-hot at each proposed token), so it is exact under any
+sampler. Strong on inputs that the output repeats (code edits, summaries, extraction).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecdecError
+from ..samplers import Sampler
+from .base import Draft, KeepGoing
+
+
+def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of context's last n tokens, trying n
+    from max_ngram down to min_ngram; [] when no suffix recurs."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(context[length - n:])
+        for start in range(length - n - 1, -1, -1):  # latest occurrence first, the suffix itself excluded
+            if context[start] == suffix[0] and list(context[start:start + n]) == suffix:
+                return list(context[start + n:start + n + max_tokens])
+    return []
+
+
+class LookupDrafter:
+    """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise SpecdecError(f"lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"lookup-{min_ngram}..{max_ngram}"
+        self.forwards = 0
+
+    def check_target(self, target) -> None:
+        pass
+
+    def start(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
+                keep_going: KeepGoing) -> Draft:
+        tokens = find_continuation(context, self.max_ngram, self.min_ngram, max_tokens)
+        for i in range(1, len(tokens)):
+            if not keep_going(i, None):
+                tokens = tokens[:i]
+                break
+        return Draft(tokens, None)
+
+    def rollback(self, length: int) -> None:
+        pass
