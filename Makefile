@@ -27,8 +27,10 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/specdec bench --dataset humaneval --limit 20 --max-new-tokens 128 --gamma 5 --methods ar,sd,hf \
-		--markdown docs/benchmarks/humaneval-greedy.md --json docs/benchmarks/humaneval-greedy.json
+	$(BIN)/specdec bench --dataset humaneval --limit 20 --methods ar,sd,sd-confidence,hf,hf-assisted \
+		--gamma 5 --gamma-max 20 --confidence 0.4 --max-new-tokens 128 --temperature 0 \
+		--markdown docs/benchmarks/humaneval-greedy.md --json docs/benchmarks/humaneval-greedy.json \
+		--plot docs/benchmarks/humaneval-greedy.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -119,3 +119,30 @@ def test_bench_measure_and_schedule_errors(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_debug_view_and_lenience(need_smollm2):
+    args = ["generate", "def add(a, b):", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
+            "--max-new-tokens", "8", "--schedule", "egag"]
+    result = runner.invoke(app, args + ["--debug"])
+    assert result.exit_code == 0, result.output
+    assert "step 1: drafted" in result.output and "H_norm" in result.output and "accept" in result.output
+    sampled = _json(args + ["--debug", "--json", "--temperature", "1", "--seed", "0", "--lenience", "0.5"])
+    assert sampled["stats"]["lossy"] is True and sampled["stats"]["lenience"] == 0.5
+    drafted = [s for s in sampled["steps"] if s["drafted"]]
+    assert drafted and all(len(s["u"]) == len(s["drafted"]) == len(s["p"]) == len(s["q"]) for s in drafted)
+    text = runner.invoke(app, args + ["--temperature", "1", "--lenience", "0.5"])
+    assert "LOSSY" in text.output
+
+
+def test_chat_switches_settings_and_counts_tokens(need_smollm2):
+    script = "\n".join(["/help", "/gamma 3", "/schedule confidence", "/drafter lookup", "/temperature 0",
+                        "Say hi.", "/stats", "/method ar", "Say hi again.", "/bogus", "/gamma zero", "/quit"])
+    result = runner.invoke(app, ["chat", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
+                                 "--max-new-tokens", "8"], input=script + "\n")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "/schedule NAME" in out and "sd · drafter lookup · confidence" in out
+    assert "last reply: 8 tokens" in out and "session: 8 tokens" in out and "1 turns" in out
+    assert "unknown command /bogus" in out and "/gamma takes a number" in out
+    assert "ar · greedy" in out

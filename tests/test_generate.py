@@ -142,3 +142,62 @@ def test_greedy_identical_on_the_default_pair(default_pair, humaneval_prompts):
         sd = speculative_generate(ids, target, drafter, gamma=5, max_new_tokens=48)
         assert sd.tokens == ar.tokens
         assert sd.stats.target_forwards < ar.stats.target_forwards / 2  # the pair really speculates
+
+
+def test_lenience_is_validated_and_greedy_output_ignores_it(tiny_pair):
+    from specdec import SpecdecError
+
+    target, drafter = tiny_pair
+    ar = autoregressive_generate([3, 4], target, max_new_tokens=12, eos_token_ids=[])
+    sd = speculative_generate([3, 4], target, drafter, gamma=3, max_new_tokens=12, eos_token_ids=[], lenience=0.3)
+    assert sd.tokens == ar.tokens and sd.stats.lossy  # one-hot p: p/l accepts exactly what p accepts
+    with pytest.raises(SpecdecError, match="lenience"):
+        speculative_generate([3, 4], target, drafter, lenience=1.5)
+
+
+def test_debug_records_p_q_u_per_draft_token(tiny_pair):
+    target, drafter = tiny_pair
+    sd = speculative_generate([3, 4], target, drafter, gamma=3, sampler=Sampler(1.0), max_new_tokens=12, seed=0,
+                              eos_token_ids=[], debug=True)
+    for step in sd.steps:
+        if step.draft_tokens:
+            p, q, u = step.info["p"], step.info["q"], step.info["u"]
+            assert len(p) == len(q) == len(u) == len(step.draft_tokens)
+            # the verdicts agree with the recorded numbers: accepted iff u·q < p
+            assert all((u[i] * q[i] < p[i]) == (i < step.num_accepted) for i in range(step.num_accepted + 1)
+                       if i < len(step.draft_tokens))
+
+
+def _hf_beam(model, ids, num_beams, max_new_tokens, length_penalty, early_stopping=False):
+    eos = model.eos_token_ids
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), num_beams=num_beams, do_sample=False,
+                                max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                                early_stopping=early_stopping, repetition_penalty=1.0, temperature=None, top_p=None,
+                                top_k=None, eos_token_id=eos, pad_token_id=eos[0])
+    tokens = out[0, len(ids):].tolist()
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut]
+
+
+@pytest.mark.parametrize("num_beams,length_penalty", [(2, 1.0), (3, 0.5), (4, 2.0)])
+def test_beam_search_matches_transformers_on_real_smollm2(smollm2, num_beams, length_penalty):
+    from specdec import beam_search_generate
+
+    for prompt, chat, max_new in [("def fibonacci(n):", False, 16), ("Say hello.", True, 40)]:
+        ids = smollm2.encode(prompt, chat=chat)
+        ours = beam_search_generate(ids, smollm2, num_beams=num_beams, length_penalty=length_penalty,
+                                    max_new_tokens=max_new)
+        assert ours.tokens == _hf_beam(smollm2, ids, num_beams, max_new, length_penalty), (prompt, num_beams)
+    assert ours.stop_reason == "eos"  # the chat prompt ends its turn: finished hypotheses were exercised
+
+
+def test_beam_search_with_one_beam_is_greedy(tiny_pair):
+    from specdec import beam_search_generate
+
+    target, _ = tiny_pair
+    ar = autoregressive_generate([3, 4], target, max_new_tokens=15, eos_token_ids=[])
+    assert beam_search_generate([3, 4], target, num_beams=1, max_new_tokens=15, eos_token_ids=[]).tokens == ar.tokens
+    with pytest.raises(Exception, match="num_beams"):
+        beam_search_generate([3, 4], target, num_beams=0)

@@ -74,7 +74,7 @@ def test_the_joint_test_catches_a_biased_loop(monkeypatch):
     import specdec.generate as generate
     from specdec import sample, verify_draft
 
-    def biased(p, q, tokens, generator=None):
+    def biased(p, q, tokens, generator=None, lenience=1.0, details=None):
         n, _ = verify_draft(p, q, tokens, generator)
         return n, sample(p[int(n)], generator)
 

@@ -171,3 +171,34 @@ def test_verify_greedy_equals_verify_draft_with_one_hot_p():
     assert set(n.tolist()) == set(range(gamma + 1))
     with pytest.raises(SpecdecError, match="target_tokens"):
         verify_greedy(target_tokens[:, :gamma], draft_tokens)
+
+
+def _first_emitted(p, q, lenience, trials, seed):
+    """The token each of `trials` one-draft verifications emits first, and the acceptance rate."""
+    g = torch.Generator().manual_seed(seed)
+    draft_tokens = sample(q.expand(trials, -1), g).unsqueeze(-1)  # [trials, 1]
+    n, nxt = verify_draft(p.expand(trials, 2, -1), q.expand(trials, 1, -1), draft_tokens, g, lenience=lenience)
+    return torch.where(n == 1, draft_tokens[:, 0], nxt), n.float().mean().item()
+
+
+def test_lenience_never_emits_a_token_above_p_over_l_and_raises_acceptance():
+    p = torch.tensor([0.50, 0.30, 0.10, 0.05, 0.05, 0.00])
+    q = torch.tensor([0.05, 0.10, 0.30, 0.25, 0.20, 0.10])
+    trials = 400_000
+    rates = []
+    for lenience in (1.0, 0.7, 0.4):
+        emitted, rate = _first_emitted(p, q, lenience, trials, seed=int(lenience * 10))
+        freq = torch.bincount(emitted, minlength=6).float() / trials
+        sigma = (freq * (1 - freq) / trials).sqrt()
+        assert torch.all(freq <= p / lenience + 5 * sigma + 1e-9), (lenience, freq)
+        assert freq[5] == 0  # a token the target rules out is never emitted, however lenient
+        expected_rate = torch.minimum(q, p / lenience).sum().item()  # theory.acceptance_beta
+        assert abs(rate - expected_rate) < 5 * (expected_rate * (1 - expected_rate) / trials) ** 0.5
+        if lenience == 1.0:
+            assert torch.all((freq - p).abs() <= 5 * sigma + 1e-9)  # exact
+        else:
+            assert (freq - p).abs().max() > 20 * sigma.max()  # and l < 1 really is lossy
+        rates.append(rate)
+    assert rates[0] < rates[1] < rates[2]
+    with pytest.raises(SpecdecError, match="lenience"):
+        verify_draft(p.expand(2, -1), q.expand(1, -1), torch.tensor([0]), lenience=0.0)

@@ -54,6 +54,10 @@ def generate(
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="τ of the confidence schedule."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
+    lenience: float = typer.Option(1.0, help="1 = exact; l in (0, 1) accepts more drafts and is LOSSY under "
+                                   "sampling (no token above p/l)."),
+    debug: bool = typer.Option(False, help="Print every step: drafts with q, p and the uniform draw, verdicts, "
+                               "the target's token, γ and H_norm."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass to keep (1 = off)."),
@@ -67,7 +71,7 @@ def generate(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
-    from .display import LEGEND, StepPrinter, summary_line
+    from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
     from .drafters import LookupDrafter, NgramDrafter
     from .generate import autoregressive_generate, speculative_generate
     from .samplers import Sampler
@@ -92,12 +96,14 @@ def generate(
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)
+        if debug and method == Method.sd and not as_json:
+            printer = DebugPrinter(target_model, out)
         if printer is not None and method == Method.sd:
             err.print(LEGEND)
         if method == Method.sd:
             result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
                                           max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
-                                          on_step=printer, schedule=plan)
+                                          on_step=printer, schedule=plan, lenience=lenience, debug=debug)
         else:
             result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                              seed=seed, on_step=printer)
@@ -114,8 +120,51 @@ def generate(
         print(json.dumps(payload, ensure_ascii=False))
     else:
         out.print()
+        if debug and method == Method.sd:
+            out.print(target_model.decode(result.tokens), highlight=False)
         err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason}[/]",
                   highlight=False)
+
+
+@app.command()
+def chat(
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model, ngram or lookup."),
+    method: Method = typer.Option(Method.sd),
+    schedule: str = typer.Option("fixed", help="fixed, heuristic, confidence, egag."),
+    gamma: int = typer.Option(5),
+    gamma_max: int = typer.Option(10, "--gamma-max"),
+    temperature: float = typer.Option(0.0, help="0 means greedy."),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per reply."),
+    debug: bool = typer.Option(False, help="Start with the step view on."),
+    dtype: str = typer.Option("auto"),
+    drafter_dtype: str = typer.Option("auto"),
+    device: str = typer.Option("auto"),
+):
+    """Chat interactively; /help lists the commands that switch method, drafter, schedule, sampler, debug."""
+    from .chat import ChatSession
+    from .samplers import Sampler
+
+    try:
+        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+        target_model = _load(target, dtype, device, "target")
+        if not getattr(target_model.tokenizer, "chat_template", None):
+            raise SpecdecError(f"{target_model.name} has no chat template")
+        session = ChatSession(target_model, lambda name: _load(name, drafter_dtype, device, "drafter"), drafter,
+                              Console(), method.value, schedule, gamma, gamma_max, sampler, debug, max_new_tokens)
+        session.drafter() if method == Method.sd else None
+    except SpecdecError as exc:
+        _fail(str(exc))
+    err.print(f"[dim]{session.describe()} — /help for commands, /quit to leave[/]", highlight=False)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not session.handle(line):
+            break
 
 
 @app.command()

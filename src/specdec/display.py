@@ -53,6 +53,8 @@ class StepPrinter:
 
 def summary_line(stats: GenerationStats, method: str) -> str:
     parts = [f"{stats.new_tokens} tokens in {stats.wall_seconds:.2f} s", f"{stats.tokens_per_second:.2f} tok/s"]
+    if stats.lossy:
+        parts.insert(0, f"LOSSY (lenience {stats.lenience:g}: not the target's distribution)")
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
     parts.append(f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens "
@@ -60,3 +62,37 @@ def summary_line(stats: GenerationStats, method: str) -> str:
     if method == "sd":
         parts.append(f"{stats.drafter_forwards} drafter forwards")
     return " · ".join(parts)
+
+
+class DebugPrinter:
+    """An `on_step` callback for `speculative_generate(..., debug=True)`: one block per step with
+    each draft token's q(x), p(x) and uniform draw u, the verdict, and the target's token."""
+
+    def __init__(self, model: LanguageModel, console: Console):
+        self.model, self.console = model, console
+        self.number = 0
+
+    def _token(self, token: int) -> str:
+        return repr(self.model.decode([token], skip_special_tokens=False))
+
+    def __call__(self, step: Step) -> None:
+        self.number += 1
+        info = step.info
+        head = Text(f"step {self.number}: drafted {len(step.draft_tokens)}", style="bold")
+        if info.get("gamma") is not None:
+            head.append(f", γ = {info['gamma']}")
+        if info.get("h_norm") is not None:
+            head.append(f", H_norm = {info['h_norm']:.3f}")
+        self.console.print(head, highlight=False)
+        for i, token in enumerate(step.draft_tokens):
+            if i > step.num_accepted:
+                break  # drafts after the first rejection were never judged
+            verdict, style = ("accept", STYLES["accepted"]) if i < step.num_accepted else ("reject", STYLES["rejected"])
+            numbers = ""
+            if "p" in info:
+                u = info["u"][i] if info.get("u") is not None else None
+                numbers = f"  q={info['q'][i]:.3f} p={info['p'][i]:.3f}" + (f" u={u:.3f}" if u is not None else "")
+            self.console.print(Text.assemble(f"  {self._token(token):>16}", numbers, "  ", (verdict, style)),
+                               highlight=False)
+        self.console.print(Text.assemble(f"  {self._token(step.next_token):>16}  ",
+                                         (step.next_kind, STYLES[step.next_kind] or "bold")), highlight=False)

@@ -48,6 +48,11 @@ class GenerationStats:
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
+    lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
+
+    @property
+    def lossy(self) -> bool:
+        return self.lenience < 1
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -64,7 +69,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
+        d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
                  tokens_per_target_forward=self.tokens_per_target_forward)
         return d
 
@@ -103,13 +108,18 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
                          gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
-                         schedule: Schedule | None = None) -> GenerationResult:
+                         schedule: Schedule | None = None, lenience: float = 1.0,
+                         debug: bool = False) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
     drafter: a smaller `LanguageModel` (same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup).
     schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
+    lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
+        (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
+    debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
+        ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
 
     The output follows the target's distribution under `sampler` exactly (token for token the
     target's greedy output when the sampler is greedy). `first_target=True` makes the first token
@@ -120,6 +130,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     if not hasattr(drafter, "propose"):  # a model (LanguageModel or anything with its interface)
         drafter = ModelDrafter(drafter)
     drafter.check_target(target)
+    if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
+        raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
     if schedule is None:
         schedule = Fixed(gamma)
     models = [target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
@@ -148,15 +160,17 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         out.stats.target_forwards += 1
 
         # 3. Verify: the acceptance rule lives in verify.py alone.
-        num_accepted, next_token = _verify(logits, draft, sampler, generator)
+        details = {} if debug else None
+        num_accepted, next_token = _verify(logits, draft, sampler, generator, lenience, details)
 
         # 4. Roll back: rejected positions leave both caches.
         kept = len(sequence) + num_accepted
         LanguageModel.crop(target_cache, kept)
         drafter.rollback(kept)
         schedule.update(len(draft.tokens), num_accepted)
-        sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], schedule.step_info()))
+        sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})}))
     out.stats.drafter_forwards = drafter.forwards
+    out.stats.lenience = float(lenience)
     return out.finish(time.perf_counter() - start)
 
 
@@ -165,16 +179,24 @@ def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Gener
     return greedy_tokens(logits) if sampler.is_greedy else sample(sampler.probs(logits), generator)
 
 
-def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator) -> tuple[int, int]:
-    """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`."""
+def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
+            lenience: float = 1.0, details: dict | None = None) -> tuple[int, int]:
+    """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
+    dict, also the lists "p", "q", "u" of each draft token (for the step view)."""
     if not draft.tokens:
         return 0, int(_target_token(logits[-1], sampler, generator))
     tokens = torch.tensor(draft.tokens, device=logits.device)
     if sampler.is_greedy:
-        num_accepted, next_token = verify_greedy(greedy_tokens(logits), tokens)
+        target_tokens = greedy_tokens(logits)
+        num_accepted, next_token = verify_greedy(target_tokens, tokens)
+        if details is not None:
+            matches = (target_tokens[:-1] == tokens).float()
+            details.update(p=matches, q=torch.ones_like(matches), u=None)
     else:
         q = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1], logits.device)
-        num_accepted, next_token = verify_draft(sampler.probs(logits), q, tokens, generator)
+        num_accepted, next_token = verify_draft(sampler.probs(logits), q, tokens, generator, lenience, details)
+    if details:
+        details.update({k: None if v is None else v.tolist() for k, v in details.items()})
     return int(num_accepted), int(next_token)
 
 
@@ -257,3 +279,71 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         generator.manual_seed(int(seed))
     return generator
+
+
+def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_beams: int = 4,
+                         length_penalty: float = 1.0, max_new_tokens: int = 128,
+                         eos_token_ids: Sequence[int] | None = None, early_stopping: bool | str = False
+                         ) -> GenerationResult:
+    """Beam search (the deterministic baseline), following transformers' rules so the two agree.
+
+    Each step scores the `num_beams` running beams in one batched pass with a shared, reordered
+    KV cache and takes the top K = max(2, 1 + #EOS)·num_beams continuations. A continuation that
+    ends in EOS (or reaches `max_new_tokens`) among the top `num_beams` becomes a finished
+    hypothesis scored sum(log p) / length**length_penalty (length counts generated tokens); the
+    best `num_beams` non-finished continuations run on. The search stops when no running beam can
+    beat the worst of `num_beams` finished ones (early_stopping=False: judged at the current
+    length; "never": at the longest length when length_penalty > 0; True: as soon as
+    `num_beams` hypotheses are finished). Returns the best finished hypothesis (EOS included).
+    """
+    if not isinstance(num_beams, int) or num_beams < 1:
+        raise SpecdecError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    prompt, limit, limit_reason, eos = _validate(prompt_ids, [model], max_new_tokens, eos_token_ids)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    keep = max(2, 1 + len(eos)) * num_beams
+    cache = model.new_cache()
+    logits = model.forward(prompt, cache, num_logits=1).expand(num_beams, -1)  # [B, V]
+    stats.target_forwards += 1
+    cache.batch_repeat_interleave(num_beams)
+    vocab = logits.shape[-1]
+    running = torch.zeros(num_beams, 0, dtype=torch.long)
+    running_scores = torch.full((num_beams,), -1e9)
+    running_scores[0] = 0.0  # one real beam at first: the copies must not yield duplicate candidates
+    finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first
+    improvable = True
+    for length in range(1, limit + 1):
+        if torch.isnan(logits).any():
+            raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+        scores = (logits.float().log_softmax(-1) + running_scores[:, None]).view(-1)  # [B·V]
+        top_scores, top_index = scores.topk(keep)
+        beams, tokens = top_index // vocab, top_index % vocab
+        hits = torch.tensor([int(t) in eos for t in tokens.tolist()]) | (length == limit)
+
+        # finished hypotheses: only among the top num_beams, and only while improvement is possible
+        full = len(finished) == num_beams and early_stopping is True
+        if improvable and not full:
+            for rank in range(num_beams):
+                if hits[rank]:
+                    seq = running[beams[rank]].tolist() + [int(tokens[rank])]
+                    finished.append((float(top_scores[rank]) / length ** length_penalty, seq))
+            finished = sorted(finished, key=lambda f: -f[0])[:num_beams]
+        if bool(hits.all()) or (early_stopping is True and len(finished) == num_beams):
+            break
+
+        # the best non-finished continuations run on
+        alive = top_scores.masked_fill(hits, -1e9).topk(num_beams).indices
+        running = torch.cat([running[beams[alive]], tokens[alive, None]], dim=1)
+        running_scores = top_scores[alive].masked_fill(hits[alive], -1e9)
+        cache.reorder_cache(beams[alive].to(model.device))
+        if len(finished) == num_beams:
+            best_length = limit if early_stopping == "never" and length_penalty > 0 else length
+            improvable = improvable and float(running_scores[0]) / best_length ** length_penalty > finished[-1][0]
+            if not improvable:
+                break
+        logits = model.forward_rows(tokens[alive, None], cache)
+        stats.target_forwards += 1
+    best = finished[0][1] if finished else running[0].tolist()
+    stats.new_tokens, stats.wall_seconds = len(best), time.perf_counter() - start
+    reason = "eos" if best and best[-1] in eos else limit_reason
+    return GenerationResult(best, [], stats, reason)

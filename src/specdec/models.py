@@ -169,7 +169,17 @@ class LanguageModel:
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
         out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
-        hidden = out.last_hidden_state[0, -num_logits:]
+        return self._logits(out.last_hidden_state[0, -num_logits:])
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Several sequences at once (beam search): input_ids [B, T] new tokens after what each row
+        of `cache` holds -> logits [B, V] fp32 at each row's last position."""
+        out = self._decoder(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True)
+        return self._logits(out.last_hidden_state[:, -1])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] fp32 (see __init__ for which head computes them)."""
         if self._head is not None:
             return self._head(hidden)
         if self._head_weight_fp32 is not None:

@@ -13,7 +13,8 @@ from .samplers import sample
 
 
 def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 generator: torch.Generator | None = None, lenience: float = 1.0,
+                 details: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decide how much of a draft to keep, and the one token the target adds.
 
     Args:
@@ -21,6 +22,11 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_to
         draft_probs:  [..., γ, V]   the drafter's q that each draft token was sampled from.
         draft_tokens: [..., γ] (long) the drafted tokens.
         generator: source of the uniform draws (for reproducible runs).
+        lenience: l in (0, 1]. 1 is exact. l < 1 (Leviathan et al. A.5) accepts with probability
+            min(1, p(x)/(l·q(x))) and keeps the same residual: LOSSY, the output then follows
+            no longer p, but no token is emitted with probability above p(x)/l.
+        details: if a dict is given, it receives the tensors behind the decision, each [..., γ]:
+            "p" = p(x), "q" = q(x) of each draft token, and "u" = its uniform draw.
 
     Returns:
         num_accepted: [...] (long, 0..γ) length of the accepted prefix. Draft token i is accepted
@@ -33,6 +39,8 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_to
     to which the target gives probability 0 is never accepted or emitted.
     """
     _check_shapes(target_probs, draft_probs, draft_tokens)
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
     p = target_probs.float()
     q = draft_probs.float()
     gamma = draft_tokens.shape[-1]
@@ -41,8 +49,10 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_to
     p_x = p[..., :gamma, :].gather(-1, tokens).squeeze(-1)  # [..., γ]
     q_x = q.gather(-1, tokens).squeeze(-1)  # [..., γ]
     u = torch.rand(p_x.shape, generator=generator, device=p.device, dtype=torch.float32)
-    # u < p/q written without the division: q_x = 0 accepts iff p_x > 0; p_x = 0 never accepts
-    accepted = u * q_x < p_x
+    # u < p/(l·q) written without the division: q_x = 0 accepts iff p_x > 0; p_x = 0 never accepts
+    accepted = u * q_x * lenience < p_x
+    if details is not None:
+        details.update(p=p_x, q=q_x, u=u)
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [...]
 
     # Residual at the stopping position; a zero row of q past the end turns it into p (the bonus).

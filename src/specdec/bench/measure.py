@@ -79,6 +79,9 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
                                                   max_new_tokens=max_new_tokens, seed=seed + i)
                 runs[g].append(result.stats)
                 progress.advance(bar)
+                if not console.is_terminal:  # a log file gets no live bar: one line per generation
+                    console.print(f"prompt {i}: {'ar' if g == 'ar' else f'γ={g}'} {result.stats.tokens_per_second:.2f} "
+                                  f"tok/s", highlight=False)
 
     alpha = statistics.fmean(betas)
     ar_seconds = sum(s.wall_seconds for s in runs["ar"])

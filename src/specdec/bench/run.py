@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import statistics
 from collections import Counter
 
@@ -133,8 +134,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         n = 0
         for sampler in samplers:
             for p, ids in zip(prompts, encoded):
-                # rotate the order per prompt so no method always runs first (or right after another)
-                order = methods[n % len(methods):] + methods[:n % len(methods)]
+                # a fresh seeded order per prompt: no method always runs first or right after another
+                # (a plain rotation keeps the cyclic order, so one method always follows the same one)
+                order = random.Random(seed * 7919 + n).sample(methods, len(methods))
                 n += 1
                 for m in order:
                     progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}: {m}")
@@ -143,6 +145,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                     r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
                     records.append(r)
                     progress.advance(bar)
+                    if not console.is_terminal:  # a log file gets no live bar: one line per generation
+                        console.print(f"{r.prompt_id} {m}: {r.new_tokens} tokens, {r.tokens_per_second:.2f} tok/s",
+                                      highlight=False)
 
     summary = summarize(records, methods)
     ids_by_prompt = {f"{p.dataset}/{p.index}": ids for p, ids in zip(prompts, encoded)}

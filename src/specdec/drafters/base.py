@@ -33,6 +33,9 @@ class Drafter(Protocol):
     name: str
     forwards: int  # drafter forward passes since `start` (0 for model-free drafters)
 
+    def check_target(self, target) -> None:
+        """Raise SpecdecError if this drafter cannot serve `target` (e.g. another vocabulary)."""
+
     def start(self, prompt: Sequence[int]) -> None:
         """Forget the previous generation; `prompt` is the new context."""
 

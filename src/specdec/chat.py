@@ -1,0 +1,162 @@
+"""`specdec chat`: an interactive conversation with switchable method, drafter, schedule and sampler.
+
+The session holds the settings and the history; `handle(line)` runs one command or one turn, so
+the whole thing can be driven (and tested) without a terminal.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rich.console import Console
+
+from .display import DebugPrinter, StepPrinter, summary_line
+from .drafters import LookupDrafter, NgramDrafter
+from .errors import SpecdecError
+from .generate import GenerationStats, autoregressive_generate, speculative_generate
+from .models import LanguageModel
+from .samplers import Sampler
+from .schedules import SCHEDULES, make_schedule
+
+HELP = """commands:
+  /method sd|ar            speculative or plain autoregressive decoding
+  /drafter NAME            a model (registry name, directory, .gguf), ngram or lookup
+  /schedule NAME           fixed, heuristic, confidence, egag
+  /gamma N                 γ (fixed; start of heuristic)     /gamma-max N   (heuristic, confidence, egag)
+  /temperature T           0 = greedy                        /top-k K   /top-p P
+  /debug on|off            the step view: q, p, u per draft token
+  /stats                   the last reply's and the session's numbers
+  /reset                   forget the conversation           /help   /quit"""
+
+
+class ChatSession:
+    def __init__(self, target: LanguageModel, load_drafter: Callable[[str], LanguageModel], drafter: str,
+                 console: Console, method: str = "sd", schedule: str = "fixed", gamma: int = 5,
+                 gamma_max: int = 10, sampler: Sampler | None = None, debug: bool = False,
+                 max_new_tokens: int = 256):
+        self.target, self.load_drafter, self.console = target, load_drafter, console
+        self.method, self.schedule, self.gamma, self.gamma_max = method, schedule, gamma, gamma_max
+        self.sampler = sampler or Sampler(temperature=0.0)
+        self.debug, self.max_new_tokens = debug, max_new_tokens
+        self.history: list[dict] = []
+        self.last: GenerationStats | None = None
+        self.total_tokens, self.total_seconds = 0, 0.0
+        self._drafters: dict[str, object] = {}
+        self.drafter_name = drafter
+
+    def drafter(self):
+        name = self.drafter_name
+        if name == "ngram":
+            return NgramDrafter()
+        if name == "lookup":
+            return LookupDrafter()
+        if name not in self._drafters:
+            self._drafters[name] = self.load_drafter(name)
+        return self._drafters[name]
+
+    def handle(self, line: str) -> bool:
+        """Run one command or one conversation turn; False when the session should end."""
+        line = line.strip()
+        if not line:
+            return True
+        if line.startswith("/"):
+            return self._command(line)
+        self._turn(line)
+        return True
+
+    def _command(self, line: str) -> bool:
+        name, _, arg = line[1:].partition(" ")
+        arg = arg.strip()
+        try:
+            if name in ("quit", "exit"):
+                return False
+            if name == "help":
+                self.console.print(HELP, highlight=False)
+            elif name == "method":
+                if arg not in ("sd", "ar"):
+                    raise SpecdecError("/method takes sd or ar")
+                self.method = arg
+            elif name == "drafter":
+                if not arg:
+                    raise SpecdecError("/drafter takes a model name, ngram or lookup")
+                self.drafter_name = arg
+                self.drafter()  # load now, so a bad name fails here and not mid-turn
+            elif name == "schedule":
+                if arg not in SCHEDULES:
+                    raise SpecdecError(f"/schedule takes one of {', '.join(SCHEDULES)}")
+                self.schedule = arg
+            elif name in ("gamma", "gamma-max", "top-k"):
+                value = _number(arg, int, name)
+                if name == "top-k":
+                    self.sampler = Sampler(self.sampler.temperature, value, self.sampler.top_p)
+                else:
+                    make_schedule("fixed", value)  # validates
+                    setattr(self, name.replace("-", "_"), value)
+            elif name in ("temperature", "top-p"):
+                value = _number(arg, float, name)
+                s = self.sampler
+                self.sampler = Sampler(value, s.top_k, s.top_p) if name == "temperature" else Sampler(
+                    s.temperature, s.top_k, value)
+            elif name == "debug":
+                if arg not in ("on", "off"):
+                    raise SpecdecError("/debug takes on or off")
+                self.debug = arg == "on"
+            elif name == "stats":
+                self._stats()
+            elif name == "reset":
+                self.history = []
+            else:
+                raise SpecdecError(f"unknown command /{name}; /help lists them")
+            if name not in ("help", "stats", "quit"):
+                self.console.print(f"[dim]{self.describe()}[/]", highlight=False)
+        except SpecdecError as exc:
+            self.console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        return True
+
+    def describe(self) -> str:
+        if self.method == "ar":
+            return f"ar · {self.sampler.describe()}"
+        plan = make_schedule(self.schedule, self.gamma, 1, self.gamma_max).describe()
+        return f"sd · drafter {self.drafter_name} · {plan} · {self.sampler.describe()}" + (" · debug" if self.debug else "")
+
+    def _turn(self, text: str) -> None:
+        messages = self.history + [{"role": "user", "content": text}]
+        ids = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        try:
+            if self.method == "sd":
+                printer = DebugPrinter(self.target, self.console) if self.debug else StepPrinter(self.target, self.console)
+                schedule = make_schedule(self.schedule, self.gamma, 1, self.gamma_max)
+                result = speculative_generate(list(ids), self.target, self.drafter(), sampler=self.sampler,
+                                              max_new_tokens=self.max_new_tokens, schedule=schedule,
+                                              on_step=printer, debug=self.debug)
+            else:
+                result = autoregressive_generate(list(ids), self.target, sampler=self.sampler,
+                                                 max_new_tokens=self.max_new_tokens,
+                                                 on_step=StepPrinter(self.target, self.console))
+        except SpecdecError as exc:
+            self.console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            return
+        self.console.print()
+        self.history = messages + [{"role": "assistant", "content": self.target.decode(result.tokens)}]
+        self.last = result.stats
+        self.total_tokens += result.stats.new_tokens
+        self.total_seconds += result.stats.wall_seconds
+        self.console.print(f"[dim]{summary_line(result.stats, self.method)}[/]", highlight=False)
+
+    def _stats(self) -> None:
+        if self.last is None:
+            self.console.print("no reply yet", highlight=False)
+            return
+        self.console.print(f"last reply: {summary_line(self.last, self.method)}", highlight=False)
+        rate = self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+        self.console.print(f"session: {self.total_tokens} tokens in {self.total_seconds:.2f} s ({rate:.2f} tok/s), "
+                           f"{len(self.history) // 2} turns", highlight=False)
+
+
+def _number(text: str, kind, name: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise SpecdecError(f"/{name} takes a number, got {text!r}") from None
