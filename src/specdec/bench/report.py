@@ -90,20 +90,22 @@ def render_plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [{"dataset": "all", "task": "all", "temperature": None, "summary": result["summary"]}] + result["groups"]
+    groups = result["groups"]
+    if len(groups) > 1:
+        groups = [{"dataset": "all", "task": "all", "temperature": None, "summary": result["summary"]}] + groups
     methods = list(result["summary"])
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(methods) / 4)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(methods) / 4)), 5.0))
     for j, m in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
         ys = [g["summary"].get(m, {}).get("median_tokens_per_second", 0.0) for g in groups]
         ax.bar(xs, ys, width, label=m)
-    labels = ["all prompts"] + [_group_name(g).replace(", ", "\n") for g in groups[1:]]
+    labels = ["all prompts" if g["temperature"] is None else _group_name(g).replace(", ", "\n") for g in groups]
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylabel("median tokens / s")
     info = result["info"]
     ax.set_title(f"{info['target']} ← {info['drafter']}: {info['settings']['max_new_tokens']} new tokens", fontsize=10)
-    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    ax.legend(fontsize=8, ncol=min(len(methods), 6), loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
