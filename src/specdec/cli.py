@@ -154,7 +154,8 @@ def chat(
             raise SpecdecError(f"{target_model.name} has no chat template")
         session = ChatSession(target_model, lambda name: _load(name, drafter_dtype, device, "drafter"), drafter,
                               Console(), method.value, schedule, gamma, gamma_max, sampler, debug, max_new_tokens)
-        session.drafter() if method == Method.sd else None
+        if method == Method.sd:
+            session.drafter()  # load it now: a bad name fails before the first prompt
     except SpecdecError as exc:
         _fail(str(exc))
     err.print(f"[dim]{session.describe()} — /help for commands, /quit to leave[/]", highlight=False)

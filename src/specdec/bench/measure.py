@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..generate import autoregressive_generate, speculative_generate
 from ..models import LanguageModel, check_pair
 from ..samplers import Sampler
-from ..theory import alpha_from_distributions, expected_tokens, walltime_improvement
+from ..theory import acceptance_beta, expected_tokens, walltime_improvement
 from .forward_cost import forward_ms
 
 
@@ -36,8 +36,6 @@ class GammaRow:
 def measure_alpha(target: LanguageModel, drafter: LanguageModel, prompt: list[int], generated: list[int],
                   sampler: Sampler) -> list[float]:
     """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes)."""
-    from ..theory import acceptance_beta
-
     ids = prompt + generated
     n = len(generated)
     p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import SpecdecError
-from ..models import LanguageModel, load
+from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts
 from .methods import NEEDS_DRAFTER, Record, Settings, check_methods, run_method
@@ -113,8 +113,6 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say)
                      if NEEDS_DRAFTER & set(methods) else None)
     if drafter_model is not None:
-        from ..models import check_pair
-
         check_pair(target_model, drafter_model)
     encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]

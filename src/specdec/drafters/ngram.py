@@ -74,7 +74,7 @@ class NgramDrafter:
         # only committed tokens are counted: rejected drafts never enter the table
         count_ngrams(context, self.n, self.online, start=self._counted)
         self._counted = len(context)
-        extended = list(context)
+        extended = list(context[-(self.n - 1):])  # all the back-off ever looks at
         tokens, probs = [], []
         while len(tokens) < max_tokens:
             counts = self.next_counts(extended)
