@@ -27,10 +27,9 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/specdec bench --dataset humaneval --limit 20 --methods ar,sd,sd-confidence,hf,hf-assisted \
-		--gamma 5 --gamma-max 20 --confidence 0.4 --max-new-tokens 128 --temperature 0 \
-		--markdown docs/benchmarks/humaneval-greedy.md --json docs/benchmarks/humaneval-greedy.json \
-		--plot docs/benchmarks/humaneval-greedy.png
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,sd-confidence,hf,hf-assisted --gamma-max 20 --confidence 0.4 --max-new-tokens 128 \
+		--markdown docs/benchmarks/main.md --json docs/benchmarks/main.json --plot docs/benchmarks/main.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

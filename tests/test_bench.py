@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specdec import SpecdecError
-from specdec.bench.datasets import load_prompts
+from specdec.bench.datasets import load_prompts, parse_dataset
 from specdec.bench.methods import Record, check_methods
 from specdec.bench.report import render_markdown, render_plot
 from specdec.bench.run import group_summaries, summarize
@@ -33,6 +33,10 @@ def _records():
 def test_summary_ratios_acceptance_histogram_and_identity():
     s = summarize(_records(), ["ar", "sd", "hf"])
     assert s["sd"]["median_speedup_vs_ar"] == pytest.approx(2.0)  # median of 2.0, 1.5 and 2.0
+    assert s["sd"]["faster_than_ar"] == [3, 3]
+    assert s["sd"]["median_speedup_vs_hf"] == pytest.approx(2.0)  # median of 2.0, 0.75 and 2.0
+    assert s["sd"]["faster_than_hf"] == [2, 3]
+    assert "median_speedup_vs_hf-assisted" not in s["sd"]  # not in this run
     assert s["sd"]["median_tokens_per_second"] == pytest.approx(4.0)  # median of 4, 3 and 4
     assert s["sd"]["aggregate_tokens_per_second"] == pytest.approx(8 / (1 + 2 / 3 + 0.5))
     assert s["sd"]["acceptance_rate"] == pytest.approx(5 / 9)
@@ -68,6 +72,16 @@ def test_groups_and_markdown_report(tmp_path):
     assert "| sd | 0 | 2 | 0 | 1 |" in text  # histogram row
     render_plot(result, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dataset_specs_carry_their_own_limit_and_temperatures():
+    assert parse_dataset("humaneval", 20, [0.0]) == ("humaneval", 20, [0.0])
+    assert parse_dataset("humaneval:5", 20, [0.0, 1.0]) == ("humaneval", 5, [0.0, 1.0])
+    assert parse_dataset("spec-bench:1:0+1", 20, [0.0]) == ("spec-bench", 1, [0.0, 1.0])
+    assert parse_dataset("spec-bench::0.7", None, [0.0]) == ("spec-bench", None, [0.7])
+    for bad in ("humaneval:x", "humaneval:2:hot", "a:1:0:2", ":3"):
+        with pytest.raises(SpecdecError, match="dataset"):
+            parse_dataset(bad, None, [0.0])
 
 
 def test_datasets_tasks_limits_and_errors(tmp_path):

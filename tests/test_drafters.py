@@ -7,7 +7,7 @@ from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, spec
 from specdec.drafters import LookupDrafter, NgramDrafter
 from specdec.drafters.lookup import find_continuation
 from specdec.drafters.ngram import count_ngrams
-from specdec.schedules import EGAG, Confidence, Heuristic, make_schedule, normalized_entropy
+from specdec.schedules import EGAG, Confidence, CostAware, Heuristic, make_schedule, normalized_entropy
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -91,6 +91,37 @@ def test_egag_sets_gamma_from_the_normalised_entropy_with_an_ema():
     assert half.keep_going(4, None) and not half.keep_going(5, None)
 
 
+def test_cost_schedule_stops_when_the_draft_is_unlikely_to_pay_for_another_token():
+    s = CostAware(gamma_max=12, threshold=0.5, warmup=2)
+    sure = torch.tensor([torch.tensor(0.9).logit().item(), 0.0]) + 0.0  # top probability 0.9 (vocabulary 2)
+    assert s.budget() == 12
+    # prior θ = 0.5: 0.9, 0.81, 0.73, 0.66, 0.59, 0.53 pass; 0.9^7 = 0.48 stops
+    assert all(s.keep_going(k, sure) for k in range(1, 7)) and not s.keep_going(7, sure)
+    assert s.keep_going(1, sure)  # a new step starts afresh
+    # verification takes 0.1 s + 0.02 s per scored token; drafter passes 0.05 s; 8 tokens per 1.0 s
+    s.timing(0.25, 5, 0.1 + 0.02 * 6, 6, 4)
+    assert s.threshold == 0.5  # still warming up
+    s.timing(0.45, 9, 0.1 + 0.02 * 10, 10, 4)
+    rate = 8 / (0.25 + 0.22 + 0.45 + 0.3)  # 6.6 tok/s, below plain decoding's 1 / 0.12 s
+    assert s.threshold == pytest.approx(1 / 0.12 * (0.05 + 0.02))
+    s.timing(0.05, 1, 0.1 + 0.02 * 2, 2, 1)
+    s.timing(0.05, 1, 0.1 + 0.02 * 2, 2, 1)
+    s.timing(0.75, 15, 0.1 + 0.02 * 16, 16, 16)  # a long accepted run lifts the rate above that
+    rate = 26 / (1.22 + 2 * 0.19 + 1.17)
+    assert rate > 1 / 0.12 and s.threshold == pytest.approx(rate * (0.05 + 0.02))
+    assert s.step_info() == {"threshold": s.threshold}
+    s.reset()
+    assert s.threshold == 0.5
+
+
+def test_cost_schedule_threshold_falls_when_drafting_is_cheap():
+    cheap, dear = CostAware(warmup=1), CostAware(warmup=1)
+    for width in (3, 7, 5):
+        cheap.timing(0.01 * (width - 1), width - 1, 0.3 + 0.01 * width, width, 4)
+        dear.timing(0.1 * (width - 1), width - 1, 0.3 + 0.01 * width, width, 4)
+    assert cheap.threshold < dear.threshold
+
+
 @pytest.mark.parametrize("bad", [dict(name="nope"), dict(name="fixed", gamma=0), dict(name="egag", gamma_min=5, gamma_max=2),
                                  dict(name="confidence", confidence=1.5), dict(name="egag", beta=1.0)])
 def test_schedule_errors_are_clear(bad):
@@ -109,6 +140,7 @@ VARIANTS = {
     "heuristic": lambda d: dict(drafter=d, schedule=make_schedule("heuristic", 2, 1, 6)),
     "confidence": lambda d: dict(drafter=d, schedule=make_schedule("confidence", confidence=0.5, gamma_max=6)),
     "egag": lambda d: dict(drafter=d, schedule=make_schedule("egag", gamma_min=1, gamma_max=6, beta=0.3)),
+    "cost": lambda d: dict(drafter=d, schedule=make_schedule("cost", gamma_max=6)),
 }
 
 

@@ -21,8 +21,8 @@ from .schedules import SCHEDULES, make_schedule
 HELP = """commands:
   /method sd|ar            speculative or plain autoregressive decoding
   /drafter NAME            a model (registry name, directory, .gguf), ngram or lookup
-  /schedule NAME           fixed, heuristic, confidence, egag
-  /gamma N                 γ (fixed; start of heuristic)     /gamma-max N   (heuristic, confidence, egag)
+  /schedule NAME           cost, fixed, heuristic, confidence, egag
+  /gamma N                 γ (fixed; start of heuristic)     /gamma-max N   (the others)
   /temperature T           0 = greedy                        /top-k K   /top-p P
   /debug on|off            the step view: q, p, u per draft token
   /stats                   the last reply's and the session's numbers
@@ -31,8 +31,8 @@ HELP = """commands:
 
 class ChatSession:
     def __init__(self, target: LanguageModel, load_drafter: Callable[[str], LanguageModel], drafter: str,
-                 console: Console, method: str = "sd", schedule: str = "fixed", gamma: int = 5,
-                 gamma_max: int = 10, sampler: Sampler | None = None, debug: bool = False,
+                 console: Console, method: str = "sd", schedule: str = "cost", gamma: int = 5,
+                 gamma_max: int = 20, sampler: Sampler | None = None, debug: bool = False,
                  max_new_tokens: int = 256):
         self.target, self.load_drafter, self.console = target, load_drafter, console
         self.method, self.schedule, self.gamma, self.gamma_max = method, schedule, gamma, gamma_max

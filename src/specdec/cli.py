@@ -47,10 +47,11 @@ def generate(
                                 "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
     gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
-    schedule: str = typer.Option("fixed", help="Draft length: fixed, heuristic (+2 / −1), confidence (stop below τ), "
-                                 "egag (entropy-guided)."),
+    schedule: str = typer.Option("cost", help="Draft length: cost (stop when the draft is unlikely to pay for "
+                                 "another token, from measured costs), fixed, heuristic (+2 / −1), confidence "
+                                 "(stop below τ), egag (entropy-guided)."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ (heuristic, egag)."),
-    gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ (heuristic, confidence, egag)."),
+    gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ (cost, heuristic, confidence, egag)."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="τ of the confidence schedule."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
@@ -131,9 +132,9 @@ def chat(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model, ngram or lookup."),
     method: Method = typer.Option(Method.sd),
-    schedule: str = typer.Option("fixed", help="fixed, heuristic, confidence, egag."),
+    schedule: str = typer.Option("cost", help="cost, fixed, heuristic, confidence, egag."),
     gamma: int = typer.Option(5),
-    gamma_max: int = typer.Option(10, "--gamma-max"),
+    gamma_max: int = typer.Option(20, "--gamma-max"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -202,11 +203,12 @@ def _csv(text: str) -> list[str]:
 @app.command()
 def bench(
     dataset: str = typer.Option("humaneval", help="Comma-separated: humaneval, spec-bench (chat template; "
-                                "shared/data), or JSONL files with a 'prompt' or 'turns' field."),
+                                "shared/data), or JSONL files with a 'prompt' or 'turns' field. Each may carry "
+                                "its own limit and temperatures: NAME:LIMIT:T+T, e.g. spec-bench:1:0+1."),
     limit: int = typer.Option(20, help="Prompts per dataset (per task for datasets with tasks)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
                                         "translation, summarization, qa, math_reasoning, rag)."),
-    methods: str = typer.Option("ar,sd,hf", help="Comma-separated: ar, sd, sd-heuristic, sd-confidence, sd-egag, "
+    methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
                                 "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
                                 "with prompt lookup)."),
@@ -214,7 +216,7 @@ def bench(
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
     gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ of the heuristic and egag schedules."),
-    gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ of heuristic, confidence and egag."),
+    gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ of cost, heuristic, confidence and egag."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="Threshold τ of sd-confidence."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),

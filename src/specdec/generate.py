@@ -152,7 +152,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     while not out.done:
         # 1. Draft, leaving room for the target's own token: never past the output limit.
         budget = min(schedule.budget(), out.remaining - 1)
+        step_start, passes = time.perf_counter(), drafter.forwards
         draft = drafter.propose(sequence, budget, sampler, generator, schedule.keep_going) if budget > 0 else Draft([])
+        drafted_at = time.perf_counter()
 
         # 2. Score: one target pass over the tokens it has not seen and the whole draft.
         fed = sequence[LanguageModel.cache_length(target_cache):] + draft.tokens
@@ -168,6 +170,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         LanguageModel.crop(target_cache, kept)
         drafter.rollback(kept)
         schedule.update(len(draft.tokens), num_accepted)
+        schedule.timing(drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
+                        len(fed), num_accepted + 1)
         sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})}))
     out.stats.drafter_forwards = drafter.forwards
     out.stats.lenience = float(lenience)

@@ -13,7 +13,7 @@ import torch
 
 from .errors import SpecdecError
 
-SCHEDULES = ("fixed", "heuristic", "confidence", "egag")
+SCHEDULES = ("fixed", "heuristic", "confidence", "egag", "cost")
 
 
 def _check_gamma(name: str, value) -> None:
@@ -43,6 +43,11 @@ class Schedule:
 
     def update(self, drafted: int, accepted: int) -> None:
         """What the target kept of the step's draft."""
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        """How long the step took: drafting (`drafter_passes` drafter passes), then scoring,
+        verifying and rolling back a target pass over `width` tokens; `emitted` tokens came out."""
 
     def step_info(self) -> dict:
         """Per-step values worth recording (e.g. EGAG's normalised entropy)."""
@@ -140,6 +145,73 @@ class EGAG(Schedule):
         return f"egag γ in [{self.gamma_min}, {self.gamma_max}], β={self.beta:g}"
 
 
+class CostAware(Schedule):
+    """Draft while the draft so far is likely enough to survive to pay for one more token.
+
+    After k draft tokens, P_k = Π (drafter's top probability at each) estimates the chance the
+    target keeps all k. One more token adds at most P_k expected tokens and costs t_d + t_v
+    seconds (t_d: a drafter pass; t_v: the extra verification time per draft token, the slope of
+    the target pass's time over its width). It pays while P_k·(1/(t_d + t_v)) beats the rate R
+    (tokens per second) this generation already makes, or plain decoding's 1/t(1-token pass) if
+    that is higher, so drafting stops once P_k < θ = R·(t_d + t_v).
+    All three are measured as the generation runs, so θ follows the hardware: on a CPU where a
+    drafter pass is a quarter of a target pass θ comes out near 0.5; where drafting is cheap it
+    falls and drafts grow. Until `warmup` steps with different widths are timed, θ = `threshold`.
+    """
+
+    name = "cost"
+
+    def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3):
+        _check_gamma("gamma_max", gamma_max)
+        if not 0 < threshold < 1:
+            raise SpecdecError(f"the cost schedule's starting threshold must be in (0, 1), got {threshold!r}")
+        super().__init__(gamma_max)
+        self.prior, self.warmup = threshold, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        self.threshold = self.prior
+        self.survival = 1.0
+        self.steps = 0
+        self.tokens = self.seconds = self.draft_seconds = 0.0
+        self.passes = 0
+        self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
+
+    def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
+        if drafted == 1:
+            self.survival = 1.0
+        if logits is not None:
+            self.survival *= float(logits.float().softmax(-1).max())
+        return self.survival >= self.threshold
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.steps += 1
+        self.tokens += emitted
+        self.seconds += draft_seconds + verify_seconds
+        self.draft_seconds += draft_seconds
+        self.passes += drafter_passes
+        for i, v in enumerate((1.0, width, width * width, verify_seconds, width * verify_seconds)):
+            self._sums[i] += v
+        n, sw, sww, st, swt = self._sums
+        spread = n * sww - sw * sw
+        if self.steps < self.warmup or spread < 0.25 * n * n or self.seconds <= 0:  # widths must vary
+            return
+        slope = max(0.0, (n * swt - sw * st) / spread)  # least-squares seconds per extra scored token
+        one_token_pass = (st - slope * sw) / n + slope
+        per_pass = self.draft_seconds / self.passes if self.passes else 0.0
+        # the best rate is at least plain decoding's (drafting nothing): a poor start must not
+        # lower the bar and draw out ever longer drafts
+        rate = max(self.tokens / self.seconds, 1 / one_token_pass if one_token_pass > 0 else 0.0)
+        self.threshold = min(0.99, rate * (per_pass + slope))
+
+    def step_info(self) -> dict:
+        return {"threshold": self.threshold}
+
+    def describe(self) -> str:
+        return f"cost-aware (θ measured, starts at {self.prior:g}), γ_max={self.gamma}"
+
+
 def _check_range(gamma_min, gamma_max) -> None:
     _check_gamma("gamma_min", gamma_min)
     _check_gamma("gamma_max", gamma_max)
@@ -150,7 +222,8 @@ def _check_range(gamma_min, gamma_max) -> None:
 def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma_max: int = 10,
                   beta: float = 0.0, confidence: float = 0.4) -> Schedule:
     """A schedule by name: fixed (gamma), heuristic (starts at gamma, in [gamma_min, gamma_max]),
-    confidence (threshold `confidence`, up to gamma_max), egag (gamma_min, gamma_max, beta)."""
+    confidence (threshold `confidence`, up to gamma_max), egag (gamma_min, gamma_max, beta),
+    cost (measured costs, up to gamma_max)."""
     if name == "fixed":
         return Fixed(gamma)
     if name == "heuristic":
@@ -159,4 +232,6 @@ def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma
         return Confidence(confidence, gamma_max)
     if name == "egag":
         return EGAG(gamma_min, gamma_max, beta)
+    if name == "cost":
+        return CostAware(gamma_max)
     raise SpecdecError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")

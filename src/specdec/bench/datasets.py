@@ -55,6 +55,23 @@ def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
     return prompts
 
 
+def parse_dataset(spec: str, limit: int | None, temperatures: list[float]) -> tuple[str, int | None, list[float]]:
+    """"NAME[:LIMIT[:T+T...]]" -> (name, limit, temperatures): a dataset with its own prompt limit
+    (per task) and temperatures, e.g. "humaneval:20:0" or "spec-bench:1:0+1"; what a spec leaves
+    out comes from `limit` and `temperatures`."""
+    name, *rest = spec.split(":")
+    if len(rest) > 2 or not name:
+        raise SpecdecError(f"dataset '{spec}': write NAME, NAME:LIMIT or NAME:LIMIT:T+T (e.g. spec-bench:1:0+1)")
+    try:
+        if rest and rest[0]:
+            limit = int(rest[0])
+        if len(rest) == 2:
+            temperatures = [float(t) for t in rest[1].split("+")]
+    except ValueError:
+        raise SpecdecError(f"dataset '{spec}': LIMIT must be an integer and temperatures numbers joined by '+'") from None
+    return name, limit, list(temperatures)
+
+
 def load_prompts(dataset: str, limit: int | None = None, tasks: list[str] | None = None) -> list[Prompt]:
     """Prompts of `dataset`: "humaneval", "spec-bench", or a JSONL path whose rows hold 'prompt' or
     'turns' (and optionally 'task'). `tasks` keeps only those tasks; `limit` applies per task when

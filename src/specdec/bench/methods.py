@@ -20,6 +20,7 @@ from ..schedules import make_schedule
 METHODS = {
     "ar": "ours: autoregressive, one target pass per token",
     "sd": "ours: drafter model, fixed γ",
+    "sd-cost": "ours: drafter model, stop when the draft is unlikely to pay for another token (measured costs)",
     "sd-heuristic": "ours: drafter model, γ +2 after a fully accepted draft, −1 otherwise",
     "sd-confidence": "ours: drafter model, stop drafting below the drafter's top probability τ",
     "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
@@ -30,7 +31,7 @@ METHODS = {
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
 }
-NEEDS_DRAFTER = {"sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed"}
+NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed"}
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Settings:
     max_new_tokens: int = 128
     gamma: int = 5
     gamma_min: int = 1
-    gamma_max: int = 10
+    gamma_max: int = 20
     egag_beta: float = 0.0
     confidence: float = 0.4
     ngram_n: int = 4

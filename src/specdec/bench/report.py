@@ -5,17 +5,26 @@ from __future__ import annotations
 from rich.table import Table
 
 COLUMNS = ("method", "median tok/s", "aggregate tok/s", "median speedup vs ar", "median speedup vs hf",
-           "acceptance", "tokens / target forward", "identical to ar")
+           "median speedup vs hf-assisted (faster on)", "acceptance", "tokens / target forward", "identical to ar")
 
 
 def _fmt(value, spec=".2f", suffix=""):
     return "–" if value is None else format(value, spec) + suffix
 
 
+def _versus(s: dict, base: str) -> str:
+    ratio = s.get(f"median_speedup_vs_{base}")
+    if ratio is None:
+        return "–"
+    won, total = s[f"faster_than_{base}"]
+    return f"{ratio:.2f}× ({won}/{total})"
+
+
 def _cells(method: str, s: dict) -> list[str]:
     identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else "–"
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]),
             _fmt(s.get("median_speedup_vs_ar"), ".2f", "×"), _fmt(s.get("median_speedup_vs_hf"), ".2f", "×"),
+            _versus(s, "hf-assisted"),
             _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_forward"]), identical]
 
 

@@ -19,15 +19,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import SpecdecError
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
-from .datasets import Prompt, load_prompts
+from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import NEEDS_DRAFTER, Record, Settings, check_methods, run_method
 from .report import render_markdown, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
+BASELINES = ("ar", "hf", "hf-assisted")  # every method's per-prompt speedup is taken against each of these
 
 
 def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
-    """Per method: median and aggregate tok/s, median per-prompt speedups vs ar and hf, acceptance,
+    """Per method: median and aggregate tok/s, median per-prompt speedups vs ar, hf and hf-assisted
+    (and on how many prompts it was faster), acceptance,
     tokens per target forward, histogram of accepted counts, and (greedy prompts) identity to ar."""
     by = {m: {r.prompt_id: r for r in records if r.method == m} for m in methods}
     summary = {}
@@ -45,10 +47,11 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
                                           if all(r.target_forwards for r in rs) else None),
             "accepted_histogram": dict(sorted(Counter(n for r in rs for n in r.accepted_per_step).items())),
         }
-        for base in ("ar", "hf"):
+        for base in BASELINES:
             if by.get(base) and base != m:
                 ratios = [r.tokens_per_second / by[base][i].tokens_per_second for i, r in by[m].items() if i in by[base]]
                 entry[f"median_speedup_vs_{base}"] = statistics.median(ratios) if ratios else None
+                entry[f"faster_than_{base}"] = [sum(x > 1 for x in ratios), len(ratios)]
         greedy = [i for i, r in by[m].items() if r.temperature == 0 and i in by.get("ar", {})]
         if m != "ar" and greedy:
             mismatches = [i for i in greedy if by[m][i].tokens != by["ar"][i].tokens]
@@ -97,14 +100,20 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                   seed: int = 0, markdown: str | None = None, json_path: str | None = None,
                   plot: str | None = None, argv: list[str] | None = None, console: Console | None = None,
                   dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto") -> dict:
-    """Run every method on every prompt of `datasets` at every temperature; report and return
+    """Run every method on every prompt of `datasets` (names, or NAME:LIMIT:T+T specs, see
+    `parse_dataset`) at every temperature; report and return
     {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}."""
     console = console or Console(stderr=True)
     check_methods(methods)
-    samplers = [Sampler(temperature=t) for t in temperatures]
     prompts: list[Prompt] = []
-    for d in datasets:
-        prompts += load_prompts(d, limit, tasks if d != "humaneval" else None)
+    temperatures_of: list[list[float]] = []  # per prompt
+    for spec in datasets:
+        name, count, temps = parse_dataset(spec, limit, list(temperatures))
+        loaded = load_prompts(name, count, tasks if name != "humaneval" else None)
+        prompts += loaded
+        temperatures_of += [temps] * len(loaded)
+    temperatures = sorted({t for temps in temperatures_of for t in temps})
+    samplers = [Sampler(temperature=t) for t in temperatures]
 
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/]", highlight=False)
@@ -128,10 +137,12 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     records: list[Record] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("benchmark", total=len(prompts) * len(methods) * len(samplers))
+        bar = progress.add_task("benchmark", total=sum(map(len, temperatures_of)) * len(methods))
         n = 0
         for sampler in samplers:
-            for p, ids in zip(prompts, encoded):
+            for p, ids, temps in zip(prompts, encoded, temperatures_of):
+                if sampler.temperature not in temps:
+                    continue
                 # a fresh seeded order per prompt: no method always runs first or right after another
                 # (a plain rotation keeps the cyclic order, so one method always follows the same one)
                 order = random.Random(seed * 7919 + n).sample(methods, len(methods))
@@ -155,7 +166,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         if r.prompt_id in entry.get("mismatched_prompts", []):
             entry.setdefault("divergences", {})[r.prompt_id] = divergence(
                 target_model, ids_by_prompt[r.prompt_id.split("@")[0]], ar_tokens[r.prompt_id], r.tokens)
-    info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(prompts),
+    info = {"datasets": datasets, "tasks": tasks, "limit": None if any(":" in d for d in datasets) else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "settings": vars(settings),
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
             "target_dtype": str(target_model.dtype).removeprefix("torch."), "target_kernels": target_model.kernels,
