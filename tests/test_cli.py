@@ -133,6 +133,9 @@ def test_debug_view_and_lenience(need_smollm2):
     assert drafted and all(len(s["u"]) == len(s["drafted"]) == len(s["p"]) == len(s["q"]) for s in drafted)
     text = runner.invoke(app, args + ["--temperature", "1", "--lenience", "0.5"])
     assert "LOSSY" in text.output
+    default = runner.invoke(app, args[:-2] + ["--max-new-tokens", "24", "--debug"])  # the cost schedule
+    assert default.exit_code == 0, default.output
+    assert "θ = " in default.output
 
 
 def test_chat_switches_settings_and_counts_tokens(need_smollm2):

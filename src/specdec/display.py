@@ -83,6 +83,8 @@ class DebugPrinter:
             head.append(f", γ = {info['gamma']}")
         if info.get("h_norm") is not None:
             head.append(f", H_norm = {info['h_norm']:.3f}")
+        if info.get("threshold") is not None:
+            head.append(f", θ = {info['threshold']:.2f}")
         self.console.print(head, highlight=False)
         for i, token in enumerate(step.draft_tokens):
             if i > step.num_accepted:

@@ -2,7 +2,8 @@
 
 A schedule gives a budget before each step (`budget`), may cut the draft short as it grows
 (`keep_going`, fed the drafter's untempered logits for each drafted token), and learns from
-the verification (`update`). None of them touches exactness: they only choose γ.
+the verification (`update`) and from how long the step took (`timing`). None of them touches
+exactness: they only choose γ.
 """
 
 from __future__ import annotations
