@@ -53,7 +53,7 @@ def render_markdown(result: dict) -> str:
              + (f", at most {info['limit']} per task" if info.get("limit") else "") + "); temperatures: "
              + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}",
              f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {st['gamma']} (fixed), "
-             f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence up to γ_max), "
+             f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence and cost up to γ_max), "
              f"confidence τ = {st['confidence']:g}, EGAG β = {st['egag_beta']:g}, n-gram n = {st['ngram_n']}",
              f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
              f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']})",

@@ -166,7 +166,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         if r.prompt_id in entry.get("mismatched_prompts", []):
             entry.setdefault("divergences", {})[r.prompt_id] = divergence(
                 target_model, ids_by_prompt[r.prompt_id.split("@")[0]], ar_tokens[r.prompt_id], r.tokens)
-    info = {"datasets": datasets, "tasks": tasks, "limit": None if any(":" in d for d in datasets) else limit, "prompts": len(prompts),
+    own_limits = any(":" in d for d in datasets)  # then the specs say the limits
+    info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "settings": vars(settings),
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
             "target_dtype": str(target_model.dtype).removeprefix("torch."), "target_kernels": target_model.kernels,
