@@ -109,7 +109,8 @@ def render_plot(result: dict, path: str) -> None:
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(groups))]
         ys = [g["summary"].get(m, {}).get("median_tokens_per_second", 0.0) for g in groups]
         ax.bar(xs, ys, width, label=m)
-    labels = ["all prompts" if g["temperature"] is None else _group_name(g).replace(", ", "\n") for g in groups]
+    labels = ["all prompts" if g["temperature"] is None else _group_name(g).replace(", ", "\n").replace(" / ", "\n")
+              for g in groups]
     ax.set_xticks(range(len(groups)), labels, fontsize=8)
     ax.set_ylabel("median tokens / s")
     info = result["info"]
