@@ -156,7 +156,7 @@ class CostAware(Schedule):
     (tokens per second) this generation already makes, or plain decoding's 1/t(1-token pass) if
     that is higher, so drafting stops once P_k < θ = R·(t_d + t_v).
     All three are measured as the generation runs, so θ follows the hardware: on a CPU where a
-    drafter pass is a quarter of a target pass θ comes out near 0.5; where drafting is cheap it
+    drafter pass is a quarter of a target pass θ comes out around 0.3–0.6; where drafting is cheap it
     falls and drafts grow. Until `warmup` steps with different widths are timed, θ = `threshold`.
     """
 
