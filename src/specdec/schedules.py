@@ -98,10 +98,15 @@ class Confidence(Schedule):
         self.threshold = threshold
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
-        return logits is None or float(logits.float().softmax(-1).max()) >= self.threshold
+        return logits is None or top_probability(logits) >= self.threshold
 
     def describe(self) -> str:
         return f"confidence τ={self.threshold:g}, γ_max={self.gamma}"
+
+
+def top_probability(logits: torch.Tensor) -> float:
+    """max softmax(logits): logits [V]."""
+    return float(logits.float().softmax(-1).max())
 
 
 def normalized_entropy(logits: torch.Tensor) -> float:
@@ -173,7 +178,6 @@ class CostAware(Schedule):
     def reset(self) -> None:
         self.threshold = self.prior
         self.survival = 1.0
-        self.steps = 0
         self.tokens = self.seconds = self.draft_seconds = 0.0
         self.passes = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
@@ -182,12 +186,11 @@ class CostAware(Schedule):
         if drafted == 1:
             self.survival = 1.0
         if logits is not None:
-            self.survival *= float(logits.float().softmax(-1).max())
+            self.survival *= top_probability(logits)
         return self.survival >= self.threshold
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
-        self.steps += 1
         self.tokens += emitted
         self.seconds += draft_seconds + verify_seconds
         self.draft_seconds += draft_seconds
@@ -196,7 +199,7 @@ class CostAware(Schedule):
             self._sums[i] += v
         n, sw, sww, st, swt = self._sums
         spread = n * sww - sw * sw
-        if self.steps < self.warmup or spread < 0.25 * n * n or self.seconds <= 0:  # widths must vary
+        if n < self.warmup or spread < 0.25 * n * n or self.seconds <= 0:  # widths must vary
             return
         slope = max(0.0, (n * swt - sw * st) / spread)  # least-squares seconds per extra scored token
         one_token_pass = (st - slope * sw) / n + slope
