@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models demo test bench clean
+.PHONY: setup models demo test bench bench-policies clean
 
 setup: $(STAMP) models
 
@@ -30,6 +30,14 @@ bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \
 		--methods ar,sd-cost,hf,hf-assisted --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/main.md --json docs/benchmarks/main.json --plot docs/benchmarks/main.png
+
+# issue 4's comparison: draft-length policies on the model drafter, and the three drafters at
+# the same fixed γ, greedy (so every output is also checked token for token against AR)
+bench-policies: setup
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0 \
+		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram,lookup --gamma 5 --gamma-max 20 \
+		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
+		--plot docs/benchmarks/policies.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

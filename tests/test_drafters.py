@@ -114,6 +114,19 @@ def test_cost_schedule_stops_when_the_draft_is_unlikely_to_pay_for_another_token
     assert s.threshold == 0.5
 
 
+def test_cost_schedule_counts_a_lookup_token_with_the_observed_acceptance():
+    s = CostAware(gamma_max=20, threshold=0.5)
+    # nothing observed yet: (0 + 1) / (0 + 2) = 0.5 per token, so 0.5 passes and 0.25 stops
+    assert s.keep_going(1, None) and not s.keep_going(2, None)
+    for _ in range(10):
+        s.update(5, 5)  # lookup drafts that the target kept: (50 + 1) / 52 per token
+    assert all(s.keep_going(k, None) for k in range(1, 20))
+    s.reset()
+    for _ in range(10):
+        s.update(5, 0)  # every lookup token rejected: one token a step
+    assert not s.keep_going(1, None)
+
+
 def test_cost_schedule_threshold_falls_when_drafting_is_cheap():
     cheap, dear = CostAware(warmup=1), CostAware(warmup=1)
     for width in (3, 7, 5):

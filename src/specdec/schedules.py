@@ -163,6 +163,11 @@ class CostAware(Schedule):
     All three are measured as the generation runs, so θ follows the hardware: on a CPU where a
     drafter pass is a quarter of a target pass θ comes out around 0.3–0.6; where drafting is cheap it
     falls and drafts grow. Until `warmup` steps with different widths are timed, θ = `threshold`.
+
+    A drafter without a distribution (prompt lookup: logits None) gives no top probability, so
+    each of its tokens counts with this generation's acceptance rate so far, (accepted + 1) /
+    (drafted + 2): a lookup draft that keeps being rejected shrinks to one token a step instead
+    of running to γ_max.
     """
 
     name = "cost"
@@ -180,6 +185,7 @@ class CostAware(Schedule):
         self.survival = 1.0
         self.tokens = self.seconds = self.draft_seconds = 0.0
         self.passes = 0
+        self.drafted = self.accepted = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
@@ -187,7 +193,13 @@ class CostAware(Schedule):
             self.survival = 1.0
         if logits is not None:
             self.survival *= top_probability(logits)
+        else:
+            self.survival *= (self.accepted + 1) / (self.drafted + 2)
         return self.survival >= self.threshold
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:

@@ -6,6 +6,7 @@ ratio between methods measured on the same prompt within seconds of each other.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
@@ -104,6 +105,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     `parse_dataset`) at every temperature; report and return
     {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}."""
     console = console or Console(stderr=True)
+    if not console.is_terminal:  # a log file: the summary table would wrap at 80 columns
+        console.width = max(console.width, 160)
     check_methods(methods)
     prompts: list[Prompt] = []
     temperatures_of: list[list[float]] = []  # per prompt
@@ -149,6 +152,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                 n += 1
                 for m in order:
                     progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}: {m}")
+                    gc.collect()  # the garbage of the previous method is not collected on this one's clock
                     r = run_method(m, ids, target_model, drafter_model, settings, sampler, seed + p.index)
                     r.prompt_id = f"{p.dataset}/{p.index}@t{sampler.temperature:g}"
                     r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
