@@ -91,6 +91,7 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path):
     assert len(data["records"]) == 2 * 5 * 2 and len(data["groups"]) == 2
     assert "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "median tok/s" in result.output  # a log, not a terminal: the table is not wrapped at 80 columns
 
 
 def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
