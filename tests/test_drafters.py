@@ -154,6 +154,7 @@ VARIANTS = {
     "confidence": lambda d: dict(drafter=d, schedule=make_schedule("confidence", confidence=0.5, gamma_max=6)),
     "egag": lambda d: dict(drafter=d, schedule=make_schedule("egag", gamma_min=1, gamma_max=6, beta=0.3)),
     "cost": lambda d: dict(drafter=d, schedule=make_schedule("cost", gamma_max=6)),
+    "lookup-cost": lambda d: dict(drafter=LookupDrafter(), schedule=make_schedule("cost", gamma_max=6)),
 }
 
 
