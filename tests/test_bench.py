@@ -1,14 +1,16 @@
 """The benchmark harness's bookkeeping: summaries, ratios, identity checks, reports, datasets."""
 
 import json
+import statistics
+from collections import Counter
 
 import pytest
 
 from specdec import SpecdecError
 from specdec.bench.datasets import load_prompts, parse_dataset
 from specdec.bench.methods import Record, check_methods
-from specdec.bench.report import render_markdown, render_plot
-from specdec.bench.run import group_summaries, summarize
+from specdec.bench.report import render_markdown, render_paired, render_plot, render_table
+from specdec.bench.run import bootstrap_median_interval, group_summaries, method_orders, summarize
 
 
 def _records():
@@ -102,3 +104,63 @@ def test_datasets_tasks_limits_and_errors(tmp_path):
         load_prompts(str(path))
     with pytest.raises(SpecdecError, match="unknown method"):
         check_methods(["sd", "magic"])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7])
+def test_method_orders_are_counterbalanced(k):
+    """Every block of orders puts each method in each position, and right after each other
+    method, equally often; so a steadily drifting machine favours none of them."""
+    methods = [f"m{i}" for i in range(k)]
+    block = k if k % 2 == 0 else 2 * k
+    orders = method_orders(methods, seed=3)
+    for _ in range(3):  # several blocks, each relabelled afresh
+        rows = [next(orders) for _ in range(block)]
+        assert all(sorted(r) == methods for r in rows)
+        for position in range(k):
+            assert Counter(r[position] for r in rows) == {m: block // k for m in methods}
+        follows = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+        if k > 1:
+            assert set(follows.values()) == {block // k} and len(follows) == k * (k - 1)
+    # the seed decides the orders, reproducibly
+    assert [next(method_orders(methods, 1)) for _ in range(2)] == [next(method_orders(methods, 1)) for _ in range(2)]
+
+
+def test_bootstrap_interval_brackets_the_median_and_narrows_with_more_prompts():
+    import random
+
+    rng = random.Random(0)
+    few = [1 + rng.gauss(0, 0.05) for _ in range(8)]
+    many = [1 + rng.gauss(0, 0.05) for _ in range(200)]
+    lo, hi = bootstrap_median_interval(few)
+    assert lo <= statistics.median(few) <= hi
+    lo2, hi2 = bootstrap_median_interval(many)
+    assert hi2 - lo2 < (hi - lo) / 2 and lo2 < 1 < hi2
+    assert bootstrap_median_interval([1.0, 2.0]) is None  # too few prompts to say anything
+    assert bootstrap_median_interval([1.0] * 5) == [1.0, 1.0]
+    s = summarize(_records(), ["ar", "sd", "hf"])
+    assert s["sd"]["speedup_vs_ar_interval95"] == [1.5, 2.0]  # medians of resampled 2.0, 1.5, 2.0
+
+
+def test_reports_show_only_the_baselines_that_ran_and_the_paired_intervals():
+    from rich.console import Console
+
+    s = summarize(_records(), ["ar", "sd", "hf"])
+    console = Console(width=200, record=True)
+    console.print(render_table(s))
+    console.print(render_paired(s))
+    text = console.export_text()
+    assert "vs hf-assisted" not in text  # not in this run: no empty column
+    assert "median speedup vs hf" in text
+    assert "1.50–2.00" in text  # sd vs ar, with its interval
+
+
+def test_decoding_rate_leaves_out_the_time_to_first_token():
+    r = Record("h/0@t0", "ar", [1] * 11, 11, 3.0, 11, first_token_seconds=1.0)
+    assert r.decode_tokens_per_second == pytest.approx(10 / 2.0)
+    assert Record("h/0@t0", "ar", [1], 1, 1.0, 1, first_token_seconds=1.0).decode_tokens_per_second is None
+    assert Record("h/0@t0", "hf", [1, 2], 2, 1.0, 2).decode_tokens_per_second is None  # not measured
+    records = [r, Record("h/0@t0", "hf", [1] * 11, 11, 2.0, 11, first_token_seconds=0.5)]
+    s = summarize(records, ["ar", "hf"])
+    assert s["ar"]["median_first_token_seconds"] == 1.0
+    assert s["ar"]["median_decode_speedup_vs_hf"] == pytest.approx(5.0 / (10 / 1.5))
+    assert s["ar"]["median_speedup_vs_hf"] == pytest.approx((11 / 3) / (11 / 2))

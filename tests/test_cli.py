@@ -92,6 +92,10 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path):
     assert "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "median tok/s" in result.output  # a log, not a terminal: the table is not wrapped at 80 columns
+    for r in data["records"]:  # every method, ours and transformers', notes its time to first token
+        assert 0 < r["first_token_seconds"] <= r["wall_seconds"], r
+    assert data["summary"]["ar"]["median_decode_speedup_vs_hf"] > 0
+    assert "95% interval" in result.output and "Paired speedups" in (tmp_path / "r.md").read_text()
 
 
 def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):

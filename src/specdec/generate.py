@@ -48,6 +48,7 @@ class GenerationStats:
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
+    first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
 
     @property
@@ -93,7 +94,7 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
     generator = _generator(seed, model.device)
     out = _Output(limit, limit_reason, eos, on_step)
     cache = model.new_cache()
-    start = time.perf_counter()
+    out.start_clock()
     pending = prompt
     while not out.done:
         logits = model.forward(pending, cache, num_logits=1)
@@ -101,7 +102,7 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
         token = int(_target_token(logits[-1], sampler, generator))
         out.add(Step([], 0, token, []))
         pending = [token]
-    return out.finish(time.perf_counter() - start)
+    return out.finish()
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, drafter: LanguageModel | Drafter,
@@ -142,7 +143,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     target_cache = target.new_cache()
     drafter.start(prompt)
     schedule.reset()
-    start = time.perf_counter()
+    out.start_clock()
 
     if first_target:
         logits = target.forward(sequence, target_cache, num_logits=1)
@@ -175,7 +176,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})}))
     out.stats.drafter_forwards = drafter.forwards
     out.stats.lenience = float(lenience)
-    return out.finish(time.perf_counter() - start)
+    return out.finish()
 
 
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
@@ -213,6 +214,10 @@ class _Output:
         self.stats = GenerationStats()
         self.limit, self.limit_reason, self.eos, self.on_step = limit, limit_reason, eos, on_step
         self.stop_reason: str | None = None
+        self._start = time.perf_counter()
+
+    def start_clock(self) -> None:
+        self._start = time.perf_counter()
 
     @property
     def remaining(self) -> int:
@@ -231,6 +236,8 @@ class _Output:
                 self.stop_reason = "eos"
                 break
         emitted = emitted[:self.remaining]
+        if emitted and not self.tokens:
+            self.stats.first_token_seconds = time.perf_counter() - self._start
         step.emitted = emitted
         self.tokens += emitted
         self.steps.append(step)
@@ -244,9 +251,9 @@ class _Output:
             self.on_step(step)
         return emitted
 
-    def finish(self, wall_seconds: float) -> GenerationResult:
+    def finish(self) -> GenerationResult:
         self.stats.new_tokens = len(self.tokens)
-        self.stats.wall_seconds = wall_seconds
+        self.stats.wall_seconds = time.perf_counter() - self._start
         return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason)
 
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..drafters import LookupDrafter, NgramDrafter
 from ..errors import SpecdecError
@@ -31,6 +32,7 @@ METHODS = {
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
 }
+BASELINES = ("ar", "hf", "hf-assisted")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed"}
 
 
@@ -61,10 +63,18 @@ class Record:
     dataset: str = ""
     task: str = ""
     temperature: float = 0.0
+    first_token_seconds: float | None = None  # prompt pass and first token: the time to first token
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first over the time after it: the decoding rate, prompt pass left out."""
+        if self.first_token_seconds is None or self.new_tokens < 2 or self.wall_seconds <= self.first_token_seconds:
+            return None
+        return (self.new_tokens - 1) / (self.wall_seconds - self.first_token_seconds)
 
 
 def check_methods(methods: list[str]) -> None:
@@ -91,7 +101,7 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                                       schedule=schedule, **common)
     s = result.stats
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
-                  s.accepted, s.accepted_per_step)
+                  s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds)
 
 
 def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,
@@ -119,11 +129,27 @@ def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Set
                         top_p=sampler.top_p)
     eos = model.eos_token_ids
     inputs = torch.tensor([ids], device=model.device)
-    start = time.perf_counter()
+    clock = _FirstTokens()
+    start = clock.start = time.perf_counter()
     with torch.inference_mode():
         out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=settings.max_new_tokens,
                                 num_beams=1, repetition_penalty=1.0, eos_token_id=eos,
-                                pad_token_id=eos[0] if eos else None, **sampling, **peers[method])
+                                pad_token_id=eos[0] if eos else None, stopping_criteria=StoppingCriteriaList([clock]),
+                                **sampling, **peers[method])
     wall = time.perf_counter() - start
     tokens = out[0, len(ids):].tolist()
-    return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "hf" else None)
+    return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "hf" else None,
+                  first_token_seconds=clock.seconds)
+
+
+class _FirstTokens(StoppingCriteria):
+    """A criterion that never stops: it notes when transformers' main loop first appended new tokens
+    (the time to first token). The assistant of assisted generation never calls it."""
+
+    def __init__(self):
+        self.start, self.seconds = 0.0, None
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.start
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 from rich.table import Table
 
-COLUMNS = ("method", "median tok/s", "aggregate tok/s", "median speedup vs ar", "median speedup vs hf",
-           "median speedup vs hf-assisted (faster on)", "acceptance", "tokens / target forward", "identical to ar")
+from .methods import BASELINES
+
+
+def _baselines(summary: dict) -> list[str]:
+    """The baselines that ran: a column or a row each (none for those absent from the run)."""
+    return [b for b in BASELINES if b in summary]
+
+
+def _columns(summary: dict) -> list[str]:
+    versus = [f"median speedup vs {b}" + (" (faster on)" if b == "hf-assisted" else "") for b in _baselines(summary)]
+    return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance", "tokens / target forward",
+            "identical to ar"]
 
 
 def _fmt(value, spec=".2f", suffix=""):
@@ -20,24 +30,54 @@ def _versus(s: dict, base: str) -> str:
     return f"{ratio:.2f}× ({won}/{total})"
 
 
-def _cells(method: str, s: dict) -> list[str]:
+def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
     identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else "–"
-    return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]),
-            _fmt(s.get("median_speedup_vs_ar"), ".2f", "×"), _fmt(s.get("median_speedup_vs_hf"), ".2f", "×"),
-            _versus(s, "hf-assisted"),
+    versus = [_versus(s, b) if b == "hf-assisted" else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
+              for b in baselines]
+    return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
             _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_forward"]), identical]
 
 
 def render_table(summary: dict, title: str | None = None) -> Table:
-    table = Table(*COLUMNS, title=title)
+    table = Table(*_columns(summary), title=title)
     for m, s in summary.items():
-        table.add_row(*_cells(m, s))
+        table.add_row(*_cells(m, s, _baselines(summary)))
+    return table
+
+
+def _paired_rows(summary: dict) -> list[list[str]]:
+    """One row per (method, baseline): the median per-prompt ratio, its 95% bootstrap interval over
+    prompts, on how many prompts the method was faster, the ratio of decoding rates after the first
+    token, and the method's median time to first token."""
+    rows = []
+    for base in _baselines(summary):
+        for m, s in summary.items():
+            ratio = s.get(f"median_speedup_vs_{base}")
+            if ratio is None:
+                continue
+            interval = s.get(f"speedup_vs_{base}_interval95")
+            won, total = s[f"faster_than_{base}"]
+            rows.append([m, base, f"{ratio:.2f}×", "–" if interval is None else f"{interval[0]:.2f}–{interval[1]:.2f}",
+                         f"{won}/{total}", _fmt(s.get(f"median_decode_speedup_vs_{base}"), ".2f", "×"),
+                         _fmt(s.get("median_first_token_seconds"), ".2f", " s")])
+    return rows
+
+
+PAIRED_COLUMNS = ("method", "vs", "median per-prompt speedup", "95% interval (bootstrap over prompts)", "faster on",
+                  "decoding alone", "method's median time to first token")
+
+
+def render_paired(summary: dict) -> Table:
+    table = Table(*PAIRED_COLUMNS, title="paired speedups")
+    for row in _paired_rows(summary):
+        table.add_row(*row)
     return table
 
 
 def _markdown_table(summary: dict) -> list[str]:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return lines + ["| " + " | ".join(_cells(m, s)) + " |" for m, s in summary.items()]
+    columns = _columns(summary)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(_cells(m, s, _baselines(summary))) + " |" for m, s in summary.items()]
 
 
 def _group_name(g: dict) -> str:
@@ -61,6 +101,15 @@ def render_markdown(result: dict) -> str:
     if info.get("command"):
         lines.append(f"- command: `{info['command']}`")
     lines += ["", "### All prompts", "", *_markdown_table(summary)]
+    paired = _paired_rows(summary)
+    if paired:
+        lines += ["", "### Paired speedups (all prompts)", "",
+                  "Each method's tok/s over the baseline's on the same prompt; the interval resamples prompts "
+                  "(a median over few prompts on a noisy machine is uncertain by a few percent). \"Decoding "
+                  "alone\" leaves out the time to first token (the prompt pass): tokens after the first over "
+                  "the time after it.", "",
+                  "| " + " | ".join(PAIRED_COLUMNS) + " |", "|" + "---|" * len(PAIRED_COLUMNS),
+                  *("| " + " | ".join(row) + " |" for row in paired)]
     for g in result["groups"]:
         lines += ["", f"### {_group_name(g)}", "", *_markdown_table(g["summary"])]
     hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}

@@ -21,17 +21,55 @@ from ..errors import SpecdecError
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import NEEDS_DRAFTER, Record, Settings, check_methods, run_method
-from .report import render_markdown, render_plot, render_table
+from .methods import BASELINES, NEEDS_DRAFTER, Record, Settings, check_methods, run_method
+from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
-BASELINES = ("ar", "hf", "hf-assisted")  # every method's per-prompt speedup is taken against each of these
+
+
+def method_orders(methods: list[str], seed: int = 0):
+    """Yield the order to run `methods` in, prompt after prompt: rows of a Williams design.
+
+    Within every block of k rows (2k when k is odd) each method runs in each position equally often
+    and right after each other method equally often. A machine that drifts (these speed up or slow
+    down by 10-20% over minutes) then favours no method: with a seeded shuffle instead, the 10-prompt
+    ar-vs-hf run put ar first on 6 prompts and hf on 4, and the ratio read the drift. The methods
+    are relabelled and the rows reordered by `seed`, afresh for each block.
+    """
+    rng = random.Random(seed)
+    k = len(methods)
+    first = [0] + [(j + 1) // 2 if j % 2 else k - j // 2 for j in range(1, k)]  # 0, 1, k-1, 2, k-2, ...
+    rows = [[(x + r) % k for x in first] for r in range(k)]
+    if k % 2:  # odd k: the reversed rows complete the carry-over balance
+        rows += [row[::-1] for row in rows]
+    while True:
+        labels = rng.sample(methods, k)
+        for row in rng.sample(rows, len(rows)):
+            yield [labels[x] for x in row]
+
+
+def bootstrap_median_interval(values: list[float], seed: int = 0, resamples: int = 2000,
+                              level: float = 0.95) -> list[float] | None:
+    """A percentile bootstrap interval for the median of `values` (None below 3 values): how far
+    the median speedup over a handful of prompts can be trusted on a noisy machine."""
+    if len(values) < 3:
+        return None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]]
+
+
+def _median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
-    """Per method: median and aggregate tok/s, median per-prompt speedups vs ar, hf and hf-assisted
-    (and on how many prompts it was faster), acceptance,
-    tokens per target forward, histogram of accepted counts, and (greedy prompts) identity to ar."""
+    """Per method: median and aggregate tok/s, median time to first token and decoding rate after it,
+    median per-prompt speedups vs ar, hf and hf-assisted (with a bootstrap interval, on how many
+    prompts it was faster, and decoding alone), acceptance, tokens per target forward, histogram of
+    accepted counts, and (greedy prompts) identity to ar."""
     by = {m: {r.prompt_id: r for r in records if r.method == m} for m in methods}
     summary = {}
     for m in methods:
@@ -47,12 +85,19 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
             "tokens_per_target_forward": (sum(r.new_tokens for r in rs) / sum(r.target_forwards for r in rs)
                                           if all(r.target_forwards for r in rs) else None),
             "accepted_histogram": dict(sorted(Counter(n for r in rs for n in r.accepted_per_step).items())),
+            "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
+            "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
         }
         for base in BASELINES:
             if by.get(base) and base != m:
                 ratios = [r.tokens_per_second / by[base][i].tokens_per_second for i, r in by[m].items() if i in by[base]]
                 entry[f"median_speedup_vs_{base}"] = statistics.median(ratios) if ratios else None
                 entry[f"faster_than_{base}"] = [sum(x > 1 for x in ratios), len(ratios)]
+                entry[f"speedup_vs_{base}_interval95"] = bootstrap_median_interval(ratios)
+                # the same ratio with the prompt pass left out: tells a slower prefill from slower decoding
+                entry[f"median_decode_speedup_vs_{base}"] = _median_or_none([
+                    r.decode_tokens_per_second / by[base][i].decode_tokens_per_second for i, r in by[m].items()
+                    if i in by[base] and r.decode_tokens_per_second and by[base][i].decode_tokens_per_second])
         greedy = [i for i, r in by[m].items() if r.temperature == 0 and i in by.get("ar", {})]
         if m != "ar" and greedy:
             mismatches = [i for i in greedy if by[m][i].tokens != by["ar"][i].tokens]
@@ -141,16 +186,12 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("benchmark", total=sum(map(len, temperatures_of)) * len(methods))
-        n = 0
+        orders = method_orders(methods, seed)
         for sampler in samplers:
             for p, ids, temps in zip(prompts, encoded, temperatures_of):
                 if sampler.temperature not in temps:
                     continue
-                # a fresh seeded order per prompt: no method always runs first or right after another
-                # (a plain rotation keeps the cyclic order, so one method always follows the same one)
-                order = random.Random(seed * 7919 + n).sample(methods, len(methods))
-                n += 1
-                for m in order:
+                for m in next(orders):  # counterbalanced: see method_orders
                     progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}: {m}")
                     gc.collect()  # the garbage of the previous method is not collected on this one's clock
                     r = run_method(m, ids, target_model, drafter_model, settings, sampler, seed + p.index)
@@ -179,8 +220,10 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "drafter_kernels": drafter_model.kernels if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),
-              "records": [dict(vars(r), tokens_per_second=r.tokens_per_second) for r in records]}
+              "records": [dict(vars(r), tokens_per_second=r.tokens_per_second,
+                               decode_tokens_per_second=r.decode_tokens_per_second) for r in records]}
     console.print(render_table(summary, title="all prompts"))
+    console.print(render_paired(summary))
     if markdown:
         with open(markdown, "w") as f:
             f.write(render_markdown(result))
