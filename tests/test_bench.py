@@ -72,6 +72,7 @@ def test_groups_and_markdown_report(tmp_path):
     assert "### spec-bench / qa, temperature 1" in text
     assert "| h/1@t0 | 2.00 | 3.00 | 4.00 |" in text
     assert "| sd | 0 | 2 | 0 | 1 |" in text  # histogram row
+    assert text.count("| method | vs |") == 1  # paired table for all 3 prompts; none for 2- or 1-prompt groups
     render_plot(result, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -74,6 +74,11 @@ def render_paired(summary: dict) -> Table:
     return table
 
 
+def _markdown_paired(rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(PAIRED_COLUMNS) + " |", "|" + "---|" * len(PAIRED_COLUMNS),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def _markdown_table(summary: dict) -> list[str]:
     columns = _columns(summary)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -108,10 +113,11 @@ def render_markdown(result: dict) -> str:
                   "(a median over few prompts on a noisy machine is uncertain by a few percent). \"Decoding "
                   "alone\" leaves out the time to first token (the prompt pass): tokens after the first over "
                   "the time after it.", "",
-                  "| " + " | ".join(PAIRED_COLUMNS) + " |", "|" + "---|" * len(PAIRED_COLUMNS),
-                  *("| " + " | ".join(row) + " |" for row in paired)]
+                  *_markdown_paired(paired)]
     for g in result["groups"]:
         lines += ["", f"### {_group_name(g)}", "", *_markdown_table(g["summary"])]
+        if any(s.get("prompts", 0) >= 3 for s in g["summary"].values()):  # fewer: no interval to show
+            lines += ["", *_markdown_paired(_paired_rows(g["summary"]))]
     hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}
     if hist:
         top = max(int(k) for h in hist.values() for k in h)
