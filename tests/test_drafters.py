@@ -69,6 +69,15 @@ def test_heuristic_schedule_grows_and_shrinks_within_bounds():
     assert s.budget() == 3
 
 
+@pytest.mark.parametrize("gamma,gamma_min,gamma_max", [(8, 1, 6), (1, 2, 6), (7, 7, 6)])
+def test_heuristic_schedule_starts_within_its_bounds(gamma, gamma_min, gamma_max):
+    with pytest.raises(SpecdecError, match="gamma"):
+        Heuristic(gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max)
+    with pytest.raises(SpecdecError, match="gamma"):
+        make_schedule("heuristic", gamma, gamma_min, gamma_max)
+    assert Heuristic(gamma=6, gamma_min=6, gamma_max=6).budget() == 6  # the bounds themselves are fine
+
+
 def test_confidence_schedule_stops_below_the_threshold():
     s = Confidence(threshold=0.5, gamma_max=8)
     sure, unsure = torch.tensor([5.0, 0.0, 0.0]), torch.tensor([0.1, 0.0, 0.0])

@@ -124,18 +124,57 @@ def test_one_hot_p_and_q_is_greedy():
 def test_low_precision_inputs_are_computed_in_fp32_without_nan(dtype):
     p = _dirichlet(4, 32, 8).to(dtype)
     q = _dirichlet(3, 32, 9).to(dtype)
-    draft = sample(q.float().expand(50_000, -1, -1), torch.Generator().manual_seed(0))
-    n, nxt = verify_draft(p.expand(50_000, -1, -1), q.expand(50_000, -1, -1), draft)
+    trials = 50_000
+    draft = sample(q.float().expand(trials, -1, -1), torch.Generator().manual_seed(0))
+    n, nxt = verify_draft(p.expand(trials, -1, -1), q.expand(trials, -1, -1), draft, torch.Generator().manual_seed(1))
     assert n.dtype == torch.long and nxt.dtype == torch.long
-    assert ((0 <= n) & (n <= 3)).all() and ((0 <= nxt) & (nxt < 32)).all()
+    # the same draws on the same values upcast first give the same decisions, trial by trial
+    n32, nxt32 = verify_draft(p.float().expand(trials, -1, -1), q.float().expand(trials, -1, -1), draft,
+                              torch.Generator().manual_seed(1))
+    assert torch.equal(n, n32) and torch.equal(nxt, nxt32)
+    # and the output follows p (the low-precision values, renormalised) at every position
+    emitted = torch.where(torch.arange(4) < n[:, None], torch.cat([draft, draft[:, :1]], 1), -1)
+    emitted[torch.arange(trials), n] = nxt
+    for i in range(4):
+        reached = emitted[:, i] >= 0
+        target = p[i].float() / p[i].float().sum()
+        assert _chi_square_pvalue(emitted[reached, i], target) > ALPHA / 4
+
+
+def _reference_verify(p, q, tokens, u, v):
+    """Algorithm 1 for one draft in plain Python (float64): p [γ+1][V], q [γ][V], tokens [γ],
+    u [γ] the acceptance draws, v the draw that picks the next token by inverse CDF."""
+    gamma = len(tokens)
+    n = 0
+    while n < gamma and u[n] * q[n][tokens[n]] < p[n][tokens[n]]:
+        n += 1
+    weights = p[n] if n == gamma else [max(0.0, a - b) for a, b in zip(p[n], q[n])]
+    if sum(weights) <= 0:
+        weights = p[n]
+    point, cumulative = v * sum(weights), 0.0
+    for token, w in enumerate(weights):
+        cumulative += w
+        if point < cumulative and w > 0:
+            return n, token
+    return n, max(t for t, w in enumerate(weights) if w > 0)
 
 
 def test_batched_over_several_leading_dimensions():
+    """Each element of a [3, 5] batch gets what Algorithm 1 gives for that draft alone."""
     p = _dirichlet(3 * 5 * 4, 6, 10).view(3, 5, 4, 6)
     q = _dirichlet(3 * 5 * 3, 6, 11).view(3, 5, 3, 6)
     draft = sample(q, torch.Generator().manual_seed(0))
-    n, nxt = verify_draft(p, q, draft)
+    n, nxt = verify_draft(p, q, draft, torch.Generator().manual_seed(1))
     assert n.shape == (3, 5) and nxt.shape == (3, 5)
+    # verify_draft's draws, in its order: the acceptance uniforms [3, 5, γ], then sample's [3, 5, 1]
+    g = torch.Generator().manual_seed(1)
+    u, v = torch.rand(3, 5, 3, generator=g), torch.rand(3, 5, 1, generator=g)
+    for i in range(3):
+        for j in range(5):
+            expected = _reference_verify(p[i, j].double().tolist(), q[i, j].double().tolist(), draft[i, j].tolist(),
+                                         u[i, j].double().tolist(), float(v[i, j, 0]))
+            assert (int(n[i, j]), int(nxt[i, j])) == expected, (i, j)
+    assert len(set(n.flatten().tolist())) >= 3  # rejections at several positions and bonus tokens
 
 
 @pytest.mark.parametrize("shapes,message", [

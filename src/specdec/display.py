@@ -21,34 +21,61 @@ LEGEND = Text.assemble(("accepted draft", STYLES["accepted"]), "  ", ("rejected 
 
 
 class StepPrinter:
-    """An `on_step` callback that streams each step's tokens, coloured by their origin."""
+    """An `on_step` callback that streams each step's tokens, coloured by their origin.
+
+    Each token's text is found by decoding a short tail of the output (the last few printed
+    tokens plus those not yet printed), so a step costs the same however long the output is.
+    A token that ends inside a character (a byte-level BPE emoji split over tokens) prints
+    nothing until the token that completes it; `flush()` prints what is still held back when
+    the generation ends (`speculative_generate` and `autoregressive_generate` call it).
+    `text` is everything printed so far except rejected drafts: `model.decode` of the emitted ids.
+    """
+
+    CONTEXT = 4  # printed tokens decoded again with each new one: a tokenizer may join text across tokens
+    MAX_HELD = 16  # ids held back at most; a UTF-8 character spans at most 4 byte tokens
 
     def __init__(self, model: LanguageModel, console: Console):
         self.model, self.console = model, console
         self.ids: list[int] = []
         self.text = ""
+        self._printed = 0  # ids[:_printed] are in `text`
+        self._starts = [0]  # ids positions where printed text ended on a whole character, oldest first
 
     def _piece(self, token: int) -> str:
-        """Text that `token` adds after what was emitted so far (handles multi-token characters)."""
-        full = self.model.decode(self.ids + [token])
-        return full[len(self.text):] if full.startswith(self.text) else self.model.decode([token])
+        """Text that `token` adds after what was printed so far ("" while a character is incomplete)."""
+        self.ids.append(token)
+        start = self._starts[0]
+        before = self.model.decode(self.ids[start:self._printed])
+        after = self.model.decode(self.ids[start:])
+        held = len(self.ids) - self._printed
+        if after.endswith("\ufffd") and held < self.MAX_HELD:
+            return ""  # an incomplete character: the next token may complete it
+        self._printed = len(self.ids)
+        self._starts = (self._starts + [self._printed])[-self.CONTEXT:]
+        piece = after[len(before):]
+        self.text += piece
+        return piece
 
     def __call__(self, step: Step) -> None:
         line = Text()
-        accepted = step.emitted[:step.num_accepted]
-        for token in accepted:
-            piece = self._piece(token)
-            line.append(piece, STYLES["accepted"])
-            self.ids.append(token)
-            self.text += piece
+        for token in step.emitted[:step.num_accepted]:
+            line.append(self._piece(token), STYLES["accepted"])
         if step.num_accepted < len(step.draft_tokens) and len(step.emitted) > step.num_accepted:
             line.append(self.model.decode([step.draft_tokens[step.num_accepted]]), STYLES["rejected"])
         for token in step.emitted[step.num_accepted:]:
-            piece = self._piece(token)
-            line.append(piece, STYLES[step.next_kind])
-            self.ids.append(token)
-            self.text += piece
+            line.append(self._piece(token), STYLES[step.next_kind])
         self.console.print(line, end="", soft_wrap=True, highlight=False)
+
+    def flush(self) -> None:
+        """Print what is held back (an output that ends inside a character shows it as decoded)."""
+        if self._printed == len(self.ids):
+            return
+        start = self._starts[0]
+        piece = self.model.decode(self.ids[start:])[len(self.model.decode(self.ids[start:self._printed])):]
+        self._printed = len(self.ids)
+        self._starts = (self._starts + [self._printed])[-self.CONTEXT:]
+        self.text += piece
+        self.console.print(Text(piece), end="", soft_wrap=True, highlight=False)
 
 
 def summary_line(stats: GenerationStats, method: str) -> str:

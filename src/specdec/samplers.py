@@ -62,16 +62,33 @@ GREEDY = Sampler(temperature=0.0)
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] (fp32).
+    """logits [..., V] -> probabilities [..., V] (fp32), every row finite and summing to 1.
 
-    Raises SpecdecError on NaN logits rather than returning a silently wrong distribution.
+    Infinite logits and overflowing temperatures give the limit distribution, never NaN: a row
+    with +inf logits is uniform over its +inf entries (at any temperature), and a temperature so
+    small that logits / T overflows gives the uniform distribution over the row's largest logits
+    (one-hot at the argmax when it is unique, the greedy limit). Temperature 0 is one-hot at the
+    first largest logit. Raises SpecdecError on NaN logits and on a row whose logits are all -inf
+    (no token is possible) rather than returning a silently wrong distribution.
     """
     logits = logits.float()
     if torch.isnan(logits).any():
         raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+    row_max = logits.amax(-1, keepdim=True)  # [..., 1]
+    _check_some_token_possible(row_max)
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
+    # +inf logits: the limit of softmax as they grow together is uniform over them, whatever T
+    plus_inf = row_max == float("inf")
+    if plus_inf.any():
+        logits = torch.where(plus_inf, torch.where(logits == float("inf"), 0.0, float("-inf")), logits)
+        row_max = logits.amax(-1, keepdim=True)
+    # Subtract the row max before dividing by T: (l - max) / T lies in [-inf, 0], so it never
+    # overflows to +inf (logits / T can: inf - inf = NaN in softmax). The max entries stay exactly
+    # 0 even when T rounds to 0 in fp32 (0 / 0 would be NaN); entries that underflow to -inf give
+    # the greedy limit, which is the right answer there.
+    shifted = logits - row_max
+    logits = torch.where(shifted == 0, 0.0, shifted / temperature)
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -87,25 +104,44 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     return logits.softmax(-1)
 
 
+def _check_some_token_possible(row_max: torch.Tensor) -> None:
+    """row_max [..., 1]: the largest logit of each row; -inf means every token is ruled out."""
+    if (row_max == float("-inf")).any():
+        raise SpecdecError("the model gave every token logit -inf: every token has probability 0, nothing can be "
+                           "sampled")
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> argmax tokens [...] (long): the greedy sampler without building one-hot rows.
 
-    Picks the same token as sampling from `logits_to_probs(logits, temperature=0)`.
+    Picks the same token as sampling from `logits_to_probs(logits, temperature=0)` (the first
+    largest logit, +inf included), and raises the same SpecdecError on NaN or an all -inf row.
     """
     if torch.isnan(logits).any():
         raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
-    return logits.float().argmax(-1)
+    logits = logits.float()
+    tokens = logits.argmax(-1)
+    _check_some_token_possible(logits.gather(-1, tokens.unsqueeze(-1)))
+    return tokens
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one index from each distribution: probs [..., V] -> tokens [...] (long).
 
     Inverse-CDF sampling, batched over any leading dimensions; it never returns an index of
-    probability 0 (rows need not be normalised, but must have positive mass).
+    probability 0. Rows need not be normalised, but every entry must be finite and >= 0 and each
+    row's mass finite and positive: anything else raises SpecdecError (a NaN, inf or all-zero row
+    has no distribution to sample; guessing an index would hide the bug upstream).
     """
     probs = probs.float()
     cdf = probs.cumsum(-1)
     total = cdf[..., -1:]
+    # a NaN or inf entry makes the total NaN or inf; a negative entry may hide in a positive total
+    if not bool(torch.isfinite(total).all()) or bool((probs < 0).any()):
+        raise SpecdecError("cannot sample: probabilities must be finite and >= 0 (got NaN, inf or negative "
+                           "entries, or a row whose mass overflows)")
+    if not bool((total > 0).all()):
+        raise SpecdecError("cannot sample: a row of probabilities is all zero (every token has probability 0)")
     u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float32)
     idx = torch.searchsorted(cdf, u * total, right=True)
     # u * total can round up to total; fall back to the last index with positive mass

@@ -70,6 +70,9 @@ class Heuristic(Schedule):
     def __init__(self, gamma: int = 5, gamma_min: int = 1, gamma_max: int = 32):
         super().__init__(gamma)
         _check_range(gamma_min, gamma_max)
+        if not gamma_min <= gamma <= gamma_max:  # else the first steps would draft outside the bounds
+            raise SpecdecError(f"the heuristic schedule's starting gamma ({gamma}) must lie in "
+                               f"[gamma_min, gamma_max] = [{gamma_min}, {gamma_max}]")
         self.initial, self.gamma_min, self.gamma_max = gamma, gamma_min, gamma_max
 
     def reset(self) -> None:
