@@ -12,16 +12,28 @@ from .base import Draft, KeepGoing
 
 
 class ModelDrafter:
-    """Drafts with `model` autoregressively, keeping its own KV cache in step with the target's."""
+    """Drafts with `model` autoregressively, keeping its own KV cache in step with the target's.
+
+    The drafter may pad its output head to another width than the target's while sharing its
+    tokenizer (Qwen2.5-7B has 152,064 rows, Qwen2.5-0.5B 151,936): its q is given over the
+    target's ids, zero on ids the drafter lacks, and ids beyond the target's are never proposed.
+    """
 
     def __init__(self, model: LanguageModel):
         self.model = model
         self.name = model.name
         self.forwards = 0
         self.cache = None
+        self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
+        embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
+        self._embedded = embeddings.num_embeddings if embeddings is not None else None
+        tokenizer = model.tokenizer
+        self._stand_in = next((i for i in (getattr(tokenizer, "unk_token_id", None),
+                                           getattr(tokenizer, "pad_token_id", None)) if isinstance(i, int)), 0)
 
     def check_target(self, target: LanguageModel) -> None:
         check_pair(target, self.model)
+        self.vocab_size = target.vocab_size
 
     def start(self, prompt: Sequence[int]) -> None:
         self.cache = self.model.new_cache()
@@ -33,21 +45,35 @@ class ModelDrafter:
         probs = []
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
-        pending = list(context[LanguageModel.cache_length(self.cache):])
+        pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
         while len(tokens) < max_tokens:
             logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
             self.forwards += 1
+            logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
+            over_target = self._over_target_vocabulary(logits)
             if sampler.is_greedy:
                 token = int(greedy_tokens(logits))
             else:
-                q = sampler.probs(logits)
+                q = sampler.probs(over_target)
                 token = int(sample(q, generator))
                 probs.append(q)
             tokens.append(token)
-            pending = [token]
+            pending = self._inputs([token])
             if not keep_going(len(tokens), logits):
                 break
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def rollback(self, length: int) -> None:
         LanguageModel.crop(self.cache, length)
+
+    def _over_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V_drafter'] -> [V_target]: -inf (q = 0) on the target's ids the drafter lacks."""
+        missing = (self.vocab_size or 0) - logits.shape[-1]
+        return logits if missing <= 0 else torch.cat([logits, logits.new_full((missing,), float("-inf"))])
+
+    def _inputs(self, ids: Sequence[int]) -> list[int]:
+        """Token ids the drafter can embed: an id past its embedding (one the target's padded head
+        emitted) becomes its unknown token. This only steers the drafts, never the output."""
+        if self._embedded is None:
+            return list(ids)
+        return [t if t < self._embedded else self._stand_in for t in ids]
