@@ -5,7 +5,7 @@ import torch
 
 from specdec import GREEDY, Sampler, autoregressive_generate, speculative_generate
 
-from conftest import tiny_model
+from conftest import TableModel, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +150,24 @@ def test_lenience_is_validated_and_greedy_output_ignores_it(tiny_pair):
     target, drafter = tiny_pair
     ar = autoregressive_generate([3, 4], target, max_new_tokens=12, eos_token_ids=[])
     sd = speculative_generate([3, 4], target, drafter, gamma=3, max_new_tokens=12, eos_token_ids=[], lenience=0.3)
-    assert sd.tokens == ar.tokens and sd.stats.lossy  # one-hot p: p/l accepts exactly what p accepts
+    assert sd.tokens == ar.tokens  # one-hot p: p/l accepts exactly what p accepts
+    assert not sd.stats.lossy and sd.stats.greedy  # so a greedy run is exact, whatever the lenience
+    sampled = speculative_generate([3, 4], target, drafter, gamma=3, sampler=Sampler(1.0), max_new_tokens=12, seed=0,
+                                   eos_token_ids=[], lenience=0.3)
+    assert sampled.stats.lossy and sampled.stats.greedy is False and sampled.stats.to_dict()["lossy"]
     with pytest.raises(SpecdecError, match="lenience"):
         speculative_generate([3, 4], target, drafter, lenience=1.5)
+
+
+def test_greedy_runs_with_lenience_below_one_are_not_labelled_lossy():
+    from specdec.display import summary_line
+    from specdec.generate import GenerationStats
+
+    greedy = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=True)
+    sampled = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=False)
+    assert not greedy.lossy and "LOSSY" not in summary_line(greedy, "sd")
+    assert sampled.lossy and "LOSSY" in summary_line(sampled, "sd")
+    assert not GenerationStats(lenience=1.0, greedy=False).lossy
 
 
 def test_debug_records_p_q_u_per_draft_token(tiny_pair):
@@ -201,3 +216,125 @@ def test_beam_search_with_one_beam_is_greedy(tiny_pair):
     assert beam_search_generate([3, 4], target, num_beams=1, max_new_tokens=15, eos_token_ids=[]).tokens == ar.tokens
     with pytest.raises(Exception, match="num_beams"):
         beam_search_generate([3, 4], target, num_beams=0)
+
+
+def test_a_slow_on_step_callback_is_not_counted_in_the_timings():
+    """Rendering runs outside the timed region: wall_seconds leaves out the time spent in on_step."""
+    import time
+
+    target, drafter = TableModel(5, 0), TableModel(5, 1)
+    runs = {"ar": lambda cb: autoregressive_generate([1, 2], target, max_new_tokens=5, eos_token_ids=[], on_step=cb),
+            "sd": lambda cb: speculative_generate([1, 2], target, drafter, gamma=2, max_new_tokens=8, eos_token_ids=[],
+                                                  on_step=cb)}
+    for name, run in runs.items():
+        slept = []
+
+        def slow(step):
+            begin = time.perf_counter()
+            time.sleep(0.05)
+            slept.append(time.perf_counter() - begin)
+
+        begin = time.perf_counter()
+        out = run(slow)
+        outside = time.perf_counter() - begin
+        assert len(slept) == len(out.steps) >= 4, name
+        # the call took `outside` seconds, `sum(slept)` of them in the callback
+        assert out.stats.wall_seconds <= outside - sum(slept), name
+        assert 0 < out.stats.first_token_seconds <= out.stats.wall_seconds, name
+
+
+def test_an_on_step_callback_with_flush_is_flushed_once_at_the_end():
+    """StepPrinter holds back a character split over tokens; the loops flush it when they end."""
+    calls = []
+
+    class Printer:
+        def __call__(self, step):
+            calls.append("step")
+
+        def flush(self):
+            calls.append("flush")
+
+    target, drafter = TableModel(5, 0), TableModel(5, 1)
+    autoregressive_generate([1, 2], target, max_new_tokens=3, eos_token_ids=[], on_step=Printer())
+    assert calls == ["step"] * 3 + ["flush"]
+    calls.clear()
+    out = speculative_generate([1, 2], target, drafter, gamma=2, max_new_tokens=6, eos_token_ids=[], on_step=Printer())
+    assert calls == ["step"] * len(out.steps) + ["flush"]
+
+def test_accepted_counts_only_the_drafts_that_were_emitted():
+    """An EOS inside an accepted draft ends the output: the accepted drafts after it were never
+    emitted and must not count as accepted."""
+    target = TableModel(vocab=8, seed=0)
+    # a prompt whose greedy output has a new token at index 2: with first_target, the first draft
+    # of a perfect drafter (the target itself) is tokens 1..4, and that token is its 2nd
+    for prompt in ([a, b] for a in range(8) for b in range(8)):
+        ar = autoregressive_generate(prompt, target, max_new_tokens=6, eos_token_ids=[])
+        if ar.tokens[2] not in ar.tokens[:2]:
+            break
+    sd = speculative_generate(prompt, target, target, gamma=4, max_new_tokens=6, eos_token_ids=[ar.tokens[2]])
+    assert sd.tokens == ar.tokens[:3] and sd.stop_reason == "eos"
+    last = sd.steps[-1]
+    assert last.num_accepted == len(last.draft_tokens) == 4 and last.emitted == ar.tokens[1:3]
+    assert sd.stats.accepted == 2 and sd.stats.accepted_per_step == [2] and sd.stats.drafted == 4
+    assert sd.stats.acceptance_rate == 0.5
+
+
+class _BeamCache:
+    """The token rows of a _BeamTable, with the batched-cache calls beam search makes."""
+
+    def __init__(self):
+        self.rows: list[list[int]] = [[]]
+
+    def get_seq_length(self) -> int:
+        return len(self.rows[0])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.rows = [list(row) for row in self.rows for _ in range(repeats)]
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.rows = [list(self.rows[i]) for i in beam_idx.tolist()]
+
+
+class _BeamTable(TableModel):
+    """A TableModel that beam search can drive (logits = table[previous two tokens], per row)."""
+
+    def new_cache(self):
+        return _BeamCache()
+
+    def _next_logits(self, row: list[int]) -> torch.Tensor:
+        context = [self.vocab_size, self.vocab_size] + row
+        return self.table[context[-2], context[-1]]
+
+    def prefill(self, prompt, cache):
+        cache.rows[0] += list(prompt)[:-1]
+        return list(prompt)[-1:]
+
+    def forward(self, input_ids, cache=None, num_logits=1):
+        row = cache.rows[0] if cache is not None else []
+        row += [int(t) for t in input_ids]
+        return torch.stack([self._next_logits(row[:len(row) - k]) for k in reversed(range(num_logits))])
+
+    def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        for row, new in zip(cache.rows, input_ids.tolist()):
+            row += new
+        return torch.stack([self._next_logits(row) for row in cache.rows])
+
+
+def test_beam_search_builds_its_tensors_on_the_models_device():
+    """Every tensor beam search makes must live on the logits' device (CUDA for a CUDA model).
+    Without a GPU, torch's default device is set to `meta` while the model computes on the CPU:
+    a tensor made without device= then lands on meta, and mixing it with the CPU logits or
+    reading it back fails, as a CPU tensor would next to CUDA logits."""
+    from specdec import beam_search_generate
+
+    model = _BeamTable(vocab=6, seed=0)
+    model.eos_token_ids = [3]
+    expected = beam_search_generate([1, 2], model, num_beams=3, max_new_tokens=8)
+    assert len(expected.tokens) == 3 and expected.stop_reason == "eos"  # beams ran on and finished
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        out = beam_search_generate([1, 2], model, num_beams=3, max_new_tokens=8)
+    finally:
+        torch.set_default_device(previous)
+    assert out.tokens == expected.tokens

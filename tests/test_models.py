@@ -153,3 +153,120 @@ def test_registry_lists_the_documented_models():
     assert len(registry.MODELS["qwen2.5-coder-1.5b"].packages) == 22
     assert len(registry.MODELS["qwen2.5-coder-0.5b"].packages) == 6
     assert registry.DEFAULT_TARGET == "qwen2.5-coder-1.5b" and registry.DEFAULT_DRAFTER == "qwen2.5-coder-0.5b"
+
+
+# --- broken checkpoints and bad options: one SpecdecError line (exit 1 in the CLI), never random weights
+
+
+def _tiny_checkpoint(directory, tie: bool = False):
+    """A tiny Llama saved like a real model directory: config, safetensors and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(16)}, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t0", eos_token="t1",
+                            unk_token="t3").save_pretrained(directory)
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _edit_tensors(directory, edit):
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _drop_up_proj(directory):
+    _edit_tensors(directory, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+
+
+def _wrong_shape(directory):
+    _edit_tensors(directory, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 31)}))
+
+
+def _bogus_model_type(directory):
+    import json
+
+    config = json.loads((directory / "config.json").read_text())
+    config["model_type"] = "no-such-architecture"
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _truncate_weights(directory):
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+BROKEN_CHECKPOINTS = [
+    (_drop_up_proj, r"lacks 1 tensor.*model\.layers\.1\.mlp\.up_proj\.weight"),
+    (_wrong_shape, r"model\.layers\.0\.self_attn\.q_proj\.weight.*\[32, 31\].*\[32, 32\]"),
+    (_bogus_model_type, r"no-such-architecture"),
+    (_truncate_weights, r"(?i)safetensors|deserializ"),
+]
+BROKEN_IDS = [damage.__name__.strip("_") for damage, _ in BROKEN_CHECKPOINTS]
+
+
+@pytest.mark.parametrize("damage,message", BROKEN_CHECKPOINTS, ids=BROKEN_IDS)
+def test_broken_checkpoint_is_a_one_line_error(tmp_path, damage, message):
+    directory = _tiny_checkpoint(tmp_path / "ckpt")
+    load(directory, dtype="fp32", device="cpu")  # intact, it loads
+    damage(directory)
+    with pytest.raises(SpecdecError, match=message) as caught:
+        load(directory, dtype="fp32", device="cpu")
+    text = str(caught.value)
+    assert text.startswith(f"could not load {directory}") and "\n" not in text
+
+
+@pytest.mark.parametrize("damage,message", BROKEN_CHECKPOINTS, ids=BROKEN_IDS)
+def test_cli_broken_checkpoint_exits_1_without_traceback(tmp_path, damage, message):
+    import re
+
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    directory = _tiny_checkpoint(tmp_path / "ckpt")
+    damage(directory)
+    result = CliRunner().invoke(app, ["generate", "x", "--target", str(directory), "--method", "ar",
+                                      "--dtype", "fp32", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, SpecdecError)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), result.output
+
+
+def test_tied_output_embedding_may_be_absent_from_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file
+
+    directory = _tiny_checkpoint(tmp_path / "tied", tie=True)
+    assert "lm_head.weight" not in load_file(directory / "model.safetensors")
+    model = load(directory, dtype="fp32", device="cpu")
+    head = model.hf.get_output_embeddings().weight
+    assert torch.equal(head, model.hf.get_input_embeddings().weight)
+    assert model.encode("t5 t6") == [5, 6]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gamma-max", "0"], "gamma_max must be an integer >= 1"),
+    (["--schedule", "fixed", "--gamma", "0"], "gamma must be an integer >= 1"),
+    (["--schedule", "no-such-schedule"], "unknown schedule 'no-such-schedule'"),
+])
+def test_cli_chat_rejects_bad_schedule_options_before_loading(args, message):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    # an unknown target: the options must be checked before any model is looked up
+    result = CliRunner().invoke(app, ["chat", "--target", "no-such-model", *args], input="/quit\n")
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.output

@@ -19,16 +19,6 @@ from conftest import TableModel, tiny_model
 ALPHA = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tests run many thousands of tiny tensor ops; with 2 threads on a busy 2-core machine
-    each op can wait on an OpenMP barrier (a [5, 3] softmax took 11 ms with 2 threads, 3 µs with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def exact_joint(target, prompt, length, sampler):
     """{tuple of the first `length` tokens: probability} under autoregressive sampling."""
     joint = {(): 1.0}

@@ -28,12 +28,17 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _load(name: str, dtype: str, device: str, role: str):
+def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None):
     from .models import load
 
     with err.status(f"loading {name} ({role})…"):
-        return load(name, dtype=dtype, device=device, role=role,
+        return load(name, dtype=dtype, device=device, role=role, exact_rows=exact_rows,
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+
+
+EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass computed bit for bit as a one-token "
+                   "pass would, so greedy output is token-identical to AR in every dtype (default: on for CPU "
+                   "targets; --batched-rows: plain multi-row kernels).")
 
 
 MODEL_FREE_DRAFTERS = ("ngram", "lookup")
@@ -70,6 +75,7 @@ def generate(
     dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
@@ -85,7 +91,7 @@ def generate(
         if not prompt.strip():
             raise SpecdecError("empty prompt")
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
-        target_model = _load(target, dtype, device, "target")
+        target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
             if drafter == "ngram":
@@ -147,9 +153,13 @@ def chat(
     """Chat interactively; /help lists the commands that switch method, drafter, schedule, sampler, debug."""
     from .chat import ChatSession
     from .samplers import Sampler
+    from .schedules import make_schedule
 
     try:
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+        # The session builds its schedule lazily (outside this handler); a bad value must fail here,
+        # before minutes of model loading, as one error line.
+        make_schedule(schedule, gamma, 1, gamma_max)
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
@@ -229,6 +239,7 @@ def bench(
     dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from .bench.methods import Settings
@@ -244,7 +255,7 @@ def bench(
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
-                      drafter_dtype=drafter_dtype, device=device)
+                      drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows)
     except SpecdecError as exc:
         _fail(str(exc))
 
@@ -337,18 +348,20 @@ def forward_cost(
     models: str = typer.Option(f"{registry.DEFAULT_TARGET},{registry.DEFAULT_DRAFTER}", help="Comma-separated models."),
     configs: str = typer.Option("fp32:target:stock,fp32:target:auto,bf16:target:stock,bf16:drafter:auto",
                                 help="Comma-separated dtype:role:kernels triples."),
+    compare_rows: bool = typer.Option(False, "--compare-rows", help="Measure row-exact and batched target passes "
+                                      "alternately on the same model (two rows per config)."),
 ):
     """Measure how a forward pass's cost grows with the tokens scored at once (markdown table)."""
     from .bench.forward_cost import forward_cost_table
 
-    sizes = (1, 2, 4, 6, 9)
-    print("| model | dtype | role | kernels | 1 token (ms) | " + " | ".join(f"{t} tokens" for t in sizes[1:])
-          + " | 128-token prefill (ms) |")
-    print("|---|---|---|---|---|" + "---|" * (len(sizes) - 1) + "---|")
+    sizes = (1, 2, 4, 6, 9, 16)
+    print("| model | dtype | role | kernels | rows | 1 token (ms) | " + " | ".join(f"{t} tokens" for t in sizes[1:])
+          + " | 128-token prompt, first token (ms) |")
+    print("|---|---|---|---|---|---|" + "---|" * (len(sizes) - 1) + "---|")
     try:
         triples = [tuple(c.split(":")) for c in configs.split(",")]
         for name in models.split(","):
-            for row in forward_cost_table(name.strip(), triples, sizes):
+            for row in forward_cost_table(name.strip(), triples, sizes, compare_rows):
                 print(row, flush=True)
     except (SpecdecError, ValueError) as exc:
         _fail(str(exc))

@@ -50,10 +50,13 @@ class GenerationStats:
     wall_seconds: float = 0.0
     first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
+    greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
 
     @property
     def lossy(self) -> bool:
-        return self.lenience < 1
+        """Lenience < 1 changes the output only under sampling: with one-hot p a draft token is
+        accepted iff p(x) = 1, for any l, so a greedy run stays exact (unknown counts as sampled)."""
+        return self.lenience < 1 and not self.greedy
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -84,6 +87,7 @@ class GenerationResult:
 
 
 StepCallback = Callable[[Step], None]
+DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
 
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sampler: Sampler = GREEDY,
@@ -95,13 +99,14 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
     out = _Output(limit, limit_reason, eos, on_step)
     cache = model.new_cache()
     out.start_clock()
-    pending = prompt
+    pending = model.prefill(prompt, cache)
     while not out.done:
         logits = model.forward(pending, cache, num_logits=1)
         out.stats.target_forwards += 1
         token = int(_target_token(logits[-1], sampler, generator))
         out.add(Step([], 0, token, []))
         pending = [token]
+    out.stats.greedy = sampler.is_greedy
     return out.finish()
 
 
@@ -119,6 +124,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
+    seed: pins the output: the same seed gives the same tokens on the same machine, under every
+        schedule (the drafter and the verification draw from separate streams, and schedules get
+        no wall-clock timings when a seed is given, so the cost schedule keeps its starting θ).
     debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
         ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
 
@@ -137,16 +145,19 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         schedule = Fixed(gamma)
     models = [target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
     prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
+    # Two random streams: what the drafter draws never shifts the verification's draws.
     generator = _generator(seed, target.device)
+    draft_generator = _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
     out = _Output(limit, limit_reason, eos, on_step)
     sequence = list(prompt)
     target_cache = target.new_cache()
     drafter.start(prompt)
     schedule.reset()
     out.start_clock()
+    target.prefill(sequence, target_cache)  # the same call as the AR baseline's: identical cache entries
 
     if first_target:
-        logits = target.forward(sequence, target_cache, num_logits=1)
+        logits = target.forward(sequence[LanguageModel.cache_length(target_cache):], target_cache, num_logits=1)
         out.stats.target_forwards += 1
         sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
 
@@ -154,7 +165,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         # 1. Draft, leaving room for the target's own token: never past the output limit.
         budget = min(schedule.budget(), out.remaining - 1)
         step_start, passes = time.perf_counter(), drafter.forwards
-        draft = drafter.propose(sequence, budget, sampler, generator, schedule.keep_going) if budget > 0 else Draft([])
+        draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going) if budget > 0 else Draft([])
         drafted_at = time.perf_counter()
 
         # 2. Score: one target pass over the tokens it has not seen and the whole draft.
@@ -171,11 +182,12 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         LanguageModel.crop(target_cache, kept)
         drafter.rollback(kept)
         schedule.update(len(draft.tokens), num_accepted)
-        schedule.timing(drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
-                        len(fed), num_accepted + 1)
+        if seed is None:  # a seed pins the output: wall-clock timings must not steer γ then
+            schedule.timing(drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
+                            len(fed), num_accepted + 1)
         sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})}))
     out.stats.drafter_forwards = drafter.forwards
-    out.stats.lenience = float(lenience)
+    out.stats.lenience, out.stats.greedy = float(lenience), sampler.is_greedy
     return out.finish()
 
 
@@ -215,9 +227,15 @@ class _Output:
         self.limit, self.limit_reason, self.eos, self.on_step = limit, limit_reason, eos, on_step
         self.stop_reason: str | None = None
         self._start = time.perf_counter()
+        self._callback_seconds = 0.0  # spent in on_step: rendering is not decoding, so the clock leaves it out
 
     def start_clock(self) -> None:
         self._start = time.perf_counter()
+        self._callback_seconds = 0.0
+
+    def _elapsed(self) -> float:
+        """Seconds since start_clock, less the time spent in on_step."""
+        return time.perf_counter() - self._start - self._callback_seconds
 
     @property
     def remaining(self) -> int:
@@ -237,23 +255,32 @@ class _Output:
                 break
         emitted = emitted[:self.remaining]
         if emitted and not self.tokens:
-            self.stats.first_token_seconds = time.perf_counter() - self._start
+            self.stats.first_token_seconds = self._elapsed()
         step.emitted = emitted
         self.tokens += emitted
         self.steps.append(step)
         self.stats.drafted += len(step.draft_tokens)
-        self.stats.accepted += step.num_accepted
+        # accepted drafts after an EOS that ended the output were never emitted: they do not count
+        accepted = min(step.num_accepted, len(emitted))
+        self.stats.accepted += accepted
         if step.draft_tokens:
-            self.stats.accepted_per_step.append(step.num_accepted)
+            self.stats.accepted_per_step.append(accepted)
         if self.stop_reason is None and self.remaining <= 0:
             self.stop_reason = self.limit_reason
         if self.on_step is not None:
+            began = time.perf_counter()
             self.on_step(step)
+            self._callback_seconds += time.perf_counter() - began
         return emitted
 
     def finish(self) -> GenerationResult:
+        """The result; then an on_step callback with a `flush()` method (StepPrinter) gets it
+        called, outside the clock, to print what it held back."""
         self.stats.new_tokens = len(self.tokens)
-        self.stats.wall_seconds = time.perf_counter() - self._start
+        self.stats.wall_seconds = self._elapsed()
+        flush = getattr(self.on_step, "flush", None)
+        if callable(flush):
+            flush()
         return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason)
 
 
@@ -270,7 +297,7 @@ def _validate(prompt_ids: Sequence[int], models: list[LanguageModel], max_new_to
         raise SpecdecError("empty prompt: give at least one token")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise SpecdecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    vocab = min(m.vocab_size for m in models)
+    vocab = models[0].vocab_size  # the target's: a drafter with a narrower head drafts around ids it lacks
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise SpecdecError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -314,12 +341,12 @@ def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_be
     start = time.perf_counter()
     keep = max(2, 1 + len(eos)) * num_beams
     cache = model.new_cache()
-    logits = model.forward(prompt, cache, num_logits=1).expand(num_beams, -1)  # [B, V]
+    logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)  # [B, V]
     stats.target_forwards += 1
     cache.batch_repeat_interleave(num_beams)
-    vocab = logits.shape[-1]
-    running = torch.zeros(num_beams, 0, dtype=torch.long)
-    running_scores = torch.full((num_beams,), -1e9)
+    vocab, device = logits.shape[-1], logits.device  # every tensor below lives beside the logits (CUDA too)
+    running = torch.zeros(num_beams, 0, dtype=torch.long, device=device)
+    running_scores = torch.full((num_beams,), -1e9, device=device)
     running_scores[0] = 0.0  # one real beam at first: the copies must not yield duplicate candidates
     finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first
     improvable = True
@@ -329,7 +356,8 @@ def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_be
         scores = (logits.float().log_softmax(-1) + running_scores[:, None]).view(-1)  # [B·V]
         top_scores, top_index = scores.topk(keep)
         beams, tokens = top_index // vocab, top_index % vocab
-        hits = torch.tensor([int(t) in eos for t in tokens.tolist()]) | (length == limit)
+        hits = torch.tensor([int(t) in eos for t in tokens.tolist()], dtype=torch.bool, device=device)
+        hits |= length == limit
 
         # finished hypotheses: only among the top num_beams, and only while improvement is possible
         full = len(finished) == num_beams and early_stopping is True

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .rows import row_exact_active
+
 
 def has_onednn() -> bool:
     return torch.backends.mkldnn.is_available()
@@ -28,6 +30,10 @@ class PackedLinear(nn.Module):
 
     dense_rows > 0 keeps the original (e.g. bf16) weight too and uses it for inputs of at most
     that many rows; longer inputs go through the packed fp32 copy and come back in x's dtype.
+
+    In a row-exact pass (rows.py) a 1-row input is computed as the first row of a 2-row one:
+    oneDNN takes another path for one row, and only from 2 rows on is each row's result
+    independent of how many rows the call holds.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_rows: int = 0):
@@ -47,9 +53,11 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows <= self.dense_rows:
             return nn.functional.linear(x, self.dense_weight, self.dense_bias)
-        flat = x.reshape(rows, self.in_features).float().contiguous()
-        y = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        flat = x.reshape(rows, self.in_features).float()
+        if rows == 1 and row_exact_active():
+            flat = torch.cat([flat, torch.zeros_like(flat)])
+        y = torch._C._nn.mkldnn_linear(flat.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+        return y[:rows].view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dense_rows={self.dense_rows}"

@@ -16,7 +16,9 @@ import torch
 
 from . import registry
 from .errors import SpecdecError
+from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import PackedLinear, has_onednn, pack_linears
+from .rows import enable_row_exact_attention, refine_top_logits, row_exact
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -64,16 +66,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
 class LanguageModel:
     """A causal LM with its tokenizer, run one sequence at a time with a croppable KV cache."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target", kernels: str = "auto"):
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target", kernels: str = "auto",
+                 exact_rows: bool | None = None):
         """Wrap a transformers causal LM.
 
         role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
             target in fp32 gets oneDNN-packed linears; a drafter in bf16 on a CPU without native
-            bf16 gets hybrid ones. A target's logits are computed in fp32 even from bf16 weights
-            (they decide the output); a drafter's are not (they only steer acceptance).
+            bf16 gets hybrid ones. A target's logits are fp32-exact where they decide the output
+            (see `_logits`); a drafter's need not be (they only steer acceptance).
         kernels: "auto" (as above) or "stock" (leave transformers' linear layers alone).
             Packed weights live in oneDNN's layout: move or cast `hf_model` before wrapping it,
             not after (`.to()` cannot move them).
+        exact_rows: compute every row of a multi-token pass bit for bit as a one-token pass
+            would (rows.py), so that greedy speculative output is token-identical to greedy AR
+            in any dtype. None: on for a CPU target, off for drafters and on CUDA.
         """
         if kernels not in ("auto", "stock"):
             raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
@@ -87,9 +93,13 @@ class LanguageModel:
         head = hf_model.get_output_embeddings()
         weight = head.weight
         self._device, self._dtype = weight.device, weight.dtype
+        self._transform = output_transform(hf_model.config)
+        if self._transform is not None or role == "target":
+            check_output_transform(self, hf_model)
         self._head_bias = getattr(head, "bias", None)
         self._head_weight = weight
         self._head = None
+        self._head_row_norm = None
         self.kernels = "stock"
         on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
         if on_cpu and self._dtype == torch.float32:
@@ -104,12 +114,16 @@ class LanguageModel:
         elif on_cpu and self._dtype == torch.bfloat16 and role == "drafter" and not cpu_has_native_bf16():
             pack_linears(self._decoder, dense_rows=2)
             self.kernels = "bf16+onednn-packed-fp32"
-        # Logits are compared across 1-token and multi-token passes; bf16 logits tie often
-        # (resolution 0.125 near 20), so a target's head is computed in fp32 (see DESIGN.md).
         self.exact_logits = role == "target"
-        self._head_weight_fp32 = None
-        if self.exact_logits and self._dtype != torch.float32 and self._device.type == "cpu":
-            self._head_weight_fp32 = weight.detach().float()
+        if self.exact_logits and self._head is None and self._dtype != torch.float32 and self._device.type == "cpu":
+            self._head_row_norm = max_row_norm(weight)
+        if exact_rows is None:  # where the linear kernels are known to give row-invariant results
+            exact_rows = role == "target" and self._device.type == "cpu" and \
+                hf_model.config._attn_implementation in ("sdpa", "eager") and \
+                (self.kernels == "onednn-packed" or self._dtype == torch.bfloat16)
+        if exact_rows:
+            enable_row_exact_attention(hf_model)
+        self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
 
     @property
@@ -141,9 +155,18 @@ class LanguageModel:
         return ids
 
     def new_cache(self):
+        """An empty KV cache that `crop` can roll back.
+
+        Sliding-window layers (Mistral, Gemma 2/3) drop keys older than their window as they go,
+        after which they cannot be cropped; with past recording on (as in transformers' assisted
+        generation) they keep a pass's keys until the next `crop` trims them back to the window.
+        `cache_length` counts every position of the sequence either way.
+        """
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.hf.config)
+        cache = DynamicCache(config=self.hf.config)
+        cache.activate_past_recording()
+        return cache
 
     @staticmethod
     def cache_length(cache) -> int:
@@ -151,10 +174,28 @@ class LanguageModel:
 
     @staticmethod
     def crop(cache, length: int) -> None:
-        """Drop cached positions from `length` on (rejected draft tokens)."""
-        remove = cache.get_seq_length() - length
+        """Drop cached positions from `length` on (rejected draft tokens).
+
+        Sliding-window layers that record their past are trimmed back to their window even when
+        nothing is dropped. Raises SpecdecError where the cache cannot go back to `length`: layers
+        with a recurrent state (Mamba-like), or a sliding layer asked to drop more than the
+        tokens fed since its last crop (their keys are gone).
+        """
+        current = cache.get_seq_length()
+        remove = current - length
+        layers = getattr(cache, "layers", ())
         if remove > 0:
+            if not getattr(cache, "is_croppable", True):
+                raise SpecdecError("this model's cache cannot be rolled back (a recurrent state); "
+                                   "speculative decoding needs a croppable KV cache")
+            for layer in layers:
+                if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False) and \
+                        layer.keys.shape[-2] - remove < min(layer.sliding_window - 1, length):
+                    raise SpecdecError(f"cannot crop a sliding-window cache from {current} to {length} tokens: "
+                                       "it keeps only the window and the tokens fed since its last crop")
             cache.crop(-remove)
+        elif remove == 0 and current > 0 and any(getattr(layer, "record_past", False) for layer in layers):
+            cache.crop(0)  # restrict sliding layers to their window
 
     @torch.inference_mode()
     def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1) -> torch.Tensor:
@@ -165,11 +206,29 @@ class LanguageModel:
             cache: a cache from `new_cache()`, or None for a cache-free pass.
             num_logits: how many of the last positions to return logits for.
         Returns:
-            logits: [num_logits, V] fp32, for the last `num_logits` input positions.
+            logits: [num_logits, V] fp32, for the last `num_logits` input positions; with
+            `exact_rows`, each row bit for bit what a one-token pass at its position returns.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
-        out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
-        return self._logits(out.last_hidden_state[0, -num_logits:])
+        with row_exact(self.exact_rows):
+            out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+            return self._logits(out.last_hidden_state[0, -num_logits:])
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Sequence[int], cache) -> list[int]:
+        """Feed all of `prompt` but its last token into `cache` in one batched pass (no logits) and
+        return what is left to score, [prompt[-1]].
+
+        Both decoding loops start this way, so the prompt's cache entries come from one identical
+        call, and the first token (or first draft) is scored by a row-exact pass like every later
+        one: the prompt needs no row-exact attention (a call per prompt token per layer).
+        """
+        prompt = list(prompt)
+        if len(prompt) > 1:
+            ids = torch.as_tensor(prompt[:-1], dtype=torch.long, device=self.device).view(1, -1)
+            with row_exact(False):
+                self._decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        return prompt[-1:]
 
     @torch.inference_mode()
     def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -179,21 +238,35 @@ class LanguageModel:
         return self._logits(out.last_hidden_state[:, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] fp32 (see __init__ for which head computes them)."""
+        """hidden [..., H] -> logits [..., V] fp32, after the model's own output transform.
+
+        A target's head is exact in fp32 where it decides the output, and row-invariant: fp32
+        weights go through the packed head; bf16 weights on the CPU through a bf16 head whose
+        near-top candidates are re-scored in fp32 (`rows.refine_top_logits`; an fp32 copy of a
+        151,936-row head would double the bytes read per token); low-precision weights on CUDA
+        through a matmul with fp32 accumulation.
+        """
         if self._head is not None:
-            return self._head(hidden)
-        if self._head_weight_fp32 is not None:
-            logits = torch.nn.functional.linear(hidden.float(), self._head_weight_fp32)
+            logits = self._head(hidden)
+        elif self._head_row_norm is not None:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            logits = torch.nn.functional.linear(flat, self._head_weight).float()
+            logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
+            logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and self.exact_logits:
             logits = _fp32_matmul(hidden, self._head_weight)
         else:
             logits = torch.nn.functional.linear(hidden, self._head_weight).float()
-        if self._head_bias is not None:
+        if self._head_bias is not None and self._head is None:
             logits = logits + self._head_bias.float()
-        return logits
+        return logits if self._transform is None else self._transform(logits)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
-        """Text -> prompt token ids; with chat=True, wrapped in the model's chat template."""
+        """Text -> prompt token ids; with chat=True, wrapped in the model's chat template.
+
+        Plain text starts with BOS where the tokenizer's own default encoding adds one (Llama,
+        Gemma; not Qwen or SmolLM2), once even if the text already starts with it; never EOS.
+        """
         if self.tokenizer is None:
             raise SpecdecError(f"{self.name} has no tokenizer; pass token ids instead of text")
         if chat:
@@ -205,7 +278,13 @@ class LanguageModel:
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return list(ids)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids[:1] != [bos]:
+            default = self.tokenizer.encode(text)  # the tokenizer's own choice of special tokens
+            if default[:1] == [bos] and default[1:len(ids) + 1] == ids:
+                ids = [bos] + ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -222,11 +301,13 @@ def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-         role: str = "target", kernels: str = "auto", say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
+         role: str = "target", kernels: str = "auto", exact_rows: bool | None = None,
+         say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
     role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, docs/KERNELS.md)
-    and whether logits must be exact fp32. kernels: "auto" or "stock" (see LanguageModel).
+    and whether logits must be exact fp32. kernels: "auto" or "stock"; exact_rows: None (auto),
+    True or False (see LanguageModel).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -256,33 +337,83 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     start = time.perf_counter()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    part = "tokenizer"
     try:
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **extra)
-    except OSError as exc:
+        part = "weights"
+        # Mismatched shapes are reported by _check_loading_info with the tensor's name; transformers'
+        # own error only points at a report that the silenced logger never prints.
+        model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **extra)
+        _check_loading_info(model, info)
+        part = "model"
+        model.to(device)
+        wrapped = LanguageModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows)
+    except SpecdecError as exc:
         raise SpecdecError(f"could not load {name_or_path}: {exc}") from exc
+    except Exception as exc:  # transformers, safetensors and torch each raise their own types
+        raise SpecdecError(f"could not load {name_or_path} ({part}): {_one_line(exc)}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    model.to(device)
-    wrapped = LanguageModel(model, tokenizer, name=name, role=role, kernels=kernels)
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return wrapped
 
 
 def check_pair(target: LanguageModel, drafter: LanguageModel) -> None:
-    """Raise a clear error unless the drafter proposes tokens in the target's vocabulary."""
-    if target.vocab_size != drafter.vocab_size:
-        raise SpecdecError(
-            f"vocabularies differ: target {target.name} has {target.vocab_size} ids, "
-            f"drafter {drafter.name} has {drafter.vocab_size}; speculative decoding needs one shared vocabulary"
-        )
+    """Raise a clear error unless the drafter proposes tokens in the target's vocabulary.
+
+    With both tokenizers at hand, their token -> id maps must be equal; the output heads may be
+    padded to different widths (Qwen2.5-7B: 152,064 rows, 0.5B: 151,936), since `ModelDrafter`
+    gives q over the target's ids. Without a tokenizer on either side, the widths must be equal.
+    """
     if target.tokenizer is not None and drafter.tokenizer is not None:
         if len(target.tokenizer) != len(drafter.tokenizer) or target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
             raise SpecdecError(
                 f"tokenizers differ: target {target.name} and drafter {drafter.name} map tokens to different ids"
             )
+    elif target.vocab_size != drafter.vocab_size:
+        raise SpecdecError(
+            f"vocabularies differ: target {target.name} has {target.vocab_size} ids, "
+            f"drafter {drafter.name} has {drafter.vocab_size}; speculative decoding needs one shared vocabulary"
+        )
     if target.device != drafter.device:
         raise SpecdecError(f"target is on {target.device} but drafter on {drafter.device}; load both on one device")
+
+
+def _check_loading_info(model, info: dict) -> None:
+    """Raise SpecdecError if the checkpoint left any parameter at its random initial value.
+
+    transformers fills missing or wrongly shaped tensors with random values and only logs it, which
+    would make a broken checkpoint generate fluent-looking garbage.
+    """
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda entry: entry[0])
+    if mismatched:
+        key, in_checkpoint, in_model = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise SpecdecError(f"{len(mismatched)} tensor(s) have the wrong shape: {key} is {list(in_checkpoint)} "
+                           f"in the checkpoint but the model's config expects {list(in_model)}{more}")
+    missing = _unexplained_missing(model, set(info.get("missing_keys") or ()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise SpecdecError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+
+def _unexplained_missing(model, missing: set[str]) -> list[str]:
+    """The missing names that really are absent: not buffers (rotary inv_freq and the like, computed at
+    init) and not aliases of a loaded tensor (tied output embeddings are saved once, as the input's)."""
+    names_of: dict[int, list[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(param_name)
+    loaded_alias = {n for names in names_of.values() if any(m not in missing for m in names) for n in names}
+    buffers = {buffer_name for buffer_name, _ in model.named_buffers(remove_duplicate=False)}
+    return sorted(key for key in missing if key not in loaded_alias and key not in buffers)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one short line: its first paragraph, whitespace collapsed, with its type."""
+    text = " ".join(str(exc).split("\n\n")[0].split())
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

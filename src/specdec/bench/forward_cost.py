@@ -17,29 +17,47 @@ from ..models import LanguageModel, load
 def forward_ms(model: LanguageModel, tokens: int, context: int = 128, repeats: int = 5) -> float:
     """Median milliseconds of one pass over `tokens` new tokens after `context` cached ones."""
     cache = model.new_cache()
-    model.forward(list(range(1000, 1000 + context)), cache, 1)
+    model.forward(model.prefill(list(range(1000, 1000 + context + 1)), cache), cache, 1)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         model.forward(list(range(2000, 2000 + tokens)), cache, tokens)
         times.append(time.perf_counter() - start)
-        LanguageModel.crop(cache, context)
+        LanguageModel.crop(cache, context + 1)
     return statistics.median(times[1:]) * 1e3  # the first pass warms up
 
 
 def prefill_ms(model: LanguageModel, tokens: int = 128) -> float:
+    """Milliseconds to prefill a prompt of `tokens` tokens and score its last one (first token)."""
     start = time.perf_counter()
-    model.forward(list(range(1000, 1000 + tokens)), model.new_cache(), 1)
+    cache = model.new_cache()
+    model.forward(model.prefill(list(range(1000, 1000 + tokens)), cache), cache, 1)
     return (time.perf_counter() - start) * 1e3
 
 
-def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1, 2, 4, 6, 9)) -> Iterator[str]:
-    """Markdown rows, one per (dtype, role, kernels): ms for 1 token and the cost ratio of each size."""
+def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1, 2, 4, 6, 9),
+                       compare_rows: bool = False) -> Iterator[str]:
+    """Markdown rows, one per (dtype, role, kernels): ms for 1 token and the cost ratio of each size.
+
+    compare_rows: for a model that can run row-exact passes, two rows, row-exact and batched,
+    measured alternately on the same loaded model (3 rounds, medians), so their ratio is fair.
+    """
     for dtype, role, kernels in configs:
-        model = load(name, dtype=dtype, role=role, kernels=kernels)
+        model = load(name, dtype=dtype, role=role, kernels=kernels, exact_rows=True if compare_rows else None)
         prefill_ms(model, 16)  # warm-up
-        ms = {t: forward_ms(model, t) for t in sizes}
-        cells = " | ".join(f"{ms[t] / ms[1]:.2f}x" for t in sizes[1:])
-        yield f"| {name} | {dtype} | {role} | {model.kernels} | {ms[1]:.0f} | {cells} | {prefill_ms(model):.0f} |"
+        modes = [True, False] if compare_rows and model.exact_rows else [model.exact_rows]
+        ms = {mode: {t: [] for t in sizes} for mode in modes}
+        for _ in range(3 if compare_rows else 1):
+            for mode in modes:
+                model.exact_rows = mode
+                for t in sizes:
+                    ms[mode][t].append(forward_ms(model, t))
+        for mode in modes:
+            med = {t: statistics.median(v) for t, v in ms[mode].items()}
+            model.exact_rows = mode
+            cells = " | ".join(f"{med[t] / med[1]:.2f}x" for t in sizes[1:])
+            rows = "exact" if mode else "batched"
+            yield (f"| {name} | {dtype} | {role} | {model.kernels} | {rows} | {med[1]:.0f} | {cells} | "
+                   f"{prefill_ms(model):.0f} |")
         del model
         gc.collect()  # free one model's weights before loading the next

@@ -117,9 +117,11 @@ def group_summaries(records: list[Record], methods: list[str]) -> list[dict]:
 
 
 def divergence(target: LanguageModel, ids: list[int], reference: list[int], other: list[int]) -> dict:
-    """Where `other` first leaves `reference`, and the target's top-2 logit gap there (1-token pass)."""
+    """Where `other` first leaves `reference`, and the target's top-2 logit gap there, scored as the
+    AR baseline scores it (prefill, then a one-token pass)."""
     k = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
-    logits = target.forward(ids + reference[:k], None, 1)[-1]
+    cache = target.new_cache()
+    logits = target.forward(target.prefill(ids + reference[:k], cache), cache, 1)[-1]
     top2 = logits.topk(2)
     return {"position": k, "reference_token": reference[k] if k < len(reference) else None,
             "other_token": other[k] if k < len(other) else None,
@@ -145,7 +147,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                   settings: Settings, temperatures: list[float] = (0.0,), tasks: list[str] | None = None,
                   seed: int = 0, markdown: str | None = None, json_path: str | None = None,
                   plot: str | None = None, argv: list[str] | None = None, console: Console | None = None,
-                  dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto") -> dict:
+                  dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto",
+                  exact_rows: bool | None = None) -> dict:
     """Run every method on every prompt of `datasets` (names, or NAME:LIMIT:T+T specs, see
     `parse_dataset`) at every temperature; report and return
     {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}."""
@@ -166,7 +169,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/]", highlight=False)
 
-    target_model = load(target, dtype=dtype, device=device, role="target", say=say)
+    target_model = load(target, dtype=dtype, device=device, role="target", exact_rows=exact_rows, say=say)
     drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say)
                      if NEEDS_DRAFTER & set(methods) else None)
     if drafter_model is not None:
@@ -216,6 +219,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "temperatures": list(temperatures), "seed": seed, "settings": vars(settings),
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
             "target_dtype": str(target_model.dtype).removeprefix("torch."), "target_kernels": target_model.kernels,
+            "target_exact_rows": target_model.exact_rows,
             "drafter_dtype": str(drafter_model.dtype).removeprefix("torch.") if drafter_model else None,
             "drafter_kernels": drafter_model.kernels if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}

@@ -1,0 +1,172 @@
+"""Row-exact passes: every row of a multi-token pass computed bit for bit as a one-token pass would.
+
+Greedy speculative decoding is token-identical to greedy autoregressive decoding only if the target
+gives each position the same logits whether it scores that position alone (a decode step) or
+among the γ+1 rows of a verification pass. In floating point that is not automatic: kernels pick
+their blocking, their summation order, even their algorithm by the number of rows. Near-ties then
+flip (bf16 top-2 gaps of 0.01-0.04 were seen flipping on a Xeon). Measured with torch 2.13 (probe
+in tests/test_rows.py, `row_gap`):
+
+- linear layers: bf16 `F.linear` gives bitwise-equal rows for any row count (AVX2 and AMX);
+  oneDNN-packed fp32 gives equal rows for 2..32 rows but a 1-row input takes another path, so a
+  row-exact pass computes 1-row inputs as 2-row ones (`kernels.PackedLinear`);
+- attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see (and
+  transformers folds grouped heads into the query rows), a multi-row pass runs another kernel
+  path with a causal mask; fp32 rows differed by ~3e-7, bf16 rows by up to 3e-2. Here a
+  row-exact pass runs attention one query row at a time, each over exactly the keys its mask
+  allows, through the very call a decode step makes — equal by construction, whatever the kernel;
+- the output head: see `LanguageModel._logits` (fp32 packed head, or bf16 head with the top
+  candidates re-scored in fp32, both row-invariant).
+
+The prompt's prefill is not row-exact (attention one row at a time would cost a call per prompt
+token per layer): both decoding loops prefill `prompt[:-1]` by the same batched call and score
+the prompt's last token in a row-exact pass (`LanguageModel.prefill`).
+
+On CUDA, cuBLAS picks kernels by row count, so per-row attention alone would not make rows
+exact; row-exact passes are a CPU feature (`exact_rows` defaults to off on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import weakref
+
+import torch
+
+from .errors import SpecdecError
+
+_ROW_EXACT = contextvars.ContextVar("specdec_row_exact", default=False)
+PREFIX = "specdec_rows_"
+
+
+def row_exact_active() -> bool:
+    """True inside a row-exact pass (see `row_exact`)."""
+    return _ROW_EXACT.get()
+
+
+@contextlib.contextmanager
+def row_exact(enabled: bool = True):
+    """Within this block, passes of models set up by `enable_row_exact_attention` are row-exact."""
+    token = _ROW_EXACT.set(enabled)
+    try:
+        yield
+    finally:
+        _ROW_EXACT.reset(token)
+
+
+def enable_row_exact_attention(hf_model) -> str:
+    """Switch `hf_model` to an attention implementation that is row-exact inside `row_exact()` and
+    exactly transformers' own everywhere else (so transformers' `generate` on the same model object
+    runs as usual). Returns the implementation's name; raises SpecdecError where it cannot work."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    base = hf_model.config._attn_implementation
+    if base.startswith(PREFIX):
+        return base
+    if base not in ("sdpa", "eager"):
+        raise SpecdecError(f"row-exact passes need sdpa or eager attention, not {base!r}; pass exact_rows=False")
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        function = _model_eager_attention if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+        AttentionInterface.register(name, _rowwise_attention(function))
+        AttentionMaskInterface.register(name, _materialized_mask(ALL_MASK_ATTENTION_FUNCTIONS[base]))
+    hf_model.set_attn_implementation(name)
+    return name
+
+
+def _model_eager_attention(module, *args, **kwargs):
+    """'eager' is no registered function: each model's file has its own (Gemma-2's soft-caps scores)."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
+
+
+def _materialized_mask(base):
+    """transformers' mask function, but in a row-exact pass always a full mask (never None, which
+    would hide which keys each row may see)."""
+    @functools.wraps(base)
+    def mask(*args, **kwargs):
+        if _ROW_EXACT.get():
+            kwargs["allow_is_causal_skip"] = False
+        return base(*args, **kwargs)
+    return mask
+
+
+def _rowwise_attention(base):
+    @functools.wraps(base)
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        """query [B, heads, T, D], key/value [B, kv_heads, L, D] -> ([B, T, heads, D], None)."""
+        if not _ROW_EXACT.get():
+            return base(module, query, key, value, attention_mask, **kwargs)
+        rows, keys = query.shape[2], key.shape[2]
+        spans = key_spans(attention_mask, rows, keys)
+        if rows == 1 and spans[0] == slice(0, keys):
+            return base(module, query, key, value, None, **kwargs)
+        outputs = []
+        for t, span in enumerate(spans):
+            if isinstance(span, slice):
+                k, v = key[:, :, span], value[:, :, span]
+            else:
+                k, v = key.index_select(2, span), value.index_select(2, span)
+            # no mask: exactly the call a decode step makes for this position
+            out, _ = base(module, query[:, :, t:t + 1], k, v, None, **kwargs)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+    return attention
+
+
+_spans_memo: dict[int, tuple[weakref.ref, list]] = {}
+
+
+def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | torch.Tensor]:
+    """For each query row, the keys it may attend to: a slice when they are contiguous, else an
+    index tensor. mask: [B, 1, rows, keys] boolean (True = attend) or additive (0 = attend), the
+    same for every batch row, or None (causal, the queries being the last `rows` positions)."""
+    if mask is None:
+        return [slice(0, keys - rows + t + 1) for t in range(rows)]
+    memo = _spans_memo.get(id(mask))  # one mask serves every layer of a pass
+    if memo is not None and memo[0]() is mask:
+        return memo[1]
+    if mask.shape[0] > 1 and not bool((mask == mask[:1]).all()):
+        raise SpecdecError("row-exact passes need one attention mask for all sequences in the batch")
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    allowed = allowed.expand(rows, keys).cpu()
+    spans: list[slice | torch.Tensor] = []
+    for row in allowed:
+        index = row.nonzero().squeeze(-1)
+        if index.numel() == 0:
+            raise SpecdecError("a query row may attend to no key at all")
+        lo, hi = int(index[0]), int(index[-1])
+        spans.append(slice(lo, hi + 1) if hi - lo + 1 == index.numel() else index.to(mask.device))
+    _spans_memo.clear()
+    _spans_memo[id(mask)] = (weakref.ref(mask), spans)
+    return spans
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                      weight_row_norm: float) -> torch.Tensor:
+    """Re-score in fp32 every token that may be a row's true maximum, from bf16 head logits.
+
+    logits: [T, V] fp32 copies of a bf16 head's output (each entry the fp32 dot product rounded to
+        bf16: half a bf16 ulp of error, plus the kernel's fp32 summation error).
+    hidden: [T, H] the head's input; weight: [V, H] the head's weight (bf16).
+    weight_row_norm: max over vocabulary rows of ||weight[v]||₂ (bounds the summation error).
+    Returns logits [T, V] where every token within a safe margin of the row's maximum holds its
+    fp32 dot product (products of bf16 values are exact in fp32; summed row by row here, the same
+    way for a row whatever the pass it came from), and the rest their bf16 value. The greedy choice
+    is thus the fp32 head's, at half the bytes an fp32 copy of the head would read.
+    """
+    out = logits.clone()
+    top = logits.max(-1).values  # [T]
+    _, exponent = torch.frexp(top.abs().clamp_min(1e-30))
+    # 4 bf16 ulps of the maximum (rounding of both values, generously) plus a worst-case bound on
+    # fp32 summation error, (H−1)·2⁻²⁴·||h||·||w|| for each of the two values
+    size = hidden.shape[-1]
+    sum_error = 2 * size * 2.0 ** -24 * hidden.float().norm(dim=-1) * weight_row_norm
+    margin = torch.ldexp(torch.ones_like(top), exponent - 6) + sum_error
+    for t in range(logits.shape[0]):
+        candidates = (logits[t] >= top[t] - margin[t]).nonzero().squeeze(-1)
+        out[t, candidates] = (weight[candidates].float() * hidden[t].float()).sum(-1)
+    return out

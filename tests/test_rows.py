@@ -1,0 +1,138 @@
+"""Row-exact passes: each row of a multi-token pass equals, bit for bit, a one-token pass there.
+
+Greedy identity of speculative and autoregressive decoding rests on this in every dtype; the
+tests force both CPU dtype paths (fp32 with packed kernels, as on AVX2-only CPUs; bf16, as `auto`
+picks on CPUs with native bf16), whatever CPU runs them.
+"""
+
+import pytest
+import torch
+
+from specdec import GREEDY, LanguageModel, Sampler, autoregressive_generate, speculative_generate
+from specdec.rows import key_spans, refine_top_logits
+
+
+def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
+              layers: int = 2) -> LanguageModel:
+    """A random Qwen2 with grouped-query attention and hidden sizes where kernels block for real."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = Qwen2ForCausalLM(config).to(dtype)
+    return LanguageModel(hf, None, f"qwen-like-{seed}", role="target", exact_rows=exact_rows)
+
+
+def row_gap(model: LanguageModel, prompt: list[int], continuation: list[int]) -> float:
+    """max |logits of a pass over `continuation` − logits of one-token passes|, both after `prompt`."""
+    one_row = model.new_cache()
+    pending = model.prefill(prompt, one_row)
+    singles = [model.forward(pending, one_row, 1)] + [model.forward([t], one_row, 1) for t in continuation]
+    wide = model.new_cache()
+    model.prefill(prompt, wide)
+    multi = model.forward(pending + continuation, wide, len(continuation) + 1)
+    return float((torch.cat(singles) - multi).abs().max())
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype):
+    model = qwen_like(dtype)
+    assert model.exact_rows
+    for width in (1, 2, 5, 12):
+        assert row_gap(model, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
+
+
+def test_batched_passes_are_not_row_exact_here():
+    """What the mode removes: on the machines measured, a plain multi-row bf16 pass rounds rows
+    differently from one-row passes. (Kernel-dependent: reported, not asserted, elsewhere.)"""
+    model = qwen_like(torch.bfloat16, exact_rows=False)
+    gap = row_gap(model, _ids(37, 4096, 1), _ids(8, 4096, 2))
+    if gap == 0.0:
+        pytest.skip("this machine's batched kernels happen to be row-invariant")
+    assert gap > 0
+
+
+def test_row_exact_on_real_weights(smollm2, humaneval_prompts):
+    """SmolLM2 (real weights, tied head) in fp32 and in bf16: every verification-sized pass is row-exact."""
+    from specdec import load
+
+    prompt = smollm2.encode(humaneval_prompts[0])[:60]
+    continuation = smollm2.encode(humaneval_prompts[1])[:9]
+    assert smollm2.exact_rows and row_gap(smollm2, prompt, continuation) == 0.0
+    bf16 = load("smollm2-135m", dtype="bf16", device="cpu")
+    assert bf16.exact_rows and row_gap(bf16, prompt, continuation) == 0.0
+
+
+def test_greedy_speculative_equals_ar_in_bf16_on_real_weights(smollm2, humaneval_prompts):
+    """Greedy identity with a bf16 target, where near-ties are common: SmolLM2 in bf16, drafted by
+    its fp32 self (nearly always accepted, so the passes are as wide as γ allows)."""
+    from specdec import load
+
+    target = load("smollm2-135m", dtype="bf16", device="cpu")
+    for text in humaneval_prompts[:2]:
+        ids = target.encode(text)
+        ar = autoregressive_generate(ids, target, max_new_tokens=24)
+        sd = speculative_generate(ids, target, smollm2, gamma=6, max_new_tokens=24)
+        assert sd.tokens == ar.tokens
+        assert max(sd.stats.accepted_per_step) >= 4  # the test saw wide passes
+
+
+def test_sampled_speculative_follows_the_same_p_as_ar_in_bf16():
+    """Under sampling a bf16 target's p must be the same function of the context in both loops:
+    with one-hot q (a drafter that proposes the target's own greedy tokens) and a shared seed the
+    first step's distribution is read off directly — here checked through the logits instead."""
+    model = qwen_like(torch.bfloat16, seed=3)
+    prompt, continuation = _ids(20, 4096, 5), _ids(6, 4096, 6)
+    assert row_gap(model, prompt, continuation) == 0.0
+    probs = Sampler(0.7).probs(model.forward(prompt, None, len(prompt)))
+    assert torch.allclose(probs.sum(-1), torch.ones(len(prompt)))
+
+
+def test_key_spans_follow_the_mask():
+    causal = key_spans(None, 3, 10)
+    assert causal == [slice(0, 8), slice(0, 9), slice(0, 10)]
+    mask = torch.zeros(1, 1, 3, 6, dtype=torch.bool)
+    mask[0, 0, 0, :4] = True          # contiguous
+    mask[0, 0, 1, [0, 1, 2, 4]] = True  # a tree branch: gathered
+    mask[0, 0, 2, 2:6] = True         # a sliding window
+    spans = key_spans(mask, 3, 6)
+    assert spans[0] == slice(0, 4) and spans[2] == slice(2, 6)
+    assert spans[1].tolist() == [0, 1, 2, 4]
+    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    assert key_spans(additive, 3, 6)[1].tolist() == [0, 1, 2, 4]
+
+
+def test_refined_bf16_logits_pick_the_fp32_argmax():
+    """The bf16 head plus fp32 re-scoring of near-top candidates chooses what an fp32 head would,
+    also where bf16 rounding ties or swaps the top two."""
+    torch.manual_seed(0)
+    vocab, size = 2000, 256
+    weight = (torch.randn(vocab, size) / 16).bfloat16()
+    hidden = torch.randn(64, size).bfloat16()
+    exact = hidden.double() @ weight.double().t()
+    weight[1] = weight[0]  # near-ties: row 1 differs from row 0 in one element by one bf16 ulp
+    weight[1, 0] = torch.nextafter(weight[0, 0].float(), torch.tensor(9.0)).bfloat16()
+    exact = hidden.double() @ weight.double().t()
+    bf16 = torch.nn.functional.linear(hidden, weight).float()
+    norm = float(weight.float().norm(dim=-1).max())
+    refined = refine_top_logits(bf16, hidden, weight, norm)
+    assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    assert (bf16.argmax(-1) != exact.argmax(-1)).any()  # plain bf16 logits get some rows wrong
+    top = exact.argmax(-1)
+    assert torch.allclose(refined.gather(-1, top[:, None]).double(), exact.gather(-1, top[:, None]), atol=1e-4)
+
+
+def test_greedy_identity_on_tiny_models_with_every_dtype():
+    for dtype in (torch.float32, torch.bfloat16):
+        target, drafter = qwen_like(dtype, seed=1, vocab=512), qwen_like(dtype, seed=2, vocab=512, layers=1)
+        prompt = _ids(30, 512, 9)
+        ar = autoregressive_generate(prompt, target, GREEDY, max_new_tokens=24, eos_token_ids=[])
+        sd = speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=24, eos_token_ids=[],
+                                  first_target=False)
+        assert sd.tokens == ar.tokens

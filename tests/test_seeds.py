@@ -1,0 +1,58 @@
+"""A seed pins the output: same seed, same sampled tokens, under every schedule, whatever the clock says."""
+
+import itertools
+import random
+
+import pytest
+
+import specdec.generate as generate
+from specdec import Sampler, speculative_generate
+from specdec.drafters import NgramDrafter
+from specdec.schedules import SCHEDULES, make_schedule
+
+from conftest import TableModel
+
+
+def _jittery_clock(seed: int):
+    """A perf_counter whose steps are random: a loaded, noisy machine."""
+    rng, now = random.Random(seed), [0.0]
+
+    def perf_counter() -> float:
+        now[0] += rng.uniform(1e-4, 0.5)
+        return now[0]
+    return perf_counter
+
+
+def _run(schedule_name: str, clock_seed: int, monkeypatch, drafter=None) -> list[int]:
+    monkeypatch.setattr(generate.time, "perf_counter", _jittery_clock(clock_seed))
+    target = TableModel(vocab=6, seed=0, sharpness=3.0)
+    drafter = drafter or TableModel(vocab=6, seed=1, sharpness=3.0)
+    schedule = make_schedule(schedule_name, gamma=3, gamma_min=1, gamma_max=8)
+    return speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=80, seed=7,
+                                schedule=schedule, eos_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize("schedule_name", SCHEDULES)
+def test_a_seed_gives_the_same_tokens_whatever_the_timings(schedule_name, monkeypatch):
+    runs = [_run(schedule_name, clock_seed, monkeypatch) for clock_seed in range(4)]
+    assert all(run == runs[0] for run in runs), schedule_name
+
+
+def test_a_seed_pins_model_free_drafters_too(monkeypatch):
+    runs = [_run("cost", clock_seed, monkeypatch, NgramDrafter(3)) for clock_seed in range(3)]
+    assert all(run == runs[0] for run in runs)
+
+
+def test_without_a_seed_the_cost_schedule_still_learns_from_timings():
+    schedule = make_schedule("cost", gamma_max=8)
+    before = schedule.threshold
+    for width, seconds in itertools.islice(itertools.cycle([(2, 0.2), (5, 0.35), (8, 0.5)]), 9):
+        schedule.timing(0.05, 1, seconds, width, 2)
+    assert schedule.threshold != before
+
+
+def test_different_seeds_give_different_samples():
+    target, drafter = TableModel(vocab=6, seed=0), TableModel(vocab=6, seed=1)
+    outs = {tuple(speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=20, seed=s,
+                                       gamma=3).tokens) for s in range(5)}
+    assert len(outs) > 1
