@@ -42,7 +42,7 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype):
-    model = qwen_like(dtype)
+    model = qwen_like(dtype, exact_rows=True)
     assert model.exact_rows
     for width in (1, 2, 5, 12):
         assert row_gap(model, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
@@ -64,9 +64,10 @@ def test_row_exact_on_real_weights(smollm2, humaneval_prompts):
 
     prompt = smollm2.encode(humaneval_prompts[0])[:60]
     continuation = smollm2.encode(humaneval_prompts[1])[:9]
-    assert smollm2.exact_rows and row_gap(smollm2, prompt, continuation) == 0.0
+    fp32 = load("smollm2-135m", dtype="fp32", device="cpu", exact_rows=True)
+    assert row_gap(fp32, prompt, continuation) == 0.0
     bf16 = load("smollm2-135m", dtype="bf16", device="cpu")
-    assert bf16.exact_rows and row_gap(bf16, prompt, continuation) == 0.0
+    assert bf16.exact_rows and row_gap(bf16, prompt, continuation) == 0.0  # on by default in bf16
 
 
 def test_greedy_speculative_equals_ar_in_bf16_on_real_weights(smollm2, humaneval_prompts):
@@ -128,9 +129,15 @@ def test_refined_bf16_logits_pick_the_fp32_argmax():
     assert torch.allclose(refined.gather(-1, top[:, None]).double(), exact.gather(-1, top[:, None]), atol=1e-4)
 
 
+def test_exact_rows_default_on_for_bf16_cpu_targets_only():
+    assert qwen_like(torch.bfloat16, vocab=256).exact_rows
+    assert not qwen_like(torch.float32, vocab=256).exact_rows  # 1-token passes would pay for it
+
+
 def test_greedy_identity_on_tiny_models_with_every_dtype():
     for dtype in (torch.float32, torch.bfloat16):
-        target, drafter = qwen_like(dtype, seed=1, vocab=512), qwen_like(dtype, seed=2, vocab=512, layers=1)
+        target = qwen_like(dtype, exact_rows=True, seed=1, vocab=512)
+        drafter = qwen_like(dtype, seed=2, vocab=512, layers=1)
         prompt = _ids(30, 512, 9)
         ar = autoregressive_generate(prompt, target, GREEDY, max_new_tokens=24, eos_token_ids=[])
         sd = speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=24, eos_token_ids=[],

@@ -79,7 +79,8 @@ class LanguageModel:
             not after (`.to()` cannot move them).
         exact_rows: compute every row of a multi-token pass bit for bit as a one-token pass
             would (rows.py), so that greedy speculative output is token-identical to greedy AR
-            in any dtype. None: on for a CPU target, off for drafters and on CUDA.
+            by construction. None: on for a bf16 target on the CPU (nearly free there); off for
+            fp32 (where it slows 1-token passes), for drafters and on CUDA.
         """
         if kernels not in ("auto", "stock"):
             raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
@@ -117,10 +118,12 @@ class LanguageModel:
         self.exact_logits = role == "target"
         if self.exact_logits and self._head is None and self._dtype != torch.float32 and self._device.type == "cpu":
             self._head_row_norm = max_row_norm(weight)
-        if exact_rows is None:  # where the linear kernels are known to give row-invariant results
-            exact_rows = role == "target" and self._device.type == "cpu" and \
-                hf_model.config._attn_implementation in ("sdpa", "eager") and \
-                (self.kernels == "onednn-packed" or self._dtype == torch.bfloat16)
+        if exact_rows is None:
+            # on where it is nearly free: bf16 linears give row-invariant results at any row count,
+            # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
+            # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/KERNELS.md).
+            exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
+                hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows:
             enable_row_exact_attention(hf_model)
         self.exact_rows = bool(exact_rows)
@@ -221,9 +224,12 @@ class LanguageModel:
 
         Both decoding loops start this way, so the prompt's cache entries come from one identical
         call, and the first token (or first draft) is scored by a row-exact pass like every later
-        one: the prompt needs no row-exact attention (a call per prompt token per layer).
+        one: the prompt needs no row-exact attention (a call per prompt token per layer). Without
+        `exact_rows` nothing is fed here and the whole prompt is left to the first scoring pass.
         """
         prompt = list(prompt)
+        if not self.exact_rows:
+            return prompt
         if len(prompt) > 1:
             ids = torch.as_tensor(prompt[:-1], dtype=torch.long, device=self.device).view(1, -1)
             with row_exact(False):
