@@ -18,7 +18,8 @@ from . import registry
 from .errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import PackedLinear, has_onednn, pack_linears
-from .rows import enable_row_exact_attention, refine_top_logits, row_exact
+from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact
+from .trees import tree_attention
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -201,21 +202,70 @@ class LanguageModel:
             cache.crop(0)  # restrict sliding layers to their window
 
     @torch.inference_mode()
-    def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1) -> torch.Tensor:
+    def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1,
+                parents: Sequence[int] | None = None, tree_start: int | None = None) -> torch.Tensor:
         """Run new tokens through the model, extending `cache` (if given).
 
         Args:
             input_ids: [T] new token ids, following what `cache` already holds.
             cache: a cache from `new_cache()`, or None for a cache-free pass.
             num_logits: how many of the last positions to return logits for.
+            parents: [T] a token tree over the inputs (trees.py, `input_parents`): each token's
+                parent among them (-1: it follows the cache). Each token then sees the cache and
+                its ancestors only, at position (cache length + depth - 1). None: a chain.
+            tree_start: where the tree region begins in the cache (default: the cache's length).
+                Earlier: the cache already holds the region's first tokens (a tree grown one
+                depth per pass); `parents` then covers the whole region, cached tokens first.
         Returns:
             logits: [num_logits, V] fp32, for the last `num_logits` input positions; with
-            `exact_rows`, each row bit for bit what a one-token pass at its position returns.
+            `exact_rows`, each row bit for bit what a one-token pass at its position returns
+            (for a tree: a one-token pass after the cache and the token's ancestors).
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
+        extra = {} if parents is None else self._tree_inputs(parents, cache, ids.shape[1], tree_start)
         with row_exact(self.exact_rows):
-            out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+            out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
             return self._logits(out.last_hidden_state[0, -num_logits:])
+
+    def _tree_inputs(self, parents: Sequence[int], cache, new: int, tree_start: int | None) -> dict:
+        """The 4D attention mask and position ids of a tree pass; SpecdecError where the model
+        cannot take them."""
+        config = self.hf.config
+        implementation = config._attn_implementation.removeprefix(PREFIX)
+        if implementation not in ("sdpa", "eager"):
+            raise SpecdecError(f"token trees need sdpa or eager attention (a custom 4D mask), not "
+                               f"{implementation!r}; load the model with attn_implementation='sdpa'")
+        if getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
+                                                        "sliding_attention" in (getattr(config, "layer_types", None) or ())):
+            raise SpecdecError(f"token trees are not supported for {self.name}: its sliding-window attention "
+                               "would need a window in the tree mask; use a chain drafter")
+        cached = 0 if cache is None else self.cache_length(cache)
+        past = cached if tree_start is None else tree_start
+        if past + len(parents) != cached + new:
+            raise SpecdecError(f"tree region of {len(parents)} tokens from position {past} does not end where "
+                               f"the {new} new tokens after {cached} cached ones do")
+        mask, positions = tree_attention(parents, past, self.dtype, self.device, additive=implementation == "eager",
+                                         new=new)
+        return {"attention_mask": mask, "position_ids": positions}
+
+    @staticmethod
+    @torch.inference_mode()
+    def compact(cache, start: int, offsets: Sequence[int]) -> None:
+        """Keep the cache's first `start` positions and then those at start + offsets (ascending),
+        moved into place; drop the rest: what stays of a tree pass is the accepted path.
+
+        A main-chain path (offsets 0..k-1) is a plain `crop`.
+        """
+        offsets = [int(o) for o in offsets]
+        if offsets != list(range(len(offsets))):
+            for layer in getattr(cache, "layers", ()):
+                if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                    continue
+                index = torch.tensor([start + o for o in offsets], dtype=torch.long, device=layer.keys.device)
+                # index_select copies first, so overlapping source and destination are safe
+                layer.keys[..., start:start + len(offsets), :] = layer.keys.index_select(-2, index)
+                layer.values[..., start:start + len(offsets), :] = layer.values.index_select(-2, index)
+        LanguageModel.crop(cache, start + len(offsets))
 
     @torch.inference_mode()
     def prefill(self, prompt: Sequence[int], cache) -> list[int]:

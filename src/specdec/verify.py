@@ -111,3 +111,188 @@ def _check_shapes(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         raise SpecdecError("NaN in target_probs or draft_probs")
     if draft_tokens.min() < 0 or draft_tokens.max() >= vocab:
         raise SpecdecError(f"draft_tokens must lie in [0, {vocab}), got values outside it")
+
+
+# ---------------------------------------------------------------------------------------------
+# Token trees (trees.py). A node is tried only while the walk stands at its parent; siblings are
+# tried in rank order; the bonus or residual token comes from the row where the walk ends.
+
+def sibling_laws(parent_probs: torch.Tensor, draft_tokens: torch.Tensor, parents: list[int],
+                 scheme: str | list[str]) -> torch.Tensor:
+    """The law each node was drawn from, given its earlier siblings: what `verify_tree` needs.
+
+    Args:
+        parent_probs: [..., N, V] the drafter's q at each node's parent (equal rows for siblings).
+        draft_tokens: [..., N] (long) the tree's tokens.
+        parents: [N] each node's parent (-1: the root), parents before children.
+        scheme: one for the tree or one per node:
+            "iid": the node was drawn from q independently of its siblings (SpecInfer's
+                multi-step speculative sampling, Miao et al. 2024): its law is q;
+            "without-replacement": drawn from q with the tokens of its earlier
+                "without-replacement" siblings removed (recursive rejection sampling, Jeon et
+                al. 2024): its law is that renormalised q;
+            "deterministic": chosen without a random draw (top-k, lookup): its law is one-hot.
+    Returns:
+        laws: [..., N, V] fp32.
+    """
+    count = draft_tokens.shape[-1]
+    schemes = [scheme] * count if isinstance(scheme, str) else list(scheme)
+    if len(schemes) != count or len(parents) != count:
+        raise SpecdecError(f"need one parent and one scheme per node: {count} nodes, {len(parents)} parents, "
+                           f"{len(schemes)} schemes")
+    vocab = parent_probs.shape[-1]
+    laws = parent_probs.float().clone()
+    for n, kind in enumerate(schemes):
+        if kind == "deterministic":
+            laws[..., n, :] = torch.nn.functional.one_hot(draft_tokens[..., n], vocab).float()
+        elif kind == "without-replacement":
+            earlier = [m for m in range(n) if parents[m] == parents[n] and schemes[m] == kind]
+            if earlier:
+                row = laws[..., n, :].scatter(-1, draft_tokens[..., earlier], 0.0)
+                total = row.sum(-1, keepdim=True)
+                laws[..., n, :] = torch.where(total > 0, row / total.clamp_min(1e-30), row)
+        elif kind != "iid":
+            raise SpecdecError(f"unknown sibling scheme {kind!r}; use iid, without-replacement or deterministic")
+    return laws
+
+
+def verify_tree(target_probs: torch.Tensor, draft_laws: torch.Tensor, draft_tokens: torch.Tensor,
+                parents: list[int], generator: torch.Generator | None = None,
+                details: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-draft speculative sampling over a token tree: the general rule behind SpecInfer's
+    i.i.d. siblings, recursive rejection sampling and deterministic siblings.
+
+    Args:
+        target_probs: [..., N+1, V] the target's p at the root (row 0) and at each node (row n+1).
+        draft_laws: [..., N, V] the law each node was drawn from given its earlier siblings
+            (`sibling_laws`).
+        draft_tokens: [..., N] (long); parents: [N] (-1: the root), parents before children,
+            siblings in the order they were drawn.
+        details: if a dict is given it receives "p", "q", "u" [..., N] for each node (p and q at
+            the time the node was tried; nodes never tried hold their unused draw).
+    Returns:
+        last_node: [...] (long) the end of the accepted path (-1: no node accepted).
+        next_token: [...] (long) the target's token after it.
+
+    The walk starts at the root with p = p_root. At the current node, each child x (in order)
+    is accepted with probability min(1, p(x)/q_x(x)), q_x its law; on acceptance the walk moves
+    to x and p becomes the target's row at x; on rejection p <- norm(max(0, p - q_x)). When no
+    child is left, the next token is drawn from p: the bonus token at a leaf, the residual else.
+
+    Lossless (the emitted tokens follow the target's p exactly) when, for every node, its law is
+    the distribution it was drawn from conditionally on the earlier siblings and the path to it,
+    and no draft depends on the verification's draws: i.i.d. siblings with law q (a duplicate
+    is always rejected, but its residual update counts: it may be skipped only with that update
+    still applied), siblings drawn without replacement with the renormalised law, and any
+    deterministic tree (one-hot laws) built from the context alone. Whether a sampled node is in
+    the tree at all must not depend on its own token (pruning sampled siblings by their own
+    probability is biased); deciding from the parent and the earlier siblings is fine. A chain
+    with law q is `verify_draft`'s rule.
+    """
+    count = _check_tree(draft_tokens, parents, target_probs.shape[:-1], target_probs.shape[-1])
+    if tuple(draft_laws.shape) != (*draft_tokens.shape, target_probs.shape[-1]):
+        raise SpecdecError(f"draft_laws must have shape [..., N, V] = {(*draft_tokens.shape, target_probs.shape[-1])}, "
+                           f"got {tuple(draft_laws.shape)} (vocabularies of target and drafter must match)")
+    if torch.isnan(target_probs).any() or torch.isnan(draft_laws).any():
+        raise SpecdecError("NaN in target_probs or draft_laws")
+    if (target_probs < 0).any() or (draft_laws < 0).any():
+        raise SpecdecError("negative entries in target_probs or draft_laws")
+    p_rows = target_probs.float()
+    laws = draft_laws.float()
+    p = p_rows[..., 0, :]
+    p = p / p.sum(-1, keepdim=True)
+    current = torch.full(draft_tokens.shape[:-1], -1, dtype=torch.long, device=p.device)
+    u = torch.rand(draft_tokens.shape, generator=generator, device=p.device, dtype=torch.float32)
+    if draft_tokens.dim() == 1:  # one sequence: only the nodes the walk reaches cost anything
+        return _walk_tree(p, p_rows, laws, draft_tokens, parents, u, generator, details)
+    seen_p, seen_q = [], []
+    for n in range(count):
+        active = current == parents[n]
+        x = draft_tokens[..., n:n + 1]
+        q = laws[..., n, :]
+        p_x, q_x = p.gather(-1, x).squeeze(-1), q.gather(-1, x).squeeze(-1)
+        seen_p.append(p_x)
+        seen_q.append(q_x)
+        accepted = active & (u[..., n] * q_x < p_x)
+        rejected = active & ~accepted
+        residual = (p - q).clamp_min(0)
+        total = residual.sum(-1, keepdim=True)
+        # an all-zero residual after a rejection can only come from rounding when p ≈ q: keep p
+        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+        p_next = p_rows[..., n + 1, :]
+        p_next = p_next / p_next.sum(-1, keepdim=True)
+        p = torch.where(accepted[..., None], p_next, torch.where(rejected[..., None], residual, p))
+        current = torch.where(accepted, torch.full_like(current, n), current)
+    if details is not None and count:
+        details.update(p=torch.stack(seen_p, -1), q=torch.stack(seen_q, -1), u=u)
+    return current, sample(p, generator)
+
+
+def _walk_tree(p: torch.Tensor, p_rows: torch.Tensor, laws: torch.Tensor, draft_tokens: torch.Tensor,
+               parents: list[int], u: torch.Tensor, generator: torch.Generator | None,
+               details: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_tree` for one sequence (no leading dimensions): the same rule and the same draws,
+    visiting only the children of the nodes on the walk."""
+    current = -1
+    tokens = draft_tokens.tolist()
+    seen_p = torch.zeros(len(tokens))
+    seen_q = torch.zeros(len(tokens))
+    for n, x in enumerate(tokens):
+        if parents[n] != current:
+            continue
+        q = laws[n]
+        p_x, q_x = float(p[x]), float(q[x])
+        seen_p[n], seen_q[n] = p_x, q_x
+        if float(u[n]) * q_x < p_x:
+            current = n
+            p = p_rows[n + 1] / p_rows[n + 1].sum()
+        else:
+            residual = (p - q).clamp_min(0)
+            total = residual.sum()
+            if total > 0:  # else rounding when p ≈ q: keep p
+                p = residual / total
+    if details is not None and tokens:
+        details.update(p=seen_p, q=seen_q, u=u)
+    return torch.tensor(current, device=p.device), sample(p, generator)
+
+
+def verify_tree_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
+                       parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_tree` for a greedy target: from the root, follow the child that carries the
+    target's argmax while there is one.
+
+    Args:
+        target_tokens: [..., N+1] (long) the target's argmax at the root (0) and each node (n+1).
+        draft_tokens: [..., N] (long); parents: [N].
+    Returns:
+        last_node: [...] (long) end of the accepted path (-1: none); next_token: [...] the
+        target's argmax there. Token for token the target's greedy output.
+    """
+    count = _check_tree(draft_tokens, parents, target_tokens.shape, None)
+    current = torch.full(draft_tokens.shape[:-1], -1, dtype=torch.long, device=draft_tokens.device)
+    for n in range(count):
+        wanted = target_tokens.gather(-1, (current + 1).unsqueeze(-1)).squeeze(-1)
+        hit = (current == parents[n]) & (draft_tokens[..., n] == wanted)
+        current = torch.where(hit, torch.full_like(current, n), current)
+    return current, target_tokens.gather(-1, (current + 1).unsqueeze(-1)).squeeze(-1)
+
+
+def _check_tree(draft_tokens: torch.Tensor, parents: list[int], target_shape: torch.Size,
+                vocab: int | None) -> int:
+    """Raise SpecdecError unless a tree's inputs fit together; returns its node count N.
+    target_shape: the target's [..., N+1] leading shape (probs without V, or tokens)."""
+    from .trees import check_parents
+
+    if draft_tokens.dtype not in (torch.long, torch.int32, torch.int64):
+        raise SpecdecError(f"draft_tokens must be integer (long), got {draft_tokens.dtype}")
+    count = draft_tokens.shape[-1]
+    if len(parents) != count:
+        raise SpecdecError(f"a tree of {count} nodes needs {count} parents, got {len(parents)}")
+    check_parents(parents)
+    if tuple(target_shape) != (*draft_tokens.shape[:-1], count + 1):
+        raise SpecdecError(f"target_probs (or target_tokens) must have shape [..., N+1] = "
+                           f"{(*draft_tokens.shape[:-1], count + 1)} before V "
+                           f"for draft_tokens {tuple(draft_tokens.shape)}, got {tuple(target_shape)}")
+    if vocab is not None and count and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab):
+        raise SpecdecError(f"draft_tokens must lie in [0, {vocab}), got values outside it")
+    return count
