@@ -86,18 +86,32 @@ def humaneval_prompts() -> list[str]:
 
 
 class _TokenCache:
-    """The 'KV cache' of a TableModel: just the tokens it has seen."""
+    """The 'KV cache' of a TableModel: just the tokens it has seen, held like one cache layer
+    ([1, 1, L, 1] keys and values) so that `LanguageModel.compact` gathers it as a real one."""
+
+    is_initialized = True
 
     def __init__(self):
-        self.tokens: list[int] = []
+        self.keys = torch.zeros(1, 1, 0, 1, dtype=torch.long)
+        self.values = self.keys.clone()
+        self.layers = [self]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.keys.view(-1).tolist()
+
+    def extend(self, tokens) -> None:
+        new = torch.tensor([int(t) for t in tokens], dtype=torch.long).view(1, 1, -1, 1)
+        self.keys = torch.cat([self.keys, new], dim=2)
+        self.values = self.keys.clone()
 
     def get_seq_length(self) -> int:
-        return len(self.tokens)
+        return self.keys.shape[2]
 
     def crop(self, n: int) -> None:  # transformers' convention: a negative n removes n tokens
         assert n <= 0
         if n:
-            del self.tokens[n:]
+            self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
 
 
 class TableModel:
@@ -116,15 +130,28 @@ class TableModel:
     def new_cache(self):
         return _TokenCache()
 
-    def forward(self, input_ids, cache=None, num_logits=1):
+    def forward(self, input_ids, cache=None, num_logits=1, parents=None, tree_start=None):
         cache = cache if cache is not None else _TokenCache()
-        cache.tokens += [int(t) for t in input_ids]
-        context = [self.vocab_size, self.vocab_size] + cache.tokens  # vocab_size = "no token"
-        rows = [self.table[context[i - 2], context[i - 1]] for i in range(len(context) - num_logits + 1, len(context) + 1)]
-        return torch.stack(rows)
+        ids = [int(t) for t in input_ids]
+        before = cache.tokens
+        cache.extend(ids)
+        none = self.vocab_size  # "no token"
+        if parents is None:
+            context = [none, none] + cache.tokens
+            rows = [self.table[context[i - 2], context[i - 1]]
+                    for i in range(len(context) - num_logits + 1, len(context) + 1)]
+            return torch.stack(rows)
+        # a tree pass: each token's previous token is its parent (or the last before the region)
+        start = len(before) if tree_start is None else tree_start
+        region = cache.tokens[start:]
+        assert len(region) == len(parents)
+        base = ([none, none] + cache.tokens[:start])[-2:]
+        previous = [base[-1] if p < 0 else region[p] for p in parents]
+        rows = [self.table[previous[i], region[i]] for i in range(len(region))]
+        return torch.stack(rows[len(rows) - num_logits:])
 
     def prefill(self, prompt, cache):
-        cache.tokens += [int(t) for t in list(prompt)[:-1]]
+        cache.extend(list(prompt)[:-1])
         return list(prompt)[-1:]
 
     def next_probs(self, context: list[int], sampler) -> torch.Tensor:

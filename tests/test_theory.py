@@ -62,3 +62,61 @@ def test_alpha_from_distributions_and_lenience():
 def test_bad_arguments_are_clear_errors(call):
     with pytest.raises(SpecdecError):
         call()
+
+
+# --- expected_tree_tokens: Sequoia's positional acceptance model --------------------------------
+
+from specdec.theory import expected_tree_tokens  # noqa: E402
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
+@pytest.mark.parametrize("gamma", [1, 4, 9])
+def test_expected_tree_tokens_on_a_chain_is_the_chain_closed_form(alpha, gamma):
+    """A chain is γ rank-0 nodes: with acceptance[0] = α it gives Leviathan et al.'s
+    (1 − α^(γ+1)) / (1 − α), whatever the other ranks' acceptance (no node of another rank)."""
+    chain = list(range(-1, gamma - 1))
+    for rest in ([], [0.0, 0.0], [0.15, 0.07]):
+        assert expected_tree_tokens(chain, [0] * gamma, [alpha, *rest]) == pytest.approx(expected_tokens(alpha, gamma))
+
+
+def test_expected_tree_tokens_on_a_tree_by_hand():
+    #        root
+    #     0 (r0)      3 (r1)    4 (r2)
+    #   1 (r0) 2 (r1)  5 (r0)
+    parents, ranks = [-1, 0, 0, -1, -1, 3], [0, 0, 1, 1, 2, 0]
+    a = [0.6, 0.2, 0.1]
+    by_hand = 1 + 0.6 + 0.6 * 0.6 + 0.6 * 0.2 + 0.2 + 0.1 + 0.2 * 0.6
+    assert expected_tree_tokens(parents, ranks, a) == pytest.approx(by_hand)
+    # siblings of rank >= len(acceptance) are never accepted; acceptance (α, 0): the side nodes add nothing
+    assert expected_tree_tokens(parents, ranks, [0.6]) == pytest.approx(1 + 0.6 + 0.36)
+    assert expected_tree_tokens(parents, ranks, [0.6, 0.0]) == pytest.approx(1 + 0.6 + 0.36)
+    assert expected_tree_tokens([], [], a) == 1.0  # no draft: the target's own token
+
+
+def test_expected_tree_tokens_matches_a_simulation_of_the_model():
+    """Walk the tree 200,000 times: at each node the accepted child is rank r with probability
+    acceptance[r] (none with the rest); count the accepted nodes, plus the target's token."""
+    parents, ranks = [-1, 0, 1, 0, -1, 4], [0, 0, 0, 1, 1, 0]
+    a = [0.5, 0.3, 0.1]
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    draws = torch.multinomial(torch.tensor(a + [1 - sum(a)]), n * 4, replacement=True, generator=g).view(n, 4)
+    tokens = torch.ones(n)
+    at = torch.full((n,), -1)  # the walk's current node
+    for level in range(3):  # depth 3: each walk takes at most 3 steps
+        rank = draws[:, level]
+        moved = torch.full((n,), -1)
+        for node, (parent, r) in enumerate(zip(parents, ranks)):
+            moved = torch.where((at == parent) & (rank == r), node, moved)
+        tokens += moved >= 0
+        at = torch.where(moved >= 0, moved, -2)  # -2: the walk stopped
+    assert tokens.mean().item() == pytest.approx(expected_tree_tokens(parents, ranks, a), abs=0.01)
+
+
+@pytest.mark.parametrize("call", [lambda: expected_tree_tokens([-1, 0], [0], [0.5]),
+                                  lambda: expected_tree_tokens([1, -1], [0, 0], [0.5]),
+                                  lambda: expected_tree_tokens([-1], [-1], [0.5]),
+                                  lambda: expected_tree_tokens([-1], [0], [1.5])])
+def test_expected_tree_tokens_bad_arguments_are_clear_errors(call):
+    with pytest.raises(SpecdecError):
+        call()

@@ -18,24 +18,50 @@ from .drafters.base import one_hot
 from .models import LanguageModel
 from .samplers import GREEDY, Sampler, greedy_tokens, sample
 from .schedules import Fixed, Schedule
-from .verify import verify_draft, verify_greedy
+from .trees import Tree, input_parents
+from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
 class Step:
-    """One target forward: what was drafted, how much was kept, and the token the target added."""
+    """One target forward: what was drafted, how much was kept, and the token the target added.
+
+    For a token tree, `draft_tokens` are all its nodes, `tree_parents` their parents and `path`
+    the accepted nodes (num_accepted = len(path)).
+    """
 
     draft_tokens: list[int]
     num_accepted: int
     next_token: int
     emitted: list[int]  # tokens appended to the output (accepted drafts + next_token, cut at EOS/limit)
     info: dict = field(default_factory=dict)  # the schedule's per-step values (e.g. EGAG's h_norm, gamma)
+    tree_parents: list[int] | None = None
+    path: list[int] | None = None
+
+    @property
+    def accepted_tokens(self) -> list[int]:
+        if self.path is not None:
+            return [self.draft_tokens[i] for i in self.path]
+        return self.draft_tokens[:self.num_accepted]
+
+    @property
+    def rejected_token(self) -> int | None:
+        """The first draft token the target turned down (for a tree: the accepted path's end's
+        top-ranked child), or None when every draft it judged was accepted."""
+        if self.path is None:
+            return self.draft_tokens[self.num_accepted] if self.num_accepted < len(self.draft_tokens) else None
+        end = self.path[-1] if self.path else -1
+        return next((self.draft_tokens[i] for i, parent in enumerate(self.tree_parents) if parent == end), None)
 
     @property
     def next_kind(self) -> str:
-        """'target' (no draft), 'bonus' (all drafts accepted) or 'resampled' (after a rejection)."""
+        """'target' (no draft), 'bonus' (all drafts accepted; for a tree: the accepted path ends at
+        a leaf) or 'resampled' (after a rejection)."""
         if not self.draft_tokens:
             return "target"
+        if self.tree_parents is not None:
+            end = self.path[-1] if self.path else -1
+            return "resampled" if end in self.tree_parents else "bonus"
         return "bonus" if self.num_accepted == len(self.draft_tokens) else "resampled"
 
 
@@ -46,7 +72,8 @@ class GenerationStats:
     drafter_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
-    accepted_per_step: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)  # for trees: the accepted path's length
+    nodes_per_step: list[int] = field(default_factory=list)  # tree nodes scored per step (trees only)
     wall_seconds: float = 0.0
     first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
@@ -60,7 +87,9 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted draft tokens / drafted tokens (None when nothing was drafted)."""
+        """Accepted draft tokens / drafted tokens (None when nothing was drafted). For trees,
+        accepted path nodes / tree nodes: it shrinks by construction as trees widen (only one
+        path can be accepted), so compare trees by tokens per target forward instead."""
         return self.accepted / self.drafted if self.drafted else None
 
     @property
@@ -136,14 +165,17 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     `max_new_tokens` and the context limit. Generation stops at any id in `eos_token_ids`
     (default: the target's), also when one arrives inside an accepted draft.
     """
-    if not hasattr(drafter, "propose"):  # a model (LanguageModel or anything with its interface)
+    if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):  # a model
         drafter = ModelDrafter(drafter)
+    trees = hasattr(drafter, "propose_tree")
+    if trees and lenience != 1:
+        raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
     drafter.check_target(target)
     if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
         raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
     if schedule is None:
         schedule = Fixed(gamma)
-    models = [target] + ([drafter.model] if isinstance(drafter, ModelDrafter) else [])
+    models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
     prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
     # Two random streams: what the drafter draws never shifts the verification's draws.
     generator = _generator(seed, target.device)
@@ -163,29 +195,50 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
 
     while not out.done:
         # 1. Draft, leaving room for the target's own token: never past the output limit.
+        #    A tree drafter proposes a token tree (trees.py) no deeper than the budget.
         budget = min(schedule.budget(), out.remaining - 1)
         step_start, passes = time.perf_counter(), drafter.forwards
-        draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going) if budget > 0 else Draft([])
+        if budget <= 0:
+            draft = Tree([], []) if trees else Draft([])
+        elif trees:
+            draft = drafter.propose_tree(sequence, budget, sampler, draft_generator)
+        else:
+            draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going)
         drafted_at = time.perf_counter()
 
-        # 2. Score: one target pass over the tokens it has not seen and the whole draft.
-        fed = sequence[LanguageModel.cache_length(target_cache):] + draft.tokens
-        logits = target.forward(fed, target_cache, num_logits=len(draft.tokens) + 1)  # [γ+1, V]
+        # 2. Score: one target pass over the tokens it has not seen and the whole draft (a tree
+        #    under its tree attention mask).
+        pending = sequence[LanguageModel.cache_length(target_cache):]
+        parents = input_parents(len(pending), draft.parents) if trees else None
+        logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
+                                parents=parents)  # [γ+1, V]
         out.stats.target_forwards += 1
 
         # 3. Verify: the acceptance rule lives in verify.py alone.
         details = {} if debug else None
-        num_accepted, next_token = _verify(logits, draft, sampler, generator, lenience, details)
+        if trees:
+            path, next_token = _verify_tree(logits, draft, sampler, generator, details)
+            num_accepted = len(path)
+        else:
+            num_accepted, next_token = _verify(logits, draft, sampler, generator, lenience, details)
 
-        # 4. Roll back: rejected positions leave both caches.
-        kept = len(sequence) + num_accepted
-        LanguageModel.crop(target_cache, kept)
-        drafter.rollback(kept)
+        # 4. Roll back: rejected positions leave both caches (a tree keeps its accepted path).
+        if trees:
+            LanguageModel.compact(target_cache, len(sequence), path)
+            if budget > 0:  # no tree was proposed otherwise
+                drafter.keep_path(len(sequence), path)
+        else:
+            LanguageModel.crop(target_cache, len(sequence) + num_accepted)
+            drafter.rollback(len(sequence) + num_accepted)
         schedule.update(len(draft.tokens), num_accepted)
         if seed is None:  # a seed pins the output: wall-clock timings must not steer γ then
-            schedule.timing(drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
-                            len(fed), num_accepted + 1)
-        sequence += out.add(Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})}))
+            timings = (drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
+                       len(pending) + len(draft.tokens), num_accepted + 1)
+            (drafter if trees else schedule).timing(*timings)
+        step = Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})})
+        if trees:
+            step.tree_parents, step.path = draft.parents, path
+        sequence += out.add(step)
     out.stats.drafter_forwards = drafter.forwards
     out.stats.lenience, out.stats.greedy = float(lenience), sampler.is_greedy
     return out.finish()
@@ -194,6 +247,25 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
     """The target's own token from logits [V] (greedy without building a one-hot row)."""
     return greedy_tokens(logits) if sampler.is_greedy else sample(sampler.probs(logits), generator)
+
+
+def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: torch.Generator,
+                 details: dict | None = None) -> tuple[list[int], int]:
+    """(accepted path as node indices, next_token) for the target's logits [N+1, V] over `tree`."""
+    if not tree.tokens:
+        return [], int(_target_token(logits[-1], sampler, generator))
+    tokens = torch.tensor(tree.tokens, device=logits.device)
+    if sampler.is_greedy:
+        last, next_token = verify_tree_greedy(greedy_tokens(logits), tokens, tree.parents)
+    else:
+        if tree.probs is None and tree.scheme != "deterministic":
+            raise SpecdecError(f"a sampled tree with {tree.scheme!r} siblings needs the drafter's probs")
+        parent_probs = tree.probs if tree.probs is not None else logits.new_zeros(len(tree), logits.shape[-1])
+        laws = sibling_laws(parent_probs.to(logits.device), tokens, tree.parents, tree.scheme)
+        last, next_token = verify_tree(sampler.probs(logits), laws, tokens, tree.parents, generator, details)
+    if details:
+        details.update({k: None if v is None else v.tolist() for k, v in details.items()})
+    return tree.path_to(int(last)), int(next_token)
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
@@ -248,7 +320,7 @@ class _Output:
     def add(self, step: Step) -> list[int]:
         """Append a step's accepted drafts and next token, cut at the first EOS or the limit."""
         emitted = []
-        for token in step.draft_tokens[:step.num_accepted] + [step.next_token]:
+        for token in step.accepted_tokens + [step.next_token]:
             emitted.append(token)
             if token in self.eos:
                 self.stop_reason = "eos"
@@ -265,6 +337,8 @@ class _Output:
         self.stats.accepted += accepted
         if step.draft_tokens:
             self.stats.accepted_per_step.append(accepted)
+        if step.tree_parents is not None:
+            self.stats.nodes_per_step.append(len(step.draft_tokens))
         if self.stop_reason is None and self.remaining <= 0:
             self.stop_reason = self.limit_reason
         if self.on_step is not None:

@@ -190,6 +190,7 @@ class CostAware(Schedule):
         self.passes = 0
         self.drafted = self.accepted = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
+        self.measured: tuple[float, float, float, float] | None = None  # rate, drafter pass, slope, 1-token pass
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:
@@ -223,12 +224,76 @@ class CostAware(Schedule):
         # lower the bar and draw out ever longer drafts
         rate = max(self.tokens / self.seconds, 1 / one_token_pass if one_token_pass > 0 else 0.0)
         self.threshold = min(0.99, rate * (per_pass + slope))
+        self.measured = (rate, per_pass, slope, one_token_pass)
 
     def step_info(self) -> dict:
         return {"threshold": self.threshold}
 
     def describe(self) -> str:
         return f"cost-aware (θ measured, starts at {self.prior:g}), γ_max={self.gamma}"
+
+
+class TreeCost(CostAware):
+    """The cost-aware rule for token trees: how deep to draft the chain, which other nodes to add,
+    and whether to draft at all.
+
+    A node whose path value v (the drafter's estimate that it lies on the accepted path) is
+    added pays for itself when v / t_v > R: v expected tokens for the extra verification width
+    t_v (the measured slope of the target pass's time over its width) against the rate R this
+    generation makes. So nodes join in falling value while v >= R·t_v (`node_threshold`); a
+    chain token, which also costs a drafter pass t_d, while v >= R·(t_d + t_v) (`threshold`,
+    as in CostAware). Where wide passes are expensive the tree stays small; where they are
+    nearly free (a GPU, AMX) it grows to `max_nodes`.
+
+    Drafting nothing: when the first draft token's measured acceptance (an average over steps)
+    cannot pay for a drafter pass and a wider target pass, the step drafts nothing, except
+    every `probe`-th step, which drafts to keep that measurement current.
+    Until `warmup` steps are timed (and always under a seed), the thresholds are the priors.
+    """
+
+    name = "tree-cost"
+
+    def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
+                 node_threshold: float = 0.2, warmup: int = 3, probe: int = 8):
+        _check_gamma("max_nodes", max_nodes)
+        if not 0 < node_threshold < 1:
+            raise SpecdecError(f"the tree's starting node threshold must be in (0, 1), got {node_threshold!r}")
+        self.max_nodes, self.node_prior, self.probe = max_nodes, node_threshold, probe
+        super().__init__(max_depth, threshold, warmup)
+
+    def reset(self) -> None:
+        super().reset()
+        self.first_tries = self.first_hits = 0
+        self.idle_steps = 0
+
+    @property
+    def node_threshold(self) -> float:
+        if self.measured is None:
+            return self.node_prior
+        rate, _, slope, _ = self.measured
+        return min(0.99, rate * slope)
+
+    def first_acceptance(self) -> float:
+        """Measured chance that a step's first draft token is accepted (a prior of 1/2 counts twice)."""
+        return (self.first_hits + 1) / (self.first_tries + 2)
+
+    def should_draft(self, drafter_pass: bool = True) -> bool:
+        """Whether this step should draft at all (see the class docstring)."""
+        if self.measured is None:
+            return True
+        rate, per_pass, slope, _ = self.measured
+        pays = self.first_acceptance() >= rate * ((per_pass if drafter_pass else 0.0) + slope)
+        self.idle_steps = 0 if pays else self.idle_steps + 1
+        return pays or self.idle_steps % self.probe == 0
+
+    def update_tree(self, drafted: int, first_accepted: bool | None) -> None:
+        """After a step: `first_accepted` is whether any child of the root was accepted (None: no draft)."""
+        if first_accepted is not None:
+            self.first_tries += 1
+            self.first_hits += int(first_accepted)
+
+    def describe(self) -> str:
+        return f"tree cost-aware (thresholds measured), depth <= {self.gamma}, nodes <= {self.max_nodes}"
 
 
 def _check_range(gamma_min, gamma_max) -> None:

@@ -60,3 +60,32 @@ def arithmetic_increase(alpha: float, gamma: int, c_hat: float) -> float:
     """Expected factor of extra arithmetic, (γĉ + γ + 1)(1 − α) / (1 − α^(γ+1))."""
     _check(alpha, gamma, c_hat)
     return (gamma * c_hat + gamma + 1) / expected_tokens(alpha, gamma)
+
+
+def expected_tree_tokens(parents: list[int], ranks: list[int], acceptance: list[float]) -> float:
+    """Expected tokens per step of a draft tree under the positional acceptance model (Sequoia,
+    Chen et al. 2024): 1 + Σ_nodes Π_{path to the node} acceptance[rank], the target's own token
+    included.
+
+    parents: [N] each node's parent (-1: the root), parents before children (trees.py).
+    ranks:   [N] each node's rank among its siblings' tokens in the drafter's order (0: best).
+    acceptance[r]: the chance that the rank-r child is the accepted one, given its parent was;
+        ranks past the end of the list count as never accepted.
+    A node lies on the accepted path with the product of its path's acceptances, and each such
+    node is one accepted token: the sum is E[accepted], by linearity. A chain of rank-0 nodes
+    with acceptance[0] = α gives Leviathan et al.'s (1 − α^(γ+1)) / (1 − α) (`expected_tokens`).
+    """
+    from .trees import check_parents
+
+    if len(ranks) != len(parents):
+        raise SpecdecError(f"need one rank per node: {len(parents)} parents, {len(ranks)} ranks")
+    check_parents(parents)
+    for a in acceptance:
+        _check(a)
+    if any(not isinstance(r, int) or r < 0 for r in ranks):
+        raise SpecdecError(f"ranks must be integers >= 0, got {list(ranks)!r}")
+    reach: list[float] = []
+    for parent, rank in zip(parents, ranks):
+        own = acceptance[rank] if rank < len(acceptance) else 0.0
+        reach.append(own * (1.0 if parent < 0 else reach[parent]))
+    return 1.0 + sum(reach)

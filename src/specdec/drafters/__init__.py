@@ -6,8 +6,11 @@ rejection sampling exact). The loop in `generate.py` knows nothing else about it
 """
 
 from .base import Draft, Drafter, KeepGoing
+from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .tree import TREES, LookupTreeDrafter, MixedDrafter, SidesDrafter, make_tree_drafter
 
-__all__ = ["Draft", "Drafter", "KeepGoing", "LookupDrafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter", "LookupTreeDrafter", "MixedDrafter", "ModelDrafter",
+           "NgramDrafter", "SidesDrafter", "TREES", "make_tree_drafter"]

@@ -27,6 +27,30 @@ def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, ma
     return []
 
 
+def find_continuations(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int,
+                       count: int) -> list[list[int]]:
+    """Up to `count` distinct continuations of earlier occurrences of context's last n tokens, n
+    from max_ngram down to min_ngram; for each n the latest occurrence first, then the earliest
+    (transformers' prompt lookup copies the earliest; the prompt's source text often lies
+    there), then the others from the latest back. A continuation that is a prefix of one
+    already found adds nothing and is skipped."""
+    length = len(context)
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(context[length - n:])
+        starts = [s for s in range(length - n - 1, -1, -1)
+                  if context[s] == suffix[0] and list(context[s:s + n]) == suffix]
+        if len(starts) > 1:
+            starts.insert(1, starts.pop())  # the earliest second
+        for start in starts:
+            continuation = list(context[start + n:start + n + max_tokens])
+            if continuation and not any(f[:len(continuation)] == continuation for f in found):
+                found.append(continuation)
+                if len(found) >= count:
+                    return found
+    return found
+
+
 class LookupDrafter:
     """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first)."""
 

@@ -66,6 +66,17 @@ class ModelDrafter:
     def rollback(self, length: int) -> None:
         LanguageModel.crop(self.cache, length)
 
+    def keep_path(self, start: int, path: list[int], fed: list[int]) -> None:
+        """After a tree step: the tree hung after `start` tokens, `fed[i]` is the tree node held at
+        cache position start + i, and `path` the accepted nodes. Keeps the path's fed prefix in
+        the cache (gathered into place); the rest of the path is fed by the next proposal."""
+        offsets = []
+        for node in path:
+            if node not in fed:
+                break
+            offsets.append(fed.index(node))
+        LanguageModel.compact(self.cache, start, offsets)
+
     def _over_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V_drafter'] -> [V_target]: -inf (q = 0) on the target's ids the drafter lacks."""
         missing = (self.vocab_size or 0) - logits.shape[-1]

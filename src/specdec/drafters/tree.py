@@ -1,0 +1,392 @@
+"""Tree drafters: token trees for one target pass (trees.py), sized by measured cost.
+
+- `SidesDrafter`: the model drafter's chain plus, at each chain position, the drafter's next
+  best tokens as leaves, at no extra drafter pass (the "sides" of the chain).
+- `LookupTreeDrafter`: prompt lookup with several earlier occurrences merged into a trie.
+- `MixedDrafter`: a model-drafted chain with sides, and lookup branches, in the same pass.
+
+`make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
+A tree drafter has `propose_tree(context, max_depth, sampler, generator) -> Tree`,
+`keep_path(start, path)` (what of its last tree was accepted) and `timing(...)` (the step's
+measured costs, for its `TreeCost` policy).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecdecError
+from ..models import LanguageModel
+from ..samplers import Sampler, greedy_tokens, sample
+from ..schedules import TreeCost
+from ..trees import SCHEMES, Tree
+from .lookup import LookupDrafter, find_continuations
+from .model import ModelDrafter
+
+
+class _Node:
+    """A node of a tree under construction (trees are serialised depth first by `_to_tree`)."""
+
+    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row")
+
+    def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
+                 rank_value: float | None = None):
+        self.token, self.value, self.scheme, self.prob_row = token, value, scheme, prob_row
+        # what decides whether the node joins the tree: its value, except for a sampled side,
+        # whose presence must not depend on its own token (verify.py: that would bias the output)
+        self.rank_value = value if rank_value is None else rank_value
+        self.children: list[_Node] = []
+
+    def child(self, token: int) -> "_Node | None":
+        return next((c for c in self.children if c.token == token), None)
+
+
+def _to_tree(root: _Node, keep: set[int] | None = None) -> tuple[Tree, list[_Node]]:
+    """Depth first, children in their rank order (the first child first), so the main chain is
+    nodes 0..D-1. `keep`: ids of the nodes to include (their ancestors must be included)."""
+    tokens, parents, values, schemes, rows, order = [], [], [], [], [], []
+
+    def visit(node: _Node, parent: int) -> None:
+        for child in node.children:
+            if keep is not None and id(child) not in keep:
+                continue
+            index = len(tokens)
+            tokens.append(child.token)
+            parents.append(parent)
+            values.append(child.value)
+            schemes.append(child.scheme)
+            rows.append(child.prob_row)
+            order.append(child)
+            visit(child, index)
+
+    visit(root, -1)
+    probs = None
+    if rows and any(r is not None for r in rows):
+        width = next(r for r in rows if r is not None)
+        probs = torch.stack([r if r is not None else torch.zeros_like(width) for r in rows])
+    scheme: str | list[str] = schemes[0] if schemes and len(set(schemes)) == 1 else schemes
+    return Tree(tokens, parents, probs, values, scheme if tokens else "deterministic"), order
+
+
+class SidesDrafter(ModelDrafter):
+    """The model drafter's chain, with the drafter's next best tokens at each position as leaves.
+
+    The chain grows while its path value (the product of the drafter's q of each chain token)
+    pays for a drafter pass and a wider target pass; then the best `width - 1` alternatives at
+    each chain position join in falling path value while they pay for their verification
+    width (`TreeCost`). Under a greedy sampler the leaves are the drafter's next ranks; under
+    sampling the chain is drawn from q and the leaves by `scheme`: "without-replacement"
+    (default; recursive rejection sampling), "iid" (SpecInfer), or "deterministic" (the next
+    ranks of q; exact too, verified with a one-hot law after the sampled chain token).
+    """
+
+    def __init__(self, model: LanguageModel, width: int = 3, max_nodes: int = 64,
+                 scheme: str = "without-replacement", policy: TreeCost | None = None):
+        super().__init__(model)
+        if not isinstance(width, int) or width < 1:
+            raise SpecdecError(f"tree width must be an integer >= 1, got {width!r}")
+        if scheme not in SCHEMES:
+            raise SpecdecError(f"unknown sibling scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+        self.width, self.scheme = width, scheme
+        self.policy = policy or TreeCost(max_nodes=max_nodes)
+        self.name = f"{model.name}+sides{width}"
+        self._fed: list[int] = []
+        self._drafted = False
+
+    def start(self, prompt: Sequence[int]) -> None:
+        super().start(prompt)
+        self.policy.reset()
+        self._fed, self._drafted = [], False
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        root = _Node(-1, 1.0, "deterministic")
+        self._fed = []
+        if max_depth >= 1 and self.policy.should_draft():
+            self._grow(root, context, max_depth, sampler, generator)
+        tree, _ = _to_tree(root, self._select(root))
+        self._drafted = bool(tree.tokens)
+        return tree
+
+    def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
+              generator: torch.Generator) -> list[_Node]:
+        """Draft the chain under `root` (one drafter pass per token) with its side leaves; returns
+        the chain's nodes. The chain's tokens but the last are fed to the drafter's cache."""
+        pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
+        parent, chain = root, []
+        greedy = sampler.is_greedy
+        while len(chain) < max_depth:
+            logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
+            self.forwards += 1
+            if chain:
+                self._fed.append(len(chain) - 1)
+            over = self._over_target_vocabulary(logits[:self.vocab_size])
+            q = (over.float().softmax(-1) if greedy else sampler.probs(over))
+            token = int(greedy_tokens(over)) if greedy else int(sample(q, generator))
+            row = None if greedy else q
+            node = _Node(token, parent.value * float(q[token]), "deterministic" if greedy else
+                         ("iid" if self.scheme == "iid" else "without-replacement"), row)
+            parent.children.append(node)
+            kind = "deterministic" if greedy else self.scheme
+            taken = {token}
+            for alt in self._alternatives(q, token, greedy, generator):
+                # a sampled side joins by what the parent and its earlier siblings leave (the mass
+                # not yet drafted), never by its own q
+                slot = None if kind == "deterministic" else parent.value * max(0.0, 1 - float(q[list(taken)].sum()))
+                parent.children.append(_Node(alt, parent.value * float(q[alt]), kind, row, slot))
+                taken.add(alt)
+            chain.append(node)
+            parent = node
+            pending = self._inputs([token])
+            if node.value < self.policy.threshold:
+                break
+        return chain
+
+    def _alternatives(self, q: torch.Tensor, token: int, greedy: bool, generator: torch.Generator) -> list[int]:
+        """The leaves beside a chain token: `width - 1` more tokens from q [V]."""
+        count = self.width - 1
+        if count <= 0:
+            return []
+        if greedy or self.scheme == "deterministic":
+            rest = q.clone()
+            rest[token] = -1.0
+            top = rest.topk(count)
+            return [int(t) for t, v in zip(top.indices, top.values) if v > 0]
+        if self.scheme == "iid":
+            return [int(t) for t in torch.multinomial(q, count, replacement=True, generator=generator)]
+        rest = q.clone()
+        rest[token] = 0.0
+        count = min(count, int((rest > 0).sum()))
+        return [int(t) for t in torch.multinomial(rest, count, replacement=False, generator=generator)] if count else []
+
+    def _select(self, root: _Node) -> set[int]:
+        """The chain, then other nodes in falling path value while they pay (`TreeCost`)."""
+        keep, candidates = set(), []
+        node = root
+        while node.children:  # the main chain: every node's first child
+            node = node.children[0]
+            keep.add(id(node))
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for child in node.children:
+                stack.append(child)
+                if id(child) not in keep:
+                    candidates.append(child)
+        threshold = self.policy.node_threshold
+        for child in sorted(candidates, key=lambda c: -c.rank_value):
+            if len(keep) >= self.policy.max_nodes or child.rank_value < threshold:
+                break
+            keep.add(id(child))
+        return _closed(root, keep)
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        super().keep_path(start, path, self._fed)
+        self.policy.update_tree(1, bool(path) if self._drafted else None)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+
+
+class LookupTreeDrafter(LookupDrafter):
+    """Prompt lookup as a trie: the continuations of up to `branches` earlier occurrences of the
+    current suffix (longest n-gram first, then shorter ones), merged where they agree.
+
+    Deterministic (exact under any sampler). Children are ranked by how many continuations pass
+    through them, then by recency. A node's value is the measured lookup acceptance to the
+    power of its depth, times its share of the continuations; nodes join while they pay for
+    their verification width (`TreeCost`, drafting being free).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 4, max_nodes: int = 64,
+                 policy: TreeCost | None = None):
+        super().__init__(max_ngram, min_ngram)
+        if not isinstance(branches, int) or branches < 1:
+            raise SpecdecError(f"lookup trees need branches >= 1, got {branches!r}")
+        self.branches = branches
+        self.policy = policy or TreeCost(max_nodes=max_nodes)
+        self.name = f"lookup-tree-{min_ngram}..{max_ngram}x{branches}"
+        self._drafted = False
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.policy.reset()
+        self._drafted = False
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        root = _Node(-1, 1.0, "deterministic")
+        if max_depth >= 1 and self.policy.should_draft(drafter_pass=False):
+            self.grow(root, context, max_depth)
+        tree = _to_tree(root, self.select(root))[0]
+        self._drafted = bool(tree.tokens)
+        return tree
+
+    def grow(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
+        """Insert the continuations under `root` (children after any it already has)."""
+        continuations = find_continuations(context, self.max_ngram, self.min_ngram, max_depth, self.branches)
+        if not continuations:
+            return
+        accept = self.policy.first_acceptance()
+        share = 1.0 / len(continuations)
+        for continuation in continuations:
+            node, depth = root, 0
+            for token in continuation:
+                depth += 1
+                child = node.child(token)
+                if child is None:
+                    child = _Node(token, 0.0, "deterministic")
+                    node.children.append(child)
+                child.value += share * accept ** depth
+                node = child
+        _rank(root)
+
+    def select(self, root: _Node, budget: int | None = None) -> set[int]:
+        """Nodes by falling value while they pay, at most `budget` (default: the policy's
+        max_nodes); a node's value never exceeds its parent's, so the set is closed."""
+        candidates, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            for child in node.children:
+                candidates.append(child)
+                stack.append(child)
+        keep, threshold = set(), self.policy.node_threshold
+        budget = self.policy.max_nodes if budget is None else budget
+        for child in sorted(candidates, key=lambda c: -c.value):
+            if len(keep) >= budget or child.value < threshold:
+                break
+            keep.add(id(child))
+        return keep
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        self.policy.update_tree(1, bool(path) if self._drafted else None)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+
+
+def _rank(node: _Node) -> None:
+    """Children in falling value (a stable sort: earlier insertions win ties)."""
+    node.children.sort(key=lambda c: -c.value)
+    for child in node.children:
+        _rank(child)
+
+
+class MixedDrafter(SidesDrafter):
+    """The default tree: the model drafter's chain with its sides, plus prompt-lookup branches,
+    in one target pass, sized by cost.
+
+    Lookup branches hang beside the model's chain (ranked after it) and merge into it where
+    they agree, so a token drafted by both is scored once. Lookup nodes are deterministic (a
+    one-hot law), model nodes keep theirs: exact under any sampler (verify.py). A lookup node's
+    value is its lookup estimate; they join while they pay for their width, like the sides.
+    When drafting does not pay the tree is empty: the target decodes alone.
+    """
+
+    def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
+                 scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,
+                 policy: TreeCost | None = None):
+        super().__init__(model, width, max_nodes, scheme, policy)
+        self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
+        self.lookup.policy = self.policy
+        self.name = f"{model.name}+sides{width}+lookup"
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        root = _Node(-1, 1.0, "deterministic")
+        self._fed = []
+        if max_depth >= 1 and self.policy.should_draft():
+            self._grow(root, context, max_depth, sampler, generator)
+            _prune(root, self._select(root))
+            # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
+            lookup_root = _Node(-1, 1.0, "deterministic")
+            self.lookup.grow(lookup_root, context, max_depth)
+            _prune(lookup_root, self.lookup.select(lookup_root, self.policy.max_nodes - _count(root)))
+            _merge(root, lookup_root)
+        tree, _ = _to_tree(root)
+        self._drafted = bool(tree.tokens)
+        return tree
+
+
+def _merge(into: _Node, other: _Node) -> None:
+    """Add `other`'s subtrees under `into`, sharing the nodes whose tokens agree (a model node
+    keeps its own law and takes the larger of the two values).
+
+    The added nodes rank after every existing sibling. That is what keeps sampled verification
+    exact: whether a lookup token gets a node of its own then depends only on its earlier
+    siblings (it is dropped when one of them carries it), so its law given them is one-hot. Were
+    it ranked before a sampled sibling it might later coincide with, its presence would tell
+    about that later draw, whose law would no longer be the one verification assumes. Dropping
+    a one-hot duplicate is lossless: its earlier twin's rejection left p = 0 at that token, so
+    its own rejection would not change the residual.
+    """
+    for child in other.children:
+        same = into.child(child.token)
+        if same is None:
+            into.children.append(child)
+        else:
+            same.value = max(same.value, child.value)
+            _merge(same, child)
+
+
+def _prune(node: _Node, keep: set[int]) -> None:
+    """Drop the children (and their subtrees) not in `keep`."""
+    node.children = [c for c in node.children if id(c) in keep]
+    for child in node.children:
+        _prune(child, keep)
+
+
+def _count(node: _Node) -> int:
+    return sum(1 + _count(c) for c in node.children)
+
+
+def _closed(root: _Node, keep: set[int]) -> set[int]:
+    """`keep` with every kept node's ancestors (so the tree stays connected)."""
+    closed: set[int] = set()
+
+    def visit(node: _Node) -> bool:
+        any_kept = False
+        for child in node.children:
+            below = visit(child)
+            if below or id(child) in keep:
+                closed.add(id(child))
+                any_kept = True
+        return any_kept
+
+    visit(root)
+    return closed
+
+
+TREES = {
+    "sides": "the drafter model's chain plus its next best tokens beside each chain token",
+    "eagle2": "EAGLE-2 dynamic tree: the best nodes by path value, expanded one drafter pass per depth",
+    "sequoia": "Sequoia static shape from measured per-rank acceptance, sized by measured costs",
+    "lookup": "prompt lookup trie over several earlier occurrences (no drafter model)",
+    "mixed": "the drafter model's chain with sides plus prompt-lookup branches (the default tree)",
+}
+
+
+def make_tree_drafter(kind: str, model: LanguageModel | None = None, max_nodes: int = 64,
+                      scheme: str = "without-replacement", width: int | None = None):
+    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`."""
+    if kind not in TREES:
+        raise SpecdecError(f"unknown tree '{kind}'; choose from off, {', '.join(TREES)}")
+    if not isinstance(max_nodes, int) or max_nodes < 1:
+        raise SpecdecError(f"tree nodes must be an integer >= 1, got {max_nodes!r}")
+    policy = TreeCost(max_nodes=max_nodes)
+    if kind == "lookup":
+        return LookupTreeDrafter(policy=policy)
+    if model is None:
+        raise SpecdecError(f"the '{kind}' tree needs a drafter model")
+    if kind == "sides":
+        return SidesDrafter(model, width or 3, scheme=scheme, policy=policy)
+    if kind == "mixed":
+        return MixedDrafter(model, width or 2, scheme=scheme, policy=policy)
+    from .dynamic import Eagle2Drafter, SequoiaDrafter
+
+    if kind == "eagle2":
+        return Eagle2Drafter(model, width or 4, policy=policy)
+    return SequoiaDrafter(model, policy=policy)

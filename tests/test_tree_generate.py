@@ -1,0 +1,142 @@
+"""Token trees in the decoding loop: tree passes, cache compaction, greedy identity, sampled exactness."""
+
+import pytest
+import torch
+
+from specdec import LanguageModel, Sampler, autoregressive_generate, speculative_generate
+from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter
+from specdec.errors import SpecdecError
+from specdec.schedules import TreeCost
+from specdec.trees import Tree, input_parents
+
+from conftest import TableModel, tiny_model
+from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
+
+TREE = Tree([3, 4, 5, 6, 7, 8, 9], [-1, 0, 1, 0, -1, 4, 4])  # three root-to-leaf paths off the main chain
+
+
+def _wide() -> TreeCost:
+    """A policy that grows wide trees whatever the costs (for tests: the loop must be exact anyway)."""
+    return TreeCost(threshold=0.02, node_threshold=0.001, warmup=10**9)
+
+
+def _tree_pass(model: LanguageModel, prompt: list[int], tree: Tree):
+    cache = model.new_cache()
+    pending = model.prefill(prompt, cache)
+    logits = model.forward(pending + tree.tokens, cache, len(tree) + 1, parents=input_parents(len(pending), tree.parents))
+    return logits, cache
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kernels", ["auto", "stock"])
+def test_a_tree_pass_equals_chain_passes_over_each_path(attention, kernels):
+    model = tiny_model(3, vocab=32, kernels=kernels)
+    model.hf.set_attn_implementation(attention)
+    prompt = [2, 5, 7, 9, 11]
+    logits, cache = _tree_pass(model, prompt, TREE)
+    for node in range(len(TREE)):
+        path = [TREE.tokens[i] for i in TREE.path_to(node)]
+        chain = model.forward(prompt + path, None, num_logits=1)[-1]
+        torch.testing.assert_close(logits[node + 1], chain, atol=2e-5, rtol=0)
+    # compaction to a path off the main chain: the cache then equals a chain pass's cache
+    path = TREE.path_to(6)  # nodes 4, 6: tokens 7, 9
+    LanguageModel.compact(cache, len(prompt), path)
+    chain_cache = model.new_cache()
+    model.forward(prompt + [7, 9], chain_cache, 1)
+    assert LanguageModel.cache_length(cache) == len(prompt) + 2
+    for ours, theirs in zip(cache.layers, chain_cache.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=2e-5, rtol=0)
+        torch.testing.assert_close(ours.values, theirs.values, atol=2e-5, rtol=0)
+    following = model.forward([13], cache, 1)[-1]
+    torch.testing.assert_close(following, model.forward(prompt + [7, 9, 13], None, 1)[-1], atol=2e-5, rtol=0)
+
+
+def test_a_boolean_mask_under_eager_attention_would_be_wrong():
+    """Why eager gets an additive mask: the power check behind the test above."""
+    from specdec import trees
+
+    model = tiny_model(3, vocab=32)
+    model.hf.set_attn_implementation("eager")
+    real = trees.tree_attention
+    try:
+        trees_module_attention = lambda *a, **k: real(*a, **{**k, "additive": False})  # noqa: E731
+        import specdec.models as models
+        models.tree_attention = trees_module_attention
+        logits, _ = _tree_pass(model, [2, 5, 7], TREE)
+    finally:
+        models.tree_attention = real
+    chain = model.forward([2, 5, 7, 7, 9], None, 1)[-1]
+    assert (logits[TREE.path_to(6)[-1] + 1] - chain).abs().max() > 1e-3
+
+
+def test_row_exact_tree_passes_equal_one_token_passes_bit_for_bit():
+    from test_rows import qwen_like
+
+    model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
+    prompt = [2, 5, 7, 9, 11, 13]
+    logits, _ = _tree_pass(model, prompt, TREE)
+    for node in range(len(TREE)):
+        cache = model.new_cache()
+        pending = model.prefill(prompt, cache)
+        path = [TREE.tokens[i] for i in TREE.path_to(node)]
+        row = model.forward(pending, cache, 1)
+        for token in path:
+            row = model.forward([token], cache, 1)
+        assert torch.equal(row[-1], logits[node + 1]), node
+
+
+def test_trees_refuse_sliding_window_models_clearly():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = LanguageModel(MistralForCausalLM(config), None, "tiny-mistral", kernels="stock")
+    with pytest.raises(SpecdecError, match="sliding-window"):
+        model.forward([1, 2, 3], model.new_cache(), 3, parents=[-1, 0, 0])
+
+
+DRAFTERS = {
+    "sides": lambda d: SidesDrafter(d, width=3, policy=_wide()),
+    "sides-iid": lambda d: SidesDrafter(d, width=3, scheme="iid", policy=_wide()),
+    "sides-deterministic": lambda d: SidesDrafter(d, width=3, scheme="deterministic", policy=_wide()),
+    # sampled sides pruned by the cost rule: which join must not depend on their own tokens
+    # (ranking them by their own q made this test fail at p ~ 1e-62)
+    "sides-pruned": lambda d: SidesDrafter(d, width=5, policy=TreeCost(threshold=0.02, node_threshold=0.2,
+                                                                       max_nodes=3, warmup=10**9)),
+    "lookup": lambda d: LookupTreeDrafter(policy=_wide()),
+    "mixed": lambda d: MixedDrafter(d, width=2, policy=_wide()),
+}
+
+
+@pytest.mark.parametrize("kind", ["sides", "lookup", "mixed"])
+def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
+    target, drafter = tiny_model(1, vocab=32), tiny_model(2, vocab=32, layers=1, logit_scale=0.3)
+    off_main_chain = branched = 0
+    for prompt in ([2, 5, 7, 9, 11, 5, 7], [3, 3, 4, 8, 3, 3, 4]):
+        expected = autoregressive_generate(prompt, target, max_new_tokens=40).tokens
+        result = speculative_generate(prompt, target, DRAFTERS[kind](drafter), max_new_tokens=40, seed=0)
+        assert result.tokens == expected
+        off_main_chain += sum(1 for s in result.steps if s.path and s.path != list(range(len(s.path))))
+        branched += sum(1 for s in result.steps if s.tree_parents and len(set(s.tree_parents)) < len(s.tree_parents))
+    assert branched > 0
+    if kind != "lookup":  # the lookup trie's branches are rarely right on a random model; mixed covers them
+        assert off_main_chain > 0  # acceptances off the main chain happened: the gather path ran
+
+
+# the lookup trie is deterministic: its sampled exactness is that of the mixed tree's lookup nodes
+@pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed"])
+def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
+    """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
+    It caught a mixed tree that ranked lookup nodes before the model's sampled sides (p ~ 1e-27)."""
+    target, drafter = TableModel(vocab=5, seed=0), TableModel(vocab=5, seed=1)
+    sampler, prompt, length, runs = Sampler(1.0), [2, 3, 2], 3, 3_000
+    joint = exact_joint(target, prompt, length, sampler)
+    samples, off_main_chain = [], 0
+    for seed in range(runs):
+        out = speculative_generate(prompt, target, DRAFTERS[kind](drafter), gamma=3, sampler=sampler,
+                                   max_new_tokens=length, seed=seed, first_target=False)
+        samples.append(tuple(out.tokens))
+        off_main_chain += sum(1 for s in out.steps if s.path and s.path != list(range(len(s.path))))
+    assert chi_square_pvalue(samples, joint) > ALPHA
+    if kind != "lookup":
+        assert off_main_chain > runs // 20
