@@ -42,6 +42,11 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
 
 
 MODEL_FREE_DRAFTERS = ("ngram", "lookup")
+TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
+             "best tokens), eagle2 (EAGLE-2 dynamic tree), sequoia (Sequoia static shape), lookup (prompt-lookup "
+             "trie), mixed (drafter chain with sides plus lookup branches). Sized by measured cost.")
+TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without-replacement (recursive rejection "
+                    "sampling), iid (SpecInfer), deterministic (the next ranks). Exact either way; greedy ignores it.")
 
 
 @app.command()
@@ -76,10 +81,14 @@ def generate(
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
+    tree: str = typer.Option("off", help=TREE_HELP),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a token tree (its size is chosen by "
+                                   "measured cost up to this)."),
+    tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import LookupDrafter, NgramDrafter
+    from .drafters import LookupDrafter, NgramDrafter, make_tree_drafter
     from .generate import autoregressive_generate, speculative_generate
     from .samplers import Sampler
     from .schedules import make_schedule
@@ -94,7 +103,11 @@ def generate(
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
-            if drafter == "ngram":
+            if tree != "off":
+                drafter_model = None if tree == "lookup" else _load(drafter, drafter_dtype, device, "drafter")
+                drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)
+                plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
+            elif drafter == "ngram":
                 drafter_used = NgramDrafter(ngram_n)
             elif drafter == "lookup":
                 drafter_used = LookupDrafter()
@@ -122,7 +135,8 @@ def generate(
                    "stop_reason": result.stop_reason, "method": method.value, "target": target_model.name,
                    "drafter": drafter_used.name if drafter_used is not None else None,
                    "sampler": sampler.describe(), "schedule": plan.describe() if method == Method.sd else None,
-                   "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info}
+                   "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info,
+                              **({"parents": s.tree_parents, "path": s.path} if s.tree_parents is not None else {})}
                              for s in result.steps]}
         print(json.dumps(payload, ensure_ascii=False))
     else:
@@ -219,7 +233,8 @@ def bench(
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
-                                "ngram, lookup (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
+                                "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed "
+                                "(ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
                                 "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
                                 "with prompt lookup)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
@@ -240,6 +255,8 @@ def bench(
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes per token tree (tree-* methods)."),
+    tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from .bench.methods import Settings
@@ -251,7 +268,8 @@ def bench(
         except ValueError:
             raise SpecdecError(f"--temperature takes comma-separated numbers, got {temperature!r}") from None
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
-                            egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n)
+                            egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
+                            tree_scheme=tree_scheme)
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
@@ -350,18 +368,20 @@ def forward_cost(
                                 help="Comma-separated dtype:role:kernels triples."),
     compare_rows: bool = typer.Option(False, "--compare-rows", help="Measure row-exact and batched target passes "
                                       "alternately on the same model (two rows per config)."),
+    tree: bool = typer.Option(False, "--tree", help="Token-tree passes under the tree mask, widths 1..64 (the "
+                              "cost curve that sizes trees)."),
 ):
     """Measure how a forward pass's cost grows with the tokens scored at once (markdown table)."""
     from .bench.forward_cost import forward_cost_table
 
-    sizes = (1, 2, 4, 6, 9, 16)
+    sizes = (1, 2, 4, 8, 16, 32, 64) if tree else (1, 2, 4, 6, 9, 16)
     print("| model | dtype | role | kernels | rows | 1 token (ms) | " + " | ".join(f"{t} tokens" for t in sizes[1:])
           + " | 128-token prompt, first token (ms) |")
     print("|---|---|---|---|---|---|" + "---|" * (len(sizes) - 1) + "---|")
     try:
         triples = [tuple(c.split(":")) for c in configs.split(",")]
         for name in models.split(","):
-            for row in forward_cost_table(name.strip(), triples, sizes, compare_rows):
+            for row in forward_cost_table(name.strip(), triples, sizes, compare_rows, tree):
                 print(row, flush=True)
     except (SpecdecError, ValueError) as exc:
         _fail(str(exc))

@@ -60,8 +60,9 @@ class StepPrinter:
         line = Text()
         for token in step.emitted[:step.num_accepted]:
             line.append(self._piece(token), STYLES["accepted"])
-        if step.num_accepted < len(step.draft_tokens) and len(step.emitted) > step.num_accepted:
-            line.append(self.model.decode([step.draft_tokens[step.num_accepted]]), STYLES["rejected"])
+        rejected = step.rejected_token
+        if rejected is not None and len(step.emitted) > step.num_accepted:
+            line.append(self.model.decode([rejected]), STYLES["rejected"])
         for token in step.emitted[step.num_accepted:]:
             line.append(self._piece(token), STYLES[step.next_kind])
         self.console.print(line, end="", soft_wrap=True, highlight=False)
@@ -93,7 +94,8 @@ def summary_line(stats: GenerationStats, method: str) -> str:
 
 class DebugPrinter:
     """An `on_step` callback for `speculative_generate(..., debug=True)`: one block per step with
-    each draft token's q(x), p(x) and uniform draw u, the verdict, and the target's token."""
+    each draft token's q(x), p(x) and uniform draw u, the verdict, and the target's token; a token
+    tree is drawn with its accepted path marked."""
 
     def __init__(self, model: LanguageModel, console: Console):
         self.model, self.console = model, console
@@ -113,6 +115,9 @@ class DebugPrinter:
         if info.get("threshold") is not None:
             head.append(f", θ = {info['threshold']:.2f}")
         self.console.print(head, highlight=False)
+        if step.tree_parents is not None:
+            self._tree(step)
+            return
         for i, token in enumerate(step.draft_tokens):
             if i > step.num_accepted:
                 break  # drafts after the first rejection were never judged
@@ -124,4 +129,28 @@ class DebugPrinter:
             self.console.print(Text.assemble(f"  {self._token(token):>16}", numbers, "  ", (verdict, style)),
                                highlight=False)
         self.console.print(Text.assemble(f"  {self._token(step.next_token):>16}  ",
+                                         (step.next_kind, STYLES[step.next_kind] or "bold")), highlight=False)
+
+    def _tree(self, step: Step) -> None:
+        """A token tree, one node a line indented by depth: the accepted path, the children the
+        walk tried and turned down, and (dim) the nodes it never reached; then the target's token."""
+        info, path, parents = step.info, step.path or [], step.tree_parents
+        on_path = set(path)
+        tried = {i for i, parent in enumerate(parents) if parent == -1 or parent in on_path}
+        depth: list[int] = []
+        for i, token in enumerate(step.draft_tokens):
+            depth.append(0 if parents[i] < 0 else depth[parents[i]] + 1)
+            if i in on_path:
+                verdict, style = "accept", STYLES["accepted"]
+            elif i in tried:
+                verdict, style = "reject", STYLES["rejected"]
+            else:
+                verdict, style = "not reached", "dim"
+            numbers = ""
+            if info.get("p") is not None and i in tried:
+                u = info["u"][i] if info.get("u") is not None else None
+                numbers = f"  q={info['q'][i]:.3f} p={info['p'][i]:.3f}" + (f" u={u:.3f}" if u is not None else "")
+            self.console.print(Text.assemble("  " + "  " * depth[i] + f"{self._token(token)}", numbers, "  ",
+                                             (verdict, style)), highlight=False)
+        self.console.print(Text.assemble(f"  {'  ' * len(path)}{self._token(step.next_token)}  ",
                                          (step.next_kind, STYLES[step.next_kind] or "bold")), highlight=False)

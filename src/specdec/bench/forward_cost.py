@@ -12,16 +12,25 @@ import time
 from typing import Iterator
 
 from ..models import LanguageModel, load
+from ..trees import input_parents
 
 
-def forward_ms(model: LanguageModel, tokens: int, context: int = 128, repeats: int = 5) -> float:
-    """Median milliseconds of one pass over `tokens` new tokens after `context` cached ones."""
+def tree_of_width(nodes: int, branching: int = 2) -> list[int]:
+    """Parents of a `nodes`-node tree hung from one pending token, each node having up to
+    `branching` children (breadth first): the shape of a wide verification pass."""
+    return [-1] + [(i - 1) // branching for i in range(1, nodes)]
+
+
+def forward_ms(model: LanguageModel, tokens: int, context: int = 128, repeats: int = 5, tree: bool = False) -> float:
+    """Median milliseconds of one pass over `tokens` new tokens after `context` cached ones; with
+    `tree`, the last token committed plus a (tokens - 1)-node tree under the tree mask."""
     cache = model.new_cache()
     model.forward(model.prefill(list(range(1000, 1000 + context + 1)), cache), cache, 1)
+    parents = input_parents(1, tree_of_width(tokens - 1)) if tree and tokens > 1 else None
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        model.forward(list(range(2000, 2000 + tokens)), cache, tokens)
+        model.forward(list(range(2000, 2000 + tokens)), cache, tokens, parents=parents)
         times.append(time.perf_counter() - start)
         LanguageModel.crop(cache, context + 1)
     return statistics.median(times[1:]) * 1e3  # the first pass warms up
@@ -36,11 +45,12 @@ def prefill_ms(model: LanguageModel, tokens: int = 128) -> float:
 
 
 def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1, 2, 4, 6, 9),
-                       compare_rows: bool = False) -> Iterator[str]:
+                       compare_rows: bool = False, tree: bool = False) -> Iterator[str]:
     """Markdown rows, one per (dtype, role, kernels): ms for 1 token and the cost ratio of each size.
 
     compare_rows: for a model that can run row-exact passes, two rows, row-exact and batched,
     measured alternately on the same loaded model (3 rounds, medians), so their ratio is fair.
+    tree: each size is a token-tree pass under the tree mask (the cost a tree drafter pays).
     """
     for dtype, role, kernels in configs:
         model = load(name, dtype=dtype, role=role, kernels=kernels, exact_rows=True if compare_rows else None)
@@ -51,7 +61,7 @@ def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1,
             for mode in modes:
                 model.exact_rows = mode
                 for t in sizes:
-                    ms[mode][t].append(forward_ms(model, t))
+                    ms[mode][t].append(forward_ms(model, t, tree=tree))
         for mode in modes:
             med = {t: statistics.median(v) for t, v in ms[mode].items()}
             model.exact_rows = mode

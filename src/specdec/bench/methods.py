@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..drafters import LookupDrafter, NgramDrafter
+from ..drafters import LookupDrafter, NgramDrafter, make_tree_drafter
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
 from ..models import LanguageModel
@@ -27,13 +27,19 @@ METHODS = {
     "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
     "ngram": "ours: NASD n-gram drafter built online, fixed γ",
     "lookup": "ours: prompt lookup drafter, fixed γ",
+    "tree-sides": "ours: token tree, drafter chain plus side leaves, sized by measured cost",
+    "tree-eagle2": "ours: token tree, EAGLE-2 dynamic tree with the drafter model",
+    "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
+    "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
+    "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
 }
-BASELINES = ("ar", "hf", "hf-assisted")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed"}
+BASELINES = ("ar", "hf", "hf-assisted", "sd-cost")  # every method's per-prompt speedup is taken against each of these
+NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
+                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed"}
 
 
 @dataclass
@@ -47,6 +53,8 @@ class Settings:
     egag_beta: float = 0.0
     confidence: float = 0.4
     ngram_n: int = 4
+    tree_nodes: int = 64
+    tree_scheme: str = "without-replacement"
 
 
 @dataclass
@@ -64,6 +72,7 @@ class Record:
     task: str = ""
     temperature: float = 0.0
     first_token_seconds: float | None = None  # prompt pass and first token: the time to first token
+    nodes_per_step: list[int] = field(default_factory=list)  # tree methods: nodes scored per step
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,6 +101,9 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
+    elif method.startswith("tree-"):
+        tree = make_tree_drafter(method.removeprefix("tree-"), drafter, settings.tree_nodes, settings.tree_scheme)
+        result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter()}
         schedule_name = method.removeprefix("sd-") if method.startswith("sd-") else "fixed"
@@ -101,7 +113,8 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                                       schedule=schedule, **common)
     s = result.stats
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
-                  s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds)
+                  s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
+                  nodes_per_step=s.nodes_per_step)
 
 
 def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,

@@ -60,6 +60,10 @@ def bootstrap_median_interval(values: list[float], seed: int = 0, resamples: int
     return [medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]]
 
 
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _median_or_none(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -85,6 +89,9 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
             "tokens_per_target_forward": (sum(r.new_tokens for r in rs) / sum(r.target_forwards for r in rs)
                                           if all(r.target_forwards for r in rs) else None),
             "accepted_histogram": dict(sorted(Counter(n for r in rs for n in r.accepted_per_step).items())),
+            # per drafting step: accepted draft tokens (for trees, the accepted path's length) and tree nodes
+            "mean_accepted_per_step": _mean([n for r in rs for n in r.accepted_per_step]),
+            "mean_nodes_per_step": _mean([n for r in rs for n in r.nodes_per_step]),
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
         }
