@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models demo test bench bench-policies clean
+.PHONY: setup models demo test bench bench-policies bench-trees clean
 
 setup: $(STAMP) models
 
@@ -38,6 +38,12 @@ bench-policies: setup
 		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram,lookup --gamma 5 --gamma-max 20 \
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
+
+bench-trees: setup
+	$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0+1 --tasks mt_bench,summarization,rag \
+		--methods ar,sd-cost,lookup,tree-lookup,tree-sides,tree-eagle2,tree-sequoia,tree-mixed,hf-assisted,hf-lookup \
+		--gamma 5 --gamma-max 20 --max-new-tokens 64 --markdown docs/benchmarks/trees.md \
+		--json docs/benchmarks/trees.json --plot docs/benchmarks/trees.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

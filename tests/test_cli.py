@@ -112,7 +112,7 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
     result = runner.invoke(app, ["measure", "--limit", "1", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
                                  "--dtype", "fp32", "--drafter-dtype", "fp32", "--gammas", "1,3",
                                  "--max-new-tokens", "8", "--json", str(tmp_path / "m.json"),
-                                 "--plot", str(tmp_path / "m.png")])
+                                 "--plot", str(tmp_path / "m.png"), "--tree-nodes", "1,3"])
     assert result.exit_code == 0, result.output
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["alpha"] > 0.95  # the drafter is the target: p = q up to kernel rounding
@@ -121,6 +121,10 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
     assert m["rows"][1]["expected_tokens"] == pytest.approx((1 - m["alpha"] ** 4) / (1 - m["alpha"]), rel=1e-6) \
         if m["alpha"] < 1 else m["rows"][1]["expected_tokens"] == 4
     assert (tmp_path / "m.png").stat().st_size > 1000
+    # trees: the drafter's top token is the target's, so the best 3-node tree is a chain of 3
+    assert m["rank_acceptance"][0] > 0.95 and [t["nodes"] for t in m["trees"]] == [1, 3]
+    assert m["trees"][1]["predicted_tokens"] == pytest.approx(1 + sum(m["rank_acceptance"][0] ** k for k in (1, 2, 3)))
+    assert all(t["measured_tokens"] > 1.5 for t in m["trees"]) and "predicted tokens / step" in result.output
 
 
 @pytest.mark.parametrize("args,message", [
@@ -129,6 +133,7 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
     (["bench", "--dataset", "spec-bench", "--tasks", "poetry"], "no task poetry"),
     (["generate", "x", "--schedule", "sometimes"], "unknown schedule"),
     (["measure", "--gammas", "0,2"], "--gammas must be"),
+    (["measure", "--tree-nodes", "4,x"], "--tree-nodes takes"),
 ])
 def test_bench_measure_and_schedule_errors(args, message):
     result = runner.invoke(app, args)
@@ -164,3 +169,27 @@ def test_chat_switches_settings_and_counts_tokens(need_smollm2):
     assert "last reply: 8 tokens" in out and "session: 8 tokens" in out and "1 turns" in out
     assert "unknown command /bogus" in out and "/gamma takes a number" in out
     assert "ar · greedy" in out
+
+
+def test_generate_with_a_tree_draws_it_and_reports_the_path(need_smollm2):
+    args = ["generate", "def add(a, b):", "--target", "smollm2-135m", "--drafter", "smollm2-135m", "--dtype", "fp32",
+            "--drafter-dtype", "fp32", "--max-new-tokens", "12", "--tree", "mixed", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    drafted = [s for s in data["steps"] if s["drafted"]]
+    assert drafted and all(len(s["parents"]) == len(s["drafted"]) for s in drafted)
+    assert data["stats"]["nodes_per_step"]
+    debug = runner.invoke(app, args[:-1] + ["--debug"])
+    assert debug.exit_code == 0 and "accept" in debug.output, debug.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "x", "--tree", "forest"], "unknown tree"),
+    (["generate", "x", "--tree", "sides", "--tree-scheme", "random"], "unknown sibling scheme"),
+    (["generate", "x", "--tree", "lookup", "--tree-nodes", "0"], "tree nodes must be"),
+])
+def test_tree_option_errors_are_clear(need_smollm2, args, message):
+    result = runner.invoke(app, args + ["--target", "smollm2-135m", "--dtype", "fp32"])
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output

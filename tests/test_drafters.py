@@ -144,6 +144,18 @@ def test_cost_schedule_threshold_falls_when_drafting_is_cheap():
     assert cheap.threshold < dear.threshold
 
 
+def test_cost_schedule_leaves_the_drafters_prompt_pass_out_of_its_pass_time():
+    """The first step's drafting holds the drafter's prompt pass (seconds on a long prompt): counted
+    as a drafter pass, it made one pass look dearer than a target pass and trees stop drafting."""
+    with_prompt, without = CostAware(warmup=1), CostAware(warmup=1)
+    with_prompt.timing(5.0, 1, 0.3, 2, 2)
+    without.timing(0.1, 1, 0.3, 2, 2)
+    for schedule in (with_prompt, without):
+        for width in (3, 7, 5):
+            schedule.timing(0.1 * (width - 1), width - 1, 0.3 + 0.01 * width, width, 4)
+    assert with_prompt.measured[1] == pytest.approx(without.measured[1]) == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("bad", [dict(name="nope"), dict(name="fixed", gamma=0), dict(name="egag", gamma_min=5, gamma_max=2),
                                  dict(name="confidence", confidence=1.5), dict(name="egag", beta=1.0)])
 def test_schedule_errors_are_clear(bad):

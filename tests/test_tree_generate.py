@@ -140,3 +140,79 @@ def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     assert chi_square_pvalue(samples, joint) > ALPHA
     if kind != "lookup":
         assert off_main_chain > runs // 20
+
+
+def _off_main_chain(result) -> int:
+    return sum(1 for s in result.steps if s.path and s.path != list(range(len(s.path))))
+
+
+class _Demoted:
+    """A greedy tree drafter whose root's two best children swap places, so that the drafter's
+    favourite, often right, lies off the main chain: acceptances off the main chain are forced
+    (the gather paths of both caches run). Greedy only: reordering sampled siblings would change
+    their laws."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name, self.model = f"{inner.name}-demoted", getattr(inner, "model", None)
+        self._old: list[int] = []
+
+    def __getattr__(self, name):  # forwards, check_target, start, timing
+        return getattr(self.inner, name)
+
+    def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
+        tree = self.inner.propose_tree(context, max_depth, sampler, generator)
+        roots = tree.children(-1)
+        old = list(range(len(tree)))
+        if len(roots) >= 2:
+            first, second = roots[0], roots[1]
+            end = roots[2] if len(roots) > 2 else len(tree)
+            old = old[second:end] + old[first:second] + old[end:]
+        new_of = {o: n for n, o in enumerate(old)}
+        self._old = old
+        return Tree([tree.tokens[o] for o in old], [-1 if tree.parents[o] < 0 else new_of[tree.parents[o]] for o in old],
+                    None, [tree.values[o] for o in old], "deterministic")
+
+    def keep_path(self, start, path) -> None:
+        self.inner.keep_path(start, [self._old[n] for n in path])
+
+
+def _wide_real(nodes: int = 12) -> TreeCost:
+    return TreeCost(threshold=0.05, node_threshold=0.001, max_nodes=nodes, warmup=10**9)
+
+
+@pytest.fixture(scope="module")
+def smollm2_expected(smollm2):
+    from test_generate import SMOLLM2_PROMPTS
+
+    return {p: autoregressive_generate(smollm2.encode(p), smollm2, max_new_tokens=20).tokens for p in SMOLLM2_PROMPTS}
+
+
+@pytest.mark.parametrize("kind", ["sides", "eagle2", "sequoia", "mixed"])
+def test_greedy_tree_decoding_equals_greedy_ar_on_real_smollm2(smollm2, smollm2_drafters, smollm2_expected, kind):
+    """Real weights and its truncated-layer drafters (first 6 layers: mostly rejected; first 24:
+    mostly accepted); the root's best children swapped, so acceptances leave the main chain."""
+    from specdec.drafters import Eagle2Drafter, SequoiaDrafter
+
+    make = {"sides": lambda d: SidesDrafter(d, width=3, policy=_wide_real()),
+            "eagle2": lambda d: Eagle2Drafter(d, width=3, policy=_wide_real()),
+            "sequoia": lambda d: SequoiaDrafter(d, policy=_wide_real()),
+            "mixed": lambda d: MixedDrafter(d, width=3, policy=_wide_real())}[kind]
+    off_main_chain = 0
+    for (prompt, expected), drafter in zip(smollm2_expected.items(), smollm2_drafters):
+        result = speculative_generate(smollm2.encode(prompt), smollm2, _Demoted(make(drafter)), gamma=4,
+                                      max_new_tokens=20)
+        assert result.tokens == expected, f"{kind}, {drafter.name}, prompt={prompt!r}"
+        off_main_chain += _off_main_chain(result)
+    assert off_main_chain > 0
+
+
+def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair, humaneval_prompts):
+    target, drafter = default_pair
+    ids = target.encode(humaneval_prompts[0])
+    expected = autoregressive_generate(ids, target, max_new_tokens=24).tokens
+    result = speculative_generate(ids, target, _Demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
+                                  gamma=6, max_new_tokens=24)
+    assert result.tokens == expected
+    assert result.stats.target_forwards < len(expected) / 2  # the pair really speculates
+    assert _off_main_chain(result) > 0

@@ -5,13 +5,17 @@ from .generate import (GenerationResult, GenerationStats, Step, autoregressive_g
                        speculative_generate)
 from .models import LanguageModel, check_pair, load
 from .samplers import GREEDY, Sampler, logits_to_probs, sample
-from .verify import verify_draft, verify_greedy
-from .drafters import LookupDrafter, ModelDrafter, NgramDrafter
-from .schedules import make_schedule
+from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
+from .drafters import (Eagle2Drafter, LookupDrafter, LookupTreeDrafter, MixedDrafter, ModelDrafter, NgramDrafter,
+                       SequoiaDrafter, SidesDrafter, make_tree_drafter)
+from .schedules import TreeCost, make_schedule
+from .trees import Tree
 
 __all__ = [
     "GREEDY", "GenerationResult", "GenerationStats", "LanguageModel", "Sampler", "SpecdecError", "Step",
     "autoregressive_generate", "beam_search_generate", "check_pair", "load", "logits_to_probs", "sample", "speculative_generate",
     "verify_draft", "verify_greedy", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
+    "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",
+    "MixedDrafter", "SequoiaDrafter", "SidesDrafter", "make_tree_drafter",
 ]
 __version__ = "0.1.0"

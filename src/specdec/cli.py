@@ -89,6 +89,7 @@ def generate(
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
     from .drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+    from .drafters.tree import check_tree_options
     from .generate import autoregressive_generate, speculative_generate
     from .samplers import Sampler
     from .schedules import make_schedule
@@ -100,6 +101,8 @@ def generate(
         if not prompt.strip():
             raise SpecdecError("empty prompt")
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
+        if tree != "off":
+            check_tree_options(tree, tree_nodes, tree_scheme)  # before minutes of loading
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
@@ -267,6 +270,9 @@ def bench(
             temperatures = [float(t) for t in _csv(temperature)]
         except ValueError:
             raise SpecdecError(f"--temperature takes comma-separated numbers, got {temperature!r}") from None
+        from .drafters.tree import check_tree_options
+
+        check_tree_options("mixed", tree_nodes, tree_scheme)
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme)
@@ -295,6 +301,8 @@ def measure(
     dtype: str = typer.Option("auto", help="Target dtype."),
     drafter_dtype: str = typer.Option("auto", help="Drafter dtype."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    tree_nodes: str = typer.Option("", "--tree-nodes", help="Comma-separated tree sizes: also predict tokens per "
+                                   "step of the best tree of each size from the per-rank acceptance, and measure them."),
 ):
     """Measure α, c and the verification cost, then predicted vs measured speedup for each γ."""
     from rich.markdown import Markdown
@@ -316,7 +324,14 @@ def measure(
         target_model = _load(target, dtype, device, "target")
         drafter_model = _load(drafter, drafter_dtype, device, "drafter")
         ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
-        result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err)
+        try:
+            sizes = [int(n) for n in _csv(tree_nodes)] if tree_nodes else []
+        except ValueError:
+            raise SpecdecError(f"--tree-nodes takes comma-separated integers, got {tree_nodes!r}") from None
+        if sizes and min(sizes) < 1:
+            raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+        result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
+                             sizes)
     except SpecdecError as exc:
         _fail(str(exc))
     text = measure_markdown(result)

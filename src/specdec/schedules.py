@@ -209,8 +209,9 @@ class CostAware(Schedule):
                emitted: int) -> None:
         self.tokens += emitted
         self.seconds += draft_seconds + verify_seconds
-        self.draft_seconds += draft_seconds
-        self.passes += drafter_passes
+        if self._sums[0] > 0:  # the first step's drafting includes the drafter's prompt pass: not a drafter pass
+            self.draft_seconds += draft_seconds
+            self.passes += drafter_passes
         for i, v in enumerate((1.0, width, width * width, verify_seconds, width * verify_seconds)):
             self._sums[i] += v
         n, sw, sww, st, swt = self._sums

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -33,19 +34,56 @@ class GammaRow:
     measured_alpha: float  # accepted / drafted in this γ's runs
 
 
+RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
+
+
 def measure_alpha(target: LanguageModel, drafter: LanguageModel, prompt: list[int], generated: list[int],
-                  sampler: Sampler) -> list[float]:
-    """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes)."""
+                  sampler: Sampler) -> tuple[list[float], torch.Tensor]:
+    """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes),
+    and p(x_r) [n, RANKS] of the drafter's rank-r token x_r there: with deterministic siblings
+    (top-k children) the rank-r child is the accepted one with probability exactly p(x_r)."""
     ids = prompt + generated
     n = len(generated)
     p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from
-    q = sampler.probs(drafter.forward(ids[:-1], None, n))
-    return acceptance_beta(p, q).tolist()
+    drafter_logits = drafter.forward(ids[:-1], None, n)[:, :p.shape[-1]]
+    q = sampler.probs(drafter_logits)
+    ranked = drafter_logits.topk(RANKS, dim=-1).indices
+    return acceptance_beta(p, q).tolist(), p.gather(-1, ranked)
+
+
+def tree_rows(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], acceptance: list[float],
+              sizes: list[int], max_new_tokens: int, sampler: Sampler, seed: int) -> list[dict]:
+    """For each tree size: the tokens per step that `theory.expected_tree_tokens` predicts for the
+    best tree of that size (Sequoia's shape under the measured per-rank acceptance, depth <= 8),
+    and the tokens per step measured running that shape (Sequoia drafter, acceptance pinned)."""
+    from ..drafters.dynamic import SequoiaDrafter, sequoia_shape
+    from ..schedules import TreeCost
+    from ..theory import expected_tree_tokens
+
+    rows = []
+    for size in sizes:
+        shape = sequoia_shape(acceptance, size, 8)
+        predicted = expected_tree_tokens([p for p, _ in shape], [r for _, r in shape], acceptance)
+        steps = tokens = 0
+        for i, ids in enumerate(prompts):
+            # pinned: huge prior weight keeps the measured vector; free costs pick the largest shape
+            tree = SequoiaDrafter(drafter, acceptance=acceptance, prior_weight=1e9, prior_costs=(0.0, 0.0, 1.0),
+                                  policy=TreeCost(max_nodes=size, threshold=1e-6, node_threshold=1e-6, warmup=10**9))
+            result = speculative_generate(ids, target, tree, gamma=8, sampler=sampler,
+                                          max_new_tokens=max_new_tokens, seed=seed + i)
+            steps += len(result.stats.accepted_per_step)
+            tokens += sum(result.stats.accepted_per_step) + len(result.stats.accepted_per_step)
+        rows.append({"nodes": size, "shape_nodes": len(shape), "predicted_tokens": predicted,
+                     "measured_tokens": tokens / steps if steps else 0.0})
+    return rows
 
 
 def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], gammas: list[int],
-                max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None) -> dict:
-    """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt)."""
+                max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None,
+                tree_sizes: list[int] | None = None) -> dict:
+    """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt);
+    with `tree_sizes`, also the per-rank acceptance and predicted vs measured tokens per step of
+    trees of those sizes."""
     console = console or Console(stderr=True)
     check_pair(target, drafter)
     target_ms = forward_ms(target, 1)
@@ -55,6 +93,7 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
 
     runs = {"ar": [], **{g: [] for g in gammas}}
     betas: list[float] = []
+    rank_p: list[torch.Tensor] = []
     autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
     speculative_generate(prompts[0][:16], target, drafter, gamma=2, sampler=sampler, max_new_tokens=4, seed=seed)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -64,7 +103,9 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
             progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: α")
             ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i)
             if ar.tokens:
-                betas += measure_alpha(target, drafter, ids, ar.tokens, sampler)
+                beta, ranked = measure_alpha(target, drafter, ids, ar.tokens, sampler)
+                betas += beta
+                rank_p.append(ranked)
             progress.advance(bar)
             order = ["ar", *gammas]
             order = order[i % len(order):] + order[:i % len(order)]
@@ -95,9 +136,13 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
             predicted_measured_cost=expected_tokens(alpha, g) / (g * c + verification[g]),
             measured=ar_seconds / sum(s.wall_seconds for s in stats),
             measured_alpha=sum(s.accepted for s in stats) / drafted if drafted else 0.0))
+    acceptance = torch.cat(rank_p).mean(0).tolist() if rank_p else [0.0] * RANKS
+    trees = tree_rows(target, drafter, prompts, acceptance, tree_sizes, max_new_tokens, sampler, seed) \
+        if tree_sizes else []
     return {"alpha": alpha, "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name}
+            "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
+            "rank_acceptance": acceptance, "trees": trees}
 
 
 def measure_markdown(m: dict) -> str:
@@ -112,6 +157,15 @@ def measure_markdown(m: dict) -> str:
         lines.append(f"| {r['gamma']} | {r['expected_tokens']:.2f} | {r['measured_tokens']:.2f} | "
                      f"{r['measured_alpha']:.1%} | {r['verification_cost']:.2f} | {r['predicted_iid']:.2f}× | "
                      f"{r['predicted_measured_cost']:.2f}× | {r['measured']:.2f}× |")
+    if m.get("trees"):
+        ranks = ", ".join(f"{a:.3f}" for a in m["rank_acceptance"])
+        lines += ["", f"- per-rank acceptance (p of the drafter's rank-r token, r = 1..{len(m['rank_acceptance'])}): "
+                  f"{ranks}", "",
+                  "| tree nodes | nodes in the best shape | predicted tokens / step | measured tokens / step |",
+                  "|---|---|---|---|"]
+        for t in m["trees"]:
+            lines.append(f"| {t['nodes']} | {t['shape_nodes']} | {t['predicted_tokens']:.2f} | "
+                         f"{t['measured_tokens']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -369,13 +369,20 @@ TREES = {
 }
 
 
-def make_tree_drafter(kind: str, model: LanguageModel | None = None, max_nodes: int = 64,
-                      scheme: str = "without-replacement", width: int | None = None):
-    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`."""
+def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
+    """Raise SpecdecError for an unknown tree, a node budget below 1 or an unknown sibling scheme."""
     if kind not in TREES:
         raise SpecdecError(f"unknown tree '{kind}'; choose from off, {', '.join(TREES)}")
     if not isinstance(max_nodes, int) or max_nodes < 1:
         raise SpecdecError(f"tree nodes must be an integer >= 1, got {max_nodes!r}")
+    if scheme not in SCHEMES:
+        raise SpecdecError(f"unknown sibling scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+
+
+def make_tree_drafter(kind: str, model: LanguageModel | None = None, max_nodes: int = 64,
+                      scheme: str = "without-replacement", width: int | None = None):
+    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`."""
+    check_tree_options(kind, max_nodes, scheme)
     policy = TreeCost(max_nodes=max_nodes)
     if kind == "lookup":
         return LookupTreeDrafter(policy=policy)
