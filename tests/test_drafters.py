@@ -5,7 +5,7 @@ import torch
 
 from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, speculative_generate
 from specdec.drafters import LookupDrafter, NgramDrafter
-from specdec.drafters.lookup import find_continuation
+from specdec.drafters.lookup import find_continuation, find_continuations
 from specdec.drafters.ngram import count_ngrams
 from specdec.schedules import EGAG, Confidence, CostAware, Heuristic, make_schedule, normalized_entropy
 
@@ -28,6 +28,18 @@ def test_lookup_copies_what_followed_the_latest_occurrence_of_the_longest_suffix
     assert find_continuation([5, 6, 7], 3, 1, 4) == []  # nothing recurs: no draft, no filler
     assert find_continuation([4, 8, 4], 2, 1, 5) == [8, 4]  # backs off to a 1-token suffix
     assert find_continuation([4, 8, 4], 2, 2, 5) == []
+    # transformers' choice: the first occurrence (here the one followed by 9, 1, 2)
+    assert find_continuation(context, 3, 1, 3, earliest=True) == [9, 1, 2]
+
+
+def test_lookup_tries_gather_the_latest_the_earliest_then_the_other_occurrences():
+    context = [7, 1, 2, 7, 3, 7, 4, 7, 5, 5, 7]
+    # suffix [7] (no longer suffix recurs): occurrences at 0, 3, 5, 7 -> latest 7, earliest 0, then 5, 3
+    assert find_continuations(context, 2, 1, 2, 4) == [[5, 5], [1, 2], [4, 7], [3, 7]]
+    assert find_continuations(context, 2, 1, 2, 2) == [[5, 5], [1, 2]]
+    # a continuation that is a prefix of one already found adds nothing
+    assert find_continuations([1, 2, 1, 2, 9, 1], 1, 1, 1, 4) == [[2]]
+    assert find_continuations([3, 4, 3, 4, 3], 1, 1, 3, 4) == [[4, 3], [4, 3, 4]]  # the trie merges these
 
 
 def test_ngram_backs_off_from_the_longest_seen_context_and_gives_counts_as_q():

@@ -149,7 +149,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     pass, and the verification keeps an exact prefix plus one target token.
 
     drafter: a smaller `LanguageModel` (same vocabulary), or any `Drafter` (drafters/: n-gram,
-        prompt lookup).
+        prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
+        mixed), whose token tree the target verifies in one pass under a tree attention mask;
+        `gamma` (or the schedule's budget) then bounds the tree's depth, the drafter its size.
     schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.

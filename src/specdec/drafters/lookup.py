@@ -15,15 +15,20 @@ from ..samplers import Sampler
 from .base import Draft, KeepGoing
 
 
-def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int) -> list[int]:
-    """Tokens that followed the latest earlier occurrence of context's last n tokens, trying n
-    from max_ngram down to min_ngram; [] when no suffix recurs."""
+def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int,
+                      earliest: bool = False) -> list[int]:
+    """Tokens that followed the latest (or, with `earliest`, the first: transformers' choice)
+    earlier occurrence of context's last n tokens, trying n from max_ngram down to min_ngram;
+    [] when no suffix recurs."""
     length = len(context)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = list(context[length - n:])
-        for start in range(length - n - 1, -1, -1):  # latest occurrence first, the suffix itself excluded
+        starts = range(0, length - n) if earliest else range(length - n - 1, -1, -1)  # the suffix itself excluded
+        for start in starts:
             if context[start] == suffix[0] and list(context[start:start + n]) == suffix:
-                return list(context[start + n:start + n + max_tokens])
+                continuation = list(context[start + n:start + n + max_tokens])
+                if continuation:
+                    return continuation
     return []
 
 
@@ -52,13 +57,15 @@ def find_continuations(context: Sequence[int], max_ngram: int, min_ngram: int, m
 
 
 class LookupDrafter:
-    """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first)."""
+    """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first),
+    copying after the latest earlier occurrence, or the first with `earliest` (transformers'
+    prompt lookup: `LookupDrafter(2, 1, earliest=True)`)."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, earliest: bool = False):
         if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise SpecdecError(f"lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.name = f"lookup-{min_ngram}..{max_ngram}"
+        self.max_ngram, self.min_ngram, self.earliest = max_ngram, min_ngram, earliest
+        self.name = f"lookup-{min_ngram}..{max_ngram}" + ("-earliest" if earliest else "")
         self.forwards = 0
 
     def check_target(self, target) -> None:
@@ -69,7 +76,7 @@ class LookupDrafter:
 
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
-        tokens = find_continuation(context, self.max_ngram, self.min_ngram, max_tokens)
+        tokens = find_continuation(context, self.max_ngram, self.min_ngram, max_tokens, self.earliest)
         for i in range(1, len(tokens)):
             if not keep_going(i, None):
                 tokens = tokens[:i]
