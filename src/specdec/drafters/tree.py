@@ -106,9 +106,14 @@ class SidesDrafter(ModelDrafter):
         self._fed = []
         if max_depth >= 1 and self.policy.should_draft():
             self._grow(root, context, max_depth, sampler, generator)
-        tree, _ = _to_tree(root, self._select(root))
+            _prune(root, self._select(root))
+            self._add_branches(root, context, max_depth)
+        tree, _ = _to_tree(root)
         self._drafted = bool(tree.tokens)
         return tree
+
+    def _add_branches(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
+        """More nodes after the model's (none here; MixedDrafter adds lookup branches)."""
 
     def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
               generator: torch.Generator) -> list[_Node]:
@@ -294,21 +299,12 @@ class MixedDrafter(SidesDrafter):
         self.lookup.policy = self.policy
         self.name = f"{model.name}+sides{width}+lookup"
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
-        self._fed = []
-        if max_depth >= 1 and self.policy.should_draft():
-            self._grow(root, context, max_depth, sampler, generator)
-            _prune(root, self._select(root))
-            # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
-            lookup_root = _Node(-1, 1.0, "deterministic")
-            self.lookup.grow(lookup_root, context, max_depth)
-            _prune(lookup_root, self.lookup.select(lookup_root, self.policy.max_nodes - _count(root)))
-            _merge(root, lookup_root)
-        tree, _ = _to_tree(root)
-        self._drafted = bool(tree.tokens)
-        return tree
+    def _add_branches(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
+        # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
+        lookup_root = _Node(-1, 1.0, "deterministic")
+        self.lookup.grow(lookup_root, context, max_depth)
+        _prune(lookup_root, self.lookup.select(lookup_root, self.policy.max_nodes - _count(root)))
+        _merge(root, lookup_root)
 
 
 def _merge(into: _Node, other: _Node) -> None:
