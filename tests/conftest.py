@@ -65,6 +65,17 @@ def default_pair() -> tuple[LanguageModel, LanguageModel]:
 
 
 @pytest.fixture(scope="session")
+def default_pair_greedy(default_pair, humaneval_prompts) -> tuple[list[int], list[int]]:
+    """The first HumanEval prompt's ids and the default target's greedy AR continuation (40 tokens),
+    computed once: the 1.5B target's AR is the slowest thing the suite runs."""
+    from specdec import autoregressive_generate
+
+    target = default_pair[0]
+    ids = target.encode(humaneval_prompts[0])
+    return ids, autoregressive_generate(ids, target, max_new_tokens=40).tokens
+
+
+@pytest.fixture(scope="session")
 def smollm2_drafters(smollm2) -> list[LanguageModel]:
     """Real drafters for SmolLM2: its first 6 layers (mostly rejected) and first 24 (mostly accepted)."""
     from transformers import AutoModelForCausalLM

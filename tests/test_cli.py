@@ -82,9 +82,10 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
     Our methods must be token-identical to our AR; transformers' peers compute their logits their
     own way (bf16 logits in bf16), so their mismatches are reported, never failed on."""
     out = tmp_path / "r"
+    temperatures = "0,1" if dtype == "fp32" else "0"  # sampling in bf16 adds time, not coverage
     result = runner.invoke(app, ["bench", "--dataset", "humaneval", "--limit", "2", "--target", "smollm2-135m",
                                  "--drafter", "smollm2-135m", "--methods", "ar,sd,lookup,hf,hf-assisted-fixed",
-                                 "--max-new-tokens", "6", "--temperature", "0,1", "--json", f"{out}.json",
+                                 "--max-new-tokens", "6", "--temperature", temperatures, "--json", f"{out}.json",
                                  "--markdown", f"{out}.md", "--plot", f"{out}.png", "--dtype", dtype])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "r.json").read_text())
@@ -98,8 +99,9 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
         assert entry["identical_to_ar"] + len(entry.get("mismatched_prompts", [])) == 2
         for prompt in entry.get("mismatched_prompts", []):
             assert {"position", "top2_logit_gap"} <= set(entry["divergences"][prompt])
-    assert len(data["records"]) == 2 * 5 * 2 and len(data["groups"]) == 2
-    assert "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
+    groups = len(temperatures.split(","))
+    assert len(data["records"]) == 2 * 5 * groups and len(data["groups"]) == groups
+    assert groups == 1 or "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "median tok/s" in result.output  # a log, not a terminal: the table is not wrapped at 80 columns
     for r in data["records"]:  # every method, ours and transformers', notes its time to first token

@@ -319,17 +319,17 @@ def measure(
             raise SpecdecError(f"--gammas takes comma-separated integers, got {gammas!r}") from None
         if not gamma_values or min(gamma_values) < 1:
             raise SpecdecError(f"--gammas must be integers >= 1, got {gammas!r}")
-        sampler = Sampler(temperature=temperature)
-        prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
-        target_model = _load(target, dtype, device, "target")
-        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
-        ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
         try:
             sizes = [int(n) for n in _csv(tree_nodes)] if tree_nodes else []
         except ValueError:
             raise SpecdecError(f"--tree-nodes takes comma-separated integers, got {tree_nodes!r}") from None
         if sizes and min(sizes) < 1:
             raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+        sampler = Sampler(temperature=temperature)
+        prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
+        target_model = _load(target, dtype, device, "target")
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
         result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
                              sizes)
     except SpecdecError as exc:
