@@ -126,7 +126,14 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
     # trees: the drafter's top token is the target's, so the best 3-node tree is a chain of 3
     assert m["rank_acceptance"][0] > 0.95 and [t["nodes"] for t in m["trees"]] == [1, 3]
     assert m["trees"][1]["predicted_tokens"] == pytest.approx(1 + sum(m["rank_acceptance"][0] ** k for k in (1, 2, 3)))
-    assert all(t["measured_tokens"] > 1.5 for t in m["trees"]) and "predicted" in result.output
+    assert all(t["measured_tokens"] > 1.5 for t in m["trees"])
+    from specdec.theory import flat_verification
+
+    for t in m["trees"]:  # the projections follow from the measured tokens, depth, c and pass costs
+        assert t["depth"] >= 1 and t["verification_cost"] > 0
+        assert t["predicted_flat"] == pytest.approx(
+            t["measured_tokens"] / (t["depth"] * m["c"] + flat_verification(t["shape_nodes"])))
+    assert all(r["predicted_flat"] > 0 for r in m["rows"]) and "Projections:" in result.output
 
 
 @pytest.mark.parametrize("args,message", [

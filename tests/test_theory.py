@@ -120,3 +120,19 @@ def test_expected_tree_tokens_matches_a_simulation_of_the_model():
 def test_expected_tree_tokens_bad_arguments_are_clear_errors(call):
     with pytest.raises(SpecdecError):
         call()
+
+
+def test_step_speedup_generalises_the_paper_and_flat_verification_is_linear():
+    from specdec.theory import flat_verification, step_speedup
+
+    for alpha, gamma, c in [(0.8, 4, 0.1), (0.5, 1, 0.3), (0.95, 12, 0.05)]:
+        assert step_speedup(expected_tokens(alpha, gamma), gamma, c, 1.0) == pytest.approx(
+            walltime_improvement(alpha, gamma, c))
+    assert step_speedup(3.0, 2, 0.25, 1.5) == pytest.approx(3.0 / 2.0)  # 2 drafter passes of 1/4, a 1.5× pass
+    assert flat_verification(0) == 1.0 and flat_verification(16) == pytest.approx(1.2)
+    assert flat_verification(32) == pytest.approx(1.4) and flat_verification(8, at16=2.0) == pytest.approx(1.5)
+    for bad in [(0.5, 1, 0.1, 1.0), (2.0, -1, 0.1, 1.0), (2.0, 1, 0.1, 0.0)]:
+        with pytest.raises(SpecdecError, match="step_speedup"):
+            step_speedup(*bad)
+    with pytest.raises(SpecdecError, match="flat_verification"):
+        flat_verification(4, at16=0.5)

@@ -50,6 +50,27 @@ def walltime_improvement(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / (gamma * c + 1)
 
 
+def step_speedup(tokens: float, drafter_passes: int, c: float, verification: float) -> float:
+    """Expected speedup over AR of a step that makes `tokens` tokens with `drafter_passes` drafter
+    passes (each c target passes) and one verification pass costing `verification` 1-token target
+    passes: tokens / (drafter_passes·c + verification). With tokens = expected_tokens(α, γ),
+    γ drafter passes and verification 1 this is `walltime_improvement`; for a tree, the passes
+    are its depth and the verification its width's measured (or assumed) cost."""
+    if tokens < 1 or drafter_passes < 0 or c < 0 or verification <= 0:
+        raise SpecdecError(f"step_speedup needs tokens >= 1, drafter passes >= 0, c >= 0 and verification > 0, "
+                           f"got {tokens!r}, {drafter_passes!r}, {c!r}, {verification!r}")
+    return tokens / (drafter_passes * c + verification)
+
+
+def flat_verification(nodes: int, at16: float = 1.2) -> float:
+    """The verification cost (in 1-token target passes) of scoring `nodes` drafted tokens plus one
+    on a machine where wide passes are nearly free: linear in the nodes, 16 of them costing
+    `at16` (1.2: a GPU at batch 1, or a CPU with AMX once the output head no longer dominates)."""
+    if nodes < 0 or at16 < 1:
+        raise SpecdecError(f"flat_verification needs nodes >= 0 and at16 >= 1, got {nodes!r}, {at16!r}")
+    return 1.0 + (at16 - 1.0) * nodes / 16
+
+
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     """The integer γ in [1, max_gamma] that maximises `walltime_improvement`."""
     _check(alpha, c=c)

@@ -4,6 +4,9 @@ and predicted vs measured speedup over a sweep of γ, on one target/drafter pair
 Two predictions per γ: the paper's, (1 − α^(γ+1)) / ((1 − α)(γc + 1)), which assumes iid
 acceptance and a verification pass that costs one target pass; and the same expected tokens
 over γc + v(γ), with v(γ) the measured cost of a (γ+1)-token pass relative to a 1-token one.
+A third projects the measured tokens per step onto a machine where wide passes are nearly free
+(`theory.flat_verification`: 16 drafted tokens cost 1.2 passes), keeping this machine's c; for
+trees the same, with the tree's depth as its drafter passes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..generate import autoregressive_generate, speculative_generate
 from ..models import LanguageModel, check_pair
 from ..samplers import Sampler
-from ..theory import acceptance_beta, expected_tokens, walltime_improvement
+from ..theory import acceptance_beta, expected_tokens, flat_verification, step_speedup, walltime_improvement
 from .forward_cost import forward_ms
 
 
@@ -32,6 +35,7 @@ class GammaRow:
     predicted_measured_cost: float  # expected tokens / (γc + v(γ))
     measured: float  # AR wall time / SD wall time, summed over the prompts
     measured_alpha: float  # accepted / drafted in this γ's runs
+    predicted_flat: float  # measured tokens / (γc + flat_verification(γ)): where wide passes are nearly free
 
 
 RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
@@ -59,11 +63,13 @@ def tree_rows(target: LanguageModel, drafter: LanguageModel, prompts: list[list[
     from ..drafters.dynamic import SequoiaDrafter, sequoia_shape
     from ..schedules import TreeCost
     from ..theory import expected_tree_tokens
+    from ..trees import depths
 
     rows = []
     for size in sizes:
         shape = sequoia_shape(acceptance, size, 8)
-        predicted = expected_tree_tokens([p for p, _ in shape], [r for _, r in shape], acceptance)
+        parents = [p for p, _ in shape]
+        predicted = expected_tree_tokens(parents, [r for _, r in shape], acceptance)
         steps = tokens = 0
         for i, ids in enumerate(prompts):
             # pinned: huge prior weight keeps the measured vector; free costs pick the largest shape
@@ -73,8 +79,8 @@ def tree_rows(target: LanguageModel, drafter: LanguageModel, prompts: list[list[
                                           max_new_tokens=max_new_tokens, seed=seed + i)
             steps += len(result.stats.accepted_per_step)
             tokens += sum(result.stats.accepted_per_step) + len(result.stats.accepted_per_step)
-        rows.append({"nodes": size, "shape_nodes": len(shape), "predicted_tokens": predicted,
-                     "measured_tokens": tokens / steps if steps else 0.0})
+        rows.append({"nodes": size, "shape_nodes": len(shape), "depth": max(depths(parents), default=0),
+                     "predicted_tokens": predicted, "measured_tokens": tokens / steps if steps else 0.0})
     return rows
 
 
@@ -129,16 +135,23 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
         stats = runs[g]
         drafted = sum(s.drafted for s in stats)
         steps = sum(len(s.accepted_per_step) for s in stats)
+        tokens = (sum(s.accepted for s in stats) + steps) / steps if steps else 0.0
         rows.append(GammaRow(
             gamma=g, expected_tokens=expected_tokens(alpha, g),
-            measured_tokens=(sum(s.accepted for s in stats) + steps) / steps if steps else 0.0,
+            measured_tokens=tokens,
             verification_cost=verification[g], predicted_iid=walltime_improvement(alpha, g, c),
             predicted_measured_cost=expected_tokens(alpha, g) / (g * c + verification[g]),
             measured=ar_seconds / sum(s.wall_seconds for s in stats),
-            measured_alpha=sum(s.accepted for s in stats) / drafted if drafted else 0.0))
+            measured_alpha=sum(s.accepted for s in stats) / drafted if drafted else 0.0,
+            predicted_flat=step_speedup(max(1.0, tokens), g, c, flat_verification(g))))
     acceptance = torch.cat(rank_p).mean(0).tolist() if rank_p else [0.0] * RANKS
     trees = tree_rows(target, drafter, prompts, acceptance, tree_sizes, max_new_tokens, sampler, seed) \
         if tree_sizes else []
+    for t in trees:  # the tree's verification pass here (tree mask), and both projections
+        tokens, nodes = max(1.0, t["measured_tokens"]), t["shape_nodes"]
+        t["verification_cost"] = forward_ms(target, nodes + 1, tree=True) / target_ms if nodes else 1.0
+        t["predicted_here"] = step_speedup(tokens, t["depth"], c, t["verification_cost"])
+        t["predicted_flat"] = step_speedup(tokens, t["depth"], c, flat_verification(nodes))
     return {"alpha": alpha, "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
@@ -151,21 +164,28 @@ def measure_markdown(m: dict) -> str:
              f"- α = {m['alpha']:.3f} (mean Σ min(p, q) over {m['positions']} positions of the target's own text)",
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
              "| γ | expected tokens / step (iid) | measured tokens / step | acceptance | v(γ) = (γ+1)-token pass / "
-             "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+             "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup | projected where wide "
+             "passes are nearly free |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in m["rows"]:
         lines.append(f"| {r['gamma']} | {r['expected_tokens']:.2f} | {r['measured_tokens']:.2f} | "
                      f"{r['measured_alpha']:.1%} | {r['verification_cost']:.2f} | {r['predicted_iid']:.2f}× | "
-                     f"{r['predicted_measured_cost']:.2f}× | {r['measured']:.2f}× |")
+                     f"{r['predicted_measured_cost']:.2f}× | {r['measured']:.2f}× | {r['predicted_flat']:.2f}× |")
     if m.get("trees"):
         ranks = ", ".join(f"{a:.3f}" for a in m["rank_acceptance"])
         lines += ["", f"- per-rank acceptance (p of the drafter's rank-r token, r = 1..{len(m['rank_acceptance'])}): "
                   f"{ranks}", "",
-                  "| tree nodes | nodes in the best shape | predicted tokens / step | measured tokens / step |",
-                  "|---|---|---|---|"]
+                  "| tree nodes | nodes in the best shape | depth | predicted tokens / step | measured tokens / step "
+                  "| tree pass / 1-token pass | projected speedup here | projected where wide passes are nearly free |",
+                  "|---|---|---|---|---|---|---|---|"]
         for t in m["trees"]:
-            lines.append(f"| {t['nodes']} | {t['shape_nodes']} | {t['predicted_tokens']:.2f} | "
-                         f"{t['measured_tokens']:.2f} |")
+            lines.append(f"| {t['nodes']} | {t['shape_nodes']} | {t['depth']} | {t['predicted_tokens']:.2f} | "
+                         f"{t['measured_tokens']:.2f} | {t['verification_cost']:.2f} | {t['predicted_here']:.2f}× | "
+                         f"{t['predicted_flat']:.2f}× |")
+        lines += ["", "Projections: measured tokens per step over (drafter passes · c + verification cost); the "
+                  "chain drafts γ passes, a tree one per level (its depth; a level's siblings share a pass). "
+                  "\"Nearly free\": 16 drafted tokens cost 1.2 one-token passes (`theory.flat_verification`), "
+                  "this machine's c kept."]
     return "\n".join(lines) + "\n"
 
 
