@@ -56,3 +56,39 @@ def test_different_seeds_give_different_samples():
     outs = {tuple(speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=20, seed=s,
                                        gamma=3).tokens) for s in range(5)}
     assert len(outs) > 1
+
+
+def test_greedy_runs_under_a_seed_still_measure_costs(monkeypatch):
+    """Greedy output does not depend on the draft lengths, so a seed must not freeze the cost policy."""
+    monkeypatch.setattr(generate.time, "perf_counter", _jittery_clock(0))
+    target, drafter = TableModel(vocab=6, seed=0, sharpness=3.0), TableModel(vocab=6, seed=1, sharpness=3.0)
+    for seed, expect_measured in [(7, True), (None, True)]:
+        schedule = make_schedule("cost", gamma_max=8)
+        speculative_generate([1, 2], target, drafter, max_new_tokens=60, seed=seed, schedule=schedule,
+                             eos_token_ids=[])
+        assert (schedule.measured is not None) is expect_measured
+    sampled = make_schedule("cost", gamma_max=8)
+    speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=60, seed=7,
+                         schedule=sampled, eos_token_ids=[])
+    assert sampled.measured is None  # sampling under a seed: the priors, so the output is pinned
+
+
+def test_the_bench_samples_speculative_methods_unseeded(monkeypatch):
+    from specdec.bench import methods
+
+    seeds = {}
+
+    def spy(kind):
+        def run(*args, seed=None, **kwargs):
+            seeds[(kind, kwargs["sampler"].temperature)] = seed
+            return speculative_generate(*args, seed=seed, **kwargs) if kind == "sd" else \
+                generate.autoregressive_generate(*args, seed=seed, **kwargs)
+        return run
+    monkeypatch.setattr(methods, "speculative_generate", spy("sd"))
+    monkeypatch.setattr(methods, "autoregressive_generate", spy("ar"))
+    target, drafter = TableModel(vocab=6, seed=0), TableModel(vocab=6, seed=1)
+    settings = methods.Settings(max_new_tokens=6)
+    for method in ("ar", "sd-cost"):
+        for temperature in (0.0, 1.0):
+            methods.run_method(method, [1, 2], target, drafter, settings, Sampler(temperature), seed=3)
+    assert seeds == {("ar", 0.0): 3, ("ar", 1.0): 3, ("sd", 0.0): 3, ("sd", 1.0): None}

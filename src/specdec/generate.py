@@ -156,8 +156,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
     seed: pins the output: the same seed gives the same tokens on the same machine, under every
-        schedule (the drafter and the verification draw from separate streams, and schedules get
-        no wall-clock timings when a seed is given, so the cost schedule keeps its starting θ).
+        schedule (the drafter and the verification draw from separate streams, and under sampling
+        schedules get no wall-clock timings when a seed is given, so the cost schedules keep their
+        starting thresholds; greedy runs are timed either way, their output does not depend on it).
     debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
         ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
 
@@ -233,7 +234,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
             LanguageModel.crop(target_cache, len(sequence) + num_accepted)
             drafter.rollback(len(sequence) + num_accepted)
         schedule.update(len(draft.tokens), num_accepted)
-        if seed is None:  # a seed pins the output: wall-clock timings must not steer γ then
+        # greedy output is the same whatever the draft lengths, so timings may steer them; a seed
+        # under sampling pins the output, and draft lengths decide which random draws are used
+        if seed is None or sampler.is_greedy:
             timings = (drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
                        len(pending) + len(draft.tokens), num_accepted + 1)
             (drafter if trees else schedule).timing(*timings)

@@ -249,7 +249,8 @@ class TreeCost(CostAware):
     Drafting nothing: when the first draft token's measured acceptance (an average over steps)
     cannot pay for a drafter pass and a wider target pass, the step drafts nothing, except
     every `probe`-th step, which drafts to keep that measurement current.
-    Until `warmup` steps are timed (and always under a seed), the thresholds are the priors.
+    Until `warmup` steps are timed (and always when sampling under a seed), the thresholds are
+    the priors.
     """
 
     name = "tree-cost"

@@ -98,7 +98,9 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
     """One generation of `method` on prompt `ids`."""
     if method.startswith("hf"):
         return hf_generate(method, target, ids, settings, sampler, seed, drafter)
-    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
+    # a seed under sampling turns off the measured-cost policies (generate.py): time what users run
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens,
+                  seed=seed if sampler.is_greedy or method == "ar" else None)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
     elif method.startswith("tree-"):
