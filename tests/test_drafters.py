@@ -156,6 +156,40 @@ def test_cost_schedule_threshold_falls_when_drafting_is_cheap():
     assert cheap.threshold < dear.threshold
 
 
+def _tree_policy_decisions(draft_step: tuple[float, int], plain_step: tuple[float, int], steps: int = 80) -> list[bool]:
+    """A TreeCost fed simulated steps: (seconds, tokens) of a step that drafted (width 4) or not (width 1)."""
+    from specdec.schedules import TreeCost
+
+    policy, decisions = TreeCost(warmup=2, probe=4), []
+    policy.timing(3.0, 1, 1.0, 4, 3)  # the prompt step: left out of the rates
+    for _ in range(steps):
+        drafts = policy.should_draft()
+        decisions.append(drafts)
+        seconds, tokens = draft_step if drafts else plain_step
+        policy.timing(seconds * 0.3, 1 if drafts else 0, seconds * 0.7, 4 if drafts else 1, tokens)
+    return decisions
+
+
+def test_tree_policy_drafts_nothing_where_drafting_is_measured_slower():
+    """The draft-nothing rule compares measured tokens per second of both kinds of step: a linear
+    cost model misprices the 1 -> 2 row jump, which is exactly what this decision turns on."""
+    slow = _tree_policy_decisions(draft_step=(0.7, 1), plain_step=(0.35, 1))  # drafting: 1.4 tok/s, plain 2.9
+    assert slow[:3] == [True, True, False]  # drafts until 2 drafting steps are timed, then one plain baseline
+    assert sum(slow[10:]) in (17, 18)  # of 70: then plain, drafting only to probe (every 4th decision)
+    fast = _tree_policy_decisions(draft_step=(0.5, 3), plain_step=(0.35, 1))  # drafting: 6 tok/s
+    assert fast[:3] == [True, True, False]
+    assert len(fast[10:]) - sum(fast[10:]) in (4, 5)  # of 70: plain only to probe, every 16th
+
+
+def test_tree_policy_drafts_while_unmeasured():
+    from specdec.schedules import TreeCost
+
+    policy = TreeCost()
+    assert all(policy.should_draft() for _ in range(20))  # no timings (a seed under sampling): the priors
+    with pytest.raises(SpecdecError, match="decay"):
+        TreeCost(decay=0.0)
+
+
 def test_cost_schedule_leaves_the_drafters_prompt_pass_out_of_its_pass_time():
     """The first step's drafting holds the drafter's prompt pass (seconds on a long prompt): counted
     as a drafter pass, it made one pass look dearer than a target pass and trees stop drafting."""

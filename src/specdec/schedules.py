@@ -246,27 +246,39 @@ class TreeCost(CostAware):
     as in CostAware). Where wide passes are expensive the tree stays small; where they are
     nearly free (a GPU, AMX) it grows to `max_nodes`.
 
-    Drafting nothing: when the first draft token's measured acceptance (an average over steps)
-    cannot pay for a drafter pass and a wider target pass, the step drafts nothing, except
-    every `probe`-th step, which drafts to keep that measurement current.
-    Until `warmup` steps are timed (and always when sampling under a seed), the thresholds are
-    the priors.
+    Drafting nothing, measured rather than modelled: the linear cost model above misprices the
+    jump from a 1-token to a 2-token pass (oneDNN's fp32 path on an AVX2 CPU makes it 1.6×, not
+    1 + slope), which is what decides whether a step should draft at all. So after `warmup`
+    timed steps that drafted, the policy takes one step without a draft as a baseline and from then on compares
+    the measured tokens per second of steps that drafted against steps that did not (decayed
+    sums, `decay` per step of the same kind), and does what has been faster; every `probe`-th
+    decision does the other (every 4·`probe`-th when drafting wins, a plain step being the dearer
+    probe there), so a change in the text is noticed.
+    Until `warmup` steps are timed (and always when sampling under a seed, which gets no
+    timings), the thresholds are the priors and every step drafts.
     """
 
     name = "tree-cost"
 
     def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
-                 node_threshold: float = 0.2, warmup: int = 3, probe: int = 8):
+                 node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9):
         _check_gamma("max_nodes", max_nodes)
+        _check_gamma("probe", probe)
         if not 0 < node_threshold < 1:
             raise SpecdecError(f"the tree's starting node threshold must be in (0, 1), got {node_threshold!r}")
-        self.max_nodes, self.node_prior, self.probe = max_nodes, node_threshold, probe
+        if not 0 < decay <= 1:
+            raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
+        self.max_nodes, self.node_prior, self.probe, self.decay = max_nodes, node_threshold, probe, decay
         super().__init__(max_depth, threshold, warmup)
 
     def reset(self) -> None:
         super().reset()
         self.first_tries = self.first_hits = 0
-        self.idle_steps = 0
+        self.decisions = 0
+        self.timed_steps = 0
+        # decayed (tokens, seconds, steps) of steps that drafted / did not
+        self.drafting = [0.0, 0.0, 0]
+        self.plain = [0.0, 0.0, 0]
 
     @property
     def node_threshold(self) -> float:
@@ -279,14 +291,29 @@ class TreeCost(CostAware):
         """Measured chance that a step's first draft token is accepted (a prior of 1/2 counts twice)."""
         return (self.first_hits + 1) / (self.first_tries + 2)
 
-    def should_draft(self, drafter_pass: bool = True) -> bool:
+    def should_draft(self) -> bool:
         """Whether this step should draft at all (see the class docstring)."""
-        if self.measured is None:
+        if self.drafting[2] < self.warmup:  # also: never timed (sampling under a seed)
             return True
-        rate, per_pass, slope, _ = self.measured
-        pays = self.first_acceptance() >= rate * ((per_pass if drafter_pass else 0.0) + slope)
-        self.idle_steps = 0 if pays else self.idle_steps + 1
-        return pays or self.idle_steps % self.probe == 0
+        if self.plain[2] == 0:
+            return False  # the baseline: one plain step
+        self.decisions += 1
+        if self.drafting[2] == 0:
+            return True
+        draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
+        plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
+        drafts = draft_rate >= plain_rate
+        return drafts != (self.decisions % (4 * self.probe if drafts else self.probe) == 0)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.timed_steps += 1
+        if self.timed_steps > 1:  # the first step's time holds the prompt's passes
+            kind = self.drafting if width > 1 else self.plain
+            kind[0] = self.decay * kind[0] + emitted
+            kind[1] = self.decay * kind[1] + draft_seconds + verify_seconds
+            kind[2] += 1
+        super().timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
 
     def update_tree(self, drafted: int, first_accepted: bool | None) -> None:
         """After a step: `first_accepted` is whether any child of the root was accepted (None: no draft)."""

@@ -223,7 +223,7 @@ class LookupTreeDrafter(LookupDrafter):
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         root = _Node(-1, 1.0, "deterministic")
-        if max_depth >= 1 and self.policy.should_draft(drafter_pass=False):
+        if max_depth >= 1 and self.policy.should_draft():
             self.grow(root, context, max_depth)
         tree = _to_tree(root, self.select(root))[0]
         self._drafted = bool(tree.tokens)
