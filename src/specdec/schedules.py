@@ -249,11 +249,11 @@ class TreeCost(CostAware):
     Drafting nothing, measured rather than modelled: the linear cost model above misprices the
     jump from a 1-token to a 2-token pass (oneDNN's fp32 path on an AVX2 CPU makes it 1.6×, not
     1 + slope), which is what decides whether a step should draft at all. So after `warmup`
-    timed steps that drafted, the policy takes one step without a draft as a baseline and from then on compares
-    the measured tokens per second of steps that drafted against steps that did not (decayed
-    sums, `decay` per step of the same kind), and does what has been faster; every `probe`-th
-    decision does the other (every 4·`probe`-th when drafting wins, a plain step being the dearer
-    probe there), so a change in the text is noticed.
+    timed steps that drafted, the policy takes one step without a draft as a baseline, and from
+    then on compares the measured tokens per second of steps that drafted against steps that did
+    not (decayed sums, `decay` per step of the same kind) and does what has been faster; every
+    `probe`-th decision does the other (every 4·`probe`-th when drafting wins, a plain step being
+    the dearer probe there), so a change in the text is noticed.
     Until `warmup` steps are timed (and always when sampling under a seed, which gets no
     timings), the thresholds are the priors and every step drafts.
     """
@@ -298,8 +298,6 @@ class TreeCost(CostAware):
         if self.plain[2] == 0:
             return False  # the baseline: one plain step
         self.decisions += 1
-        if self.drafting[2] == 0:
-            return True
         draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
         plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
         drafts = draft_rate >= plain_rate

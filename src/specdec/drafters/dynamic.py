@@ -310,9 +310,9 @@ class SequoiaDrafter(_TreeModelDrafter):
     tree of that size and depth limit (`_ShapeTables`) per second of `depth` drafter passes and
     a target pass over size + 1 tokens, t_draft·depth + t_1 + slope·size. The costs are the
     policy's measured ones (`TreeCost.measured`: drafter pass, slope, one-token pass) or, before
-    they are measured (always when sampling under a seed), `prior_costs`; by default the ones the policy's own
-    priors imply: a node pays when its value reaches node_threshold = slope/t_1 and a chain
-    token when it reaches threshold = (t_draft + slope)/t_1.
+    they are measured (always when sampling under a seed), `prior_costs`; by default the ones the
+    policy's own priors imply: a node pays when its value reaches node_threshold = slope/t_1 and
+    a chain token when it reaches threshold = (t_draft + slope)/t_1.
 
     The per-rank acceptance is measured online: at every node the walk passed (the root and the
     accepted path) whose drafter q was computed, the rank of the token the target emitted next
