@@ -134,6 +134,8 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
         assert t["predicted_flat"] == pytest.approx(
             t["measured_tokens"] / (t["depth"] * m["c"] + flat_verification(t["shape_nodes"])))
     assert all(r["predicted_flat"] > 0 for r in m["rows"]) and "Projections:" in result.output
+    assert [p["c"] for p in m["flat_projections"]][1:] == [0.12, 0.05]
+    assert all(p["tree_speedup"] >= p["chain_speedup"] - 1e-9 for p in m["flat_projections"])  # a chain is a tree
 
 
 @pytest.mark.parametrize("args,message", [

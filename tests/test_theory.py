@@ -136,3 +136,20 @@ def test_step_speedup_generalises_the_paper_and_flat_verification_is_linear():
             step_speedup(*bad)
     with pytest.raises(SpecdecError, match="flat_verification"):
         flat_verification(4, at16=0.5)
+
+
+def test_flat_projection_finds_the_chain_when_only_the_top_token_is_ever_accepted():
+    from specdec.bench.measure import flat_projection
+    from specdec.theory import flat_verification, step_speedup
+
+    only_top = flat_projection([0.8, 0.0, 0.0], c=0.1, max_nodes=16, max_depth=12)
+    assert only_top["tree_speedup"] == pytest.approx(only_top["chain_speedup"])
+    gamma = only_top["chain_gamma"]
+    assert only_top["chain_speedup"] == pytest.approx(max(
+        step_speedup(expected_tokens(0.8, g), g, 0.1, flat_verification(g)) for g in range(1, 13)))
+    assert only_top["chain_tokens"] == pytest.approx(expected_tokens(0.8, gamma))
+    spread = flat_projection([0.6, 0.2, 0.1], c=0.1, max_nodes=16, max_depth=12)
+    assert spread["tree_speedup"] > 1.1 * spread["chain_speedup"]  # siblings pay where passes are nearly free
+    assert spread["tree_nodes"] > spread["tree_depth"]  # ... so the best tree is wider than a chain
+    assert spread["tree_speedup"] == pytest.approx(
+        step_speedup(spread["tree_tokens"], spread["tree_depth"], 0.1, flat_verification(spread["tree_nodes"])))

@@ -84,6 +84,32 @@ def tree_rows(target: LanguageModel, drafter: LanguageModel, prompts: list[list[
     return rows
 
 
+def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_depth: int = 20,
+                    at16: float = 1.2) -> dict:
+    """The best chain and the best tree on a machine where 16 drafted tokens cost `at16` one-token
+    passes (`theory.flat_verification`), from the positional model: tokens per step
+    1 + E[accepted] under the per-rank `acceptance` (Sequoia's dynamic programme, every size up to
+    `max_nodes` and depth limit up to `max_depth`), cost d·c + v(n) for a tree of n nodes and
+    depth limit d (one drafter pass per level); a chain is the tree of rank-0 children only."""
+    from ..drafters.dynamic import _ShapeTables
+
+    tables = _ShapeTables(acceptance, max_nodes, max_depth)
+    chain = max((step_speedup(1 + sum(acceptance[0] ** k for k in range(1, g + 1)), g, c,
+                              flat_verification(g, at16)), g) for g in range(1, max_depth + 1))
+    tree = (0.0, 0, 0, 0.0)
+    for depth in range(1, tables.max_depth + 1):
+        for nodes in range(1, max_nodes + 1):
+            value = tables.expected(nodes, depth)
+            if value == float("-inf"):
+                continue
+            speedup = step_speedup(1 + value, depth, c, flat_verification(nodes, at16))
+            if speedup > tree[0]:
+                tree = (speedup, nodes, depth, 1 + value)
+    return {"c": c, "chain_speedup": chain[0], "chain_gamma": chain[1],
+            "chain_tokens": 1 + sum(acceptance[0] ** k for k in range(1, chain[1] + 1)),
+            "tree_speedup": tree[0], "tree_nodes": tree[1], "tree_depth": tree[2], "tree_tokens": tree[3]}
+
+
 def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], gammas: list[int],
                 max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None,
                 tree_sizes: list[int] | None = None) -> dict:
@@ -147,6 +173,7 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
     acceptance = torch.cat(rank_p).mean(0).tolist() if rank_p else [0.0] * RANKS
     trees = tree_rows(target, drafter, prompts, acceptance, tree_sizes, max_new_tokens, sampler, seed) \
         if tree_sizes else []
+    projections = [flat_projection(acceptance, cost) for cost in (c, 0.12, 0.05)] if tree_sizes else []
     for t in trees:  # the tree's verification pass here (tree mask), and both projections
         tokens, nodes = max(1.0, t["measured_tokens"]), t["shape_nodes"]
         t["verification_cost"] = forward_ms(target, nodes + 1, tree=True) / target_ms if nodes else 1.0
@@ -155,7 +182,7 @@ def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[lis
     return {"alpha": alpha, "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
-            "rank_acceptance": acceptance, "trees": trees}
+            "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections}
 
 
 def measure_markdown(m: dict) -> str:
@@ -186,6 +213,17 @@ def measure_markdown(m: dict) -> str:
                   "chain drafts γ passes, a tree one per level (its depth; a level's siblings share a pass). "
                   "\"Nearly free\": 16 drafted tokens cost 1.2 one-token passes (`theory.flat_verification`), "
                   "this machine's c kept."]
+    if m.get("flat_projections"):
+        lines += ["", "Best chain against best tree where wide passes are nearly free, from the per-rank "
+                  "acceptance (positional model; trees up to 64 nodes, depth up to 20): at this machine's c, "
+                  "and at the drafter costs a quantized drafter (0.12) or self-drafting heads (0.05) aim at.", "",
+                  "| c | best chain | tokens / step | best tree | tokens / step | tree over chain |",
+                  "|---|---|---|---|---|---|"]
+        for p in m["flat_projections"]:
+            lines.append(f"| {p['c']:.3f} | {p['chain_speedup']:.2f}× (γ = {p['chain_gamma']}) | "
+                         f"{p['chain_tokens']:.2f} | {p['tree_speedup']:.2f}× ({p['tree_nodes']} nodes, depth "
+                         f"{p['tree_depth']}) | {p['tree_tokens']:.2f} | "
+                         f"{p['tree_speedup'] / p['chain_speedup']:.2f}× |")
     return "\n".join(lines) + "\n"
 
 
