@@ -39,11 +39,12 @@ bench-policies: setup
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
 
+# issue 12's second tree run (docs/BENCHMARKS.md, "Token trees: the second run"; ~40 min on 2 cores)
 bench-trees: setup
-	$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0+1 --tasks mt_bench,summarization,rag \
-		--methods ar,sd-cost,lookup,tree-lookup,tree-sides,tree-eagle2,tree-sequoia,tree-mixed,hf-assisted,hf-lookup \
-		--gamma 5 --gamma-max 20 --max-new-tokens 64 --markdown docs/benchmarks/trees.md \
-		--json docs/benchmarks/trees.json --plot docs/benchmarks/trees.png
+	$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0+1 --tasks mt_bench,summarization,rag,math_reasoning \
+		--methods ar,sd-cost,tree-sides,tree-mixed,hf-assisted,hf-lookup --gamma 5 --gamma-max 20 \
+		--max-new-tokens 64 --markdown docs/benchmarks/trees-2.md --json docs/benchmarks/trees-2.json \
+		--plot docs/benchmarks/trees-2.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache
