@@ -175,10 +175,11 @@ def test_tree_policy_drafts_nothing_where_drafting_is_measured_slower():
     cost model misprices the 1 -> 2 row jump, which is exactly what this decision turns on."""
     slow = _tree_policy_decisions(draft_step=(0.7, 1), plain_step=(0.35, 1))  # drafting: 1.4 tok/s, plain 2.9
     assert slow[:3] == [True, True, False]  # drafts until 2 drafting steps are timed, then one plain baseline
-    assert sum(slow[10:]) in (17, 18)  # of 70: then plain, drafting only to probe (every 4th decision)
+    probes = [i for i, drafts in enumerate(slow) if drafts and i > 2]
+    assert probes == [6, 14, 30, 62]  # then plain, probing as the 4th, 8th, 16th, 32nd decision (probe=4)
     fast = _tree_policy_decisions(draft_step=(0.5, 3), plain_step=(0.35, 1))  # drafting: 6 tok/s
     assert fast[:3] == [True, True, False]
-    assert len(fast[10:]) - sum(fast[10:]) in (4, 5)  # of 70: plain only to probe, every 16th
+    assert [i for i, drafts in enumerate(fast) if not drafts and i > 2] == [18, 50]  # the 16th, then 32nd decision
 
 
 def test_tree_policy_drafts_while_unmeasured():

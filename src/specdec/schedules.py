@@ -251,9 +251,10 @@ class TreeCost(CostAware):
     1 + slope), which is what decides whether a step should draft at all. So after `warmup`
     timed steps that drafted, the policy takes one step without a draft as a baseline, and from
     then on compares the measured tokens per second of steps that drafted against steps that did
-    not (decayed sums, `decay` per step of the same kind) and does what has been faster; every
-    `probe`-th decision does the other (every 4·`probe`-th when drafting wins, a plain step being
-    the dearer probe there), so a change in the text is noticed.
+    not (decayed sums, `decay` per step of the same kind) and does what has been faster. To
+    notice a change in the text it probes the other kind `probe` decisions after a choice
+    (4·`probe` when drafting wins, a plain step being the dearer probe there), then after twice
+    as many, and so on (up to 64·`probe`), back to the base wait whenever the choice flips.
     Until `warmup` steps are timed (and always when sampling under a seed, which gets no
     timings), the thresholds are the priors and every step drafts.
     """
@@ -274,7 +275,8 @@ class TreeCost(CostAware):
     def reset(self) -> None:
         super().reset()
         self.first_tries = self.first_hits = 0
-        self.decisions = 0
+        self.choice: bool | None = None  # what the rates last said: draft or not
+        self.since_probe = self.interval = 0
         self.timed_steps = 0
         # decayed (tokens, seconds, steps) of steps that drafted / did not
         self.drafting = [0.0, 0.0, 0]
@@ -297,11 +299,19 @@ class TreeCost(CostAware):
             return True
         if self.plain[2] == 0:
             return False  # the baseline: one plain step
-        self.decisions += 1
         draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
         plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
         drafts = draft_rate >= plain_rate
-        return drafts != (self.decisions % (4 * self.probe if drafts else self.probe) == 0)
+        if drafts != self.choice:  # a new choice: probe the other at the base interval again
+            self.choice, self.since_probe = drafts, 0
+            self.interval = 4 * self.probe if drafts else self.probe
+        self.since_probe += 1
+        if self.since_probe < self.interval:
+            return drafts
+        # a probe; each one that leaves the choice standing doubles the wait for the next (a probe
+        # that loses costs a step's worth of time, so their number grows as log of the length)
+        self.since_probe, self.interval = 0, min(2 * self.interval, 64 * self.probe)
+        return not drafts
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
