@@ -94,8 +94,8 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
     from ..drafters.dynamic import _ShapeTables
 
     tables = _ShapeTables(acceptance, max_nodes, max_depth)
-    chain = max((step_speedup(1 + sum(acceptance[0] ** k for k in range(1, g + 1)), g, c,
-                              flat_verification(g, at16)), g) for g in range(1, max_depth + 1))
+    chain = max((step_speedup(expected_tokens(acceptance[0], g), g, c, flat_verification(g, at16)), g)
+                for g in range(1, max_depth + 1))
     tree = (0.0, 0, 0, 0.0)
     for depth in range(1, tables.max_depth + 1):
         for nodes in range(1, max_nodes + 1):
@@ -106,7 +106,7 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
             if speedup > tree[0]:
                 tree = (speedup, nodes, depth, 1 + value)
     return {"c": c, "chain_speedup": chain[0], "chain_gamma": chain[1],
-            "chain_tokens": 1 + sum(acceptance[0] ** k for k in range(1, chain[1] + 1)),
+            "chain_tokens": expected_tokens(acceptance[0], chain[1]),
             "tree_speedup": tree[0], "tree_nodes": tree[1], "tree_depth": tree[2], "tree_tokens": tree[3]}
 
 
