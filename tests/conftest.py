@@ -61,7 +61,8 @@ def smollm2() -> LanguageModel:
 def default_pair() -> tuple[LanguageModel, LanguageModel]:
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER):
         _installed_or_skip(name)
-    return load(registry.DEFAULT_TARGET, device="cpu"), load(registry.DEFAULT_DRAFTER, device="cpu")
+    # as the CLI loads them: the drafter with its own (cheaper) kernels and head
+    return load(registry.DEFAULT_TARGET, device="cpu"), load(registry.DEFAULT_DRAFTER, device="cpu", role="drafter")
 
 
 @pytest.fixture(scope="session")

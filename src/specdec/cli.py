@@ -28,12 +28,20 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None):
+def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
+          vocab: int | None = None, vocab_corpus: str | None = None):
     from .models import load
 
     with err.status(f"loading {name} ({role})…"):
         return load(name, dtype=dtype, device=device, role=role, exact_rows=exact_rows,
-                    say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+                    say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus)
+
+
+DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (int8 weights on the CPU, bf16 on CUDA), int8, bf16, fp32, fp16. "
+                      "Changes acceptance only, never the output.")
+DRAFTER_VOCAB_HELP = ("Ids the drafter's output head scores: the N most frequent (FR-Spec; q is 0 elsewhere, so "
+                      "the output stays exact). Default: 65536 for vocabularies over twice that, else all; 0: all.")
+DRAFTER_VOCAB_CORPUS_HELP = "Text file to count the drafter vocabulary's frequencies in (default: Python's stdlib)."
 
 
 EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass computed bit for bit as a one-token "
@@ -78,7 +86,10 @@ def generate(
     first_target: bool = typer.Option(True, help="Take the first token from the target's prompt pass."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of coloured text."),
     dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
-    drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
+    drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
+                                                       help=DRAFTER_VOCAB_CORPUS_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
     tree: str = typer.Option("off", help=TREE_HELP),
@@ -107,7 +118,8 @@ def generate(
         drafter_used = None
         if method == Method.sd:
             if tree != "off":
-                drafter_model = None if tree == "lookup" else _load(drafter, drafter_dtype, device, "drafter")
+                drafter_model = None if tree == "lookup" else _load(
+                    drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)
                 plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
             elif drafter == "ngram":
@@ -115,7 +127,8 @@ def generate(
             elif drafter == "lookup":
                 drafter_used = LookupDrafter()
             else:
-                drafter_used = _load(drafter, drafter_dtype, device, "drafter")
+                drafter_used = _load(drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab,
+                                     vocab_corpus=drafter_vocab_corpus)
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)
@@ -164,7 +177,10 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per reply."),
     debug: bool = typer.Option(False, help="Start with the step view on."),
     dtype: str = typer.Option("auto"),
-    drafter_dtype: str = typer.Option("auto"),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
+    drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
+                                                       help=DRAFTER_VOCAB_CORPUS_HELP),
     device: str = typer.Option("auto"),
 ):
     """Chat interactively; /help lists the commands that switch method, drafter, schedule, sampler, debug."""
@@ -180,8 +196,9 @@ def chat(
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
-        session = ChatSession(target_model, lambda name: _load(name, drafter_dtype, device, "drafter"), drafter,
-                              Console(), method.value, schedule, gamma, gamma_max, sampler, debug, max_new_tokens)
+        session = ChatSession(target_model, lambda name: _load(name, drafter_dtype, device, "drafter",
+                                                               vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus),
+                              drafter, Console(), method.value, schedule, gamma, gamma_max, sampler, debug, max_new_tokens)
         if method == Method.sd:
             session.drafter()  # load it now: a bad name fails before the first prompt
     except SpecdecError as exc:
@@ -255,7 +272,10 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write info, summary, groups and records as JSON."),
     plot: Optional[str] = typer.Option(None, help="Write a PNG of tokens/s per method and per task."),
     dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
-    drafter_dtype: str = typer.Option("auto", help="Drafter dtype: auto, fp32, bf16, fp16."),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
+    drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
+                                                       help=DRAFTER_VOCAB_CORPUS_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes per token tree (tree-* methods)."),
@@ -279,7 +299,8 @@ def bench(
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
-                      drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows)
+                      drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows,
+                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus)
     except SpecdecError as exc:
         _fail(str(exc))
 
@@ -299,7 +320,10 @@ def measure(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the measurements as JSON here."),
     plot: Optional[str] = typer.Option(None, help="Write a PNG of predicted and measured speedup over γ."),
     dtype: str = typer.Option("auto", help="Target dtype."),
-    drafter_dtype: str = typer.Option("auto", help="Drafter dtype."),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
+    drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
+                                                       help=DRAFTER_VOCAB_CORPUS_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     tree_nodes: str = typer.Option("", "--tree-nodes", help="Comma-separated tree sizes: also predict tokens per "
                                    "step of the best tree of each size from the per-rank acceptance, and measure them."),
@@ -328,7 +352,8 @@ def measure(
         sampler = Sampler(temperature=temperature)
         prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
         target_model = _load(target, dtype, device, "target")
-        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab,
+                              vocab_corpus=drafter_vocab_corpus)
         ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
         result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
                              sizes)

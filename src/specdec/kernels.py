@@ -11,6 +11,8 @@ for 6 (docs/KERNELS.md). oneDNN has no bf16 path on such CPUs, so:
   there) and also holds a packed fp32 copy for longer passes such as the prompt prefill, which
   would otherwise cost ~35 ms per token. A drafter's rounding can only change acceptance, never
   the output, so mixing precisions there is safe.
+- a drafter in int8 (`Int8Linear`) reads a quarter of fp32's bytes on its few-row passes, on
+  every CPU kind; its longer passes go where they went before.
 """
 
 from __future__ import annotations
@@ -63,13 +65,110 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dense_rows={self.dense_rows}"
 
 
-def pack_linears(module: nn.Module, dense_rows: int = 0) -> int:
-    """Replace every nn.Linear inside `module` by a PackedLinear; return how many were replaced."""
+# torch 2.13's CPU int8 op returns garbage (inf, NaN) or crashes for other input widths
+INT8_K_MULTIPLE = 16
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W in int8 (one scale per output row) for inputs of at most `short_rows`
+    rows; longer inputs go through `long`, the layer this one stands in for.
+
+    torch's weight-only int8 op reads a quarter of fp32's bytes and half of bf16's, so it wins on
+    memory-bound passes of a few rows, but its cost grows about linearly with rows, which a
+    prompt prefill cannot afford (docs/KERNELS.md: on the AVX2 CPU it beats packed fp32
+    up to 16 rows, on AMX it beats bf16 up to 2). Symmetric per-row rounding: a weight moves by
+    at most max|W[row]| / 254. Only for drafters, whose precision steers acceptance alone.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, long: nn.Module, short_rows: int):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % INT8_K_MULTIPLE:
+            raise ValueError(f"Int8Linear needs in_features divisible by {INT8_K_MULTIPLE}, got {self.in_features}")
+        self.short_rows = short_rows
+        self.long = long
+        weight, scales = quantize_int8(weight.detach())
+        self.register_buffer("int8_weight", weight, persistent=False)
+        self.register_buffer("scales", scales.to(torch.bfloat16), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], in x's dtype."""
+        rows = x.numel() // self.in_features
+        if rows > self.short_rows:
+            return self.long(x)
+        # a fresh buffer: the op reads out of bounds (and crashes) on inputs not 32-byte aligned,
+        # such as a view into a longer tensor
+        flat = torch.empty((rows, self.in_features), dtype=torch.bfloat16, device=x.device)
+        y = torch._weight_int8pack_mm(flat.copy_(x.reshape(rows, self.in_features)), self.int8_weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, short_rows={self.short_rows}"
+
+
+def quantize_int8(weight: torch.Tensor, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], fp32 scales [N]) with weight ≈ int8 * scale[:, None].
+
+    Symmetric, one scale per row (max |row| / 127), rounded to nearest; in chunks of rows, so a
+    151,936-row head never needs a whole fp32 copy.
+    """
+    rows = weight.shape[0]
+    out = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    for start in range(0, rows, chunk):
+        block = weight[start:start + chunk].float()
+        scale = block.abs().amax(dim=1).clamp_min(1e-12) / 127
+        out[start:start + chunk] = torch.round(block / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[start:start + chunk] = scale
+    return out, scales
+
+
+def int8_fits(layer: nn.Linear) -> bool:
+    """Whether `layer`'s shape suits the int8 op (others keep their own kernel)."""
+    return layer.in_features % INT8_K_MULTIPLE == 0
+
+
+def int8_supported(device: torch.device) -> bool:
+    """Whether this torch build runs the weight-only int8 op on `device` (CPU builds do)."""
+    if device.type != "cpu":
+        return False
+    try:
+        x = torch.ones(1, 32, dtype=torch.bfloat16)
+        torch._weight_int8pack_mm(x, torch.ones(8, 32, dtype=torch.int8), torch.ones(8, dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
+
+
+def pack_linears(module: nn.Module, dense_rows: int = 0, int8_rows: int = 0) -> int:
+    """Replace every nn.Linear inside `module` by a PackedLinear (int8_rows > 0: an Int8Linear for
+    inputs of at most that many rows, over a PackedLinear for longer ones); return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias, dense_rows))
+            int8 = int8_rows > 0 and int8_fits(child)
+            # a layer the int8 op cannot take keeps the bf16 short path the drafter had before
+            rows = dense_rows if int8 or not int8_rows else max(dense_rows, 2)
+            packed = PackedLinear(child.weight, child.bias, rows)
+            setattr(module, name, Int8Linear(child.weight, child.bias, packed, int8_rows) if int8 else packed)
             count += 1
         else:
-            count += pack_linears(child, dense_rows)
+            count += pack_linears(child, dense_rows, int8_rows)
+    return count
+
+
+def quantize_linears(module: nn.Module, short_rows: int) -> int:
+    """Replace every nn.Linear inside `module` by an Int8Linear that keeps the original layer for
+    inputs of more than `short_rows` rows; return how many were replaced."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and int8_fits(child):
+            setattr(module, name, Int8Linear(child.weight, child.bias, child, short_rows))
+            count += 1
+        else:
+            count += quantize_linears(child, short_rows)
     return count

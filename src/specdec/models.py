@@ -17,9 +17,11 @@ import torch
 from . import registry
 from .errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
-from .kernels import PackedLinear, has_onednn, pack_linears
+from .kernels import (Int8Linear, PackedLinear, has_onednn, int8_fits, int8_supported, pack_linears,
+                      quantize_linears)
 from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact
 from .trees import tree_attention
+from .vocab import restrict_drafter_vocabulary
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -55,8 +57,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
     if dtype in names:
         return names[dtype]
+    if dtype == "int8":
+        return torch.bfloat16  # int8 weights, bf16 activations (`use_int8`)
     if dtype != "auto":
-        raise SpecdecError(f"unknown dtype '{dtype}'; use auto, fp32, bf16 or fp16")
+        raise SpecdecError(f"unknown dtype '{dtype}'; use auto, fp32, bf16, fp16 or (drafters) int8")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if role == "drafter":
@@ -64,11 +68,28 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def use_int8(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> bool:
+    """Whether a model loaded with `dtype` gets int8 weight-only linears (kernels.Int8Linear).
+
+    "int8" asks for them (drafters only: a target's weights decide the output); "auto" picks
+    them for a drafter on the CPU, where its 1-2-token passes are bound by weight traffic and
+    int8 reads half of bf16's bytes (docs/KERNELS.md). CUDA keeps bf16: torch's int8 op is a CPU one.
+    """
+    if dtype == "int8":
+        if role != "drafter":
+            raise SpecdecError("int8 weights are for drafters only: rounding a target's weights changes its output")
+        if not int8_supported(device):
+            raise SpecdecError(f"int8 drafter weights need torch's CPU int8 kernel, which {device} lacks; "
+                               "use --drafter-dtype bf16")
+        return True
+    return dtype == "auto" and role == "drafter" and int8_supported(device)
+
+
 class LanguageModel:
     """A causal LM with its tokenizer, run one sequence at a time with a croppable KV cache."""
 
     def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target", kernels: str = "auto",
-                 exact_rows: bool | None = None):
+                 exact_rows: bool | None = None, int8: bool = False):
         """Wrap a transformers causal LM.
 
         role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
@@ -82,11 +103,15 @@ class LanguageModel:
             would (rows.py), so that greedy speculative output is token-identical to greedy AR
             by construction. None: on for a bf16 target on the CPU (nearly free there); off for
             fp32 (where it slows 1-token passes), for drafters and on CUDA.
+        int8: (drafters, CPU) int8 weight-only linears and output head for passes of a few
+            tokens (`kernels.Int8Linear`); longer passes keep the paths above.
         """
         if kernels not in ("auto", "stock"):
             raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
         if role not in ("target", "drafter"):
             raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
+        if int8 and (role != "drafter" or not int8_supported(hf_model.get_output_embeddings().weight.device)):
+            raise SpecdecError("int8 weights are for drafters on the CPU only")
         self.hf = hf_model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -104,7 +129,7 @@ class LanguageModel:
         self._head_row_norm = None
         self.kernels = "stock"
         on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
-        if on_cpu and self._dtype == torch.float32:
+        if on_cpu and self._dtype == torch.float32 and not int8:
             pack_linears(self._decoder)
             self.kernels = "onednn-packed"
             # our forward uses a packed head; transformers' own calls (generate) get it too,
@@ -112,10 +137,19 @@ class LanguageModel:
             self._head = PackedLinear(weight, self._head_bias)
             if not getattr(hf_model.config, "tie_word_embeddings", False):
                 hf_model.set_output_embeddings(self._head)
-                self._head_weight = None  # let the dense copy go
-        elif on_cpu and self._dtype == torch.bfloat16 and role == "drafter" and not cpu_has_native_bf16():
-            pack_linears(self._decoder, dense_rows=2)
-            self.kernels = "bf16+onednn-packed-fp32"
+                if role == "target":  # a drafter keeps it for a head of its own (`restrict_vocabulary`)
+                    self._head_weight = None  # let the dense copy go
+        elif on_cpu and role == "drafter" and not cpu_has_native_bf16() and (int8 or self._dtype == torch.bfloat16):
+            # int8 beats packed fp32 up to ~16 rows here, bf16 (emulated) only up to 2
+            pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
+            self.kernels = "int8+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
+        elif int8:
+            # native bf16 costs about one row's time up to ~32 rows; int8 wins for 1-2 only
+            quantize_linears(self._decoder, short_rows=2)
+            self.kernels = f"int8+{str(self._dtype).removeprefix('torch.')}"
+        self.int8 = bool(int8)
+        self._vocab_ids: torch.Tensor | None = None
+        self._draft_head: torch.nn.Module | None = None
         self.exact_logits = role == "target"
         if self.exact_logits and self._head is None and self._dtype != torch.float32 and self._device.type == "cpu":
             self._head_row_norm = max_row_norm(weight)
@@ -129,6 +163,51 @@ class LanguageModel:
             enable_row_exact_attention(hf_model)
         self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
+        if int8:
+            self._build_draft_head()
+
+    @property
+    def draft_vocabulary(self) -> int | None:
+        """How many ids the output head scores (None: all of them); see `restrict_vocabulary`."""
+        return None if self._vocab_ids is None else len(self._vocab_ids)
+
+    @torch.inference_mode()
+    def restrict_vocabulary(self, ids: Sequence[int] | torch.Tensor | None) -> None:
+        """Score only `ids` in the output head from now on (FR-Spec, Zhao et al. 2025); None: all.
+
+        Logits keep their full width V, -inf outside `ids`, so a drafter's q is exactly 0 there
+        and verification stays exact. Drafters only: a target's logits decide the output.
+        """
+        if self.role != "drafter":
+            raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
+        if ids is None:
+            self._vocab_ids = None
+        else:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten().unique()
+            if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self._vocab_size:
+                raise SpecdecError(f"a draft vocabulary must be a non-empty set of ids in [0, {self._vocab_size})")
+            self._vocab_ids = ids.to(self.device)
+        self._build_draft_head()
+
+    def _build_draft_head(self) -> None:
+        """The drafter's own output head over its scored ids: int8 for few rows where `int8`."""
+        if self._head_weight is None:
+            raise SpecdecError(f"{self.name}: its output head was packed away; a drafter keeps it dense")
+        weight, bias = self._head_weight, self._head_bias
+        if self._vocab_ids is not None:
+            weight = weight.index_select(0, self._vocab_ids)
+            bias = None if bias is None else bias.index_select(0, self._vocab_ids)
+        if not self.int8 and self._vocab_ids is None:
+            self._draft_head = None
+            return
+        long = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=self.device,
+                               dtype=weight.dtype)
+        long.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            long.bias = torch.nn.Parameter(bias, requires_grad=False)
+        # the head's long path is plain bf16: int8 beats it up to ~8 rows without native bf16, 2 with
+        short_rows = 2 if cpu_has_native_bf16() else 8
+        self._draft_head = Int8Linear(weight, bias, long, short_rows) if self.int8 and int8_fits(long) else long
 
     @property
     def device(self) -> torch.device:
@@ -300,8 +379,18 @@ class LanguageModel:
         weights go through the packed head; bf16 weights on the CPU through a bf16 head whose
         near-top candidates are re-scored in fp32 (`rows.refine_top_logits`; an fp32 copy of a
         151,936-row head would double the bytes read per token); low-precision weights on CUDA
-        through a matmul with fp32 accumulation.
+        through a matmul with fp32 accumulation. A drafter's own head (int8, or over its frequent
+        ids only: `restrict_vocabulary`) need not be exact; it returns -inf for the ids it skips.
         """
+        if self._draft_head is not None:
+            scored = self._draft_head(hidden).float()
+            if self._transform is not None:  # before the scatter: a soft cap would lift -inf to -cap
+                scored = self._transform(scored)
+            if self._vocab_ids is None:
+                return scored
+            logits = scored.new_full((*scored.shape[:-1], self._vocab_size), float("-inf"))
+            logits[..., self._vocab_ids] = scored
+            return logits
         if self._head is not None:
             logits = self._head(hidden)
         elif self._head_row_norm is not None:
@@ -356,22 +445,35 @@ def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden.float(), weight.float())
 
 
+# FR-Spec's head size for the default drafter: docs/KERNELS.md, "A cheaper drafter"
+DRAFTER_VOCAB = 65536
+
+
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
          role: str = "target", kernels: str = "auto", exact_rows: bool | None = None,
-         say: Callable[[str], None] = lambda msg: None) -> LanguageModel:
+         say: Callable[[str], None] = lambda msg: None, vocab: int | None = None,
+         vocab_corpus: str | Path | None = None) -> LanguageModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
-    role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, docs/KERNELS.md)
-    and whether logits must be exact fp32. kernels: "auto" or "stock"; exact_rows: None (auto),
-    True or False (see LanguageModel).
+    role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, `use_int8`,
+    docs/KERNELS.md) and whether logits must be exact fp32. kernels: "auto" or "stock";
+    exact_rows: None (auto), True or False (see LanguageModel).
+    vocab: (drafters) how many of the most frequent ids the output head scores (vocab.py): None
+    for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
+    vocab_corpus: a text file to count frequencies in (default: Python's standard library).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     if role not in ("target", "drafter"):
         raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
+    if role == "target" and (vocab or vocab_corpus):
+        raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
+    if vocab is not None and (not isinstance(vocab, int) or vocab < 0):
+        raise SpecdecError(f"the drafter vocabulary must be a number of ids >= 0 (0: all), got {vocab!r}")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
+    int8 = use_int8(dtype, device, role)
     text = str(name_or_path)
     path = Path(text).expanduser()
     gguf_file = None
@@ -389,7 +491,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         registry.spec(text)  # raises the "unknown model" error listing the options
         raise AssertionError("unreachable")
 
-    say(f"loading {name} ({str(torch_dtype).removeprefix('torch.')}, {device})")
+    say(f"loading {name} ({'int8' if int8 else str(torch_dtype).removeprefix('torch.')}, {device})")
     start = time.perf_counter()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -406,7 +508,13 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         _check_loading_info(model, info)
         part = "model"
         model.to(device)
-        wrapped = LanguageModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows)
+        wrapped = LanguageModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows,
+                                int8=int8)
+        if role == "drafter":
+            part = "vocabulary"
+            if vocab is None:
+                vocab = DRAFTER_VOCAB if wrapped.vocab_size > 2 * DRAFTER_VOCAB else 0
+            restrict_drafter_vocabulary(wrapped, vocab, vocab_corpus, say)
     except SpecdecError as exc:
         raise SpecdecError(f"could not load {name_or_path}: {exc}") from exc
     except Exception as exc:  # transformers, safetensors and torch each raise their own types

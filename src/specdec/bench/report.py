@@ -103,7 +103,8 @@ def render_markdown(result: dict) -> str:
              f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence and cost up to γ_max), "
              f"confidence τ = {st['confidence']:g}, EGAG β = {st['egag_beta']:g}, n-gram n = {st['ngram_n']}",
              f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
-             f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']})",
+             f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']}"
+             + (f", head over {info['drafter_vocab']} frequent ids" if info.get("drafter_vocab") else "") + ")",
              f"- machine: {info['machine']}"]
     if info.get("command"):
         lines.append(f"- command: `{info['command']}`")

@@ -155,7 +155,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                   seed: int = 0, markdown: str | None = None, json_path: str | None = None,
                   plot: str | None = None, argv: list[str] | None = None, console: Console | None = None,
                   dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto",
-                  exact_rows: bool | None = None) -> dict:
+                  exact_rows: bool | None = None, drafter_vocab: int | None = None,
+                  drafter_vocab_corpus: str | None = None) -> dict:
     """Run every method on every prompt of `datasets` (names, or NAME:LIMIT:T+T specs, see
     `parse_dataset`) at every temperature; report and return
     {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}."""
@@ -177,7 +178,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         console.print(f"[dim]{msg}[/]", highlight=False)
 
     target_model = load(target, dtype=dtype, device=device, role="target", exact_rows=exact_rows, say=say)
-    drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say)
+    drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
+                          vocab_corpus=drafter_vocab_corpus)
                      if NEEDS_DRAFTER & set(methods) else None)
     if drafter_model is not None:
         check_pair(target_model, drafter_model)
@@ -229,6 +231,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "target_exact_rows": target_model.exact_rows,
             "drafter_dtype": str(drafter_model.dtype).removeprefix("torch.") if drafter_model else None,
             "drafter_kernels": drafter_model.kernels if drafter_model else None,
+            "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),
               "records": [dict(vars(r), tokens_per_second=r.tokens_per_second,

@@ -1,0 +1,199 @@
+"""A cheaper drafter: int8 weight-only linears (kernels.Int8Linear) and a head that scores only the
+most frequent ids (vocab.py, FR-Spec). Both may change acceptance, never the output."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from specdec import LanguageModel, Sampler, autoregressive_generate, load, speculative_generate
+from specdec.drafters import ModelDrafter
+from specdec.errors import SpecdecError
+from specdec.kernels import Int8Linear, int8_fits, int8_supported, pack_linears, quantize_int8, quantize_linears
+from specdec.vocab import count_tokens, frequent_ids, rank_ids, token_counts
+
+from conftest import tiny_model
+from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
+
+needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no CPU int8 kernel in this torch")
+
+
+def test_int8_rounding_is_within_half_a_step_per_row():
+    weight = torch.randn(40, 64) * torch.linspace(0.01, 3, 40)[:, None]
+    q, scales = quantize_int8(weight, chunk=7)  # several chunks, one ragged
+    assert q.dtype == torch.int8 and scales.shape == (40,)
+    error = (q.float() * scales[:, None] - weight).abs()
+    assert bool((error <= scales[:, None] / 2 + 1e-7).all())
+    assert bool((q.abs().amax(dim=1) == 127).all())  # each row uses its full range
+
+
+@needs_int8
+@pytest.mark.parametrize("in_features", [16, 48, 896])
+def test_int8_linear_follows_the_dense_layer_for_short_inputs_and_hands_long_ones_on(in_features):
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, 24, bias=True)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=3)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, in_features)
+        reference = dense(x)
+        scale = float(reference.detach().abs().max())
+        assert float((layer(x) - reference).abs().max()) < 0.03 * scale
+    x = torch.randn(2, 2, in_features)  # 4 rows > short_rows: the long layer itself
+    assert torch.equal(layer(x), dense(x))
+
+
+@needs_int8
+def test_int8_linear_takes_a_view_into_a_longer_tensor():
+    # torch's op reads misaligned inputs out of bounds (a crash, seen for offsets of 2-16 bytes)
+    torch.manual_seed(0)
+    dense = nn.Linear(896, 64).to(torch.bfloat16)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2)
+    storage = torch.randn(3 * 896 + 8, dtype=torch.bfloat16)
+    for offset in (1, 2, 4, 8):
+        x = storage[offset:offset + 2 * 896].view(2, 896)
+        assert float((layer(x).float() - dense(x).float()).abs().max()) < 0.05 * float(dense(x).abs().max())
+
+
+def test_layers_the_int8_op_cannot_take_keep_their_kernel():
+    module = nn.Sequential(nn.Linear(40, 16), nn.Linear(16, 40))  # 40 inputs: the op returns NaN there
+    assert not int8_fits(module[0]) and int8_fits(module[1])
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Int8Linear(module[0].weight, None, module[0], 2)
+    assert quantize_linears(module, short_rows=2) == 1
+    assert isinstance(module[0], nn.Linear) and isinstance(module[1], Int8Linear)
+    packed = nn.Sequential(nn.Linear(40, 16), nn.Linear(16, 48))
+    if torch.backends.mkldnn.is_available():
+        assert pack_linears(packed, int8_rows=16) == 2
+        assert not isinstance(packed[0], Int8Linear) and packed[0].dense_rows == 2  # the bf16 short path
+        assert isinstance(packed[1], Int8Linear)
+        assert pack_linears(nn.Sequential(nn.Linear(40, 16))) == 1  # no int8: packing as before
+
+
+def _drafter(seed: int, vocab: int, int8: bool) -> LanguageModel:
+    hf = tiny_model(seed, vocab=vocab, layers=1, kernels="stock").hf
+    return LanguageModel(hf, None, f"tiny-drafter-{seed}", role="drafter", int8=int8)
+
+
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
+def test_a_restricted_head_scores_its_ids_as_the_full_head_does_and_no_others(int8):
+    drafter = _drafter(1, vocab=12, int8=int8)
+    full = drafter.forward([2, 3, 4], None, num_logits=3)
+    drafter.restrict_vocabulary([7, 0, 3, 3])
+    assert drafter.draft_vocabulary == 3
+    logits = drafter.forward([2, 3, 4], None, num_logits=3)
+    assert logits.shape == full.shape
+    kept = torch.tensor([0, 3, 7])
+    torch.testing.assert_close(logits[:, kept], full[:, kept], rtol=1e-4, atol=1e-4)
+    others = torch.ones(12, dtype=torch.bool)
+    others[kept] = False
+    assert bool(torch.isneginf(logits[:, others]).all())
+    drafter.restrict_vocabulary(None)
+    torch.testing.assert_close(drafter.forward([2, 3, 4], None, num_logits=3), full)
+
+
+def test_restricting_is_refused_for_targets_and_for_bad_ids():
+    target = tiny_model(0, vocab=12)
+    with pytest.raises(SpecdecError, match="drafters only"):
+        target.restrict_vocabulary([1, 2])
+    drafter = _drafter(1, vocab=12, int8=False)
+    for ids in ([], [3, 12], [-1, 2]):
+        with pytest.raises(SpecdecError, match=r"non-empty set of ids in \[0, 12\)"):
+            drafter.restrict_vocabulary(ids)
+    with pytest.raises(SpecdecError, match="drafters on the CPU only"):
+        LanguageModel(tiny_model(0, vocab=12).hf, None, "t", role="target", int8=True)
+
+
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
+def test_greedy_output_with_a_cheap_drafter_is_the_targets(int8):
+    hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
+    target = LanguageModel(copy.deepcopy(hf), None, "tiny-target")
+    drafter = LanguageModel(copy.deepcopy(hf), None, "tiny-self-drafter", role="drafter", int8=int8)
+    prompt = [2, 5, 7]
+    reference = autoregressive_generate(prompt, target, max_new_tokens=24, eos_token_ids=[]).tokens
+    lacking = reference[5]
+    drafter.restrict_vocabulary([i for i in range(32) if i != lacking])
+    out = speculative_generate(prompt, target, ModelDrafter(drafter), gamma=3, max_new_tokens=24, eos_token_ids=[])
+    assert out.tokens == reference
+    assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted  # kept most, never `lacking`
+
+
+@needs_int8
+def test_sampling_with_an_int8_restricted_drafter_keeps_the_targets_law():
+    target = tiny_model(0, vocab=4, name="tiny-target")
+    drafter = _drafter(1, vocab=4, int8=True)
+    drafter.restrict_vocabulary([1, 3])  # q = 0 on ids 0 and 2: only the target's residual yields them
+    prompt, length, runs = [2, 3, 1], 3, 600
+
+    class Reference:
+        def next_probs(self, context, sampler):
+            return sampler.probs(target.forward(context, None, 1)[-1])
+
+    joint = exact_joint(Reference(), prompt, length, Sampler(1.0))
+    assert sum(p for seq, p in joint.items() if any(t % 2 == 0 for t in seq)) > 0.3
+    samples = [tuple(speculative_generate(prompt, target, ModelDrafter(drafter), gamma=3, sampler=Sampler(1.0),
+                                          max_new_tokens=length, seed=seed, first_target=False,
+                                          eos_token_ids=[]).tokens) for seed in range(runs)]
+    assert chi_square_pvalue(samples, joint) > ALPHA
+
+
+class _Tokenizer:
+    """Enough of a tokenizer for the counting: ids are characters' codes mod 10; line ends are dropped."""
+    all_special_ids = [9]
+    added_tokens_decoder = {8: "<end>"}
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[ord(c) % 10 for c in text if c != "\n"] for text in texts]}
+
+    def get_vocab(self):
+        return {str(i): i for i in range(10)}
+
+
+def test_ids_are_ranked_by_count_then_by_id():
+    counts = torch.tensor([0, 5, 2, 5, 0, 1])
+    assert rank_ids(counts).tolist() == [1, 3, 2, 5, 0, 4]
+    assert count_tokens(_Tokenizer(), ["\x01\x01\x03", "\x01"], 10).tolist() == [0, 3, 0, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_frequent_ids_come_from_the_corpus_plus_specials_and_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\x05\x05\x05\x02\x02\n\x07\n")
+    ids = frequent_ids(_Tokenizer(), 10, 2, corpus)
+    assert ids.tolist() == [2, 5, 8, 9]  # the two most frequent, then the special ids
+    cached = list((tmp_path / "home" / "vocab").glob("*.pt"))
+    assert len(cached) == 1
+    torch.save(torch.arange(10), cached[0])  # the cache is what later calls read
+    assert frequent_ids(_Tokenizer(), 10, 2, corpus).tolist() == [8, 9]
+    corpus.write_text("\x03\x03")  # another text is another cache entry
+    assert frequent_ids(_Tokenizer(), 10, 1, corpus).tolist() == [3, 8, 9]
+    cached[0].write_bytes(b"damaged")
+    assert token_counts(_Tokenizer(), 10, tmp_path / "corpus.txt").tolist()[3] == 2
+
+
+def test_bad_vocabulary_requests_are_refused(tmp_path):
+    with pytest.raises(SpecdecError, match="positive number"):
+        frequent_ids(_Tokenizer(), 10, 0)
+    with pytest.raises(SpecdecError, match="corpus not found"):
+        frequent_ids(_Tokenizer(), 10, 3, tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(SpecdecError, match="is empty"):
+        frequent_ids(_Tokenizer(), 10, 3, tmp_path / "empty.txt")
+    with pytest.raises(SpecdecError, match="drafters only"):
+        load("smollm2-135m", role="target", vocab=100)
+    with pytest.raises(SpecdecError, match=">= 0"):
+        load("smollm2-135m", role="drafter", vocab=-3)
+    with pytest.raises(SpecdecError, match="drafters only"):
+        load("smollm2-135m", dtype="int8", role="target")
+
+
+def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
+    target, drafter = default_pair
+    if int8_supported(drafter.device):
+        assert drafter.kernels.startswith("int8")
+    assert 65536 <= drafter.draft_vocabulary <= 65536 + 64  # plus the special tokens
+    assert target.draft_vocabulary is None and not target.int8
+    eos = drafter.eos_token_ids
+    logits = drafter.forward(drafter.encode("def add(a, b):"), None)[-1]
+    assert bool(torch.isfinite(logits[eos]).all())  # the drafter can still propose the end
+    assert int(torch.isfinite(logits).sum()) == drafter.draft_vocabulary
