@@ -48,6 +48,9 @@ def test_generate_text_output_has_a_summary_line(need_smollm2):
     (["generate", "   "], "empty prompt"),
     (["generate", "x", "--temperature", "-1"], "temperature must be"),
     (["generate", "x", "--target", "no-such-model"], "unknown model 'no-such-model'"),
+    (["generate", "x", "--dtype", "int8"], "int8 weights are for drafters only"),
+    (["bench", "--drafter-vocab", "-5"], "must be a number of ids >= 0"),
+    (["measure", "--drafter-vocab-corpus", "no/such/corpus.txt"], "vocabulary corpus not found"),
 ])
 def test_errors_are_one_line_and_exit_non_zero(args, message):
     result = runner.invoke(app, args)

@@ -48,6 +48,33 @@ def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype):
         assert row_gap(model, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
 
 
+def _one_row_gemv_differs(monkeypatch) -> None:
+    """Make every bf16/fp32 `F.linear` on one row round differently from the same row in a
+    multi-row call, as an AVX512-BF16 EPYC's GEMV path did (docs/KERNELS.md)."""
+    real = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        y = real(x, weight, bias)
+        return y * (1 + 2.0 ** -6) if x.numel() == x.shape[-1] else y
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+
+
+def test_row_exact_passes_do_not_trust_a_one_row_gemm(monkeypatch):
+    _one_row_gemv_differs(monkeypatch)
+    model = qwen_like(torch.bfloat16, exact_rows=True)
+    for width in (1, 3):
+        assert row_gap(model, _ids(20, 4096, width), _ids(width, 4096, 50 + width)) == 0.0
+
+
+def test_the_one_row_gemm_test_has_power(monkeypatch):
+    import specdec.models
+
+    _one_row_gemv_differs(monkeypatch)
+    monkeypatch.setattr(specdec.models, "pad_single_rows", lambda module: 0)
+    model = qwen_like(torch.bfloat16, exact_rows=True)
+    assert row_gap(model, _ids(20, 4096, 3), _ids(3, 4096, 53)) > 0.0
+
+
 def test_batched_passes_are_not_row_exact_here():
     """What the mode removes: on the machines measured, a plain multi-row bf16 pass rounds rows
     differently from one-row passes. (Kernel-dependent: reported, not asserted, elsewhere.)"""

@@ -28,6 +28,12 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def check_vocab_options(vocab, corpus) -> None:
+    from .vocab import check_vocab_options as check
+
+    check(vocab, corpus)
+
+
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
           vocab: int | None = None, vocab_corpus: str | None = None):
     from .models import load
@@ -106,6 +112,7 @@ def generate(
     from .schedules import make_schedule
 
     try:
+        check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         if gamma < 1:
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
@@ -189,6 +196,7 @@ def chat(
     from .schedules import make_schedule
 
     try:
+        check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         # The session builds its schedule lazily (outside this handler); a bad value must fail here,
         # before minutes of model loading, as one error line.
@@ -286,6 +294,7 @@ def bench(
     from .bench.run import run_benchmark
 
     try:
+        check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         try:
             temperatures = [float(t) for t in _csv(temperature)]
         except ValueError:
@@ -337,6 +346,7 @@ def measure(
     from .samplers import Sampler
 
     try:
+        check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         try:
             gamma_values = [int(g) for g in _csv(gammas)]
         except ValueError:

@@ -144,6 +144,36 @@ def int8_supported(device: torch.device) -> bool:
     return True
 
 
+class TwoRowLinear(nn.Linear):
+    """An nn.Linear that, inside a row-exact pass (rows.py), computes a 1-row input as the first
+    row of a 2-row call.
+
+    CPU GEMMs may take another path for one row than for several: on an AVX512-BF16 EPYC (no AMX)
+    a 1-row bf16 `F.linear` differed from the same row in any 2..32-row call, which all agreed
+    with each other whatever the row's position (docs/KERNELS.md); on AMX all row counts agreed.
+    Padding the 1-row case makes a decode step and a verification pass meet on the multi-row path
+    on both, at the price of one extra row (bf16 GEMMs of 1-2 rows cost about the same).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features or not row_exact_active():
+            return super().forward(x)
+        flat = x.reshape(1, self.in_features)
+        y = nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), self.weight, self.bias)
+        return y[:1].view(*x.shape[:-1], self.out_features)
+
+
+def pad_single_rows(module: nn.Module) -> int:
+    """Make every plain nn.Linear inside `module` a TwoRowLinear (in place: same parameters, no
+    copy); return how many."""
+    count = 0
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = TwoRowLinear
+            count += 1
+    return count
+
+
 def pack_linears(module: nn.Module, dense_rows: int = 0, int8_rows: int = 0) -> int:
     """Replace every nn.Linear inside `module` by a PackedLinear (int8_rows > 0: an Int8Linear for
     inputs of at most that many rows, over a PackedLinear for longer ones); return how many."""

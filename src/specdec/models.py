@@ -18,10 +18,10 @@ from . import registry
 from .errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (Int8Linear, PackedLinear, has_onednn, int8_fits, int8_supported, pack_linears,
-                      quantize_linears)
-from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact
+                      pad_single_rows, quantize_linears)
+from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact, row_exact_active
 from .trees import tree_attention
-from .vocab import restrict_drafter_vocabulary
+from .vocab import check_vocab_options, restrict_drafter_vocabulary
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -161,6 +161,8 @@ class LanguageModel:
                 hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows:
             enable_row_exact_attention(hf_model)
+            if self.kernels == "stock" and self._device.type == "cpu":
+                pad_single_rows(self._decoder)
         self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
         if int8:
@@ -395,7 +397,11 @@ class LanguageModel:
             logits = self._head(hidden)
         elif self._head_row_norm is not None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            logits = torch.nn.functional.linear(flat, self._head_weight).float()
+            if len(flat) == 1 and row_exact_active():  # as kernels.TwoRowLinear: the multi-row path
+                logits = torch.nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), self._head_weight)[:1]
+            else:
+                logits = torch.nn.functional.linear(flat, self._head_weight)
+            logits = logits.float()
             logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and self.exact_logits:
@@ -469,8 +475,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
     if role == "target" and (vocab or vocab_corpus):
         raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
-    if vocab is not None and (not isinstance(vocab, int) or vocab < 0):
-        raise SpecdecError(f"the drafter vocabulary must be a number of ids >= 0 (0: all), got {vocab!r}")
+    check_vocab_options(vocab, vocab_corpus)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)

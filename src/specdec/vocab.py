@@ -131,6 +131,14 @@ def frequent_ids(tokenizer, vocab_size: int, n: int, corpus: str | Path | None =
     return torch.cat([ranked, torch.tensor(specials, dtype=torch.long)]).unique()
 
 
+def check_vocab_options(n: int | None, corpus: str | Path | None) -> None:
+    """SpecdecError for a bad --drafter-vocab / --drafter-vocab-corpus, before any model loads."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise SpecdecError(f"the drafter vocabulary must be a number of ids >= 0 (0: all), got {n!r}")
+    if corpus is not None and not Path(corpus).expanduser().is_file():
+        raise SpecdecError(f"vocabulary corpus not found: {corpus}")
+
+
 def restrict_drafter_vocabulary(model, n: int | None, corpus: str | Path | None = None,
                                 say: Callable[[str], None] = lambda msg: None) -> None:
     """Make `model` (a drafter LanguageModel) score only its n most frequent ids; None or 0: all."""
