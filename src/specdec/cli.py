@@ -204,9 +204,11 @@ def chat(
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
-        session = ChatSession(target_model, lambda name: _load(name, drafter_dtype, device, "drafter",
-                                                               vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus),
-                              drafter, Console(), method.value, schedule, gamma, gamma_max, sampler, debug, max_new_tokens)
+        def load_drafter(name: str):
+            return _load(name, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+
+        session = ChatSession(target_model, load_drafter, drafter, Console(), method.value, schedule, gamma,
+                              gamma_max, sampler, debug, max_new_tokens)
         if method == Method.sd:
             session.drafter()  # load it now: a bad name fails before the first prompt
     except SpecdecError as exc:

@@ -75,9 +75,10 @@ class Int8Linear(nn.Module):
 
     torch's weight-only int8 op reads a quarter of fp32's bytes and half of bf16's, so it wins on
     memory-bound passes of a few rows, but its cost grows about linearly with rows, which a
-    prompt prefill cannot afford (docs/KERNELS.md: on the AVX2 CPU it beats packed fp32
-    up to 16 rows, on AMX it beats bf16 up to 2). Symmetric per-row rounding: a weight moves by
-    at most max|W[row]| / 254. Only for drafters, whose precision steers acceptance alone.
+    prompt prefill cannot afford (docs/KERNELS.md: on an AVX512-BF16 EPYC it beat packed fp32 up
+    to 16 rows and bf16 up to 4; issue 13's AMX probe put its break-even with bf16 at 2-3 rows).
+    Symmetric per-row rounding: a weight moves by at most max|W[row]| / 254. Only for drafters,
+    whose precision steers acceptance alone.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, long: nn.Module, short_rows: int):
@@ -149,7 +150,7 @@ class TwoRowLinear(nn.Linear):
     row of a 2-row call.
 
     CPU GEMMs may take another path for one row than for several: on an AVX512-BF16 EPYC (no AMX)
-    a 1-row bf16 `F.linear` differed from the same row in any 2..32-row call, which all agreed
+    a 1-row bf16 `F.linear` differed from the same row in any 2..160-row call, which all agreed
     with each other whatever the row's position (docs/KERNELS.md); on AMX all row counts agreed.
     Padding the 1-row case makes a decode step and a verification pass meet on the multi-row path
     on both, at the price of one extra row (bf16 GEMMs of 1-2 rows cost about the same).

@@ -140,11 +140,12 @@ class LanguageModel:
                 if role == "target":  # a drafter keeps it for a head of its own (`restrict_vocabulary`)
                     self._head_weight = None  # let the dense copy go
         elif on_cpu and role == "drafter" and not cpu_has_native_bf16() and (int8 or self._dtype == torch.bfloat16):
-            # int8 beats packed fp32 up to ~16 rows here, bf16 (emulated) only up to 2
+            # int8 beat packed fp32 up to 16 rows (measured on the AVX512-BF16 EPYC, not on AVX2);
+            # emulated bf16 beats packed fp32 only up to 2
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
             self.kernels = "int8+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
         elif int8:
-            # native bf16 costs about one row's time up to ~32 rows; int8 wins for 1-2 only
+            # native bf16 grows slowly with rows; int8 wins for 1-2 rows (up to 4 on the EPYC)
             quantize_linears(self._decoder, short_rows=2)
             self.kernels = f"int8+{str(self._dtype).removeprefix('torch.')}"
         self.int8 = bool(int8)
@@ -207,7 +208,8 @@ class LanguageModel:
         long.weight = torch.nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             long.bias = torch.nn.Parameter(bias, requires_grad=False)
-        # the head's long path is plain bf16: int8 beats it up to ~8 rows without native bf16, 2 with
+        # the head's long path is plain bf16. int8 beat it up to 8 rows on the AVX512-BF16 EPYC, up
+        # to 2-3 on AMX (issue 13's probe): 2 where bf16 is native (both), 8 where it is emulated
         short_rows = 2 if cpu_has_native_bf16() else 8
         self._draft_head = Int8Linear(weight, bias, long, short_rows) if self.int8 and int8_fits(long) else long
 
