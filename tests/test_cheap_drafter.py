@@ -197,3 +197,25 @@ def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
     logits = drafter.forward(drafter.encode("def add(a, b):"), None)[-1]
     assert bool(torch.isfinite(logits[eos]).all())  # the drafter can still propose the end
     assert int(torch.isfinite(logits).sum()) == drafter.draft_vocabulary
+
+
+@needs_int8
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16", "avx2"])
+def test_both_cpu_kinds_build_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16):
+    import specdec.models
+
+    monkeypatch.setattr(specdec.models, "cpu_has_native_bf16", lambda: native_bf16)
+    hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
+    target = LanguageModel(copy.deepcopy(hf), None, "tiny-target")
+    drafter = LanguageModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
+    assert drafter.kernels == ("int8+bfloat16" if native_bf16 else "int8+onednn-packed-fp32")
+    layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.short_rows == (2 if native_bf16 else 16) for m in layers)
+    assert drafter._draft_head.short_rows == (2 if native_bf16 else 8)
+    long_pass = drafter.forward(list(range(2, 22)), None, num_logits=20)  # 20 rows: the long path
+    assert long_pass.shape == (20, 32) and bool(torch.isfinite(long_pass).all())
+    prompt = [2, 5, 7]
+    reference = autoregressive_generate(prompt, target, max_new_tokens=16, eos_token_ids=[]).tokens
+    out = speculative_generate(prompt, target, ModelDrafter(drafter), gamma=3, max_new_tokens=16, eos_token_ids=[])
+    assert out.tokens == reference and out.stats.accepted > 0

@@ -157,11 +157,17 @@ class TwoRowLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features or not row_exact_active():
-            return super().forward(x)
-        flat = x.reshape(1, self.in_features)
-        y = nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), self.weight, self.bias)
-        return y[:1].view(*x.shape[:-1], self.out_features)
+        return row_stable_linear(x, self.weight, self.bias)
+
+
+def row_stable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, but inside a row-exact pass a 1-row x [..., K] is computed as
+    the first row of a 2-row call (see TwoRowLinear)."""
+    if x.numel() != x.shape[-1] or not row_exact_active():
+        return nn.functional.linear(x, weight, bias)
+    flat = x.reshape(1, -1)
+    y = nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), weight, bias)
+    return y[:1].view(*x.shape[:-1], weight.shape[0])
 
 
 def pad_single_rows(module: nn.Module) -> int:

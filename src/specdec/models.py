@@ -18,8 +18,8 @@ from . import registry
 from .errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (Int8Linear, PackedLinear, has_onednn, int8_fits, int8_supported, pack_linears,
-                      pad_single_rows, quantize_linears)
-from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact, row_exact_active
+                      pad_single_rows, quantize_linears, row_stable_linear)
+from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact
 from .trees import tree_attention
 from .vocab import check_vocab_options, restrict_drafter_vocabulary
 
@@ -399,11 +399,7 @@ class LanguageModel:
             logits = self._head(hidden)
         elif self._head_row_norm is not None:
             flat = hidden.reshape(-1, hidden.shape[-1])
-            if len(flat) == 1 and row_exact_active():  # as kernels.TwoRowLinear: the multi-row path
-                logits = torch.nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), self._head_weight)[:1]
-            else:
-                logits = torch.nn.functional.linear(flat, self._head_weight)
-            logits = logits.float()
+            logits = row_stable_linear(flat, self._head_weight).float()
             logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and self.exact_logits:
