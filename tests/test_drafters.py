@@ -156,28 +156,32 @@ def test_cost_schedule_threshold_falls_when_drafting_is_cheap():
     assert cheap.threshold < dear.threshold
 
 
-def _tree_policy_decisions(draft_step: tuple[float, int], plain_step: tuple[float, int], steps: int = 80) -> list[bool]:
-    """A TreeCost fed simulated steps: (seconds, tokens) of a step that drafted (width 4) or not (width 1)."""
+def _policy_decisions(kind: str, draft_step: tuple[float, int], plain_step: tuple[float, int],
+                      steps: int = 80) -> list[bool]:
+    """A cost policy fed simulated steps: (seconds, tokens) of a step that drafted (width 4) or not
+    (width 1). The tree drafters ask a TreeCost `should_draft`; the chain loop asks a CostAware
+    for its `budget` (0: no draft)."""
     from specdec.schedules import TreeCost
 
-    policy, decisions = TreeCost(warmup=2, probe=4), []
+    policy, decisions = (TreeCost if kind == "tree" else CostAware)(warmup=2, probe=4), []
     policy.timing(3.0, 1, 1.0, 4, 3)  # the prompt step: left out of the rates
     for _ in range(steps):
-        drafts = policy.should_draft()
+        drafts = policy.should_draft() if kind == "tree" else policy.budget() > 0
         decisions.append(drafts)
         seconds, tokens = draft_step if drafts else plain_step
         policy.timing(seconds * 0.3, 1 if drafts else 0, seconds * 0.7, 4 if drafts else 1, tokens)
     return decisions
 
 
-def test_tree_policy_drafts_nothing_where_drafting_is_measured_slower():
+@pytest.mark.parametrize("kind", ["tree", "chain"])
+def test_cost_policy_drafts_nothing_where_drafting_is_measured_slower(kind):
     """The draft-nothing rule compares measured tokens per second of both kinds of step: a linear
     cost model misprices the 1 -> 2 row jump, which is exactly what this decision turns on."""
-    slow = _tree_policy_decisions(draft_step=(0.7, 1), plain_step=(0.35, 1))  # drafting: 1.4 tok/s, plain 2.9
+    slow = _policy_decisions(kind, draft_step=(0.7, 1), plain_step=(0.35, 1))  # drafting: 1.4 tok/s, plain 2.9
     assert slow[:3] == [True, True, False]  # drafts until 2 drafting steps are timed, then one plain baseline
     probes = [i for i, drafts in enumerate(slow) if drafts and i > 2]
     assert probes == [6, 14, 30, 62]  # then plain, probing as the 4th, 8th, 16th, 32nd decision (probe=4)
-    fast = _tree_policy_decisions(draft_step=(0.5, 3), plain_step=(0.35, 1))  # drafting: 6 tok/s
+    fast = _policy_decisions(kind, draft_step=(0.5, 3), plain_step=(0.35, 1))  # drafting: 6 tok/s
     assert fast[:3] == [True, True, False]
     assert [i for i, drafts in enumerate(fast) if not drafts and i > 2] == [18, 50]  # the 16th, then 32nd decision
 

@@ -171,16 +171,33 @@ class CostAware(Schedule):
     each of its tokens counts with this generation's acceptance rate so far, (accepted + 1) /
     (drafted + 2): a lookup draft that keeps being rejected shrinks to one token a step instead
     of running to γ_max.
+
+    Drafting nothing, measured rather than modelled: the linear cost model above misprices the
+    jump from a 1-token to a 2-token pass (oneDNN's fp32 path on an AVX2 CPU makes it 1.6×, not
+    1 + slope; llama.cpp's kernels on a 2-core CPU 2×), which is what decides whether a step
+    should draft at all. So after `warmup` timed steps that drafted, the policy takes one step
+    without a draft (`budget` 0) as a baseline, and from then on compares the measured tokens per
+    second of steps that drafted against steps that did not (decayed sums, `decay` per step of
+    the same kind) and does what has been faster (`should_draft`). To notice a change in the
+    text it probes the other kind `probe` decisions after a choice (4·`probe` when drafting
+    wins, a plain step being the dearer probe there), then after twice as many, and so on (up to
+    64·`probe`), back to the base wait whenever the choice flips. Until `warmup` steps are timed
+    (and always when sampling under a seed, which gets no timings), the thresholds are the
+    priors and every step drafts.
     """
 
     name = "cost"
 
-    def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3):
+    def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
+                 decay: float = 0.9):
         _check_gamma("gamma_max", gamma_max)
+        _check_gamma("probe", probe)
         if not 0 < threshold < 1:
             raise SpecdecError(f"the cost schedule's starting threshold must be in (0, 1), got {threshold!r}")
+        if not 0 < decay <= 1:
+            raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
         super().__init__(gamma_max)
-        self.prior, self.warmup = threshold, warmup
+        self.prior, self.warmup, self.probe, self.decay = threshold, warmup, probe, decay
         self.reset()
 
     def reset(self) -> None:
@@ -191,6 +208,35 @@ class CostAware(Schedule):
         self.drafted = self.accepted = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
         self.measured: tuple[float, float, float, float] | None = None  # rate, drafter pass, slope, 1-token pass
+        self.choice: bool | None = None  # what the rates last said: draft or not
+        self.since_probe = self.interval = 0
+        self.timed_steps = 0
+        # decayed (tokens, seconds, steps) of steps that drafted / did not
+        self.drafting = [0.0, 0.0, 0]
+        self.plain = [0.0, 0.0, 0]
+
+    def budget(self) -> int:
+        return self.gamma if self.should_draft() else 0
+
+    def should_draft(self) -> bool:
+        """Whether this step should draft at all (see the class docstring)."""
+        if self.drafting[2] < self.warmup:  # also: never timed (sampling under a seed)
+            return True
+        if self.plain[2] == 0:
+            return False  # the baseline: one plain step
+        draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
+        plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
+        drafts = draft_rate >= plain_rate
+        if drafts != self.choice:  # a new choice: probe the other at the base interval again
+            self.choice, self.since_probe = drafts, 0
+            self.interval = 4 * self.probe if drafts else self.probe
+        self.since_probe += 1
+        if self.since_probe < self.interval:
+            return drafts
+        # a probe; each one that leaves the choice standing doubles the wait for the next (a probe
+        # that loses costs a step's worth of time, so their number grows as log of the length)
+        self.since_probe, self.interval = 0, min(2 * self.interval, 64 * self.probe)
+        return not drafts
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:
@@ -207,6 +253,12 @@ class CostAware(Schedule):
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
+        self.timed_steps += 1
+        if self.timed_steps > 1:  # the first step's time holds the prompt's passes
+            kind = self.drafting if width > 1 else self.plain
+            kind[0] = self.decay * kind[0] + emitted
+            kind[1] = self.decay * kind[1] + draft_seconds + verify_seconds
+            kind[2] += 1
         self.tokens += emitted
         self.seconds += draft_seconds + verify_seconds
         if self._sums[0] > 0:  # the first step's drafting includes the drafter's prompt pass: not a drafter pass
@@ -246,17 +298,7 @@ class TreeCost(CostAware):
     as in CostAware). Where wide passes are expensive the tree stays small; where they are
     nearly free (a GPU, AMX) it grows to `max_nodes`.
 
-    Drafting nothing, measured rather than modelled: the linear cost model above misprices the
-    jump from a 1-token to a 2-token pass (oneDNN's fp32 path on an AVX2 CPU makes it 1.6×, not
-    1 + slope), which is what decides whether a step should draft at all. So after `warmup`
-    timed steps that drafted, the policy takes one step without a draft as a baseline, and from
-    then on compares the measured tokens per second of steps that drafted against steps that did
-    not (decayed sums, `decay` per step of the same kind) and does what has been faster. To
-    notice a change in the text it probes the other kind `probe` decisions after a choice
-    (4·`probe` when drafting wins, a plain step being the dearer probe there), then after twice
-    as many, and so on (up to 64·`probe`), back to the base wait whenever the choice flips.
-    Until `warmup` steps are timed (and always when sampling under a seed, which gets no
-    timings), the thresholds are the priors and every step drafts.
+    Whether to draft at all is measured as in CostAware (`should_draft`); the tree drafters ask it.
     """
 
     name = "tree-cost"
@@ -264,23 +306,14 @@ class TreeCost(CostAware):
     def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
                  node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9):
         _check_gamma("max_nodes", max_nodes)
-        _check_gamma("probe", probe)
         if not 0 < node_threshold < 1:
             raise SpecdecError(f"the tree's starting node threshold must be in (0, 1), got {node_threshold!r}")
-        if not 0 < decay <= 1:
-            raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
-        self.max_nodes, self.node_prior, self.probe, self.decay = max_nodes, node_threshold, probe, decay
-        super().__init__(max_depth, threshold, warmup)
+        self.max_nodes, self.node_prior = max_nodes, node_threshold
+        super().__init__(max_depth, threshold, warmup, probe, decay)
 
     def reset(self) -> None:
         super().reset()
         self.first_tries = self.first_hits = 0
-        self.choice: bool | None = None  # what the rates last said: draft or not
-        self.since_probe = self.interval = 0
-        self.timed_steps = 0
-        # decayed (tokens, seconds, steps) of steps that drafted / did not
-        self.drafting = [0.0, 0.0, 0]
-        self.plain = [0.0, 0.0, 0]
 
     @property
     def node_threshold(self) -> float:
@@ -292,36 +325,6 @@ class TreeCost(CostAware):
     def first_acceptance(self) -> float:
         """Measured chance that a step's first draft token is accepted (a prior of 1/2 counts twice)."""
         return (self.first_hits + 1) / (self.first_tries + 2)
-
-    def should_draft(self) -> bool:
-        """Whether this step should draft at all (see the class docstring)."""
-        if self.drafting[2] < self.warmup:  # also: never timed (sampling under a seed)
-            return True
-        if self.plain[2] == 0:
-            return False  # the baseline: one plain step
-        draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
-        plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
-        drafts = draft_rate >= plain_rate
-        if drafts != self.choice:  # a new choice: probe the other at the base interval again
-            self.choice, self.since_probe = drafts, 0
-            self.interval = 4 * self.probe if drafts else self.probe
-        self.since_probe += 1
-        if self.since_probe < self.interval:
-            return drafts
-        # a probe; each one that leaves the choice standing doubles the wait for the next (a probe
-        # that loses costs a step's worth of time, so their number grows as log of the length)
-        self.since_probe, self.interval = 0, min(2 * self.interval, 64 * self.probe)
-        return not drafts
-
-    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
-               emitted: int) -> None:
-        self.timed_steps += 1
-        if self.timed_steps > 1:  # the first step's time holds the prompt's passes
-            kind = self.drafting if width > 1 else self.plain
-            kind[0] = self.decay * kind[0] + emitted
-            kind[1] = self.decay * kind[1] + draft_seconds + verify_seconds
-            kind[2] += 1
-        super().timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
 
     def update_tree(self, drafted: int, first_accepted: bool | None) -> None:
         """After a step: `first_accepted` is whether any child of the root was accepted (None: no draft)."""
