@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models demo test bench bench-policies bench-trees clean
+.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees clean
 
 setup: $(STAMP) models
 
@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml
 models: $(STAMP)
 	$(BIN)/specdec install
 
+# llama.cpp, built from source for this CPU (~5 min on 2 cores): native instructions except AMX,
+# whose ggml path is known to crash on some CPUs and does not run Q4_K anyway
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+peers: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q --disable-pip-version-check --no-binary llama-cpp-python -e ".[dev,peers]"
+
 demo: setup
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128 --method ar
@@ -30,6 +38,12 @@ bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \
 		--methods ar,sd-cost,hf,hf-assisted --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/main.md --json docs/benchmarks/main.json --plot docs/benchmarks/main.png
+
+# issue 13's run: ours on the GGUF weights (llama.cpp backend) against llama.cpp itself and transformers
+bench-llama: peers
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
+		--methods ar,sd-cost,hf,hf-assisted,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/llama.md --json docs/benchmarks/llama.json --plot docs/benchmarks/llama.png
 
 # issue 4's comparison: draft-length policies on the model drafter, and the three drafters at
 # the same fixed γ, greedy (so every output is also checked token for token against AR)

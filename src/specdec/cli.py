@@ -43,7 +43,9 @@ def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus)
 
 
-DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (int8 weights on the CPU, bf16 on CUDA), int8, bf16, fp32, fp16. "
+TARGET_DTYPE_HELP = ("Target weights: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16, "
+                     "or gguf: the GGUF file's own quantized weights on llama.cpp (the `peers` extra; chains only).")
+DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (int8 weights on the CPU, bf16 on CUDA), int8, bf16, fp32, fp16, gguf. "
                       "Changes acceptance only, never the output.")
 DRAFTER_VOCAB_HELP = ("Ids the drafter's output head scores: the N most frequent (FR-Spec; q is 0 elsewhere, so "
                       "the output stays exact). Default: 65536 for vocabularies over twice that, else all; 0: all.")
@@ -91,7 +93,7 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the target's chat template."),
     first_target: bool = typer.Option(True, help="Take the first token from the target's prompt pass."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of coloured text."),
-    dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
     drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
@@ -183,7 +185,7 @@ def chat(
     top_p: float = typer.Option(1.0, "--top-p"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per reply."),
     debug: bool = typer.Option(False, help="Start with the step view on."),
-    dtype: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
     drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
@@ -281,7 +283,7 @@ def bench(
     markdown: Optional[str] = typer.Option(None, help="Write a markdown report to this file."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write info, summary, groups and records as JSON."),
     plot: Optional[str] = typer.Option(None, help="Write a PNG of tokens/s per method and per task."),
-    dtype: str = typer.Option("auto", help="Target dtype: auto, fp32, bf16, fp16."),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
     drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
@@ -330,7 +332,7 @@ def measure(
     markdown: Optional[str] = typer.Option(None, help="Write the table as markdown here."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the measurements as JSON here."),
     plot: Optional[str] = typer.Option(None, help="Write a PNG of predicted and measured speedup over γ."),
-    dtype: str = typer.Option("auto", help="Target dtype."),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
     drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
@@ -422,11 +424,20 @@ def forward_cost(
                                       "alternately on the same model (two rows per config)."),
     tree: bool = typer.Option(False, "--tree", help="Token-tree passes under the tree mask, widths 1..64 (the "
                               "cost curve that sizes trees)."),
+    sizes_text: Optional[str] = typer.Option(None, "--sizes", help="Comma-separated pass widths, starting at 1 "
+                                             "(default: 1,2,4,6,9,16; with --tree 1,2,4,8,16,32,64)."),
 ):
     """Measure how a forward pass's cost grows with the tokens scored at once (markdown table)."""
     from .bench.forward_cost import forward_cost_table
 
     sizes = (1, 2, 4, 8, 16, 32, 64) if tree else (1, 2, 4, 6, 9, 16)
+    if sizes_text:
+        try:
+            sizes = tuple(int(x) for x in sizes_text.split(","))
+        except ValueError:
+            _fail(f"--sizes must be comma-separated integers, got {sizes_text!r}")
+        if sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+            _fail(f"--sizes must rise from 1 (the 1-token pass every ratio is taken against), got {sizes_text!r}")
     print("| model | dtype | role | kernels | rows | 1 token (ms) | " + " | ".join(f"{t} tokens" for t in sizes[1:])
           + " | 128-token prompt, first token (ms) |")
     print("|---|---|---|---|---|---|" + "---|" * (len(sizes) - 1) + "---|")

@@ -60,7 +60,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
     if dtype == "int8":
         return torch.bfloat16  # int8 weights, bf16 activations (`use_int8`)
     if dtype != "auto":
-        raise SpecdecError(f"unknown dtype '{dtype}'; use auto, fp32, bf16, fp16 or (drafters) int8")
+        raise SpecdecError(f"unknown dtype '{dtype}'; use auto, fp32, bf16, fp16, gguf or (drafters) int8")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if role == "drafter":
@@ -233,13 +233,7 @@ class LanguageModel:
     @property
     def eos_token_ids(self) -> list[int]:
         """All ids that end a generation: the generation config's and the tokenizer's EOS."""
-        ids: list[int] = []
-        for source in (getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, int) and v not in ids:
-                    ids.append(v)
-        return ids
+        return eos_ids([getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer])
 
     def new_cache(self):
         """An empty KV cache that `crop` can roll back.
@@ -411,34 +405,43 @@ class LanguageModel:
         return logits if self._transform is None else self._transform(logits)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
-        """Text -> prompt token ids; with chat=True, wrapped in the model's chat template.
-
-        Plain text starts with BOS where the tokenizer's own default encoding adds one (Llama,
-        Gemma; not Qwen or SmolLM2), once even if the text already starts with it; never EOS.
-        """
-        if self.tokenizer is None:
-            raise SpecdecError(f"{self.name} has no tokenizer; pass token ids instead of text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise SpecdecError(f"{self.name} has no chat template; drop --chat")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        bos = self.tokenizer.bos_token_id
-        if bos is not None and ids[:1] != [bos]:
-            default = self.tokenizer.encode(text)  # the tokenizer's own choice of special tokens
-            if default[:1] == [bos] and default[1:len(ids) + 1] == ids:
-                ids = [bos] + ids
-        return ids
+        """Text -> prompt token ids (`encode_text`)."""
+        return encode_text(self.tokenizer, self.name, text, chat)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        if self.tokenizer is None:
-            return " ".join(map(str, ids))
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return decode_ids(self.tokenizer, ids, skip_special_tokens)
+
+
+def encode_text(tokenizer, name: str, text: str, chat: bool = False) -> list[int]:
+    """Text -> prompt token ids; with chat=True, wrapped in the model's chat template.
+
+    Plain text starts with BOS where the tokenizer's own default encoding adds one (Llama,
+    Gemma; not Qwen or SmolLM2), once even if the text already starts with it; never EOS.
+    """
+    if tokenizer is None:
+        raise SpecdecError(f"{name} has no tokenizer; pass token ids instead of text")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecdecError(f"{name} has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[:1] != [bos]:
+        default = tokenizer.encode(text)  # the tokenizer's own choice of special tokens
+        if default[:1] == [bos] and default[1:len(ids) + 1] == ids:
+            ids = [bos] + ids
+    return ids
+
+
+def decode_ids(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    if tokenizer is None:
+        return " ".join(map(str, ids))
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -459,6 +462,9 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
          vocab_corpus: str | Path | None = None) -> LanguageModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
+    dtype: "auto", "fp32", "bf16", "fp16", "int8" (drafters) for transformers' model, or "gguf":
+    the GGUF file's own quantized weights on llama.cpp (backends/llamacpp.py; registry models
+    and .gguf files; needs the `peers` extra).
     role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, `use_int8`,
     docs/KERNELS.md) and whether logits must be exact fp32. kernels: "auto" or "stock";
     exact_rows: None (auto), True or False (see LanguageModel).
@@ -474,6 +480,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     if role == "target" and (vocab or vocab_corpus):
         raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
     check_vocab_options(vocab, vocab_corpus)
+    if dtype in GGUF_WEIGHTS:
+        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)
@@ -527,6 +535,63 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         hf_logging.enable_progress_bar()
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return wrapped
+
+
+GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"
+
+
+def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
+               say: Callable[[str], None], exact_rows: bool | None = None):
+    """A registry model's GGUF file, or a .gguf path, on the llama.cpp backend (backends/llamacpp.py)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .backends.llamacpp import LlamaCppModel, import_llama_cpp
+
+    import_llama_cpp()  # before anything loads: a missing extra is the first thing to say
+    if str(device) not in ("auto", "cpu"):
+        raise SpecdecError(f"GGUF weights run on llama.cpp's CPU build here, not on {device}; use --device cpu "
+                           "or --dtype bf16")
+    if vocab:
+        raise SpecdecError("--drafter-vocab applies to transformers drafters; a GGUF drafter scores its whole vocabulary")
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    eos = None
+    if text in registry.MODELS:
+        directory, name = registry.require_installed(text), text
+        gguf_path = registry.model_root(text) / registry.spec(text).gguf_name
+        if not gguf_path.is_file():
+            raise SpecdecError(f"{text}'s GGUF file is gone from {gguf_path.parent} (installed without keeping it?); "
+                               f"run `specdec install {text}` again")
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        try:
+            generation = GenerationConfig.from_pretrained(directory)
+        except OSError:  # a model without one
+            generation = None
+        eos = eos_ids([generation, AutoConfig.from_pretrained(directory), tokenizer])
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise SpecdecError(f"GGUF file not found: {path}")
+        gguf_path, name = path, path.stem
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        raise SpecdecError(f"--dtype gguf needs a registry model or a .gguf file, not {text}")
+    say(f"loading {name} (its GGUF weights on llama.cpp)")
+    start = time.perf_counter()
+    model = LlamaCppModel(gguf_path, tokenizer, name=name, role=role, eos_token_ids=eos or None,
+                          exact_rows=exact_rows)
+    say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
+    return model
+
+
+def eos_ids(sources) -> list[int]:
+    """The EOS ids that `sources` (generation config, model config, tokenizer; None skipped) name."""
+    ids: list[int] = []
+    for source in sources:
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
 
 
 def check_pair(target: LanguageModel, drafter: LanguageModel) -> None:

@@ -36,10 +36,27 @@ METHODS = {
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
+    "llama-cpp": "llama.cpp (llama-cpp-python) plain decoding on the target's GGUF",
+    "llama-cpp-spec": "llama.cpp (llama-cpp-python) speculative decoding, drafter GGUF, greedy drafts ≤ 16, p_min 0.75",
 }
-BASELINES = ("ar", "hf", "hf-assisted", "sd-cost")  # every method's per-prompt speedup is taken against each of these
+BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
-                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed"}
+                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "llama-cpp-spec"}
+PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
+
+
+def is_peer(method: str) -> bool:
+    return method.startswith(PEERS)
+
+
+@dataclass
+class PeerModels:
+    """What the peers run on where it is not our models: transformers models when ours are on the
+    llama.cpp backend, and llama.cpp's own `Llama` objects (bench/llama_peers.py)."""
+
+    hf_target: LanguageModel | None = None
+    hf_drafter: LanguageModel | None = None
+    llama: object | None = None
 
 
 @dataclass
@@ -94,10 +111,20 @@ def check_methods(methods: list[str]) -> None:
 
 
 def run_method(method: str, ids: list[int], target: LanguageModel, drafter: LanguageModel | None,
-               settings: Settings, sampler: Sampler, seed: int | None = None) -> Record:
-    """One generation of `method` on prompt `ids`."""
+               settings: Settings, sampler: Sampler, seed: int | None = None,
+               peers: PeerModels | None = None) -> Record:
+    """One generation of `method` on prompt `ids` (peers on `peers`' models where given)."""
+    peers = peers or PeerModels()
     if method.startswith("hf"):
-        return hf_generate(method, target, ids, settings, sampler, seed, drafter)
+        return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
+                           peers.hf_drafter or drafter)
+    if method.startswith("llama-cpp"):
+        if peers.llama is None:
+            raise SpecdecError(f"{method} needs llama.cpp's models (bench/llama_peers.py)")
+        tokens, wall, first = peers.llama.generate(method, ids, settings.max_new_tokens, sampler,
+                                                   target.eos_token_ids, seed)
+        return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "llama-cpp" else None,
+                      first_token_seconds=first)
     # a seed under sampling turns off the measured-cost policies (generate.py): time what users run
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens,
                   seed=seed if sampler.is_greedy or method == "ar" else None)

@@ -13,7 +13,7 @@ def _baselines(summary: dict) -> list[str]:
 
 
 def _columns(summary: dict) -> list[str]:
-    versus = [f"median speedup vs {b}" + (" (faster on)" if b in ("hf-assisted", "sd-cost") else "")
+    versus = [f"median speedup vs {b}" + (" (faster on)" if b in ("hf-assisted", "sd-cost", "llama-cpp") else "")
               for b in _baselines(summary)]
     return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance", "tokens / target forward",
             "accepted / step", "tree nodes / step", "identical to ar"]
@@ -33,7 +33,7 @@ def _versus(s: dict, base: str) -> str:
 
 def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
     identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else "–"
-    versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
+    versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost", "llama-cpp") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
               for b in baselines]
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
             _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_forward"]),

@@ -21,7 +21,7 @@ from ..errors import SpecdecError
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import BASELINES, NEEDS_DRAFTER, Record, Settings, check_methods, run_method
+from .methods import BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, run_method
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
@@ -123,6 +123,38 @@ def group_summaries(records: list[Record], methods: list[str]) -> list[dict]:
             for d, t, temp in keys]
 
 
+def load_peers(methods: list[str], target: str, drafter: str, target_model, drafter_model, device: str,
+               say) -> PeerModels:
+    """The models the peers need beyond ours: transformers models where ours run on llama.cpp, and
+    llama.cpp's own for the llama-cpp methods."""
+    peers = PeerModels()
+    hf_methods = [m for m in methods if m.startswith("hf")]
+    if hf_methods and not hasattr(target_model, "hf"):  # ours are on the llama.cpp backend
+        say("transformers' peers run on transformers' own models (dtype auto)")
+        peers.hf_target = load(target, device=device, role="target", say=say)
+        if NEEDS_DRAFTER & set(hf_methods):
+            peers.hf_drafter = load(drafter, device=device, role="drafter", say=say, vocab=0)
+    if any(m.startswith("llama-cpp") for m in methods):
+        from .llama_peers import LlamaPeers
+
+        say("llama.cpp's peers: loading the GGUF files into llama-cpp-python")
+        peers.llama = LlamaPeers(target, drafter if "llama-cpp-spec" in methods else None)
+    return peers
+
+
+def _dtype_name(model) -> str:
+    """The weights' name: gguf for a model on its GGUF file (llama.cpp), else the torch dtype's."""
+    return getattr(model, "weights", None) or str(model.dtype).removeprefix("torch.")
+
+
+def llama_cpp_version() -> str | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return getattr(llama_cpp, "__version__", "unknown")
+
+
 def divergence(target: LanguageModel, ids: list[int], reference: list[int], other: list[int]) -> dict:
     """Where `other` first leaves `reference`, and the target's top-2 logit gap there, scored as the
     AR baseline scores it (prefill, then a one-token pass)."""
@@ -183,6 +215,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                      if NEEDS_DRAFTER & set(methods) else None)
     if drafter_model is not None:
         check_pair(target_model, drafter_model)
+    peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
     encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:
@@ -192,7 +225,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     warm_settings = Settings(**{**vars(settings), "max_new_tokens": 8})
     for m in methods:  # warm-up: first calls pay for allocations and lazy initialisation
         for sampler in samplers:
-            run_method(m, warm, target_model, drafter_model, warm_settings, sampler, seed)
+            run_method(m, warm, target_model, drafter_model, warm_settings, sampler, seed, peers)
 
     records: list[Record] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -206,7 +239,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                 for m in next(orders):  # counterbalanced: see method_orders
                     progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}: {m}")
                     gc.collect()  # the garbage of the previous method is not collected on this one's clock
-                    r = run_method(m, ids, target_model, drafter_model, settings, sampler, seed + p.index)
+                    r = run_method(m, ids, target_model, drafter_model, settings, sampler, seed + p.index, peers)
                     r.prompt_id = f"{p.dataset}/{p.index}@t{sampler.temperature:g}"
                     r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
                     records.append(r)
@@ -227,11 +260,13 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "settings": vars(settings),
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
-            "target_dtype": str(target_model.dtype).removeprefix("torch."), "target_kernels": target_model.kernels,
+            "target_dtype": _dtype_name(target_model), "target_kernels": target_model.kernels,
             "target_exact_rows": target_model.exact_rows,
-            "drafter_dtype": str(drafter_model.dtype).removeprefix("torch.") if drafter_model else None,
+            "drafter_dtype": _dtype_name(drafter_model) if drafter_model else None,
             "drafter_kernels": drafter_model.kernels if drafter_model else None,
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
+            "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),
+            "llama_cpp": llama_cpp_version() if peers.llama else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),
               "records": [dict(vars(r), tokens_per_second=r.tokens_per_second,

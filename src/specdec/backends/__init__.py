@@ -1,0 +1,54 @@
+"""Model backends: what the decoding loops need from a model, and the backends beside
+transformers' (`models.LanguageModel`).
+
+One file per backend: `llamacpp.py` runs a GGUF file's own quantized weights on llama.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class Cache(Protocol):
+    """A KV cache the loops can measure and roll back (transformers' DynamicCache is one)."""
+
+    def get_seq_length(self) -> int:
+        """Positions held."""
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: drop that many from the end)."""
+
+
+class Backend(Protocol):
+    """The surface `autoregressive_generate`, `speculative_generate` and the drafters use."""
+
+    name: str
+    role: str  # "target" or "drafter"
+    tokenizer: object  # a transformers tokenizer (check_pair compares them), or None
+    exact_rows: bool  # each row of a k-token pass equals a 1-token pass, bit for bit
+    kernels: str  # what runs the weights, for reports
+
+    device: torch.device
+    dtype: torch.dtype  # of the logits' computation (reports); logits are returned in fp32
+    vocab_size: int  # the logits' width
+    max_context: int
+    eos_token_ids: list[int]
+
+    def new_cache(self) -> Cache:
+        """An empty cache."""
+
+    def prefill(self, prompt: Sequence[int], cache: Cache) -> list[int]:
+        """Feed the prompt's unscored part; return the ids left for the first scoring pass."""
+
+    def forward(self, input_ids: Sequence[int] | torch.Tensor, cache: Cache | None = None, num_logits: int = 1,
+                parents: Sequence[int] | None = None, tree_start: int | None = None) -> torch.Tensor:
+        """[T] new ids -> logits [num_logits, V] fp32 of the last positions (a token tree under
+        `parents` where the backend supports tree masks; SpecdecError where it does not)."""
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Text -> prompt ids."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids -> text."""

@@ -1,0 +1,312 @@
+"""A GGUF model on its own quantized weights, run by llama.cpp (through llama-cpp-python).
+
+The transformers path dequantizes a GGUF into bf16 or fp32 and reads 3-6x the bytes the file
+holds on every pass; here ggml runs the file's Q4_K / Q6_K / Q8_0 ... blocks as they are. The
+object has the surface the decoding loops use (`forward` over a croppable cache, `prefill`,
+`encode` / `decode`, ...), so AR, speculative decoding and every chain drafter run on it
+unchanged, and it can serve as target or drafter beside a transformers model.
+
+Exactness. Greedy speculative output is token-identical to greedy AR only if a k-token pass
+gives each row the logits a 1-token pass would. ggml's CPU kernels mostly compute each output
+row alone, whatever the batch, with three exceptions (ggml-cpu in llama-cpp-python 0.3.36):
+- repacked weights (the "extra buffer types" that interleave Q4_K / Q4_0 / IQ4_NL rows for
+  AVX2 / AVX512) run a GEMM on 4 rows at a time and a GEMV on the rest, which round differently;
+- the tiled K-quant matmul takes over from 8 rows;
+- attention without flash attention, and flash attention's tiled path from 64 query rows.
+A target therefore scores at most `ROWS_PER_CALL` = 3 tokens per llama_decode call (a longer
+verification pass is fed in pieces) under flash attention: every scored row then comes from the
+same GEMV as a 1-token pass, bit for bit (tests/test_llamacpp.py checks this on real weights).
+On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/KERNELS.md), so the
+pieces cost little. The prompt (no logits) is fed in one batch by both loops alike (`prefill`),
+and a drafter's rounding only steers acceptance: drafters take any batch.
+
+Limits: one live sequence per model (a new cache clears the old one), chains only (no tree
+masks), CPU only in this build, optional dependency (`pip install -e .[peers]`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import SpecdecError
+
+INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; README, 'llama.cpp')"
+MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~12 KB for the 0.5B
+BATCH = 512  # tokens per llama_decode call (longer prompts are fed in pieces)
+ROWS_PER_CALL = 3  # a target's scored tokens per call: below the repacked GEMM's 4 (module doc)
+
+
+def available() -> bool:
+    """Whether llama-cpp-python can be imported (the optional `peers` extra)."""
+    try:
+        import_llama_cpp()
+    except SpecdecError:
+        return False
+    return True
+
+
+def import_llama_cpp():
+    """The llama_cpp module (its logging silenced), or a SpecdecError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise SpecdecError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
+    _silence(llama_cpp)
+    return llama_cpp
+
+
+_LOG_SINK = None  # the ctypes callback must outlive every call into the library
+
+
+def _silence(llama_cpp) -> None:
+    """Drop llama.cpp's log lines but errors (it prints hundreds per model load)."""
+    global _LOG_SINK
+    if _LOG_SINK is None:
+        def sink(level, text, _user):
+            if level == getattr(llama_cpp, "GGML_LOG_LEVEL_ERROR", 4) and text:
+                os.write(2, text)
+
+        _LOG_SINK = llama_cpp.llama_log_callback(sink)
+        llama_cpp.llama_log_set(_LOG_SINK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _no_beams(name: str) -> SpecdecError:
+    return SpecdecError(f"beam search is not supported on the llama.cpp backend ({name}: one sequence per "
+                        "context); use --dtype bf16 or fp32")
+
+
+class LlamaCache:
+    """The KV cache of a `LlamaCppModel`: a view of sequence 0 in its llama.cpp context.
+
+    Duck-typed like transformers' DynamicCache where the loops touch it (`get_seq_length`,
+    `crop`), so `LanguageModel.cache_length` and `LanguageModel.crop` serve both backends.
+    """
+
+    def __init__(self, model: "LlamaCppModel"):
+        self.model = model
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise _no_beams(self.model.name)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: drop that many from the end)."""
+        keep = self.length + max_length if max_length < 0 else min(max_length, self.length)
+        self.model._check_live(self)
+        if keep < self.length:
+            if not self.model._lib.llama_memory_seq_rm(self.model._memory, 0, keep, -1):
+                raise SpecdecError(f"{self.model.name}: llama.cpp could not drop cached positions {keep}..")
+            self.length = keep
+
+
+class LlamaCppModel:
+    """A causal LM from a .gguf file on llama.cpp, one sequence at a time.
+
+    path: the .gguf file. tokenizer: a transformers tokenizer for the same vocabulary (the loops
+    and `check_pair` compare tokenizers; ids must match the GGUF's, which `load` checks).
+    eos_token_ids: ids that end a generation (default: the GGUF's EOS and EOT).
+    role: "target" or "drafter". A target's scored rows are row-exact (`exact_rows`, module doc).
+    threads: CPU threads for llama.cpp (default: the cores this process may use).
+    exact_rows: score at most ROWS_PER_CALL tokens per call (default: for a target).
+    """
+
+    kernels = "llama.cpp"
+    draft_vocabulary = None
+
+    def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
+                 eos_token_ids: Sequence[int] | None = None, threads: int | None = None,
+                 context: int | None = None, exact_rows: bool | None = None):
+        if role not in ("target", "drafter"):
+            raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
+        path = Path(path)
+        if not path.is_file():
+            raise SpecdecError(f"GGUF file not found: {path}")
+        lib = self._lib = import_llama_cpp()
+        self.name = name or path.stem
+        self.path = path
+        self.role = role
+        self.tokenizer = tokenizer
+        self.exact_rows = role == "target" if exact_rows is None else bool(exact_rows)
+        self.threads = threads or default_threads()
+        model_params = lib.llama_model_default_params()
+        model_params.use_extra_bufts = True  # repacked weights: the fastest 1-token passes
+        self._model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+        if not self._model:
+            raise SpecdecError(f"llama.cpp could not load {path} (not a GGUF model it supports?)")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self._vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+        trained = int(lib.llama_model_n_ctx_train(self._model)) or MAX_CONTEXT
+        self._context = min(trained, context or MAX_CONTEXT)
+        context_params = lib.llama_context_default_params()
+        context_params.n_ctx = self._context
+        context_params.n_batch = context_params.n_ubatch = BATCH
+        context_params.n_seq_max = 1
+        context_params.n_threads = context_params.n_threads_batch = self.threads
+        context_params.no_perf = True
+        # without flash attention a 2-row pass already rounds differently from a 1-row one
+        context_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self._ctx = lib.llama_init_from_model(self._model, context_params)
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            raise SpecdecError(f"llama.cpp could not create a context of {self._context} tokens for {path}")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(BATCH, 0, 1)
+        self._live: LlamaCache | None = None
+        if eos_token_ids is None:
+            eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
+        self._eos = [i for i in dict.fromkeys(eos_token_ids) if 0 <= i < self._vocab_size]
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
+
+    def __del__(self):
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+        if getattr(self, "_model", None):
+            lib.llama_model_free(self._model)
+
+    def _check_tokenizer(self, tokenizer) -> None:
+        """The tokenizer must give the GGUF's own ids (a mismatch would score the wrong tokens)."""
+        text = "def f(x):\n    return x  # ok"
+        ours = tokenizer.encode(text, add_special_tokens=False)
+        buffer = (self._lib.llama_token * 256)()
+        raw = text.encode()
+        count = self._lib.llama_tokenize(self._vocab, raw, len(raw), buffer, 256, False, False)
+        if count < 0 or list(buffer[:count]) != list(ours):
+            raise SpecdecError(f"{self.name}: the tokenizer's ids differ from the GGUF's own vocabulary")
+
+    # -- what the loops read ------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The logits' dtype (the weights stay in the file's formats: `weights`)."""
+        return torch.float32
+
+    @property
+    def weights(self) -> str:
+        return "gguf"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self._context
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def new_cache(self) -> LlamaCache:
+        """An empty cache; it replaces any earlier one (the context holds one sequence)."""
+        self._lib.llama_memory_clear(self._memory, True)
+        self._live = LlamaCache(self)
+        return self._live
+
+    def _check_live(self, cache: LlamaCache) -> None:
+        if cache is not self._live:
+            raise SpecdecError(f"{self.name}: this cache was replaced by a newer one (llama.cpp keeps one sequence)")
+
+    def prefill(self, prompt: Sequence[int], cache: LlamaCache) -> list[int]:
+        """Feed the prompt but its last token (no logits) and return [prompt[-1]], as the row-exact
+        transformers path does: the first scored row then comes from a short pass in every loop."""
+        prompt = list(prompt)
+        if len(prompt) > 1:
+            self._decode(prompt[:-1], cache, 0, BATCH)
+        return prompt[-1:]
+
+    def forward(self, input_ids: Sequence[int] | torch.Tensor, cache: LlamaCache | None = None,
+                num_logits: int = 1, parents: Sequence[int] | None = None,
+                tree_start: int | None = None) -> torch.Tensor:
+        """Run new tokens after what `cache` holds, extending it.
+
+        input_ids: [T] token ids. cache: from `new_cache()`; None runs a cache-free pass (it
+        clears any live cache). Returns logits [num_logits, V] fp32 for the last positions; with
+        `exact_rows`, each row bit for bit what a 1-token pass at its position returns.
+        """
+        if parents is not None or tree_start is not None:
+            raise SpecdecError(f"token trees are not supported on the llama.cpp backend ({self.name}); "
+                               "use a chain method, or --dtype bf16/fp32 for trees")
+        ids = [int(t) for t in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
+        if not ids:
+            raise SpecdecError("forward needs at least one new token")
+        num_logits = max(1, min(int(num_logits), len(ids)))
+        piece = ROWS_PER_CALL if self.exact_rows else BATCH
+        if cache is None:
+            cache = self.new_cache()
+            try:
+                return self._decode(ids, cache, num_logits, piece)
+            finally:
+                self.new_cache()
+                self._live = None
+        return self._decode(ids, cache, num_logits, piece)
+
+    def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        raise _no_beams(self.name)
+
+    def _decode(self, ids: list[int], cache: LlamaCache, num_logits: int, piece_size: int) -> torch.Tensor:
+        """Feed `ids` in calls of at most `piece_size` tokens; logits [num_logits, V] of the last ids."""
+        self._check_live(cache)
+        if cache.length + len(ids) > self._context:
+            raise SpecdecError(f"{self.name}: {cache.length + len(ids)} tokens exceed its context of {self._context}")
+        lib, batch, vocab = self._lib, self._batch, self._vocab_size
+        out = torch.empty((num_logits, vocab), dtype=torch.float32)
+        first_scored = len(ids) - num_logits
+        for start in range(0, len(ids), piece_size):
+            piece = ids[start:start + piece_size]
+            batch.n_tokens = len(piece)
+            scored = 0
+            for i, token in enumerate(piece):
+                if not 0 <= token < vocab:
+                    raise SpecdecError(f"token id {token} is outside {self.name}'s vocabulary of {vocab}")
+                batch.token[i] = token
+                batch.pos[i] = cache.length + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                wanted = start + i >= first_scored
+                batch.logits[i] = wanted
+                scored += wanted
+            status = lib.llama_decode(self._ctx, batch)
+            if status != 0:
+                # a failed decode may leave part of the batch cached: drop it so the cache stays whole
+                lib.llama_memory_seq_rm(self._memory, 0, cache.length, -1)
+                raise SpecdecError(f"llama.cpp failed to decode {len(piece)} tokens for {self.name} (status {status})")
+            cache.length += len(piece)
+            if scored:
+                done = max(start, first_scored) - first_scored  # rows of `out` filled by earlier pieces
+                rows = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(scored, vocab))
+                out[done:done + scored] = torch.from_numpy(rows)
+        return out
+
+    # -- text --------------------------------------------------------------------------------
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        from ..models import encode_text
+
+        return encode_text(self.tokenizer, self.name, text, chat)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        from ..models import decode_ids
+
+        return decode_ids(self.tokenizer, ids, skip_special_tokens)
