@@ -65,10 +65,14 @@ def _rows(model, prefix: list[int], tokens: list[int]) -> tuple[torch.Tensor, to
 @NEEDS_LLAMA
 def test_target_rows_are_exact_and_the_check_can_fail(gguf_pair):
     """Each row of a 12-token pass is bit for bit a 1-token pass (the target feeds scored tokens 3
-    per call); the same model with exact_rows off takes ggml's repacked GEMM from 4 rows and its
-    tiled K-quant matmul from 8, and differs: what makes the first assertion mean something."""
+    per call), after a prefix of over 512 tokens (where flash attention would split a 1-row
+    query's keys across threads with an f16 cache); the same model with exact_rows off takes
+    ggml's repacked GEMM from 4 rows and its tiled K-quant matmul from 8, and differs: what makes
+    the first assertion mean something."""
     target, _ = gguf_pair
-    prefix = target.encode("import numpy as np\n\ndef softmax(x):\n")
+    prefix = target.encode("import numpy as np\n\n" + "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n"
+                                                               for i in range(40)) + "def softmax(x):\n")
+    assert len(prefix) > 600
     tokens = [262, 470, 284, 2595, 13, 4580, 2075, 481, 2595, 6678, 2075, 1171]
     together, alone = _rows(target, prefix, tokens)
     assert torch.equal(together, alone)

@@ -39,6 +39,7 @@ from ..errors import SpecdecError
 INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; README, 'llama.cpp')"
 MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~12 KB for the 0.5B
 BATCH = 512  # tokens per llama_decode call (longer prompts are fed in pieces)
+GGML_TYPE_BF16 = 30  # ggml's type id (ggml.h)
 ROWS_PER_CALL = 3  # a target's scored tokens per call: below the repacked GEMM's 4 (module doc)
 
 
@@ -159,6 +160,11 @@ class LlamaCppModel:
         context_params.no_perf = True
         # without flash attention a 2-row pass already rounds differently from a 1-row one
         context_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if self.exact_rows:
+            # flash attention splits a 1-row query's keys across threads from 512 cached keys on,
+            # and tiles queries from 64 rows, both only for an f16/f32 cache: a bf16 cache keeps
+            # every row on the one per-row path (module doc)
+            context_params.type_k = context_params.type_v = GGML_TYPE_BF16
         self._ctx = lib.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             lib.llama_model_free(self._model)
