@@ -171,6 +171,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):  # a model
         drafter = ModelDrafter(drafter)
     trees = hasattr(drafter, "propose_tree")
+    if trees and not getattr(target, "tree_masks", True):
+        raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
+                           "use a chain method, or --dtype bf16/fp32 for trees")
     if trees and lenience != 1:
         raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
     drafter.check_target(target)

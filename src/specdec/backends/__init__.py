@@ -29,6 +29,7 @@ class Backend(Protocol):
     tokenizer: object  # a transformers tokenizer (check_pair compares them), or None
     exact_rows: bool  # each row of a k-token pass equals a 1-token pass, bit for bit
     kernels: str  # what runs the weights, for reports
+    tree_masks: bool  # whether `forward` takes `parents` (absent: True); speculative_generate checks it
 
     device: torch.device
     dtype: torch.dtype  # of the logits' computation (reports); logits are returned in fp32

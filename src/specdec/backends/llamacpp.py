@@ -8,14 +8,16 @@ unchanged, and it can serve as target or drafter beside a transformers model.
 
 Exactness. Greedy speculative output is token-identical to greedy AR only if a k-token pass
 gives each row the logits a 1-token pass would. ggml's CPU kernels mostly compute each output
-row alone, whatever the batch, with three exceptions (ggml-cpu in llama-cpp-python 0.3.36):
+row alone, whatever the batch, with these exceptions (ggml-cpu in llama-cpp-python 0.3.36):
 - repacked weights (the "extra buffer types" that interleave Q4_K / Q4_0 / IQ4_NL rows for
   AVX2 / AVX512) run a GEMM on 4 rows at a time and a GEMV on the rest, which round differently;
 - the tiled K-quant matmul takes over from 8 rows;
-- attention without flash attention, and flash attention's tiled path from 64 query rows.
+- attention without flash attention; with it, for an f16/f32 KV cache, the keys of a 1-row
+  query are split across threads from 512 cached keys on, and queries tiled from 64 rows.
 A target therefore scores at most `ROWS_PER_CALL` = 3 tokens per llama_decode call (a longer
-verification pass is fed in pieces) under flash attention: every scored row then comes from the
-same GEMV as a 1-token pass, bit for bit (tests/test_llamacpp.py checks this on real weights).
+verification pass is fed in pieces) under flash attention with a bf16 KV cache: every scored row
+then comes from the same kernels as a 1-token pass, bit for bit (tests/test_llamacpp.py checks
+this on real weights after a 600-token prefix).
 On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/KERNELS.md), so the
 pieces cost little. The prompt (no logits) is fed in one batch by both loops alike (`prefill`),
 and a drafter's rounding only steers acceptance: drafters take any batch.
@@ -126,6 +128,7 @@ class LlamaCppModel:
     """
 
     kernels = "llama.cpp"
+    tree_masks = False  # one sequence, no custom attention mask: `speculative_generate` refuses trees
     draft_vocabulary = None
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
