@@ -572,7 +572,10 @@ def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
         if not path.is_file():
             raise SpecdecError(f"GGUF file not found: {path}")
         gguf_path, name = path, path.stem
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as exc:  # transformers' GGUF reader raises its own types on files it cannot read
+            raise SpecdecError(f"could not load {text} (tokenizer): {_one_line(exc)}") from exc
     else:
         raise SpecdecError(f"--dtype gguf needs a registry model or a .gguf file, not {text}")
     say(f"loading {name} (its GGUF weights on llama.cpp)")
