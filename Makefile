@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees clean
+.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self clean
 
 setup: $(STAMP) models
 
@@ -59,6 +59,17 @@ bench-trees: setup
 		--methods ar,sd-cost,tree-sides,tree-mixed,hf-assisted,hf-lookup --gamma 5 --gamma-max 20 \
 		--max-new-tokens 64 --markdown docs/benchmarks/trees-2.md --json docs/benchmarks/trees-2.json \
 		--plot docs/benchmarks/trees-2.png
+
+# issue 14's run: the target drafting for itself (Medusa heads trained here once, ~25 min on 2
+# cores; layer skip) against the separate drafter and transformers' assisted generation
+HEADS := heads/qwen2.5-coder-1.5b
+$(HEADS)/medusa.json: | $(STAMP)
+	$(BIN)/specdec train-heads --out $(HEADS) --tokens 49152 --epochs 3
+
+bench-self: setup $(HEADS)/medusa.json
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,medusa,self-skip,hf-assisted --heads $(HEADS) --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/self.md --json docs/benchmarks/self.json --plot docs/benchmarks/self.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

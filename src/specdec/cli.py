@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -58,6 +59,41 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
 
 
 MODEL_FREE_DRAFTERS = ("ngram", "lookup")
+
+
+def self_drafter_spec(spec: str):
+    """("medusa", Heads) / ("self-skip", layers or None) for a self-drafting --drafter, else None;
+    read and checked before any model loads."""
+    if spec.startswith("medusa:"):
+        from .medusa import load_heads
+
+        return "medusa", load_heads(spec.removeprefix("medusa:"))
+    if spec == "self-skip":
+        return "self-skip", None
+    if spec.startswith("self-skip:"):
+        try:
+            return "self-skip", [int(part) for part in _csv(spec.removeprefix("self-skip:"))]
+        except ValueError:
+            raise SpecdecError(f"self-skip:LAYERS takes comma-separated layer numbers, got {spec!r}") from None
+    return None
+
+
+def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
+    """The drafter a `self_drafter_spec` names, for `target_model`."""
+    kind, value = spec
+    if kind == "medusa":
+        from .drafters.medusa import MedusaDrafter
+
+        return MedusaDrafter(value, max_nodes=tree_nodes)
+    from .drafters.layerskip import self_skip_drafter
+
+    with err.status("choosing the layers to skip…"):
+        drafter = self_skip_drafter(target_model, value)
+    if drafter.search:
+        best = next(t for t in drafter.search["trials"] if t["skip"] == drafter.model.skip)
+        err.print(f"[dim]self-skip: skipping layers {drafter.model.skip} (calibration α {best['alpha']}, "
+                  f"c ≈ {best['c']})[/]", highlight=False)
+    return drafter
 TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
              "best tokens), eagle2 (EAGLE-2 dynamic tree), sequoia (Sequoia static shape), lookup (prompt-lookup "
              "trie), mixed (drafter chain with sides plus lookup branches). Sized by measured cost.")
@@ -70,7 +106,9 @@ def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
-                                "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model."),
+                                "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model; "
+                                "or the target drafting for itself: 'medusa:DIR' (heads from `specdec train-heads`; "
+                                "a token tree) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
     gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
     schedule: str = typer.Option("cost", help="Draft length: cost (stop when the draft is unlikely to pay for "
@@ -123,10 +161,17 @@ def generate(
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
         if tree != "off":
             check_tree_options(tree, tree_nodes, tree_scheme)  # before minutes of loading
+        self_spec = self_drafter_spec(drafter) if method == Method.sd else None
+        if self_spec and tree != "off":
+            raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa: a tree)")
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
-            if tree != "off":
+            if self_spec:
+                drafter_used = self_drafter(self_spec, target_model, tree_nodes)
+                if self_spec[0] == "medusa":
+                    plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
+            elif tree != "off":
                 drafter_model = None if tree == "lookup" else _load(
                     drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)
@@ -225,6 +270,51 @@ def chat(
             break
 
 
+@app.command("train-heads")
+def train_heads(
+    out: str = typer.Option(..., "--out", help="Folder to write the heads into (resumes a run stopped there)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model the heads draft for."),
+    kind: str = typer.Option("medusa", help="Kind of heads: medusa (EAGLE's feature drafter is not built yet)."),
+    corpus: str = typer.Option("stdlib", help="Training text: stdlib (Python's standard library sources), "
+                               "humaneval, spec-bench, or a text file."),
+    tokens: int = typer.Option(32768, help="Corpus tokens to run through the target (a tenth is held out)."),
+    heads: int = typer.Option(3, "--heads", help="Heads: head k predicts the token k+1 ahead."),
+    vocab: int = typer.Option(32768, help="Most frequent ids the loss and the drafting score."),
+    epochs: int = typer.Option(3),
+    batch: int = typer.Option(64),
+    lr: float = typer.Option(1e-3, "--lr"),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per target pass while caching hidden states."),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("auto", "--dtype", help="Target dtype while caching its hidden states (auto, bf16, fp32)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Train self-drafting heads for a target (self-distillation: they learn what the target would say)."""
+    from .medusa import TrainConfig, train_medusa
+
+    try:
+        if kind != "medusa":
+            raise SpecdecError(f"unknown kind of heads {kind!r}; only 'medusa' is built so far")
+        for name, value in (("tokens", tokens), ("heads", heads), ("vocab", vocab), ("epochs", epochs),
+                            ("batch", batch)):
+            if value < 1:
+                raise SpecdecError(f"--{name} must be >= 1, got {value}")
+        if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
+            raise SpecdecError(f"corpus not found: {corpus} (stdlib, humaneval, spec-bench or a text file)")
+        if dtype == "gguf":
+            raise SpecdecError("training heads needs the target's hidden states: use --dtype auto, bf16 or fp32")
+        target_model = _load(target, dtype, device, "target", exact_rows=False)
+        config = TrainConfig(num_heads=heads, tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs,
+                             batch=batch, lr=lr, seed=seed)
+        trained = train_medusa(target_model, corpus, out, config, say=lambda m: err.print(f"[dim]{m}[/]",
+                                                                                         highlight=False))
+    except SpecdecError as exc:
+        _fail(str(exc))
+    info = trained.info
+    err.print(f"{info['num_heads']} Medusa heads for {info['target']} in {out}: held-out loss "
+              f"{info['heldout_loss']:.3f} (untrained {info['heldout_loss_untrained']:.3f}), top-1 per head "
+              + ", ".join(f"{a:.3f}" for a in info["heldout_top1"]) + f"; {info['seconds']:.0f} s", highlight=False)
+
+
 @app.command()
 def install(names: list[str] = typer.Argument(None, help="Registry names (default: all).")):
     """Download, verify (sha256) and convert the embedded models into specdec's cache."""
@@ -265,8 +355,8 @@ def bench(
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
-                                "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed "
-                                "(ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
+                                "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
+                                "medusa, self-skip (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
                                 "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
                                 "with prompt lookup)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
@@ -292,6 +382,9 @@ def bench(
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes per token tree (tree-* methods)."),
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
+    heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
+                                              "method skips (default: chosen by its search at start)."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from .bench.methods import Settings
@@ -308,7 +401,8 @@ def bench(
         check_tree_options("mixed", tree_nodes, tree_scheme)
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
-                            tree_scheme=tree_scheme)
+                            tree_scheme=tree_scheme, heads=heads,
+                            skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,

@@ -166,6 +166,7 @@ class LanguageModel:
                 pad_single_rows(self._decoder)
         self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
+        self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
         if int8:
             self._build_draft_head()
 
@@ -220,6 +221,11 @@ class LanguageModel:
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the final hidden states (`last_hidden`)."""
+        return int(self._head_weight.shape[1] if self._head_weight is not None else self._head.in_features)
 
     @property
     def vocab_size(self) -> int:
@@ -297,12 +303,15 @@ class LanguageModel:
             logits: [num_logits, V] fp32, for the last `num_logits` input positions; with
             `exact_rows`, each row bit for bit what a one-token pass at its position returns
             (for a tree: a one-token pass after the cache and the token's ancestors).
+        The final hidden states of those positions, [num_logits, H] (what the output head read),
+        are kept in `last_hidden` until the next pass: self-drafting heads draft from them.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
         extra = {} if parents is None else self._tree_inputs(parents, cache, ids.shape[1], tree_start)
         with row_exact(self.exact_rows):
             out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
-            return self._logits(out.last_hidden_state[0, -num_logits:])
+            self.last_hidden = out.last_hidden_state[0, -num_logits:]
+            return self._logits(self.last_hidden)
 
     def _tree_inputs(self, parents: Sequence[int], cache, new: int, tree_start: int | None) -> dict:
         """The 4D attention mask and position ids of a tree pass; SpecdecError where the model

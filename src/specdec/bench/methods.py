@@ -12,8 +12,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+from ..drafters.layerskip import self_skip_drafter
+from ..drafters.medusa import MedusaDrafter
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
+from ..medusa import Heads, load_heads
 from ..models import LanguageModel
 from ..samplers import Sampler
 from ..schedules import make_schedule
@@ -32,6 +35,8 @@ METHODS = {
     "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
     "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
+    "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
+    "self-skip": "ours: the target drafts for itself with layers skipped (chosen at start), cost-aware γ",
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
@@ -72,6 +77,8 @@ class Settings:
     ngram_n: int = 4
     tree_nodes: int = 64
     tree_scheme: str = "without-replacement"
+    heads: str | None = None  # Medusa heads' folder (the medusa method)
+    skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
 
 
 @dataclass
@@ -130,6 +137,15 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   seed=seed if sampler.is_greedy or method == "ar" else None)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
+    elif method == "medusa":
+        if not settings.heads:
+            raise SpecdecError("the medusa method needs its heads: --heads DIR (from `specdec train-heads`)")
+        result = speculative_generate(ids, target, MedusaDrafter(_heads(settings.heads), max_nodes=settings.tree_nodes),
+                                      gamma=settings.gamma_max, **common)
+    elif method == "self-skip":
+        schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
+        result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
+                                      schedule=schedule, **common)
     elif method.startswith("tree-"):
         tree = make_tree_drafter(method.removeprefix("tree-"), drafter, settings.tree_nodes, settings.tree_scheme)
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
@@ -144,6 +160,16 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step)
+
+
+_HEADS: dict[str, Heads] = {}
+
+
+def _heads(folder: str) -> Heads:
+    """Medusa heads, read once per folder."""
+    if folder not in _HEADS:
+        _HEADS[folder] = load_heads(folder)
+    return _HEADS[folder]
 
 
 def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,

@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import SpecdecError
+from ..drafters.layerskip import choose_skipped
+from ..medusa import load_heads
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
@@ -209,7 +211,15 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/]", highlight=False)
 
+    if "medusa" in methods:  # a missing or damaged checkpoint fails before minutes of loading
+        if not settings.heads:
+            raise SpecdecError("the medusa method needs its heads: --heads DIR (from `specdec train-heads`)")
+        load_heads(settings.heads)
     target_model = load(target, dtype=dtype, device=device, role="target", exact_rows=exact_rows, say=say)
+    self_skip_search = None
+    if "self-skip" in methods and not settings.skip_layers:  # searched once, used on every prompt
+        settings.skip_layers, self_skip_search = choose_skipped(target_model)
+        say(f"self-skip: skipping layers {settings.skip_layers}")
     drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
                           vocab_corpus=drafter_vocab_corpus)
                      if NEEDS_DRAFTER & set(methods) else None)
@@ -267,6 +277,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),
             "llama_cpp": llama_cpp_version() if peers.llama else None,
+            "medusa_heads": load_heads(settings.heads).info if "medusa" in methods else None,
+            "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),
               "records": [dict(vars(r), tokens_per_second=r.tokens_per_second,

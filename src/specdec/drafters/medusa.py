@@ -1,0 +1,109 @@
+"""Medusa drafting (Cai et al. 2024): a token tree from the target's own hidden state, no drafter model.
+
+After each verification pass the loop hands the drafter the target's final hidden state at the
+position its next token came from (`observe`); the heads (medusa.py) turn it into K distributions
+over tokens 2..K+1 ahead of that position. The tree is their Cartesian product pruned by path
+value: best first, a node at depth d gets head d's top `width` tokens as children, its value the
+product of the heads' probabilities along the path. Nodes join in falling value while they pay
+for their verification width (`TreeCost`), which also decides whether to draft at all.
+
+The tree is deterministic (no random draw of the drafter), so the one-hot verification law is
+exact under every sampler (verify.py), and greedy output is token-identical to greedy AR.
+"""
+
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecdecError
+from ..medusa import Heads, check_heads_target, head_rows, load_heads
+from ..samplers import Sampler
+from ..schedules import TreeCost
+from ..trees import Tree
+from .tree import _Node, _rank, _to_tree
+
+
+class MedusaDrafter:
+    """Drafts token trees with Medusa heads (a checkpoint folder or loaded `Heads`)."""
+
+    reads_target_hidden = True  # speculative_generate calls `observe` after every target pass
+
+    def __init__(self, heads: Heads | str | Path, width: int = 4, max_nodes: int = 64,
+                 policy: TreeCost | None = None):
+        if not isinstance(width, int) or width < 1:
+            raise SpecdecError(f"Medusa tree width must be an integer >= 1, got {width!r}")
+        self.heads = heads if isinstance(heads, Heads) else load_heads(heads)
+        self.width = width
+        self.policy = policy or TreeCost(max_nodes=max_nodes)
+        self.name = f"medusa{self.heads.heads.num_heads}"
+        self.forwards = 0
+        self._hidden: torch.Tensor | None = None
+        self._weight: torch.Tensor | None = None  # [N, H] the target's head rows for the scored ids
+        self._drafted = False
+
+    def check_target(self, target) -> None:
+        check_heads_target(self.heads, target)
+        ids = self.heads.vocab_ids.to(target.device)
+        self._ids = ids
+        self._weight = head_rows(target, ids).to(target.dtype)
+        self.heads.heads.to(device=target.device, dtype=target.dtype)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.forwards = 0
+        self._hidden = None
+        self._drafted = False
+        self.policy.reset()
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """hidden [H]: the target's final hidden state where its last emitted token was chosen."""
+        self._hidden = hidden
+
+    @torch.inference_mode()
+    def head_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [H] -> [K, N] each head's probabilities over the scored ids."""
+        inputs = self.heads.heads(hidden.to(self._weight.dtype))  # [K, H]
+        return (inputs @ self._weight.T).float().softmax(-1)
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        root = _Node(-1, 1.0, "deterministic")
+        self._drafted = False
+        if self._hidden is None or max_depth < 1 or not self.policy.should_draft():
+            return Tree([], [])
+        probs = self.head_probs(self._hidden)
+        self.forwards += 1
+        depth_limit = min(max_depth, probs.shape[0])
+        top = probs[:depth_limit].topk(min(self.width, probs.shape[1]), dim=-1)
+        values, tokens = top.values.tolist(), self._ids[top.indices].tolist()  # [D][width]
+        threshold, budget = self.policy.node_threshold, self.policy.max_nodes
+        # best first over the Cartesian product: a child's value never exceeds its parent's, so
+        # every popped node's parent is already in the tree
+        frontier = [(-v, r, 0, root, t, v) for r, (t, v) in enumerate(zip(tokens[0], values[0]))]
+        heapq.heapify(frontier)
+        count, order = 0, len(frontier)
+        while frontier and count < budget:
+            _, _, depth, parent, token, value = heapq.heappop(frontier)
+            if value < threshold:
+                break
+            node = _Node(token, value, "deterministic")
+            parent.children.append(node)
+            count += 1
+            if depth + 1 < depth_limit:
+                for t, v in zip(tokens[depth + 1], values[depth + 1]):
+                    order += 1
+                    heapq.heappush(frontier, (-(value * v), order, depth + 1, node, t, value * v))
+        _rank(root)
+        tree, _ = _to_tree(root)
+        self._drafted = bool(tree.tokens)
+        return tree
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        self.policy.update_tree(1, bool(path) if self._drafted else None)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
