@@ -94,7 +94,7 @@ def save_heads(folder: str | Path, heads: Heads) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: value.detach().float().contiguous() for name, value in heads.heads.state_dict().items()}
+    tensors = {name: value.detach().float().cpu().contiguous() for name, value in heads.heads.state_dict().items()}
     tensors["vocab_ids"] = heads.vocab_ids.long().contiguous()
     save_file(tensors, str(folder / WEIGHTS))
     info = {**heads.info, "format": FORMAT, "kind": "medusa", "hidden_size": heads.heads.blocks[0].in_features,
@@ -214,9 +214,9 @@ def distill_loss(heads: MedusaHeads, weight: torch.Tensor, features: torch.Tenso
     h_t. Head k's target is softmax(weight h_{t+k}), the target's own law at t+k over the N ids.
     Returns (mean cross-entropy over heads, [K] per-head top-1 agreement with that law's argmax).
     """
-    k = heads.num_heads
-    hidden = features[starts, positions].float()  # [B, H]
-    ahead = torch.stack([features[starts, positions + i].float() for i in range(1, k + 1)], dim=1)  # [B, K, H]
+    k, device = heads.num_heads, weight.device
+    hidden = features[starts, positions].to(device).float()  # [B, H]
+    ahead = torch.stack([features[starts, positions + i] for i in range(1, k + 1)], dim=1).to(device).float()  # [B, K, H]
     with torch.no_grad():
         teacher = (ahead @ weight.T).float()  # [B, K, N]
     student = (heads(hidden) @ weight.T).float()  # [B, K, N]
@@ -238,7 +238,7 @@ def heldout_accuracy(heads: MedusaHeads, weight: torch.Tensor, vocab_ids: torch.
         s, p = starts[begin:begin + 256], positions[begin:begin + 256]
         loss, _ = distill_loss(heads, weight, features, s, p)
         losses.append(float(loss) * len(s))
-        guess = vocab_ids[(heads(features[s, p].float()) @ weight.T).argmax(-1)]  # [B, K]
+        guess = vocab_ids[(heads(features[s, p].to(weight.device).float()) @ weight.T).argmax(-1).cpu()]  # [B, K]
         truth = torch.stack([full_argmax[s, p + i] for i in range(1, k + 1)], dim=1)
         hits += (guess == truth).float().sum(0)
     return sum(losses) / len(starts), (hits / len(starts)).tolist()
@@ -296,8 +296,9 @@ def train_medusa(target, corpus: str | Sequence[int], out: str | Path, config: T
                            f"{target.vocab_size} (all ids)")
     else:
         vocab_ids = frequent_ids(target.tokenizer, target.vocab_size, config.vocab, say=say)
-    weight = head_rows(target, vocab_ids).detach().float().cpu()
-    heads = MedusaHeads(weight.shape[1], config.num_heads)
+    # trained where the target runs (a GPU trains the same heads faster); features stay in host memory
+    weight = head_rows(target, vocab_ids).detach().float()
+    heads = MedusaHeads(weight.shape[1], config.num_heads).to(weight.device)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
     positions_per_chunk = config.seq_len - config.num_heads
     total_examples = len(train) * positions_per_chunk
@@ -337,15 +338,15 @@ def train_medusa(target, corpus: str | Sequence[int], out: str | Path, config: T
         full_argmax = torch.stack([target._logits(chunk.to(target.device, target.dtype)).argmax(-1).cpu()
                                    for chunk in heldout])
     heldout_loss, accuracy = heldout_accuracy(heads, weight, vocab_ids, heldout, full_argmax)
-    before_loss, _ = heldout_accuracy(MedusaHeads(weight.shape[1], config.num_heads), weight, vocab_ids, heldout,
-                                      full_argmax)
+    before_loss, _ = heldout_accuracy(MedusaHeads(weight.shape[1], config.num_heads).to(weight.device), weight,
+                                      vocab_ids, heldout, full_argmax)
     info = {"target": target.name, "target_sha256": fingerprint, "corpus": identity, "tokens": len(ids),
             "heldout_tokens": held * config.seq_len, "steps": step, "epochs": config.epochs, "batch": config.batch,
             "lr": config.lr, "seed": config.seed, "seq_len": config.seq_len, "train_loss": last_loss,
             "heldout_loss": heldout_loss, "heldout_loss_untrained": before_loss,
             "heldout_top1": accuracy, "seconds": round(time.perf_counter() - began, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    result = Heads(heads.eval().requires_grad_(False), vocab_ids, info)
+    result = Heads(heads.cpu().eval().requires_grad_(False), vocab_ids, info)
     save_heads(out, result)
     for leftover in (STATE, FEATURES):
         (out / leftover).unlink(missing_ok=True)

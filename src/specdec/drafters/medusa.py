@@ -43,6 +43,7 @@ class MedusaDrafter:
         self.forwards = 0
         self._hidden: torch.Tensor | None = None
         self._weight: torch.Tensor | None = None  # [N, H] the target's head rows for the scored ids
+        self._ids: torch.Tensor | None = None  # [N] the scored ids, on the target's device
         self._drafted = False
 
     def check_target(self, target) -> None:
