@@ -60,7 +60,7 @@ bench-trees: setup
 		--max-new-tokens 64 --markdown docs/benchmarks/trees-2.md --json docs/benchmarks/trees-2.json \
 		--plot docs/benchmarks/trees-2.png
 
-# issue 14's run: the target drafting for itself (Medusa heads trained here once, ~25 min on 2
+# issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation
 HEADS := heads/qwen2.5-coder-1.5b
 $(HEADS)/medusa.json: | $(STAMP)

@@ -94,6 +94,8 @@ def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
         err.print(f"[dim]self-skip: skipping layers {drafter.model.skip} (calibration α {best['alpha']}, "
                   f"c ≈ {best['c']})[/]", highlight=False)
     return drafter
+
+
 TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
              "best tokens), eagle2 (EAGLE-2 dynamic tree), sequoia (Sequoia static shape), lookup (prompt-lookup "
              "trie), mixed (drafter chain with sides plus lookup branches). Sized by measured cost.")
