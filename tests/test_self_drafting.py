@@ -378,3 +378,25 @@ def test_backends_without_hidden_states_or_layers_are_refused():
         MedusaDrafter(_random_heads(tiny_model(1, vocab=32))).check_target(gguf)
     with pytest.raises(SpecdecError, match="no.*to skip|>= 3 layers"):
         LayerSkipModel(gguf, [1])
+
+
+def test_both_self_drafters_are_greedy_identical_on_a_row_exact_bf16_target():
+    """The path native-bf16 CPUs take (`auto` gives them bf16 targets with row-exact passes), forced
+    here whatever the CPU: heads and head rows in bf16, tree passes row-exact."""
+    from test_rows import qwen_like
+
+    target = qwen_like(torch.bfloat16, exact_rows=True, vocab=512, layers=3)
+    assert target.exact_rows and target.dtype == torch.bfloat16
+    medusa_accepted = off_main_chain = skip_accepted = 0
+    for prompt in PROMPTS:
+        expected = autoregressive_generate(prompt, target, max_new_tokens=30, eos_token_ids=[]).tokens
+        # zero blocks guess the next token again: right wherever this random model repeats itself
+        medusa = speculative_generate(prompt, target, MedusaDrafter(_random_heads(target, scale=0.0), 3, policy=_wide()),
+                                      gamma=6, max_new_tokens=30, eos_token_ids=[])
+        skip = speculative_generate(prompt, target, ModelDrafter(LayerSkipModel(target, [1])), gamma=4,
+                                    max_new_tokens=30, eos_token_ids=[])
+        assert medusa.tokens == expected and skip.tokens == expected
+        medusa_accepted += medusa.stats.accepted
+        off_main_chain += _off_main_chain(medusa)
+        skip_accepted += skip.stats.accepted
+    assert medusa_accepted > 0 and off_main_chain > 0 and skip_accepted > 0

@@ -140,7 +140,7 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
     elif method == "medusa":
         if not settings.heads:
             raise SpecdecError("the medusa method needs its heads: --heads DIR (from `specdec train-heads`)")
-        result = speculative_generate(ids, target, MedusaDrafter(_heads(settings.heads), max_nodes=settings.tree_nodes),
+        result = speculative_generate(ids, target, MedusaDrafter(cached_heads(settings.heads), max_nodes=settings.tree_nodes),
                                       gamma=settings.gamma_max, **common)
     elif method == "self-skip":
         schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
@@ -162,10 +162,10 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   nodes_per_step=s.nodes_per_step)
 
 
-_HEADS: dict[str, Heads] = {}
+_HEADS: dict[str, Heads] = {}  # by folder
 
 
-def _heads(folder: str) -> Heads:
+def cached_heads(folder: str) -> Heads:
     """Medusa heads, read once per folder."""
     if folder not in _HEADS:
         _HEADS[folder] = load_heads(folder)

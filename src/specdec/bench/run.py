@@ -19,11 +19,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import SpecdecError
 from ..drafters.layerskip import choose_skipped
-from ..medusa import load_heads
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, run_method
+from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, cached_heads, check_methods,
+                      run_method)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
@@ -214,7 +214,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     if "medusa" in methods:  # a missing or damaged checkpoint fails before minutes of loading
         if not settings.heads:
             raise SpecdecError("the medusa method needs its heads: --heads DIR (from `specdec train-heads`)")
-        load_heads(settings.heads)
+        cached_heads(settings.heads)
     target_model = load(target, dtype=dtype, device=device, role="target", exact_rows=exact_rows, say=say)
     self_skip_search = None
     if "self-skip" in methods and not settings.skip_layers:  # searched once, used on every prompt
@@ -277,7 +277,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),
             "llama_cpp": llama_cpp_version() if peers.llama else None,
-            "medusa_heads": load_heads(settings.heads).info if "medusa" in methods else None,
+            "medusa_heads": cached_heads(settings.heads).info if "medusa" in methods else None,
             "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),

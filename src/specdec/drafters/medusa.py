@@ -45,9 +45,13 @@ class MedusaDrafter:
         self._weight: torch.Tensor | None = None  # [N, H] the target's head rows for the scored ids
         self._ids: torch.Tensor | None = None  # [N] the scored ids, on the target's device
         self._drafted = False
+        self._target = None
 
     def check_target(self, target) -> None:
+        if self._target is target:  # checked and prepared for this target by an earlier generation
+            return
         check_heads_target(self.heads, target)
+        self._target = target
         ids = self.heads.vocab_ids.to(target.device)
         self._ids = ids
         self._weight = head_rows(target, ids).to(target.dtype)
