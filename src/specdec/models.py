@@ -379,7 +379,7 @@ class LanguageModel:
         out = self._decoder(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True)
         return self._logits(out.last_hidden_state[:, -1])
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] fp32, after the model's own output transform.
 
         A target's head is exact in fp32 where it decides the output, and row-invariant: fp32
@@ -388,7 +388,9 @@ class LanguageModel:
         151,936-row head would double the bytes read per token); low-precision weights on CUDA
         through a matmul with fp32 accumulation. A drafter's own head (int8, or over its frequent
         ids only: `restrict_vocabulary`) need not be exact; it returns -inf for the ids it skips.
+        exact=False skips a target's refinements (its layers drafting for it: drafters/layerskip.py).
         """
+        exact = self.exact_logits if exact is None else exact
         if self._draft_head is not None:
             scored = self._draft_head(hidden).float()
             if self._transform is not None:  # before the scatter: a soft cap would lift -inf to -cap
@@ -400,12 +402,12 @@ class LanguageModel:
             return logits
         if self._head is not None:
             logits = self._head(hidden)
-        elif self._head_row_norm is not None:
+        elif self._head_row_norm is not None and exact:
             flat = hidden.reshape(-1, hidden.shape[-1])
             logits = row_stable_linear(flat, self._head_weight).float()
             logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
-        elif self.dtype != torch.float32 and self.exact_logits:
+        elif self.dtype != torch.float32 and exact:
             logits = _fp32_matmul(hidden, self._head_weight)
         else:
             logits = torch.nn.functional.linear(hidden, self._head_weight).float()

@@ -93,7 +93,7 @@ class LayerSkipModel:
         extra = {} if parents is None else target._tree_inputs(parents, cache, ids.shape[1], tree_start)
         with self._skipping():
             out = target._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
-        return _head(target, out.last_hidden_state[0, -num_logits:])
+        return target._logits(out.last_hidden_state[0, -num_logits:], exact=False)
 
 
 def _layers(target) -> nn.ModuleList:
@@ -109,17 +109,6 @@ def _layers(target) -> nn.ModuleList:
     return layers
 
 
-def _head(target, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's output head without its exactness refinements: [n, H] -> [n, V] fp32."""
-    weight = getattr(target, "_head_weight", None)
-    if weight is None:
-        return target._logits(hidden)
-    logits = nn.functional.linear(hidden, weight).float()
-    if target._head_bias is not None:
-        logits = logits + target._head_bias.float()
-    return logits if target._transform is None else target._transform(logits)
-
-
 @torch.inference_mode()
 def choose_skipped(target: LanguageModel, text: str = CALIBRATION,
                    fractions: Sequence[float] = FRACTIONS) -> tuple[list[int], dict]:
@@ -132,7 +121,7 @@ def choose_skipped(target: LanguageModel, text: str = CALIBRATION,
     change = [1 - float(nn.functional.cosine_similarity(states[i].float(), states[i + 1].float(), dim=-1).mean())
               for i in range(count)]
     candidates = sorted(range(1, count - 1), key=lambda i: change[i])
-    truth = _head(target, out.last_hidden_state[0]).argmax(-1)
+    truth = target._logits(out.last_hidden_state[0], exact=False).argmax(-1)
     layer_params = sum(p.numel() for p in layers[0].parameters())
     head_params = target.vocab_size * target.hidden_size
     trials = []
