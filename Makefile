@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self clean
+.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self bench-eagle clean
 
 setup: $(STAMP) models
 
@@ -70,6 +70,17 @@ bench-self: setup $(HEADS)/medusa.json
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
 		--methods ar,sd-cost,medusa,self-skip,hf-assisted --heads $(HEADS) --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/self.md --json docs/benchmarks/self.json --plot docs/benchmarks/self.png
+
+# issue 14's second run: the EAGLE feature drafter trained here once (~40 min on 2 cores) against
+# Medusa and the separate drafter, on the same prompts
+EAGLE := heads/qwen2.5-coder-1.5b-eagle
+$(EAGLE)/eagle.json: | $(STAMP)
+	$(BIN)/specdec train-heads --kind eagle --out $(EAGLE) --tokens 65536 --epochs 2 --batch 1
+
+bench-eagle: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,medusa,eagle --heads $(HEADS) --eagle $(EAGLE) --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/eagle.md --json docs/benchmarks/eagle.json --plot docs/benchmarks/eagle.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -207,3 +207,11 @@ def test_tree_option_errors_are_clear(need_smollm2, args, message):
     result = runner.invoke(app, args + ["--target", "smollm2-135m", "--dtype", "fp32"])
     assert result.exit_code == 1, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_chat_drafts_with_the_target_itself(need_smollm2):
+    script = "\n".join(["/drafter self-skip:5,10,15", "/temperature 0", "Say hi.", "/drafter medusa:nowhere", "/quit"])
+    result = runner.invoke(app, ["chat", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
+                                 "--max-new-tokens", "8"], input=script + "\n")
+    assert result.exit_code == 0, result.output
+    assert "sd · drafter self-skip:5,10,15" in result.output and "medusa.json is missing" in result.output

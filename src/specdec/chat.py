@@ -20,7 +20,8 @@ from .schedules import SCHEDULES, make_schedule
 
 HELP = """commands:
   /method sd|ar            speculative or plain autoregressive decoding
-  /drafter NAME            a model (registry name, directory, .gguf), ngram or lookup
+  /drafter NAME            a model (registry name, directory, .gguf), ngram, lookup, or the target
+                           drafting for itself: medusa:DIR, eagle:DIR, self-skip[:LAYERS]
   /schedule NAME           cost, fixed, heuristic, confidence, egag
   /gamma N                 γ (fixed; start of heuristic)     /gamma-max N   (the others)
   /temperature T           0 = greedy                        /top-k K   /top-p P
@@ -78,7 +79,7 @@ class ChatSession:
                 self.method = arg
             elif name == "drafter":
                 if not arg:
-                    raise SpecdecError("/drafter takes a model name, ngram or lookup")
+                    raise SpecdecError("/drafter takes a model name, ngram, lookup, medusa:DIR, eagle:DIR or self-skip")
                 self.drafter_name = arg
                 self.drafter()  # load now, so a bad name fails here and not mid-turn
             elif name == "schedule":
@@ -127,8 +128,11 @@ class ChatSession:
         try:
             if self.method == "sd":
                 printer = DebugPrinter(self.target, self.console) if self.debug else StepPrinter(self.target, self.console)
-                schedule = make_schedule(self.schedule, self.gamma, 1, self.gamma_max)
-                result = speculative_generate(list(ids), self.target, self.drafter(), sampler=self.sampler,
+                drafter = self.drafter()
+                # a tree drafter sizes its own trees; the schedule only bounds their depth
+                schedule = make_schedule("fixed", self.gamma_max) if hasattr(drafter, "propose_tree") else \
+                    make_schedule(self.schedule, self.gamma, 1, self.gamma_max)
+                result = speculative_generate(list(ids), self.target, drafter, sampler=self.sampler,
                                               max_new_tokens=self.max_new_tokens, schedule=schedule,
                                               on_step=printer, debug=self.debug)
             else:

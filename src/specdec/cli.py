@@ -62,12 +62,16 @@ MODEL_FREE_DRAFTERS = ("ngram", "lookup")
 
 
 def self_drafter_spec(spec: str):
-    """("medusa", Heads) / ("self-skip", layers or None) for a self-drafting --drafter, else None;
-    read and checked before any model loads."""
+    """("medusa", Heads) / ("eagle", Eagle) / ("self-skip", layers or None) for a self-drafting
+    --drafter, else None; read and checked before any model loads."""
     if spec.startswith("medusa:"):
         from .medusa import load_heads
 
         return "medusa", load_heads(spec.removeprefix("medusa:"))
+    if spec.startswith("eagle:"):
+        from .eagle import load_eagle
+
+        return "eagle", load_eagle(spec.removeprefix("eagle:"))
     if spec == "self-skip":
         return "self-skip", None
     if spec.startswith("self-skip:"):
@@ -85,6 +89,10 @@ def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
         from .drafters.medusa import MedusaDrafter
 
         return MedusaDrafter(value, max_nodes=tree_nodes)
+    if kind == "eagle":
+        from .drafters.eagle import EagleDrafter
+
+        return EagleDrafter(value, max_nodes=tree_nodes)
     from .drafters.layerskip import self_skip_drafter
 
     with err.status("choosing the layers to skip…"):
@@ -109,8 +117,8 @@ def generate(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
                                 "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model; "
-                                "or the target drafting for itself: 'medusa:DIR' (heads from `specdec train-heads`; "
-                                "a token tree) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
+                                "or the target drafting for itself: 'medusa:DIR' or 'eagle:DIR' (from `specdec "
+                                "train-heads`; token trees) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
     gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
     schedule: str = typer.Option("cost", help="Draft length: cost (stop when the draft is unlikely to pay for "
@@ -165,13 +173,13 @@ def generate(
             check_tree_options(tree, tree_nodes, tree_scheme)  # before minutes of loading
         self_spec = self_drafter_spec(drafter) if method == Method.sd else None
         if self_spec and tree != "off":
-            raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa: a tree)")
+            raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
             if self_spec:
                 drafter_used = self_drafter(self_spec, target_model, tree_nodes)
-                if self_spec[0] == "medusa":
+                if self_spec[0] in ("medusa", "eagle"):
                     plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
             elif tree != "off":
                 drafter_model = None if tree == "lookup" else _load(
@@ -254,6 +262,9 @@ def chat(
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
         def load_drafter(name: str):
+            own = self_drafter_spec(name)  # medusa:DIR, eagle:DIR, self-skip[:LAYERS]
+            if own:
+                return self_drafter(own, target_model)
             return _load(name, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
 
         session = ChatSession(target_model, load_drafter, drafter, Console(), method.value, schedule, gamma,
@@ -276,45 +287,64 @@ def chat(
 def train_heads(
     out: str = typer.Option(..., "--out", help="Folder to write the heads into (resumes a run stopped there)."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model the heads draft for."),
-    kind: str = typer.Option("medusa", help="Kind of heads: medusa (EAGLE's feature drafter is not built yet)."),
+    kind: str = typer.Option("medusa", help="medusa (K heads on the last hidden state) or eagle (a one-layer "
+                             "feature drafter)."),
     corpus: str = typer.Option("stdlib", help="Training text: stdlib (Python's standard library sources), "
                                "humaneval, spec-bench, or a text file."),
     tokens: int = typer.Option(32768, help="Corpus tokens to run through the target (a tenth is held out)."),
-    heads: int = typer.Option(3, "--heads", help="Heads: head k predicts the token k+1 ahead."),
+    heads: int = typer.Option(3, "--heads", help="Medusa: heads; head k predicts the token k+1 ahead."),
     vocab: int = typer.Option(32768, help="Most frequent ids the loss and the drafting score."),
-    epochs: int = typer.Option(3),
-    batch: int = typer.Option(64),
-    lr: float = typer.Option(1e-3, "--lr"),
+    epochs: Optional[int] = typer.Option(None, help="Passes over the corpus (default: medusa 3, eagle 4)."),
+    batch: Optional[int] = typer.Option(None, help="Examples per step (default: medusa 64 positions, eagle 2 "
+                                        "sequences)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (default: medusa 1e-3, eagle 5e-4)."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per target pass while caching hidden states."),
+    unroll: int = typer.Option(2, help="EAGLE: passes per sequence, the later ones on its own predicted features."),
+    intermediate: int = typer.Option(0, help="EAGLE: MLP width (0: 8/3 of the hidden size)."),
     seed: int = typer.Option(0),
     dtype: str = typer.Option("auto", "--dtype", help="Target dtype while caching its hidden states (auto, bf16, fp32)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """Train self-drafting heads for a target (self-distillation: they learn what the target would say)."""
+    from .eagle import EagleTrainConfig, train_eagle
     from .medusa import TrainConfig, train_medusa
 
     try:
-        if kind != "medusa":
-            raise SpecdecError(f"unknown kind of heads {kind!r}; only 'medusa' is built so far")
+        if kind not in ("medusa", "eagle"):
+            raise SpecdecError(f"unknown kind of heads {kind!r}: medusa or eagle")
+        defaults = TrainConfig() if kind == "medusa" else EagleTrainConfig()
+        epochs = defaults.epochs if epochs is None else epochs
+        batch = defaults.batch if batch is None else batch
+        lr = defaults.lr if lr is None else lr
         for name, value in (("tokens", tokens), ("heads", heads), ("vocab", vocab), ("epochs", epochs),
-                            ("batch", batch)):
+                            ("batch", batch), ("unroll", unroll)):
             if value < 1:
                 raise SpecdecError(f"--{name} must be >= 1, got {value}")
+        if not lr > 0 or intermediate < 0:
+            raise SpecdecError(f"--lr must be > 0 and --intermediate >= 0, got {lr} and {intermediate}")
         if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
             raise SpecdecError(f"corpus not found: {corpus} (stdlib, humaneval, spec-bench or a text file)")
         if dtype == "gguf":
             raise SpecdecError("training heads needs the target's hidden states: use --dtype auto, bf16 or fp32")
         target_model = _load(target, dtype, device, "target", exact_rows=False)
-        config = TrainConfig(num_heads=heads, tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs,
-                             batch=batch, lr=lr, seed=seed)
-        trained = train_medusa(target_model, corpus, out, config, say=lambda m: err.print(f"[dim]{m}[/]",
-                                                                                         highlight=False))
+        say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+        if kind == "medusa":
+            trained = train_medusa(target_model, corpus, out, TrainConfig(
+                num_heads=heads, tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs, batch=batch, lr=lr,
+                seed=seed), say=say)
+            what = f"{trained.info['num_heads']} Medusa heads"
+        else:
+            trained = train_eagle(target_model, corpus, out, EagleTrainConfig(
+                tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs, batch=batch, lr=lr, seed=seed,
+                intermediate=intermediate, unroll=unroll), say=say)
+            what = "an EAGLE drafter"
     except SpecdecError as exc:
         _fail(str(exc))
     info = trained.info
-    err.print(f"{info['num_heads']} Medusa heads for {info['target']} in {out}: held-out loss "
-              f"{info['heldout_loss']:.3f} (untrained {info['heldout_loss_untrained']:.3f}), top-1 per head "
-              + ", ".join(f"{a:.3f}" for a in info["heldout_top1"]) + f"; {info['seconds']:.0f} s", highlight=False)
+    err.print(f"{what} for {info['target']} in {out}: held-out loss {info['heldout_loss']:.3f} (untrained "
+              f"{info['heldout_loss_untrained']:.3f}), top-1 per "
+              f"{'head' if kind == 'medusa' else 'depth'} " + ", ".join(f"{a:.3f}" for a in info["heldout_top1"])
+              + f"; {info['seconds']:.0f} s", highlight=False)
 
 
 @app.command()
@@ -358,7 +388,7 @@ def bench(
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "medusa, self-skip (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
+                                "medusa, eagle, self-skip (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
                                 "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
                                 "with prompt lookup)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
@@ -385,6 +415,7 @@ def bench(
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes per token tree (tree-* methods)."),
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
     heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
+    eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
                                               "method skips (default: chosen by its search at start)."),
 ):
@@ -403,7 +434,7 @@ def bench(
         check_tree_options("mixed", tree_nodes, tree_scheme)
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
-                            tree_scheme=tree_scheme, heads=heads,
+                            tree_scheme=tree_scheme, heads=heads, eagle=eagle,
                             skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,

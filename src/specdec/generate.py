@@ -152,8 +152,10 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
         `gamma` (or the schedule's budget) then bounds the tree's depth, the drafter its size.
-        A drafter with `reads_target_hidden` (Medusa heads) is handed, after every target pass,
-        the target's final hidden state where its next token was chosen (`observe`).
+        A drafter with `reads_target_hidden` (Medusa heads, EAGLE) is handed, after the prefill
+        and every target pass, the target's final hidden states [n, H] at the positions that pass
+        committed, in order (`observe`): the drafter then holds one per sequence position but the
+        last, the last one being where the target chose the newest token.
     schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
@@ -173,7 +175,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):  # a model
         drafter = ModelDrafter(drafter)
     trees = hasattr(drafter, "propose_tree")
-    reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa)
+    reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
     if trees and not getattr(target, "tree_masks", True):
         raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
                            "use a chain method, or --dtype bf16/fp32 for trees")
@@ -196,13 +198,15 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     schedule.reset()
     out.start_clock()
     target.prefill(sequence, target_cache)  # the same call as the AR baseline's: identical cache entries
+    if reads_hidden:
+        drafter.observe(target.pass_hidden)
 
     if first_target:
         logits = target.forward(sequence[LanguageModel.cache_length(target_cache):], target_cache, num_logits=1)
         out.stats.target_forwards += 1
         sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
         if reads_hidden:
-            drafter.observe(target.last_hidden[-1])
+            drafter.observe(target.pass_hidden)
 
     while not out.done:
         # 1. Draft, leaving room for the target's own token: never past the output limit.
@@ -241,8 +245,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         else:
             LanguageModel.crop(target_cache, len(sequence) + num_accepted)
             drafter.rollback(len(sequence) + num_accepted)
-        if reads_hidden:  # heads draft the next step from where the target chose its token
-            drafter.observe(target.last_hidden[(path[-1] + 1 if path else 0) if trees else num_accepted])
+        if reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
+            accepted = path if trees else range(num_accepted)
+            drafter.observe(target.pass_hidden[list(range(len(pending))) + [len(pending) + i for i in accepted]])
         schedule.update(len(draft.tokens), num_accepted)
         # greedy output is the same whatever the draft lengths, so timings may steer them; a seed
         # under sampling pins the output, and draft lengths decide which random draws are used

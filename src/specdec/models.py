@@ -167,6 +167,7 @@ class LanguageModel:
         self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
         self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
+        self.pass_hidden: torch.Tensor | None = None  # [T, H] every input's, of the last `forward` or `prefill`
         if int8:
             self._build_draft_head()
 
@@ -304,13 +305,15 @@ class LanguageModel:
             `exact_rows`, each row bit for bit what a one-token pass at its position returns
             (for a tree: a one-token pass after the cache and the token's ancestors).
         The final hidden states of those positions, [num_logits, H] (what the output head read),
-        are kept in `last_hidden` until the next pass: self-drafting heads draft from them.
+        are kept in `last_hidden` until the next pass, and those of every input, [T, H], in
+        `pass_hidden`: self-drafting heads draft from them.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
         extra = {} if parents is None else self._tree_inputs(parents, cache, ids.shape[1], tree_start)
         with row_exact(self.exact_rows):
             out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
-            self.last_hidden = out.last_hidden_state[0, -num_logits:]
+            self.pass_hidden = out.last_hidden_state[0]
+            self.last_hidden = self.pass_hidden[-num_logits:]
             return self._logits(self.last_hidden)
 
     def _tree_inputs(self, parents: Sequence[int], cache, new: int, tree_start: int | None) -> dict:
@@ -362,14 +365,16 @@ class LanguageModel:
         call, and the first token (or first draft) is scored by a row-exact pass like every later
         one: the prompt needs no row-exact attention (a call per prompt token per layer). Without
         `exact_rows` nothing is fed here and the whole prompt is left to the first scoring pass.
+        The fed positions' final hidden states are kept in `pass_hidden` ([0, H] when none).
         """
         prompt = list(prompt)
+        self.pass_hidden = torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         if not self.exact_rows:
             return prompt
         if len(prompt) > 1:
             ids = torch.as_tensor(prompt[:-1], dtype=torch.long, device=self.device).view(1, -1)
             with row_exact(False):
-                self._decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+                self.pass_hidden = self._decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
         return prompt[-1:]
 
     @torch.inference_mode()

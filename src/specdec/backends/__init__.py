@@ -36,9 +36,11 @@ class Backend(Protocol):
     vocab_size: int  # the logits' width
     max_context: int
     eos_token_ids: list[int]
-    # optional: the final hidden states [num_logits, H] of the last `forward` (transformers' backend
-    # keeps them; self-drafting heads need them and refuse a backend without)
+    # optional: the final hidden states [num_logits, H] of the last `forward`, and [T, H] of every
+    # input of the last `forward` or `prefill` (transformers' backend keeps them; self-drafting
+    # heads need them and refuse a backend without)
     last_hidden: torch.Tensor | None
+    pass_hidden: torch.Tensor | None
 
     def new_cache(self) -> Cache:
         """An empty cache."""

@@ -12,11 +12,13 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+from ..drafters.eagle import EagleDrafter
 from ..drafters.layerskip import self_skip_drafter
 from ..drafters.medusa import MedusaDrafter
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
-from ..medusa import Heads, load_heads
+from ..eagle import load_eagle
+from ..medusa import load_heads
 from ..models import LanguageModel
 from ..samplers import Sampler
 from ..schedules import make_schedule
@@ -36,6 +38,7 @@ METHODS = {
     "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
+    "eagle": "ours: the target drafts for itself with an EAGLE layer (--eagle DIR), EAGLE-2 trees sized by cost",
     "self-skip": "ours: the target drafts for itself with layers skipped (chosen at start), cost-aware γ",
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
@@ -78,6 +81,7 @@ class Settings:
     tree_nodes: int = 64
     tree_scheme: str = "without-replacement"
     heads: str | None = None  # Medusa heads' folder (the medusa method)
+    eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
 
 
@@ -137,11 +141,10 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   seed=seed if sampler.is_greedy or method == "ar" else None)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
-    elif method == "medusa":
-        if not settings.heads:
-            raise SpecdecError("the medusa method needs its heads: --heads DIR (from `specdec train-heads`)")
-        result = speculative_generate(ids, target, MedusaDrafter(cached_heads(settings.heads), max_nodes=settings.tree_nodes),
-                                      gamma=settings.gamma_max, **common)
+    elif method in ("medusa", "eagle"):
+        made = {"medusa": lambda: MedusaDrafter(self_drafting(settings, "medusa"), max_nodes=settings.tree_nodes),
+                "eagle": lambda: EagleDrafter(self_drafting(settings, "eagle"), max_nodes=settings.tree_nodes)}
+        result = speculative_generate(ids, target, made[method](), gamma=settings.gamma_max, **common)
     elif method == "self-skip":
         schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
         result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
@@ -162,14 +165,21 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   nodes_per_step=s.nodes_per_step)
 
 
-_HEADS: dict[str, Heads] = {}  # by folder
+_CHECKPOINTS: dict[tuple[str, str], object] = {}  # by (kind, folder)
+CHECKPOINT_OPTIONS = {"medusa": ("heads", "--heads"), "eagle": ("eagle", "--eagle")}
 
 
-def cached_heads(folder: str) -> Heads:
-    """Medusa heads, read once per folder."""
-    if folder not in _HEADS:
-        _HEADS[folder] = load_heads(folder)
-    return _HEADS[folder]
+def self_drafting(settings: Settings, kind: str):
+    """The checkpoint a self-drafting method reads (Medusa heads or an EAGLE layer), read once per
+    folder; SpecdecError when its option is missing or the folder is not a checkpoint of that kind."""
+    field_name, option = CHECKPOINT_OPTIONS[kind]
+    folder = getattr(settings, field_name)
+    if not folder:
+        raise SpecdecError(f"the {kind} method needs its checkpoint: {option} DIR "
+                           f"(from `specdec train-heads --kind {kind}`)")
+    if (kind, folder) not in _CHECKPOINTS:
+        _CHECKPOINTS[kind, folder] = (load_heads if kind == "medusa" else load_eagle)(folder)
+    return _CHECKPOINTS[kind, folder]
 
 
 def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,

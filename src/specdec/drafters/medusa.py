@@ -1,8 +1,8 @@
 """Medusa drafting (Cai et al. 2024): a token tree from the target's own hidden state, no drafter model.
 
-After each verification pass the loop hands the drafter the target's final hidden state at the
-position its next token came from (`observe`); the heads (medusa.py) turn it into K distributions
-over tokens 2..K+1 ahead of that position. The tree is their Cartesian product pruned by path
+After each verification pass the loop hands the drafter the target's final hidden states at the
+positions it committed (`observe`); at the last one, where its next token came from, the heads
+(medusa.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their Cartesian product pruned by path
 value: best first, a node at depth d gets head d's top `width` tokens as children, its value the
 product of the heads' probabilities along the path. Nodes join in falling value while they pay
 for their verification width (`TreeCost`), which also decides whether to draft at all.
@@ -64,8 +64,10 @@ class MedusaDrafter:
         self.policy.reset()
 
     def observe(self, hidden: torch.Tensor) -> None:
-        """hidden [H]: the target's final hidden state where its last emitted token was chosen."""
-        self._hidden = hidden
+        """hidden [n, H]: the target's final hidden states at the positions its last pass committed;
+        the last one is where it chose its newest token, the one the heads draft from."""
+        if len(hidden):
+            self._hidden = hidden[-1]
 
     @torch.inference_mode()
     def head_probs(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,303 @@
+"""What the self-drafting modules share (Medusa heads, medusa.py; the EAGLE drafter, eagle.py).
+
+- The target's identity (`target_fingerprint`) and its frozen output head (`head_rows`).
+- The training data: a corpus's token ids and the target's final hidden states over it
+  (`collect_features`), cached in the output folder so that a stopped run resumes.
+- A checkpoint folder per kind: the weights (safetensors) and a json of shapes and provenance,
+  written last, so that a folder without the json is an unfinished one.
+- The resumable training loop (`fit`): AdamW with a cosine schedule, seeded, its state saved
+  after every epoch and picked up by a rerun with the same arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import registry
+from .errors import SpecdecError
+
+FORMAT = 1
+STATE, FEATURES = "train_state.pt", "features.pt"
+# kind -> (weights file, json file), and how the kind is named in messages
+FILES = {"medusa": ("heads.safetensors", "medusa.json"), "eagle": ("eagle.safetensors", "eagle.json")}
+TITLES = {"medusa": "Medusa heads", "eagle": "an EAGLE drafter"}
+
+
+def target_fingerprint(model) -> str:
+    """What a checkpoint's target is: the registry file's sha256 for an embedded model, else the
+    sha256 of its output head's first rows in bf16 (equal for fp32 and bf16 loads of one model)."""
+    spec = registry.MODELS.get(getattr(model, "name", ""))
+    if spec is not None:
+        return spec.sha256
+    rows = head_rows(model, torch.arange(min(1024, model.vocab_size)))
+    data = rows.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+    return hashlib.sha256(data + str(tuple(rows.shape)).encode()).hexdigest()
+
+
+def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
+    """The target's output-head rows for `ids` [N] -> [N, H] (its weight dtype; fp32 when packed)."""
+    weight = getattr(model, "_head_weight", None)
+    if weight is None:
+        packed = getattr(getattr(model, "_head", None), "packed_weight", None)
+        if packed is None:
+            raise SpecdecError(f"{model.name}: its output head cannot be read for self-drafting heads")
+        weight = packed.to_dense()
+    return weight.index_select(0, ids.to(weight.device))
+
+
+def check_reads_hidden(target) -> None:
+    """SpecdecError unless the loop can hand `target`'s hidden states to a self-drafter."""
+    if not hasattr(target, "hidden_size") or not hasattr(target, "pass_hidden"):
+        raise SpecdecError(f"self-drafting heads need a target whose hidden states can be read; {target.name} "
+                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype bf16/fp32")
+
+
+def check_checkpoint_target(info: dict, vocab_ids: torch.Tensor, target, title: str) -> None:
+    """SpecdecError unless a checkpoint (`info`, its scored `vocab_ids`) was trained for `target`:
+    the same weights, width and vocabulary."""
+    check_reads_hidden(target)
+    if info["hidden_size"] != target.hidden_size:
+        raise SpecdecError(f"these {title} were trained for hidden size {info['hidden_size']} "
+                           f"({info.get('target', '?')}), but {target.name} has {target.hidden_size}")
+    if int(vocab_ids.max()) >= target.vocab_size:
+        raise SpecdecError(f"these {title} score ids up to {int(vocab_ids.max())}, past "
+                           f"{target.name}'s vocabulary of {target.vocab_size}")
+    fingerprint = target_fingerprint(target)
+    if info.get("target_sha256") != fingerprint:
+        raise SpecdecError(f"these {title} were trained for {info.get('target', '?')} "
+                           f"(sha256 {str(info.get('target_sha256'))[:12]}…), not {target.name} "
+                           f"(sha256 {fingerprint[:12]}…); train them for this target")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(folder: str | Path, kind: str, module: nn.Module, vocab_ids: torch.Tensor, info: dict) -> None:
+    """Write `module`'s weights, the scored ids and `info` into `folder` (the json last)."""
+    from safetensors.torch import save_file
+
+    weights, config = FILES[kind]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: value.detach().float().cpu().contiguous() for name, value in module.state_dict().items()}
+    tensors["vocab_ids"] = vocab_ids.long().contiguous()
+    save_file(tensors, str(folder / weights))
+    partial = folder / (config + ".part")
+    partial.write_text(json.dumps({**info, "format": FORMAT, "kind": kind, "vocab_ids": len(vocab_ids)}, indent=1))
+    partial.replace(folder / config)
+
+
+def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Module]
+                    ) -> tuple[nn.Module, torch.Tensor, dict]:
+    """(module, scored ids [N], info) of a checkpoint folder of `kind`; `build(info)` makes the
+    empty module its json describes. SpecdecError naming what is wrong with a missing, damaged or
+    other-kind folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    weights, config = FILES[kind]
+    title = TITLES[kind]
+    if not (folder / config).is_file():
+        other = [k for k, (_, c) in FILES.items() if k != kind and (folder / c).is_file()]
+        hint = f"; it holds {TITLES[other[0]]} (--drafter {other[0]}:DIR)" if other else \
+            f" (train with `specdec train-heads --kind {kind}`)"
+        raise SpecdecError(f"no {title} in {folder}: {config} is missing{hint}")
+    try:
+        info = json.loads((folder / config).read_text())
+        module = build(info)
+        vocab = int(info["vocab_ids"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise SpecdecError(f"{title} in {folder}: {config} is damaged ({type(exc).__name__}: {exc})") from None
+    if info.get("kind") != kind or info.get("format") != FORMAT:
+        raise SpecdecError(f"{folder} holds {info.get('kind')!r} heads of format {info.get('format')!r}, "
+                           f"not {title} of format {FORMAT}")
+    try:
+        tensors = load_file(str(folder / weights))
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        raise SpecdecError(f"{title} in {folder}: {weights} cannot be read ({exc})") from None
+    ids = tensors.pop("vocab_ids", None)
+    expected = {name: tuple(value.shape) for name, value in module.state_dict().items()}
+    found = {name: tuple(value.shape) for name, value in tensors.items()}
+    if ids is None or ids.shape != (vocab,) or found != expected:
+        raise SpecdecError(f"{title} in {folder}: {weights} does not match {config} "
+                           f"(shapes or the {vocab} scored ids differ)")
+    module.load_state_dict(tensors)
+    return module.eval().requires_grad_(False), ids.long(), info
+
+
+# ---------------------------------------------------------------- training data
+
+
+def corpus_ids(tokenizer, corpus: str) -> tuple[list[int], str]:
+    """Token ids of a named corpus and its identity: "stdlib" (Python's standard library sources),
+    "humaneval", "spec-bench", or a text file's path."""
+    from .vocab import corpus_texts
+
+    if corpus == "stdlib":
+        texts, identity = corpus_texts(None)
+    elif corpus in ("humaneval", "spec-bench"):
+        from .bench.datasets import load_prompts
+
+        texts, identity = [p.text for p in load_prompts(corpus, None)], corpus
+    else:
+        texts, identity = corpus_texts(corpus)
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise SpecdecError(f"corpus {corpus} holds no tokens")
+    return ids, identity
+
+
+@torch.inference_mode()
+def collect_features(target, ids: Sequence[int], seq_len: int,
+                     on_chunk: Callable[[int, int], None] = lambda done, total: None) -> torch.Tensor:
+    """The target's final hidden states over `ids` in chunks of `seq_len`: [chunks, seq_len, H] bf16."""
+    chunks = [list(ids[i:i + seq_len]) for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    if not chunks:
+        raise SpecdecError(f"the corpus has {len(ids)} tokens, fewer than one chunk of {seq_len}")
+    out = []
+    for done, chunk in enumerate(chunks, 1):
+        batch = torch.tensor([chunk], device=target.device)
+        hidden = target._decoder(input_ids=batch, use_cache=False).last_hidden_state[0]
+        out.append(hidden.to(torch.bfloat16).cpu())
+        on_chunk(done, len(chunks))
+    return torch.stack(out)
+
+
+@dataclass
+class Prepared:
+    """A training run's data: the corpus ids (cut to whole chunks: [chunks, seq_len]), the
+    target's features over them [chunks, seq_len, H] bf16, the scored ids [N] and the frozen
+    head's rows for them [N, H] fp32 (on the target's device), and the cache key."""
+
+    ids: torch.Tensor
+    features: torch.Tensor
+    vocab_ids: torch.Tensor
+    weight: torch.Tensor
+    identity: str
+    tokens: int
+    fingerprint: str
+    key: dict
+
+
+def progress_columns():
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
+    return TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
+
+
+def prepare(target, corpus: str | Sequence[int], out: Path, tokens: int, seq_len: int, vocab: int,
+            say: Callable[[str], None]) -> Prepared:
+    """The corpus's ids, the target's cached features over them (computed once, kept in `out`
+    until the checkpoint is saved) and the scored sub-vocabulary (`vocab.frequent_ids`)."""
+    from rich.progress import Progress
+
+    from .vocab import frequent_ids
+
+    if not hasattr(target, "_decoder"):
+        raise SpecdecError(f"training needs the target's hidden states; {target.name} "
+                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype bf16/fp32")
+    if isinstance(corpus, str):
+        ids, identity = corpus_ids(target.tokenizer, corpus)
+    else:
+        ids = [int(i) for i in corpus]
+        identity = "ids-" + hashlib.sha256(str(ids).encode()).hexdigest()[:16]
+    ids = ids[:tokens]
+    fingerprint = target_fingerprint(target)
+    key = {"target_sha256": fingerprint, "corpus": identity, "tokens": len(ids), "seq_len": seq_len}
+    features = cached(out / FEATURES, key)
+    if features is None:
+        say(f"running {target.name} over {len(ids)} tokens of {identity} to cache its hidden states")
+        with Progress(*progress_columns(), transient=True) as progress:
+            task = progress.add_task("hidden states", total=None)
+            features = collect_features(target, ids, seq_len,
+                                        lambda done, total: progress.update(task, completed=done, total=total))
+        torch.save({"key": key, "features": features}, out / FEATURES)
+    if len(features) < 2:
+        raise SpecdecError(f"{len(ids)} tokens make {len(features)} chunk(s) of {seq_len}: "
+                           "need at least 2 (one held out); give more --tokens or a shorter --seq-len")
+    if vocab >= target.vocab_size:
+        vocab_ids = torch.arange(target.vocab_size)
+    elif target.tokenizer is None:
+        raise SpecdecError(f"{target.name} has no tokenizer to rank its ids by frequency: train with vocab >= "
+                           f"{target.vocab_size} (all ids)")
+    else:
+        vocab_ids = frequent_ids(target.tokenizer, target.vocab_size, vocab, say=say)
+    # trained where the target runs (a GPU trains faster); features stay in host memory
+    weight = head_rows(target, vocab_ids).detach().float()
+    chunk_ids = torch.tensor(ids[:len(features) * seq_len]).view(len(features), seq_len)
+    return Prepared(chunk_ids, features, vocab_ids, weight, identity, len(ids), fingerprint, key)
+
+
+def fit(module: nn.Module, batch_loss: Callable[[torch.Tensor, int], torch.Tensor], examples: int, out: Path,
+        key: dict, config, say: Callable[[str], None], label: str) -> tuple[int, float]:
+    """Train `module` on `examples` examples (`batch_loss(indices [B], step)` -> the mean loss of
+    those; any randomness it draws should come from the step number, which a resume repeats)
+    for `config.epochs` epochs of shuffled batches of `config.batch`, AdamW at `config.lr` with a
+    cosine schedule, seeded by `config.seed`. The state is saved in `out` after every epoch and a
+    rerun with the same `key` and config resumes it bitwise. Returns (steps, last loss)."""
+    from rich.progress import Progress, TextColumn
+
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(examples / config.batch)
+    total_steps = steps_per_epoch * config.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    step, last_loss = 0, float("nan")
+    full_key = {**key, **vars(config)}
+    state = cached(out / STATE, full_key)
+    if state is not None:
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, last_loss = state["step"], state["loss"]
+        say(f"resuming at step {step} of {total_steps}")
+    generator = torch.Generator().manual_seed(config.seed)
+    with torch.enable_grad(), Progress(*progress_columns(), TextColumn("loss {task.fields[loss]:.3f}"),
+                                       transient=True) as progress:
+        task = progress.add_task(label, total=total_steps, completed=step, loss=last_loss)
+        for epoch in range(config.epochs):
+            order = torch.randperm(examples, generator=generator)  # drawn every epoch: resumes alike
+            for index, begin in enumerate(range(0, examples, config.batch)):
+                if epoch * steps_per_epoch + index < step:  # done before a resume
+                    continue
+                loss = batch_loss(order[begin:begin + config.batch], step)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                step, last_loss = step + 1, float(loss.detach())
+                progress.update(task, completed=step, loss=last_loss)
+            torch.save({"key": full_key, "module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "step": step, "loss": last_loss}, out / STATE)
+    return step, last_loss
+
+
+def finish(out: Path) -> None:
+    """Drop the resumption files once the checkpoint is saved."""
+    for leftover in (STATE, FEATURES):
+        (out / leftover).unlink(missing_ok=True)
+
+
+def cached(path: Path, key: dict):
+    """What `path` holds when it was written for `key` (else None: stale or damaged files are redone)."""
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    return data.get("features", data)
