@@ -113,13 +113,18 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
         raise SpecdecError(f"no {title} in {folder}: {config} is missing{hint}")
     try:
         info = json.loads((folder / config).read_text())
-        module = build(info)
-        vocab = int(info["vocab_ids"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        if not isinstance(info, dict):
+            raise ValueError("not an object")
+    except (json.JSONDecodeError, ValueError) as exc:
         raise SpecdecError(f"{title} in {folder}: {config} is damaged ({type(exc).__name__}: {exc})") from None
     if info.get("kind") != kind or info.get("format") != FORMAT:
         raise SpecdecError(f"{folder} holds {info.get('kind')!r} heads of format {info.get('format')!r}, "
                            f"not {title} of format {FORMAT}")
+    try:
+        module = build(info)
+        vocab = int(info["vocab_ids"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpecdecError(f"{title} in {folder}: {config} is damaged ({type(exc).__name__}: {exc})") from None
     try:
         tensors = load_file(str(folder / weights))
     except (OSError, SafetensorError, RuntimeError) as exc:
@@ -255,7 +260,7 @@ def fit(module: nn.Module, batch_loss: Callable[[torch.Tensor, int], torch.Tenso
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     step, last_loss = 0, float("nan")
-    full_key = {**key, **vars(config)}
+    full_key = {**key, **vars(config), "module": type(module).__name__}  # another kind's state is stale
     state = cached(out / STATE, full_key)
     if state is not None:
         module.load_state_dict(state["module"])

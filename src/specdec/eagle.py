@@ -141,8 +141,17 @@ def load_eagle(folder: str | Path) -> Eagle:
 def check_eagle_target(eagle: Eagle, target) -> None:
     """SpecdecError unless `eagle` was trained for `target` (same weights, width and vocabulary)."""
     check_checkpoint_target(eagle.info, eagle.vocab_ids, target, "EAGLE drafter")
-    if not hasattr(getattr(target, "hf", None), "get_input_embeddings"):
+    check_embeddings(target)
+
+
+def check_embeddings(target) -> None:
+    """SpecdecError unless `target`'s input embeddings can be read and are as wide as its features."""
+    embeddings = getattr(getattr(target, "hf", None), "get_input_embeddings", lambda: None)()
+    if embeddings is None:
         raise SpecdecError(f"an EAGLE drafter reads the target's input embeddings; {target.name} has none to read")
+    if getattr(embeddings, "embedding_dim", target.hidden_size) != target.hidden_size:
+        raise SpecdecError(f"an EAGLE drafter needs input embeddings as wide as the hidden states; {target.name}'s are "
+                           f"{embeddings.embedding_dim} wide against {target.hidden_size}")
 
 
 # ---------------------------------------------------------------- training
@@ -226,6 +235,8 @@ def train_eagle(target, corpus: str | Sequence[int], out: str | Path, config: Ea
             or config.seq_len <= config.unroll + 1 or config.intermediate < 0 or config.noise < 0):
         raise SpecdecError("train-heads --kind eagle needs epochs, batch, vocab and unroll >= 1, "
                            "seq-len > unroll + 1, and a non-negative intermediate size and noise")
+    if hasattr(target, "hf"):
+        check_embeddings(target)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()

@@ -13,6 +13,7 @@ exact under every sampler (verify.py), and greedy output is token-identical to g
 
 from __future__ import annotations
 
+import copy
 import heapq
 from pathlib import Path
 from typing import Sequence
@@ -55,7 +56,8 @@ class MedusaDrafter:
         ids = self.heads.vocab_ids.to(target.device)
         self._ids = ids
         self._weight = head_rows(target, ids).to(target.dtype)
-        self.heads.heads.to(device=target.device, dtype=target.dtype)
+        # a copy: the checkpoint's own weights stay as loaded (another target may want fp32)
+        self._blocks = copy.deepcopy(self.heads.heads).to(device=target.device, dtype=target.dtype)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.forwards = 0
@@ -72,7 +74,7 @@ class MedusaDrafter:
     @torch.inference_mode()
     def head_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [H] -> [K, N] each head's probabilities over the scored ids."""
-        inputs = self.heads.heads(hidden.to(self._weight.dtype))  # [K, H]
+        inputs = self._blocks(hidden.to(self._weight.dtype))  # [K, H]
         return (inputs @ self._weight.T).float().softmax(-1)
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
