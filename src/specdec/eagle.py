@@ -22,6 +22,7 @@ top-1 accuracy per drafting depth).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -121,6 +122,13 @@ class Eagle:
     layer: EagleLayer
     vocab_ids: torch.Tensor
     info: dict = field(default_factory=dict)
+    _bound: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def layer_for(self, device: torch.device, dtype: torch.dtype) -> EagleLayer:
+        """A copy of the layer on `device` in `dtype`, made once (the loaded weights stay as they are)."""
+        if (device, dtype) not in self._bound:
+            self._bound[device, dtype] = copy.deepcopy(self.layer).to(device=device, dtype=dtype)
+        return self._bound[device, dtype]
 
 
 def save_eagle(folder: str | Path, eagle: Eagle) -> None:

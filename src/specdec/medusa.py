@@ -17,6 +17,7 @@ top-1 accuracy per head). `load_heads` refuses a damaged folder or one made for 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,13 @@ class Heads:
     heads: MedusaHeads
     vocab_ids: torch.Tensor
     info: dict = field(default_factory=dict)
+    _bound: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def heads_for(self, device: torch.device, dtype: torch.dtype) -> MedusaHeads:
+        """A copy of the blocks on `device` in `dtype`, made once (the loaded weights stay as they are)."""
+        if (device, dtype) not in self._bound:
+            self._bound[device, dtype] = copy.deepcopy(self.heads).to(device=device, dtype=dtype)
+        return self._bound[device, dtype]
 
 
 def save_heads(folder: str | Path, heads: Heads) -> None:

@@ -15,7 +15,6 @@ every sampler, and greedy output is token-identical to greedy AR.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Sequence
 
@@ -57,8 +56,7 @@ class EagleModel:
         self._embedding = target.hf.get_input_embeddings()
         self._ids = self.eagle.vocab_ids.to(target.device)
         self._weight = head_rows(target, self._ids).to(target.dtype)
-        # a copy: the checkpoint's own weights stay as loaded (another target may want fp32)
-        self._layer = copy.deepcopy(self.eagle.layer).to(device=target.device, dtype=target.dtype)
+        self._layer = self.eagle.layer_for(target.device, target.dtype)
         self.vocab_size = target.vocab_size
         self.device, self.dtype = target.device, target.dtype
 
@@ -112,7 +110,7 @@ class EagleModel:
                                     for r in range(first, len(region))])
             mask, positions = tree_attention(region, tree_start, self.dtype, self.device, new=new)
         out = self._layer(self._embedding(ids).view(1, new, -1).to(self.dtype), features.view(1, new, -1),
-                               positions, mask, cache)[0]  # [new, H]
+                          positions, mask, cache)[0]  # [new, H]
         if parents is None:
             self._root, self._nodes = out[-1], {}
         else:

@@ -13,7 +13,6 @@ exact under every sampler (verify.py), and greedy output is token-identical to g
 
 from __future__ import annotations
 
-import copy
 import heapq
 from pathlib import Path
 from typing import Sequence
@@ -56,8 +55,7 @@ class MedusaDrafter:
         ids = self.heads.vocab_ids.to(target.device)
         self._ids = ids
         self._weight = head_rows(target, ids).to(target.dtype)
-        # a copy: the checkpoint's own weights stay as loaded (another target may want fp32)
-        self._blocks = copy.deepcopy(self.heads.heads).to(device=target.device, dtype=target.dtype)
+        self._blocks = self.heads.heads_for(target.device, target.dtype)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.forwards = 0
