@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -51,6 +52,14 @@ def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
             raise SpecdecError(f"{model.name}: its output head cannot be read for self-drafting heads")
         weight = packed.to_dense()
     return weight.index_select(0, ids.to(weight.device))
+
+
+def bound_copy(module: nn.Module, store: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of a checkpoint's `module` on `device` in `dtype`, kept in `store` (made once per
+    pair): drafters never convert the loaded weights in place, which another target may need."""
+    if (device, dtype) not in store:
+        store[device, dtype] = copy.deepcopy(module).to(device=device, dtype=dtype)
+    return store[device, dtype]
 
 
 def check_reads_hidden(target) -> None:

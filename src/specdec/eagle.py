@@ -22,7 +22,6 @@ top-1 accuracy per drafting depth).
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .distill import check_checkpoint_target, fit, finish, prepare, read_checkpoint, save_checkpoint
+from .distill import bound_copy, check_checkpoint_target, fit, finish, prepare, read_checkpoint, save_checkpoint
 from .errors import SpecdecError
 
 
@@ -126,9 +125,7 @@ class Eagle:
 
     def layer_for(self, device: torch.device, dtype: torch.dtype) -> EagleLayer:
         """A copy of the layer on `device` in `dtype`, made once (the loaded weights stay as they are)."""
-        if (device, dtype) not in self._bound:
-            self._bound[device, dtype] = copy.deepcopy(self.layer).to(device=device, dtype=dtype)
-        return self._bound[device, dtype]
+        return bound_copy(self.layer, self._bound, device, dtype)
 
 
 def save_eagle(folder: str | Path, eagle: Eagle) -> None:

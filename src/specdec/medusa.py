@@ -17,7 +17,6 @@ top-1 accuracy per head). `load_heads` refuses a damaged folder or one made for 
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .distill import (FILES, check_checkpoint_target, collect_features, corpus_ids, fit, finish, head_rows,  # noqa: F401
-                      prepare, read_checkpoint, save_checkpoint, target_fingerprint)
+from .distill import (FILES, bound_copy, check_checkpoint_target, fit, finish, head_rows, prepare,
+                      read_checkpoint, save_checkpoint, target_fingerprint)  # noqa: F401 (target_fingerprint: re-exported)
 from .errors import SpecdecError
 
 WEIGHTS, CONFIG = FILES["medusa"]
@@ -66,9 +65,7 @@ class Heads:
 
     def heads_for(self, device: torch.device, dtype: torch.dtype) -> MedusaHeads:
         """A copy of the blocks on `device` in `dtype`, made once (the loaded weights stay as they are)."""
-        if (device, dtype) not in self._bound:
-            self._bound[device, dtype] = copy.deepcopy(self.heads).to(device=device, dtype=dtype)
-        return self._bound[device, dtype]
+        return bound_copy(self.heads, self._bound, device, dtype)
 
 
 def save_heads(folder: str | Path, heads: Heads) -> None:

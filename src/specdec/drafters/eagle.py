@@ -101,8 +101,7 @@ class EagleModel:
             features = self._features[max(0, cached - 1):cached + new - 1]
             if cached == 0:  # nothing precedes the first token
                 features = torch.cat([features.new_zeros(1, features.shape[-1]), features])
-            seen = torch.ones(new, cached + new, dtype=torch.bool, device=self.device).tril(cached)
-            mask, positions = seen.view(1, 1, new, -1), torch.arange(cached, cached + new, device=self.device).view(1, -1)
+            mask, positions = tree_attention(list(range(-1, new - 1)), cached, self.dtype, self.device)  # a chain
         else:
             region = list(parents)
             first = len(region) - new

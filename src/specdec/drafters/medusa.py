@@ -2,9 +2,9 @@
 
 After each verification pass the loop hands the drafter the target's final hidden states at the
 positions it committed (`observe`); at the last one, where its next token came from, the heads
-(medusa.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their Cartesian product pruned by path
-value: best first, a node at depth d gets head d's top `width` tokens as children, its value the
-product of the heads' probabilities along the path. Nodes join in falling value while they pay
+(medusa.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their
+Cartesian product pruned by path value: best first, a node at depth d gets head d's top `width`
+tokens as children, its value the product of the heads' probabilities along the path. Nodes join in falling value while they pay
 for their verification width (`TreeCost`), which also decides whether to draft at all.
 
 The tree is deterministic (no random draw of the drafter), so the one-hot verification law is
@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..medusa import Heads, check_heads_target, head_rows, load_heads
+from ..distill import head_rows
+from ..medusa import Heads, check_heads_target, load_heads
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
