@@ -112,7 +112,7 @@ def test_a_damaged_or_other_kind_checkpoint_is_a_clear_error(tmp_path, damage):
     elif damage == "weights":
         (folder / "eagle.safetensors").write_bytes((folder / "eagle.safetensors").read_bytes()[:100])
     messages = {"missing": "eagle.json is missing", "json": "damaged", "weights": "cannot be read",
-                "medusa": "it holds Medusa heads"}
+                "medusa": "it holds a Medusa heads checkpoint"}
     with pytest.raises(SpecdecError, match=messages[damage]):
         load_eagle(folder)
 

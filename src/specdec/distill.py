@@ -29,7 +29,7 @@ FORMAT = 1
 STATE, FEATURES = "train_state.pt", "features.pt"
 # kind -> (weights file, json file), and how the kind is named in messages
 FILES = {"medusa": ("heads.safetensors", "medusa.json"), "eagle": ("eagle.safetensors", "eagle.json")}
-TITLES = {"medusa": "Medusa heads", "eagle": "an EAGLE drafter"}
+TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE drafter"}  # "a ... checkpoint", "this ... checkpoint"
 
 
 def target_fingerprint(model) -> str:
@@ -74,16 +74,16 @@ def check_checkpoint_target(info: dict, vocab_ids: torch.Tensor, target, title: 
     the same weights, width and vocabulary."""
     check_reads_hidden(target)
     if info["hidden_size"] != target.hidden_size:
-        raise SpecdecError(f"these {title} were trained for hidden size {info['hidden_size']} "
+        raise SpecdecError(f"this {title} checkpoint was trained for hidden size {info['hidden_size']} "
                            f"({info.get('target', '?')}), but {target.name} has {target.hidden_size}")
     if int(vocab_ids.max()) >= target.vocab_size:
-        raise SpecdecError(f"these {title} score ids up to {int(vocab_ids.max())}, past "
+        raise SpecdecError(f"this {title} checkpoint scores ids up to {int(vocab_ids.max())}, past "
                            f"{target.name}'s vocabulary of {target.vocab_size}")
     fingerprint = target_fingerprint(target)
     if info.get("target_sha256") != fingerprint:
-        raise SpecdecError(f"these {title} were trained for {info.get('target', '?')} "
+        raise SpecdecError(f"this {title} checkpoint was trained for {info.get('target', '?')} "
                            f"(sha256 {str(info.get('target_sha256'))[:12]}…), not {target.name} "
-                           f"(sha256 {fingerprint[:12]}…); train them for this target")
+                           f"(sha256 {fingerprint[:12]}…); train one for this target")
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -117,9 +117,9 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
     title = TITLES[kind]
     if not (folder / config).is_file():
         other = [k for k, (_, c) in FILES.items() if k != kind and (folder / c).is_file()]
-        hint = f"; it holds {TITLES[other[0]]} (--drafter {other[0]}:DIR)" if other else \
+        hint = f"; it holds a {TITLES[other[0]]} checkpoint (--drafter {other[0]}:DIR)" if other else \
             f" (train with `specdec train-heads --kind {kind}`)"
-        raise SpecdecError(f"no {title} in {folder}: {config} is missing{hint}")
+        raise SpecdecError(f"no {title} checkpoint in {folder}: {config} is missing{hint}")
     try:
         info = json.loads((folder / config).read_text())
         if not isinstance(info, dict):
@@ -128,7 +128,7 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
         raise SpecdecError(f"{title} in {folder}: {config} is damaged ({type(exc).__name__}: {exc})") from None
     if info.get("kind") != kind or info.get("format") != FORMAT:
         raise SpecdecError(f"{folder} holds {info.get('kind')!r} heads of format {info.get('format')!r}, "
-                           f"not {title} of format {FORMAT}")
+                           f"not a {title} checkpoint of format {FORMAT}")
     try:
         module = build(info)
         vocab = int(info["vocab_ids"])
