@@ -261,12 +261,13 @@ def test_bench_and_cli_run_eagle(smollm2, tmp_path):
 
     save_eagle(tmp_path / "eagle", _random_eagle(smollm2, scale=0.0))
     settings = Settings(max_new_tokens=6, eagle=str(tmp_path / "eagle"))
-    result = run_benchmark(["humaneval:1:0"], None, ["ar", "eagle"], "smollm2-135m", "smollm2-135m",
-                           settings, dtype="fp32")
-    assert result["summary"]["eagle"]["identical_to_ar"] == 1
+    result = run_benchmark(["humaneval:1:0"], None, ["ar", "eagle", "eagle-uncalibrated"], "smollm2-135m",
+                           "smollm2-135m", settings, dtype="fp32")
+    assert result["summary"]["eagle"]["identical_to_ar"] == result["summary"]["eagle-uncalibrated"]["identical_to_ar"] == 1
     assert result["info"]["eagle_drafter"]["target_sha256"] == target_fingerprint(smollm2)
-    with pytest.raises(SpecdecError, match="--eagle DIR"):
-        run_benchmark(["humaneval:1:0"], None, ["eagle"], "smollm2-135m", "smollm2-135m", Settings())
+    for method in ("eagle", "eagle-uncalibrated"):  # the checkpoint is checked before any model loads
+        with pytest.raises(SpecdecError, match="--eagle DIR"):
+            run_benchmark(["humaneval:1:0"], None, [method], "smollm2-135m", "smollm2-135m", Settings())
     outputs = []
     for extra in (["--drafter", f"eagle:{tmp_path / 'eagle'}"], ["--method", "ar"]):
         args = ["generate", "def add(a, b):", "--target", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "8",

@@ -344,9 +344,9 @@ def test_bench_runs_the_self_drafting_methods(smollm2, tmp_path):
     heads = _random_heads(smollm2, scale=0.0)  # zero blocks: each head guesses the next token again
     save_heads(tmp_path / "heads", heads)
     settings = Settings(max_new_tokens=6, heads=str(tmp_path / "heads"), skip_layers=[5, 10, 15])
-    result = run_benchmark(["humaneval:1:0"], None, ["ar", "medusa", "self-skip"], "smollm2-135m", "smollm2-135m",
-                           settings, dtype="fp32")
-    for method in ("medusa", "self-skip"):
+    methods = ["ar", "medusa", "medusa-uncalibrated", "self-skip"]
+    result = run_benchmark(["humaneval:1:0"], None, methods, "smollm2-135m", "smollm2-135m", settings, dtype="fp32")
+    for method in methods[1:]:
         assert result["summary"][method]["identical_to_ar"] == 1
     assert result["info"]["medusa_heads"]["target_sha256"] == target_fingerprint(smollm2)
     with pytest.raises(SpecdecError, match="--heads DIR"):

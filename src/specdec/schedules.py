@@ -8,7 +8,9 @@ exactness: they only choose γ.
 
 from __future__ import annotations
 
+import bisect
 import math
+from typing import Sequence
 
 import torch
 
@@ -286,6 +288,62 @@ class CostAware(Schedule):
         return f"cost-aware (θ measured, starts at {self.prior:g}), γ_max={self.gamma}"
 
 
+class Calibration:
+    """How often a drafted token is accepted, measured against the drafter's q of it.
+
+    A node of a deterministic tree whose parent was accepted is accepted with the target's
+    (sampled) p of its token: q estimates that only when the drafter is calibrated, and a
+    drafter trained on little text (the heads and EAGLE layers trained here) is not. So every
+    such node verified is counted in a bin of q (`EDGES`), and the estimate for a q is the
+    bin's acceptance rate shrunk towards q itself by `strength` pseudo-counts:
+    (hits + strength·q) / (tries + strength), raised where needed to what the lower bins give at
+    their upper edges, so that it never falls as q grows (siblings keep their rank order by
+    value). Before any count it is q, as without calibration.
+    """
+
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # inner bin edges over q in [0, 1]
+
+    def __init__(self, strength: float = 8.0):
+        if not strength > 0:
+            raise SpecdecError(f"calibration strength must be > 0, got {strength!r}")
+        self.strength = strength
+        self.reset()
+
+    def reset(self) -> None:
+        bins = len(self.EDGES) + 1
+        self.tries, self.hits = [0] * bins, [0] * bins
+        self._floor = [0.0] * bins  # the most any lower bin gives
+
+    def record(self, q: float, accepted: bool) -> None:
+        b = bisect.bisect_right(self.EDGES, q)
+        self.tries[b] += 1
+        self.hits[b] += int(accepted)
+        top = 0.0
+        for lower, high in enumerate(self.EDGES):
+            top = max(top, self._estimate(lower, high))
+            self._floor[lower + 1] = top
+
+    def _estimate(self, b: int, q: float) -> float:
+        return (self.hits[b] + self.strength * q) / (self.tries[b] + self.strength)
+
+    def __call__(self, q: float) -> float:
+        """The estimated chance that a node with drafter probability q is accepted, given its parent was."""
+        b = bisect.bisect_right(self.EDGES, q)
+        return max(self._floor[b], self._estimate(b, q))
+
+    def table(self) -> list[tuple[float, float, int, int]]:
+        """(low, high, tries, hits) per bin of q."""
+        edges = (0.0, *self.EDGES, 1.0)
+        return [(edges[b], edges[b + 1], self.tries[b], self.hits[b]) for b in range(len(self.tries))]
+
+
+def tried_nodes(parents: Sequence[int], path: Sequence[int]) -> list[tuple[int, bool]]:
+    """The nodes verification tried, (index, accepted): the root's children and those of every
+    accepted node (a tree's `parents`, the accepted `path` of node indices)."""
+    on_path = set(path)
+    return [(i, i in on_path) for i, parent in enumerate(parents) if parent < 0 or parent in on_path]
+
+
 class TreeCost(CostAware):
     """The cost-aware rule for token trees: how deep to draft the chain, which other nodes to add,
     and whether to draft at all.
@@ -299,21 +357,37 @@ class TreeCost(CostAware):
     nearly free (a GPU, AMX) it grows to `max_nodes`.
 
     Whether to draft at all is measured as in CostAware (`should_draft`); the tree drafters ask it.
+    Drafters of deterministic trees value their nodes by `acceptance(q)`: the acceptance measured
+    so far at the drafter's q in this generation (`calibrated`, fed by `record_tree`).
     """
 
     name = "tree-cost"
 
     def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
-                 node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9):
+                 node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9,
+                 calibrate: bool = True):
         _check_gamma("max_nodes", max_nodes)
         if not 0 < node_threshold < 1:
             raise SpecdecError(f"the tree's starting node threshold must be in (0, 1), got {node_threshold!r}")
-        self.max_nodes, self.node_prior = max_nodes, node_threshold
+        self.max_nodes, self.node_prior, self.calibrate = max_nodes, node_threshold, calibrate
+        self.calibrated = Calibration()
         super().__init__(max_depth, threshold, warmup, probe, decay)
 
     def reset(self) -> None:
         super().reset()
         self.first_tries = self.first_hits = 0
+        self.calibrated.reset()
+
+    def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
+        """After verifying a deterministic tree: each node's drafter probability `q` (given its
+        parent), the tree's `parents` and the accepted `path`; counts the tried nodes."""
+        for i, accepted in tried_nodes(parents, path):
+            self.calibrated.record(q[i], accepted)
+
+    def acceptance(self, q: float) -> float:
+        """A node's chance of acceptance given its parent's, from the drafter's q of its token:
+        `calibrated` q, or q itself for a policy built with calibrate=False."""
+        return self.calibrated(q) if self.calibrate else q
 
     @property
     def node_threshold(self) -> float:
@@ -333,7 +407,9 @@ class TreeCost(CostAware):
             self.first_hits += int(first_accepted)
 
     def describe(self) -> str:
-        return f"tree cost-aware (thresholds measured), depth <= {self.gamma}, nodes <= {self.max_nodes}"
+        values = "calibrated" if self.calibrate else "the drafter's q"
+        return f"tree cost-aware (thresholds measured, node values {values}), depth <= {self.gamma}, " \
+               f"nodes <= {self.max_nodes}"
 
 
 def _check_range(gamma_min, gamma_max) -> None:

@@ -21,7 +21,7 @@ from ..eagle import load_eagle
 from ..medusa import load_heads
 from ..models import LanguageModel
 from ..samplers import Sampler
-from ..schedules import make_schedule
+from ..schedules import TreeCost, make_schedule
 
 METHODS = {
     "ar": "ours: autoregressive, one target pass per token",
@@ -39,6 +39,8 @@ METHODS = {
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
     "eagle": "ours: the target drafts for itself with an EAGLE layer (--eagle DIR), EAGLE-2 trees sized by cost",
+    "medusa-uncalibrated": "medusa with node values from the heads' raw q (no measured calibration; an ablation)",
+    "eagle-uncalibrated": "eagle with node values from the layer's raw q (no measured calibration; an ablation)",
     "self-skip": "ours: the target drafts for itself with layers skipped (chosen at start), cost-aware γ",
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
@@ -141,10 +143,12 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
                   seed=seed if sampler.is_greedy or method == "ar" else None)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
-    elif method in ("medusa", "eagle"):
-        made = {"medusa": lambda: MedusaDrafter(self_drafting(settings, "medusa"), max_nodes=settings.tree_nodes),
-                "eagle": lambda: EagleDrafter(self_drafting(settings, "eagle"), max_nodes=settings.tree_nodes)}
-        result = speculative_generate(ids, target, made[method](), gamma=settings.gamma_max, **common)
+    elif checkpoint_kind(method):
+        kind = checkpoint_kind(method)
+        policy = TreeCost(max_nodes=settings.tree_nodes, calibrate=not method.endswith("-uncalibrated"))
+        made = MedusaDrafter if kind == "medusa" else EagleDrafter
+        result = speculative_generate(ids, target, made(self_drafting(settings, kind), policy=policy),
+                                      gamma=settings.gamma_max, **common)
     elif method == "self-skip":
         schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
         result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
@@ -167,6 +171,12 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
 
 _CHECKPOINTS: dict[tuple[str, str], object] = {}  # by (kind, folder)
 CHECKPOINT_OPTIONS = {"medusa": ("heads", "--heads"), "eagle": ("eagle", "--eagle")}
+
+
+def checkpoint_kind(method: str) -> str | None:
+    """The checkpoint kind a self-drafting method reads ("medusa", "eagle"), else None."""
+    kind = method.removesuffix("-uncalibrated")
+    return kind if kind in CHECKPOINT_OPTIONS else None
 
 
 def self_drafting(settings: Settings, kind: str):

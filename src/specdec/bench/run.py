@@ -22,8 +22,8 @@ from ..drafters.layerskip import choose_skipped
 from ..models import LanguageModel, check_pair, load
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, run_method,
-                      self_drafting)
+from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
+                      run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
@@ -211,9 +211,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/]", highlight=False)
 
-    for kind in ("medusa", "eagle"):  # a missing or damaged checkpoint fails before minutes of loading
-        if kind in methods:
-            self_drafting(settings, kind)
+    kinds = {checkpoint_kind(m) for m in methods} - {None}
+    for kind in sorted(kinds):  # a missing or damaged checkpoint fails before minutes of loading
+        self_drafting(settings, kind)
     target_model = load(target, dtype=dtype, device=device, role="target", exact_rows=exact_rows, say=say)
     self_skip_search = None
     if "self-skip" in methods and not settings.skip_layers:  # searched once, used on every prompt
@@ -276,8 +276,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),
             "llama_cpp": llama_cpp_version() if peers.llama else None,
-            "medusa_heads": self_drafting(settings, "medusa").info if "medusa" in methods else None,
-            "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in methods else None,
+            "medusa_heads": self_drafting(settings, "medusa").info if "medusa" in kinds else None,
+            "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in kinds else None,
             "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),

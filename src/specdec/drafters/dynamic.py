@@ -2,8 +2,8 @@
 
 - `Eagle2Drafter`: EAGLE-2's dynamic trees (Li et al. 2024) with the small drafter model. The
   tree grows one depth per drafter pass: the top-K nodes of the newest depth by path value (the
-  product of the drafter's q along the path) are fed together under tree attention, and each
-  gets its top-K tokens as children; then the best nodes of everything drafted are kept
+  product of the drafter's calibrated q along the path) are fed together under tree attention,
+  and each gets its top-K tokens as children; then the best nodes of everything drafted are kept
   (reranking), as many as pay for their verification width (`TreeCost`).
 - `SequoiaDrafter`: Sequoia's static shapes (Chen et al. 2024). `sequoia_shape` is the tree that
   maximises the expected number of accepted tokens under the positional acceptance model
@@ -49,6 +49,7 @@ class _TreeModelDrafter(ModelDrafter):
         self._root: _Node | None = None
         self._start: int | None = None  # len(context) of the last proposed tree (None: answered)
         self._nodes: list[_Node] = []  # the last tree's nodes, in its order
+        self._parents: list[int] = []  # and their parents
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
@@ -88,7 +89,7 @@ class _TreeModelDrafter(ModelDrafter):
         index = {id(node): i for i, node in enumerate(order)}
         self._fed = [index.get(id(node), NOT_IN_TREE) for node in fed]
         self._drafted = bool(tree.tokens)
-        self._root, self._nodes, self._start = root, order, start
+        self._root, self._nodes, self._start, self._parents = root, order, start, tree.parents
         return tree
 
     def _take_last_tree(self, start: int) -> bool:
@@ -102,6 +103,12 @@ class _TreeModelDrafter(ModelDrafter):
     def keep_path(self, start: int, path: list[int]) -> None:
         drafted = self._take_last_tree(start)
         super().keep_path(start, path, self._fed)
+        self._learn(drafted, path)
+
+    def _learn(self, drafted: bool, path: list[int]) -> None:
+        """Tell the policy what became of the last tree's nodes."""
+        if drafted and self._nodes[0].q is not None:  # a tree of the drafter's q (not Sequoia's ranks)
+            self.policy.record_tree([node.q for node in self._nodes], self._parents, path)
         # an empty tree (drafting did not pay) is no try of the first draft token
         self.policy.update_tree(1, bool(path) if drafted else None)
 
@@ -126,8 +133,9 @@ class Eagle2Drafter(_TreeModelDrafter):
     Values are the drafter's q at temperature 1 under a greedy sampler, and the sampler's q
     (`sampler.probs`: temperature, top-k, top-p) otherwise: with deterministic siblings the
     chance that a node is accepted given its parent was is exactly the target's sampled p of
-    its token, which the drafter's q under the same sampler estimates. Tokens with q = 0 are
-    never drafted.
+    its token, which the drafter's q under the same sampler estimates, mapped to the acceptance
+    measured so far at that q (`TreeCost.acceptance`, for drafters whose q is not calibrated).
+    Tokens with q = 0 are never drafted.
     """
 
     def __init__(self, model: LanguageModel, width: int = 4, max_nodes: int = 64, policy: TreeCost | None = None):
@@ -171,11 +179,12 @@ class Eagle2Drafter(_TreeModelDrafter):
         over = self._over(logits)
         q = over.float().softmax(-1) if sampler.is_greedy else sampler.probs(over)
         top = q.topk(min(self.width, q.shape[-1]), dim=-1)
+        acceptance = self.policy.acceptance
         for parent, probs, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
             for prob, token in zip(probs, tokens):
                 if prob <= 0:
                     break
-                child = _Node(int(token), parent.value * prob, "deterministic")
+                child = _Node(int(token), parent.value * acceptance(prob), "deterministic", q=prob)
                 parent.children.append(child)
                 self._parent[id(child)] = parent
                 children.append(child)

@@ -154,4 +154,4 @@ class EagleDrafter(Eagle2Drafter):
     def keep_path(self, start: int, path: list[int]) -> None:
         drafted = self._take_last_tree(start)
         LanguageModel.crop(self.cache, start)  # the path is read again with the target's features
-        self.policy.update_tree(1, bool(path) if drafted else None)
+        self._learn(drafted, path)

@@ -4,8 +4,10 @@ After each verification pass the loop hands the drafter the target's final hidde
 positions it committed (`observe`); at the last one, where its next token came from, the heads
 (medusa.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their
 Cartesian product pruned by path value: best first, a node at depth d gets head d's top `width`
-tokens as children, its value the product of the heads' probabilities along the path. Nodes join in falling value while they pay
-for their verification width (`TreeCost`), which also decides whether to draft at all.
+tokens as children, its value the product along the path of the heads' probabilities, each
+mapped to the acceptance measured at that probability so far (`TreeCost.acceptance`: heads
+trained on little text are not calibrated). Nodes join in falling value while they pay for their
+verification width (`TreeCost`), which also decides whether to draft at all.
 
 The tree is deterministic (no random draw of the drafter), so the one-hot verification law is
 exact under every sampler (verify.py), and greedy output is token-identical to greedy AR.
@@ -46,6 +48,8 @@ class MedusaDrafter:
         self._weight: torch.Tensor | None = None  # [N, H] the target's head rows for the scored ids
         self._ids: torch.Tensor | None = None  # [N] the scored ids, on the target's device
         self._drafted = False
+        self._q: list[float] = []  # the last tree's heads' probabilities per node
+        self._parents: list[int] = []  # and its parents
         self._target = None
 
     def check_target(self, target) -> None:
@@ -88,28 +92,33 @@ class MedusaDrafter:
         top = probs[:depth_limit].topk(min(self.width, probs.shape[1]), dim=-1)
         values, tokens = top.values.tolist(), self._ids[top.indices].tolist()  # [D][width]
         threshold, budget = self.policy.node_threshold, self.policy.max_nodes
+        acceptance = self.policy.acceptance
         # best first over the Cartesian product: a child's value never exceeds its parent's, so
         # every popped node's parent is already in the tree
-        frontier = [(-v, r, 0, root, t, v) for r, (t, v) in enumerate(zip(tokens[0], values[0]))]
+        frontier = [(-acceptance(v), r, 0, root, t, v) for r, (t, v) in enumerate(zip(tokens[0], values[0]))]
         heapq.heapify(frontier)
         count, order = 0, len(frontier)
         while frontier and count < budget:
-            _, _, depth, parent, token, value = heapq.heappop(frontier)
+            value, _, depth, parent, token, q = heapq.heappop(frontier)
+            value = -value
             if value < threshold:
                 break
-            node = _Node(token, value, "deterministic")
+            node = _Node(token, value, "deterministic", q=q)
             parent.children.append(node)
             count += 1
             if depth + 1 < depth_limit:
                 for t, v in zip(tokens[depth + 1], values[depth + 1]):
                     order += 1
-                    heapq.heappush(frontier, (-(value * v), order, depth + 1, node, t, value * v))
+                    heapq.heappush(frontier, (-(value * acceptance(v)), order, depth + 1, node, t, v))
         _rank(root)
-        tree, _ = _to_tree(root)
+        tree, nodes = _to_tree(root)
         self._drafted = bool(tree.tokens)
+        self._q, self._parents = [n.q for n in nodes], tree.parents
         return tree
 
     def keep_path(self, start: int, path: list[int]) -> None:
+        if self._drafted:
+            self.policy.record_tree(self._q, self._parents, path)
         self.policy.update_tree(1, bool(path) if self._drafted else None)
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,

@@ -29,11 +29,12 @@ from .model import ModelDrafter
 class _Node:
     """A node of a tree under construction (trees are serialised depth first by `_to_tree`)."""
 
-    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row")
+    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q")
 
     def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
-                 rank_value: float | None = None):
+                 rank_value: float | None = None, q: float | None = None):
         self.token, self.value, self.scheme, self.prob_row = token, value, scheme, prob_row
+        self.q = q  # the drafter's probability of this token at its parent, where a drafter calibrates it
         # what decides whether the node joins the tree: its value, except for a sampled side,
         # whose presence must not depend on its own token (verify.py: that would bias the output)
         self.rank_value = value if rank_value is None else rank_value
