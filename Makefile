@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self bench-eagle clean
+.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self bench-eagle bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -81,6 +81,14 @@ bench-eagle: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
 		--methods ar,sd-cost,medusa,eagle --heads $(HEADS) --eagle $(EAGLE) --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/eagle.md --json docs/benchmarks/eagle.json --plot docs/benchmarks/eagle.png
+
+# issue 14's full run: every self-drafting method, the separate drafter and transformers' assisted
+# generation in one interleaved run (~95 min on 2 cores, after both trainings)
+bench-self-all: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,medusa,eagle,self-skip,hf-assisted --heads $(HEADS) --eagle $(EAGLE) \
+		--gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/self-all.md --json docs/benchmarks/self-all.json --plot docs/benchmarks/self-all.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache
