@@ -388,9 +388,10 @@ def bench(
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "medusa, eagle, self-skip (ours); hf, hf-assisted, hf-assisted-fixed, hf-lookup "
-                                "(transformers' generate: plain, with the drafter at its defaults or at our γ, "
-                                "with prompt lookup)."),
+                                "medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
+                                "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec "
+                                "(llama.cpp, the peers extra)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
     gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
