@@ -93,7 +93,7 @@ def test_every_accepted_node_is_counted_as_a_hit(kind):
 def _flat_pair():
     """The target, and a drafter with the same weights and a head 20 times flatter: the same
     argmax everywhere (every greedy top-1 draft is accepted), at a q of about 0.05."""
-    return tiny_model(0, vocab=32), tiny_model(0, vocab=32, logit_scale=0.05, kernels="stock")
+    return tiny_model(0, vocab=32), tiny_model(0, vocab=32, logit_scale=0.05)
 
 
 @pytest.mark.parametrize("calibrate", [True, False])
