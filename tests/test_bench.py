@@ -73,8 +73,23 @@ def test_groups_and_markdown_report(tmp_path):
     assert "| h/1@t0 | 2.00 | 3.00 | 4.00 |" in text
     assert "| sd | 0 | 2 | 0 | 1 |" in text  # histogram row
     assert text.count("| method | vs |") == 1  # paired table for all 3 prompts; none for 2- or 1-prompt groups
+    assert "Where the time goes" not in text  # these records carry no time split
     render_plot(result, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_time_split_covers_our_methods_and_skips_the_peers():
+    records = _records()
+    for r in records:
+        if r.method != "hf":  # peers do not report where their time went
+            r.target_seconds, r.drafter_seconds = 0.5 * r.wall_seconds, (0.25 * r.wall_seconds if r.method == "sd" else 0.0)
+    s = summarize(records, ["ar", "sd", "hf"])
+    assert s["sd"]["time_in_target"] == pytest.approx(0.5) and s["sd"]["time_in_drafter"] == pytest.approx(0.25)
+    assert s["sd"]["time_in_loop"] == pytest.approx(0.25)
+    # loop time over target passes: 0.25 of (1 + 2/3 + 0.5) s over 4 passes
+    assert s["sd"]["loop_ms_per_step"] == pytest.approx(1e3 * 0.25 * (1 + 2 / 3 + 0.5) / 4)
+    assert s["ar"]["time_in_drafter"] == 0 and s["ar"]["time_in_loop"] == pytest.approx(0.5)
+    assert "time_in_target" not in s["hf"]
 
 
 def test_dataset_specs_carry_their_own_limit_and_temperatures():

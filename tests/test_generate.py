@@ -241,6 +241,34 @@ def test_a_slow_on_step_callback_is_not_counted_in_the_timings():
         assert 0 < out.stats.first_token_seconds <= out.stats.wall_seconds, name
 
 
+def test_the_stats_split_the_wall_clock_between_target_drafter_and_loop():
+    """target_seconds / drafter_seconds hold the time inside each model's passes, and the loop's
+    own time is the rest: a target made 20 ms slower per pass moves 20 ms a pass into
+    target_seconds and none into the loop's; likewise a slower drafter."""
+    import time
+
+    class Slow(TableModel):
+        def forward(self, *args, **kwargs):
+            time.sleep(0.02)
+            return super().forward(*args, **kwargs)
+
+    fast_target, fast_drafter = TableModel(5, 0), TableModel(5, 1)
+    slow_target, slow_drafter = Slow(5, 0), Slow(5, 1)
+    ar = autoregressive_generate([1, 2], slow_target, max_new_tokens=6, eos_token_ids=[])
+    assert ar.stats.target_seconds >= 0.02 * ar.stats.target_forwards and ar.stats.drafter_seconds == 0
+    assert ar.stats.loop_ms_per_step < 10 and ar.stats.loop_seconds <= ar.stats.wall_seconds
+    for target, drafter in ((slow_target, fast_drafter), (fast_target, slow_drafter)):
+        sd = speculative_generate([1, 2], target, drafter, gamma=2, max_new_tokens=8, eos_token_ids=[])
+        s = sd.stats
+        passes = s.target_forwards if target is slow_target else s.drafter_forwards
+        slow_seconds = s.target_seconds if target is slow_target else s.drafter_seconds
+        assert passes >= 3 and slow_seconds >= 0.02 * passes
+        assert s.loop_ms_per_step < 10, s  # the sleeps were not counted as the loop's
+        assert abs(s.target_seconds + s.drafter_seconds + s.loop_seconds - s.wall_seconds) < 1e-9
+        d = s.to_dict()
+        assert d["loop_seconds"] == s.loop_seconds and d["target_seconds"] == s.target_seconds
+
+
 def test_an_on_step_callback_with_flush_is_flushed_once_at_the_end():
     """StepPrinter holds back a character split over tokens; the loops flush it when they end."""
     calls = []

@@ -73,6 +73,48 @@ def test_auto_dtype_and_kernels_follow_the_role():
         assert drafter.kernels == "bf16+onednn-packed-fp32"
 
 
+@pytest.fixture
+def fake_gguf_install(tmp_path, monkeypatch):
+    """Every registry model 'installed' with its GGUF file kept (empty files under tmp_path); returns
+    a switch for whether llama-cpp-python counts as installed."""
+    import specdec.backends.llamacpp as backend
+
+    for name, model in registry.MODELS.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / model.gguf_name).write_bytes(b"")
+    monkeypatch.setattr(registry, "model_root", lambda name: tmp_path / name)
+    monkeypatch.setattr(registry, "is_installed", lambda name: True)
+    state = {"llama_cpp": True}
+    monkeypatch.setattr(backend, "available", lambda: state["llama_cpp"])
+    return state
+
+
+def test_auto_weights_pick_the_gguf_only_where_llama_cpp_can_serve_it(fake_gguf_install, monkeypatch, tmp_path):
+    from specdec.cli import _auto_weights
+    from specdec.models import auto_weights
+
+    target, drafter = registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER
+    assert auto_weights(target, "cpu") == "gguf"
+    assert auto_weights(target, "cpu", on_llama_cpp=False) == "auto"  # trees, self-drafting
+    assert auto_weights(str(tmp_path), "cpu") == "auto"  # not a registry model
+    (tmp_path / target / registry.spec(target).gguf_name).unlink()
+    assert auto_weights(target, "cpu") == "auto"  # installed without its GGUF file
+    assert auto_weights(drafter, "cpu") == "gguf"
+    fake_gguf_install["llama_cpp"] = False
+    assert auto_weights(drafter, "cpu") == "auto"
+    fake_gguf_install["llama_cpp"] = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_weights(drafter, "auto") == "auto"  # CUDA: transformers' weights
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # the CLI: the drafter follows a target on its GGUF, unless its vocabulary is restricted or it is no model
+    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", True) == ("gguf", "gguf")
+    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", True, restricted_vocab=True) == ("gguf", "auto")
+    assert _auto_weights(drafter, "ngram", "auto", "auto", "cpu", True) == ("gguf", "auto")
+    assert _auto_weights(drafter, drafter, "auto", "int8", "cpu", True) == ("gguf", "int8")  # explicit stays
+    assert _auto_weights(drafter, drafter, "bf16", "auto", "cpu", True) == ("bf16", "auto")
+    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", False) == ("auto", "auto")
+
+
 def test_real_model_loads_with_tokenizer_and_eos(smollm2):
     assert smollm2.vocab_size == 49152 and smollm2.max_context == 8192
     assert smollm2.eos_token_ids  # the instruct model's end-of-turn / end-of-text ids

@@ -35,6 +35,24 @@ def check_vocab_options(vocab, corpus) -> None:
     check(vocab, corpus)
 
 
+def _auto_weights(target: str, drafter: str | None, dtype: str, drafter_dtype: str, device: str,
+                  on_llama_cpp: bool, restricted_vocab: bool = False) -> tuple[str, str]:
+    """(target dtype, drafter dtype) with "auto" resolved for generate and chat: the GGUF's own
+    weights on llama.cpp where that is the fastest exact choice (models.auto_weights), the drafter
+    following a target on them unless its vocabulary is restricted (a transformers feature);
+    otherwise unchanged."""
+    from .models import auto_weights
+
+    if dtype == "auto":
+        dtype = auto_weights(target, device, on_llama_cpp)
+        if dtype == "gguf":
+            err.print("[dim]--dtype auto: the GGUF's own weights on llama.cpp, the fastest exact choice on this "
+                      "CPU (--dtype bf16 or fp32 for transformers' weights)[/]", highlight=False)
+    if dtype == "gguf" and drafter_dtype == "auto" and drafter is not None:
+        drafter_dtype = auto_weights(drafter, device, not restricted_vocab)
+    return dtype, drafter_dtype
+
+
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
           vocab: int | None = None, vocab_corpus: str | None = None):
     from .models import load
@@ -44,10 +62,12 @@ def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus)
 
 
-TARGET_DTYPE_HELP = ("Target weights: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16, "
-                     "or gguf: the GGUF file's own quantized weights on llama.cpp (the `peers` extra; chains only).")
-DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (int8 weights on the CPU, bf16 on CUDA), int8, bf16, fp32, fp16, gguf. "
-                      "Changes acceptance only, never the output.")
+TARGET_DTYPE_HELP = ("Target weights: auto, fp32, bf16, fp16, or gguf: the GGUF file's own quantized weights on "
+                     "llama.cpp (the `peers` extra; chains only). auto: gguf on the CPU where llama-cpp-python is "
+                     "installed (generate and chat, chain methods, registry models), else bf16 on CUDA and on "
+                     "CPUs with native bf16, fp32 on other CPUs.")
+DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (gguf beside a gguf target, else int8 weights on the CPU, bf16 on CUDA), "
+                      "int8, bf16, fp32, fp16, gguf. Changes acceptance only, never the output.")
 DRAFTER_VOCAB_HELP = ("Ids the drafter's output head scores: the N most frequent (FR-Spec; q is 0 elsewhere, so "
                       "the output stays exact). Default: 65536 for vocabularies over twice that, else all; 0: all.")
 DRAFTER_VOCAB_CORPUS_HELP = "Text file to count the drafter vocabulary's frequencies in (default: Python's stdlib)."
@@ -59,6 +79,7 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
 
 
 MODEL_FREE_DRAFTERS = ("ngram", "lookup")
+SELF_DRAFTERS = ("medusa", "eagle", "self-skip")  # --drafter medusa:DIR, eagle:DIR, self-skip[:LAYERS]
 
 
 def self_drafter_spec(spec: str):
@@ -174,6 +195,9 @@ def generate(
         self_spec = self_drafter_spec(drafter) if method == Method.sd else None
         if self_spec and tree != "off":
             raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
+        chain = method == Method.ar or (tree == "off" and not self_spec)
+        dtype, drafter_dtype = _auto_weights(target, drafter if method == Method.sd else None, dtype, drafter_dtype,
+                                             device, chain, bool(drafter_vocab or drafter_vocab_corpus))
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
@@ -258,6 +282,9 @@ def chat(
         # The session builds its schedule lazily (outside this handler); a bad value must fail here,
         # before minutes of model loading, as one error line.
         make_schedule(schedule, gamma, 1, gamma_max)
+        dtype, drafter_dtype = _auto_weights(target, drafter, dtype, drafter_dtype, device,
+                                             drafter.split(":")[0] not in SELF_DRAFTERS,
+                                             bool(drafter_vocab or drafter_vocab_corpus))
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")

@@ -89,6 +89,8 @@ def summary_line(stats: GenerationStats, method: str) -> str:
                  f"({stats.tokens_per_target_forward:.2f} per forward)")
     if method == "sd":
         parts.append(f"{stats.drafter_forwards} drafter forwards")
+    if stats.loop_ms_per_step is not None:
+        parts.append(f"loop {stats.loop_ms_per_step:.1f} ms/step")
     return " · ".join(parts)
 
 

@@ -6,6 +6,7 @@ the rejected draft positions are cropped from both, so no accepted token is ever
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -76,6 +77,8 @@ class GenerationStats:
     nodes_per_step: list[int] = field(default_factory=list)  # tree nodes scored per step (trees only)
     wall_seconds: float = 0.0
     first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
+    target_seconds: float = 0.0  # inside the target's passes (its prompt pass included)
+    drafter_seconds: float = 0.0  # drafting, and keeping the drafter's state in step (rollback, hidden states)
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
 
@@ -100,10 +103,22 @@ class GenerationStats:
     def tokens_per_target_forward(self) -> float:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
+    @property
+    def loop_seconds(self) -> float:
+        """The decoding loop's own time: the wall clock outside the target's and the drafter's
+        work (verification, sampling, rolling back the target's cache, the schedule, Python)."""
+        return max(0.0, self.wall_seconds - self.target_seconds - self.drafter_seconds)
+
+    @property
+    def loop_ms_per_step(self) -> float | None:
+        """`loop_seconds` per target forward (one decoding step), in ms."""
+        return 1e3 * self.loop_seconds / self.target_forwards if self.target_forwards else None
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
-                 tokens_per_target_forward=self.tokens_per_target_forward)
+                 tokens_per_target_forward=self.tokens_per_target_forward, loop_seconds=self.loop_seconds,
+                 loop_ms_per_step=self.loop_ms_per_step)
         return d
 
 
@@ -128,9 +143,11 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
     out = _Output(limit, limit_reason, eos, on_step)
     cache = model.new_cache()
     out.start_clock()
-    pending = model.prefill(prompt, cache)
+    with _timed(out.stats, "target_seconds"):
+        pending = model.prefill(prompt, cache)
     while not out.done:
-        logits = model.forward(pending, cache, num_logits=1)
+        with _timed(out.stats, "target_seconds"):
+            logits = model.forward(pending, cache, num_logits=1)
         out.stats.target_forwards += 1
         token = int(_target_token(logits[-1], sampler, generator))
         out.add(Step([], 0, token, []))
@@ -196,17 +213,22 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     target_cache = target.new_cache()
     drafter.start(prompt)
     schedule.reset()
+    stats = out.stats
     out.start_clock()
-    target.prefill(sequence, target_cache)  # the same call as the AR baseline's: identical cache entries
+    with _timed(stats, "target_seconds"):
+        target.prefill(sequence, target_cache)  # the same call as the AR baseline's: identical cache entries
     if reads_hidden:
-        drafter.observe(target.pass_hidden)
+        with _timed(stats, "drafter_seconds"):
+            drafter.observe(target.pass_hidden)
 
     if first_target:
-        logits = target.forward(sequence[LanguageModel.cache_length(target_cache):], target_cache, num_logits=1)
-        out.stats.target_forwards += 1
+        with _timed(stats, "target_seconds"):
+            logits = target.forward(sequence[LanguageModel.cache_length(target_cache):], target_cache, num_logits=1)
+        stats.target_forwards += 1
         sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
         if reads_hidden:
-            drafter.observe(target.pass_hidden)
+            with _timed(stats, "drafter_seconds"):
+                drafter.observe(target.pass_hidden)
 
     while not out.done:
         # 1. Draft, leaving room for the target's own token: never past the output limit.
@@ -220,14 +242,16 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         else:
             draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going)
         drafted_at = time.perf_counter()
+        stats.drafter_seconds += drafted_at - step_start
 
         # 2. Score: one target pass over the tokens it has not seen and the whole draft (a tree
         #    under its tree attention mask).
         pending = sequence[LanguageModel.cache_length(target_cache):]
         parents = input_parents(len(pending), draft.parents) if trees else None
-        logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
-                                parents=parents)  # [γ+1, V]
-        out.stats.target_forwards += 1
+        with _timed(stats, "target_seconds"):
+            logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
+                                    parents=parents)  # [γ+1, V]
+        stats.target_forwards += 1
 
         # 3. Verify: the acceptance rule lives in verify.py alone.
         details = {} if debug else None
@@ -240,14 +264,16 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         # 4. Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         if trees:
             LanguageModel.compact(target_cache, len(sequence), path)
-            if budget > 0:  # no tree was proposed otherwise
-                drafter.keep_path(len(sequence), path)
         else:
             LanguageModel.crop(target_cache, len(sequence) + num_accepted)
-            drafter.rollback(len(sequence) + num_accepted)
-        if reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
-            accepted = path if trees else range(num_accepted)
-            drafter.observe(target.pass_hidden[list(range(len(pending))) + [len(pending) + i for i in accepted]])
+        with _timed(stats, "drafter_seconds"):
+            if not trees:
+                drafter.rollback(len(sequence) + num_accepted)
+            elif budget > 0:  # no tree was proposed otherwise
+                drafter.keep_path(len(sequence), path)
+            if reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
+                accepted = path if trees else range(num_accepted)
+                drafter.observe(target.pass_hidden[list(range(len(pending))) + [len(pending) + i for i in accepted]])
         schedule.update(len(draft.tokens), num_accepted)
         # greedy output is the same whatever the draft lengths, so timings may steer them; a seed
         # under sampling pins the output, and draft lengths decide which random draws are used
@@ -259,9 +285,19 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
         if trees:
             step.tree_parents, step.path = draft.parents, path
         sequence += out.add(step)
-    out.stats.drafter_forwards = drafter.forwards
-    out.stats.lenience, out.stats.greedy = float(lenience), sampler.is_greedy
+    stats.drafter_forwards = drafter.forwards
+    stats.lenience, stats.greedy = float(lenience), sampler.is_greedy
     return out.finish()
+
+
+@contextlib.contextmanager
+def _timed(stats: GenerationStats, counter: str):
+    """Add the block's wall-clock time to `stats.<counter>` (where a step's time goes)."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, counter, getattr(stats, counter) + time.perf_counter() - began)
 
 
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
@@ -435,7 +471,8 @@ def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_be
     start = time.perf_counter()
     keep = max(2, 1 + len(eos)) * num_beams
     cache = model.new_cache()
-    logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)  # [B, V]
+    with _timed(stats, "target_seconds"):
+        logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)  # [B, V]
     stats.target_forwards += 1
     cache.batch_repeat_interleave(num_beams)
     vocab, device = logits.shape[-1], logits.device  # every tensor below lives beside the logits (CUDA too)
@@ -474,7 +511,8 @@ def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_be
             improvable = improvable and float(running_scores[0]) / best_length ** length_penalty > finished[-1][0]
             if not improvable:
                 break
-        logits = model.forward_rows(tokens[alive, None], cache)
+        with _timed(stats, "target_seconds"):
+            logits = model.forward_rows(tokens[alive, None], cache)
         stats.target_forwards += 1
     best = finished[0][1] if finished else running[0].tolist()
     stats.new_tokens, stats.wall_seconds = len(best), time.perf_counter() - start

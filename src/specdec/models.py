@@ -553,6 +553,29 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     return wrapped
 
 
+def auto_weights(name: str, device: str | torch.device = "auto", on_llama_cpp: bool = True) -> str:
+    """What `--dtype auto` means for `name` in the CLI's generate and chat: "gguf" (the GGUF file's
+    own quantized weights on llama.cpp) where that is the fastest exact choice, else "auto"
+    (transformers' weights, `resolve_dtype`).
+
+    "gguf" needs all of: the device is the CPU; llama-cpp-python is installed (the `peers` extra);
+    `name` is a registry model whose GGUF file is kept; and the method runs on llama.cpp
+    (on_llama_cpp: chains, not trees or self-drafting). On every CPU measured so far the GGUF's
+    4-bit weights decode several times faster than transformers' bf16 or fp32 ones (docs/KERNELS.md:
+    our AR 5.4x on an AVX512-BF16 EPYC, and faster than our best speculative method on
+    transformers' weights there and on an AMX Xeon); the library's `load` keeps "auto" =
+    transformers, whose models every feature takes.
+    """
+    if not on_llama_cpp or resolve_device(device).type != "cpu" or name not in registry.MODELS:
+        return "auto"
+    from .backends.llamacpp import available
+
+    root = registry.model_root(name)
+    if not (registry.is_installed(name) and (root / registry.spec(name).gguf_name).is_file() and available()):
+        return "auto"
+    return "gguf"
+
+
 GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"
 
 

@@ -103,6 +103,8 @@ class Record:
     temperature: float = 0.0
     first_token_seconds: float | None = None  # prompt pass and first token: the time to first token
     nodes_per_step: list[int] = field(default_factory=list)  # tree methods: nodes scored per step
+    target_seconds: float | None = None  # ours: inside target passes (None for peers, which do not say)
+    drafter_seconds: float | None = None  # ours: drafting and keeping the drafter in step
 
     @property
     def tokens_per_second(self) -> float:
@@ -166,7 +168,7 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
     s = result.stats
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
-                  nodes_per_step=s.nodes_per_step)
+                  nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds)
 
 
 _CHECKPOINTS: dict[tuple[str, str], object] = {}  # by (kind, folder)

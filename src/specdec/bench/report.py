@@ -121,6 +121,15 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"### {_group_name(g)}", "", *_markdown_table(g["summary"])]
         if any(s.get("prompts", 0) >= 3 for s in g["summary"].values()):  # fewer: no interval to show
             lines += ["", *_markdown_paired(_paired_rows(g["summary"]))]
+    split = {m: s for m, s in summary.items() if "time_in_target" in s}
+    if split:
+        lines += ["", "### Where the time goes (our methods, all prompts)", "",
+                  "Shares of the wall clock inside the target's passes (prompt pass included), inside the "
+                  "drafter (drafting, rollback), and in the decoding loop itself (verification, sampling, "
+                  "the target's cache rollback, the schedule, Python), and the loop's time per target pass.", "",
+                  "| method | target passes | drafter | loop | loop ms / step |", "|---|---|---|---|---|"]
+        lines += [f"| {m} | {s['time_in_target']:.1%} | {s['time_in_drafter']:.1%} | {s['time_in_loop']:.1%} | "
+                  f"{_fmt(s['loop_ms_per_step'])} |" for m, s in split.items()]
     hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}
     if hist:
         top = max(int(k) for h in hist.values() for k in h)

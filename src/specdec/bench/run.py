@@ -66,6 +66,20 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _time_split(rs: list) -> dict:
+    """Where our methods' wall-clock time went, over all their prompts: the shares inside target
+    passes, inside the drafter, and in the loop itself, and the loop's ms per target pass (step).
+    Empty for the peers, which do not report it."""
+    if not rs or any(r.target_seconds is None for r in rs):
+        return {}
+    wall = sum(r.wall_seconds for r in rs)
+    target, drafter = sum(r.target_seconds for r in rs), sum(r.drafter_seconds for r in rs)
+    loop = max(0.0, wall - target - drafter)
+    steps = sum(r.target_forwards or 0 for r in rs)
+    return {"time_in_target": target / wall, "time_in_drafter": drafter / wall, "time_in_loop": loop / wall,
+            "loop_ms_per_step": 1e3 * loop / steps if steps else None} if wall > 0 else {}
+
+
 def _median_or_none(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -96,6 +110,7 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
             "mean_nodes_per_step": _mean([n for r in rs for n in r.nodes_per_step]),
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
+            **_time_split(rs),
         }
         for base in BASELINES:
             if by.get(base) and base != m:
