@@ -15,6 +15,7 @@ from .drafters import LookupDrafter, NgramDrafter
 from .errors import SpecdecError
 from .generate import GenerationStats, autoregressive_generate, speculative_generate
 from .models import LanguageModel
+from .passcost import pass_costs
 from .samplers import Sampler
 from .schedules import SCHEDULES, make_schedule
 
@@ -120,6 +121,18 @@ class ChatSession:
         plan = make_schedule(self.schedule, self.gamma, 1, self.gamma_max).describe()
         return f"sd · drafter {self.drafter_name} · {plan} · {self.sampler.describe()}" + (" · debug" if self.debug else "")
 
+    def _schedule(self, drafter):
+        """This turn's schedule. A tree drafter sizes its own trees (the schedule only bounds their
+        depth); the cost schedule gets this machine's pass costs (passcost.py, measured once), so
+        where drafting cannot pay it drafts nothing."""
+        if hasattr(drafter, "propose_tree"):
+            return make_schedule("fixed", self.gamma_max)
+        costs = None
+        if self.schedule == "cost" and self.drafter_name.split(":")[0] not in ("medusa", "eagle", "self-skip"):
+            costs = pass_costs(self.target, None if hasattr(drafter, "propose") else drafter,
+                               say=lambda m: self.console.print(f"[dim]{m}[/]", highlight=False))
+        return make_schedule(self.schedule, self.gamma, 1, self.gamma_max, pass_costs=costs)
+
     def _turn(self, text: str) -> None:
         messages = self.history + [{"role": "user", "content": text}]
         ids = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -129,9 +142,7 @@ class ChatSession:
             if self.method == "sd":
                 printer = DebugPrinter(self.target, self.console) if self.debug else StepPrinter(self.target, self.console)
                 drafter = self.drafter()
-                # a tree drafter sizes its own trees; the schedule only bounds their depth
-                schedule = make_schedule("fixed", self.gamma_max) if hasattr(drafter, "propose_tree") else \
-                    make_schedule(self.schedule, self.gamma, 1, self.gamma_max)
+                schedule = self._schedule(drafter)
                 result = speculative_generate(list(ids), self.target, drafter, sampler=self.sampler,
                                               max_new_tokens=self.max_new_tokens, schedule=schedule,
                                               on_step=printer, debug=self.debug)

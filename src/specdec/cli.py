@@ -53,6 +53,20 @@ def _auto_weights(target: str, drafter: str | None, dtype: str, drafter_dtype: s
     return dtype, drafter_dtype
 
 
+def _cost_schedule(target_model, drafter_model, gamma_max: int):
+    """The cost-aware schedule with this machine's pass costs (passcost.py: measured once, cached),
+    so that where no draft can pay it drafts nothing from the first step."""
+    from .passcost import pass_costs
+    from .schedules import make_schedule
+
+    with err.status("measuring pass costs…"):
+        costs = pass_costs(target_model, drafter_model, say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    if costs.never_pays():
+        err.print(f"[dim]drafting cannot pay on this machine (a draft accepted in full would make "
+                  f"{costs.best_speedup():.2f}x plain decoding): the cost schedule drafts nothing[/]", highlight=False)
+    return make_schedule("cost", gamma_max=gamma_max, pass_costs=costs)
+
+
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
           vocab: int | None = None, vocab_corpus: str | None = None):
     from .models import load
@@ -217,6 +231,9 @@ def generate(
             else:
                 drafter_used = _load(drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab,
                                      vocab_corpus=drafter_vocab_corpus)
+            if schedule == "cost" and tree == "off" and not self_spec and (seed is None or sampler.is_greedy):
+                plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else drafter_used,
+                                      gamma_max)
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)

@@ -191,7 +191,12 @@ class CostAware(Schedule):
     name = "cost"
 
     def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
-                 decay: float = 0.9):
+                 decay: float = 0.9, pass_costs=None):
+        """pass_costs: a `passcost.PassCosts` profile of this target and drafter on this machine, or
+        None. Where it shows that no draft can beat plain decoding at any acceptance (`never_pays`),
+        the schedule drafts nothing at all, so neither the drafting steps it would learn from nor
+        the drafter's prompt pass are paid. (Keep it None under sampling with a seed: a profile
+        is a timing, and a seed pins the output only where no timing steers the draft lengths.)"""
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("probe", probe)
         if not 0 < threshold < 1:
@@ -200,6 +205,8 @@ class CostAware(Schedule):
             raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
         super().__init__(gamma_max)
         self.prior, self.warmup, self.probe, self.decay = threshold, warmup, probe, decay
+        self.pass_costs = pass_costs
+        self.never_pays = pass_costs is not None and pass_costs.never_pays()
         self.reset()
 
     def reset(self) -> None:
@@ -222,6 +229,8 @@ class CostAware(Schedule):
 
     def should_draft(self) -> bool:
         """Whether this step should draft at all (see the class docstring)."""
+        if self.never_pays:
+            return False
         if self.drafting[2] < self.warmup:  # also: never timed (sampling under a seed)
             return True
         if self.plain[2] == 0:
@@ -285,6 +294,9 @@ class CostAware(Schedule):
         return {"threshold": self.threshold}
 
     def describe(self) -> str:
+        if self.never_pays:
+            return (f"cost-aware: drafts nothing, drafting cannot pay on this machine (a draft accepted in "
+                    f"full would make {self.pass_costs.best_speedup():.2f}x plain decoding, by measured pass costs)")
         return f"cost-aware (θ measured, starts at {self.prior:g}), γ_max={self.gamma}"
 
 
@@ -420,10 +432,10 @@ def _check_range(gamma_min, gamma_max) -> None:
 
 
 def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma_max: int = 10,
-                  beta: float = 0.0, confidence: float = 0.4) -> Schedule:
+                  beta: float = 0.0, confidence: float = 0.4, pass_costs=None) -> Schedule:
     """A schedule by name: fixed (gamma), heuristic (starts at gamma, in [gamma_min, gamma_max]),
     confidence (threshold `confidence`, up to gamma_max), egag (gamma_min, gamma_max, beta),
-    cost (measured costs, up to gamma_max)."""
+    cost (measured costs, up to gamma_max; `pass_costs`: see CostAware)."""
     if name == "fixed":
         return Fixed(gamma)
     if name == "heuristic":
@@ -433,5 +445,5 @@ def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma
     if name == "egag":
         return EGAG(gamma_min, gamma_max, beta)
     if name == "cost":
-        return CostAware(gamma_max)
+        return CostAware(gamma_max, pass_costs=pass_costs)
     raise SpecdecError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")

@@ -85,6 +85,7 @@ class Settings:
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
+    pass_costs: object | None = None  # sd-cost's `passcost.PassCosts` for the model drafter (None: not measured)
 
 
 @dataclass
@@ -162,7 +163,8 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter()}
         schedule_name = method.removeprefix("sd-") if method.startswith("sd-") else "fixed"
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
-                                 settings.egag_beta, settings.confidence)
+                                 settings.egag_beta, settings.confidence,
+                                 settings.pass_costs if method == "sd-cost" else None)
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
                                       schedule=schedule, **common)
     s = result.stats

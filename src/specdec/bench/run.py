@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import SpecdecError
 from ..drafters.layerskip import choose_skipped
 from ..models import LanguageModel, check_pair, load
+from ..passcost import pass_costs
 from ..samplers import Sampler
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
@@ -240,6 +241,10 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     if drafter_model is not None:
         check_pair(target_model, drafter_model)
     peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
+    if "sd-cost" in methods:  # as the CLI does: where no draft can pay, sd-cost drafts nothing
+        settings.pass_costs = pass_costs(target_model, drafter_model, say)
+        say(f"pass costs: best case of a draft here {settings.pass_costs.best_speedup():.2f}x plain decoding"
+            + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
     encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:
@@ -282,7 +287,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                 target_model, ids_by_prompt[r.prompt_id.split("@")[0]], ar_tokens[r.prompt_id], r.tokens)
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
-            "temperatures": list(temperatures), "seed": seed, "settings": vars(settings),
+            "temperatures": list(temperatures), "seed": seed,
+            "settings": {k: v for k, v in vars(settings).items() if k != "pass_costs"},
+            "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
             "target_dtype": _dtype_name(target_model), "target_kernels": target_model.kernels,
             "target_exact_rows": target_model.exact_rows,

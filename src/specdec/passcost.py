@@ -1,0 +1,149 @@
+"""Pass costs, measured once per model pair and machine: whether drafting can pay at all.
+
+A draft of k − 1 tokens, even if every one of them is accepted, yields k tokens for one target
+pass over k tokens and k − 1 drafter passes. Where that is not clearly faster than k one-token
+target passes for any k (`PassCosts.never_pays`), no acceptance rate makes speculative decoding
+pay, and the cost-aware schedule should draft nothing from the first step rather than learn it
+from steps that drafted (paying for them and for the drafter's prompt pass). That is the case
+on llama.cpp's quantized kernels on a 2-core CPU (docs/KERNELS.md: a 3-token pass of the 1.5B
+target costs 2.3 one-token passes, the 0.5B drafter's pass 0.6 of one). Elsewhere (bf16 on the
+same CPU: 2 tokens cost 0.97 of one) the bound is far above 1 and the schedule measures as before.
+
+The profile is cached in specdec's home (`registry.home()`), keyed by both models, their weights
+and kernels, this CPU, the thread count and the library versions, so only the first run of a
+pair on a machine pays its few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import registry
+from .models import LanguageModel
+
+# Target pass widths measured: drafts of up to 7 tokens. Where none of these pays, a longer one
+# would need passes that get cheaper per token past 8, which no kernel measured here does.
+WIDTHS = (1, 2, 3, 4, 6, 8)
+CONTEXT = 32  # cached tokens before the timed passes
+REPEATS = 5
+WORTH = 1.1  # the least best case worth drafting for (see PassCosts.never_pays)
+CLEARLY_PAYS = 1.5  # a best case above this ends the measurement
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """target: seconds of a target pass over k tokens, by k (1 always present); drafter: seconds of
+    a drafter's 1-token pass (0 for a model-free drafter)."""
+
+    target: dict[int, float]
+    drafter: float = 0.0
+
+    def best_speedup(self) -> float:
+        """max over measured k ≥ 2 of k·t(1) / (t(k) + (k−1)·t_d): the speedup over plain decoding
+        of a (k−1)-token draft if every draft token were accepted, which bounds it at any acceptance."""
+        one = self.target[1]
+        return max((k * one / (t + (k - 1) * self.drafter) for k, t in self.target.items() if k > 1), default=float("inf"))
+
+    def never_pays(self) -> bool:
+        """True when no draft of the measured lengths would beat plain decoding by `WORTH` (10%)
+        even if every draft token were accepted. Real acceptance is lower (at α = 0.9 a 1- or
+        2-token draft yields 5-10% fewer tokens than at full acceptance), and the timings are noisy
+        by a few percent, so below that margin drafting loses in practice."""
+        return self.best_speedup() < WORTH
+
+    def to_dict(self) -> dict:
+        return {"target_ms": {k: 1e3 * t for k, t in self.target.items()}, "drafter_ms": 1e3 * self.drafter,
+                "best_speedup": self.best_speedup(), "never_pays": self.never_pays()}
+
+
+def _pass_seconds(model, tokens: int) -> float:
+    """Median seconds of a pass over `tokens` new tokens after CONTEXT cached ones."""
+    ids = [(100 + 7 * i) % model.vocab_size for i in range(CONTEXT + 1 + tokens)]  # any ids the model embeds
+    cache = model.new_cache()
+    model.forward(model.prefill(ids[:CONTEXT + 1], cache), cache, 1)
+    times = []
+    for _ in range(REPEATS + 1):
+        start = time.perf_counter()
+        model.forward(ids[CONTEXT + 1:], cache, tokens)
+        times.append(time.perf_counter() - start)
+        LanguageModel.crop(cache, CONTEXT + 1)  # static: takes either backend's cache
+    return statistics.median(times[1:])  # the first pass warms up
+
+
+def _key(model) -> str:
+    weights = getattr(model, "weights", None) or str(model.dtype).removeprefix("torch.")
+    versions = [torch.__version__]
+    if model.kernels.startswith("llama.cpp"):
+        import llama_cpp
+
+        versions.append(llama_cpp.__version__)
+    return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
+                     str(model.device), _cpu(), f"threads={torch.get_num_threads()}", *versions])
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return f"{name or platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def _cache_path():
+    return registry.home() / "pass-costs.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(entries: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        partial.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only home: measure again next time
+
+
+def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
+    """The profile of a target and its drafter (a LanguageModel, or None for a model-free one) on
+    this machine, from the cache or measured now (3-8 s) and cached. The target's widths are
+    measured in order until one shows that drafting clearly pays (`CLEARLY_PAYS`): past that,
+    more widths cannot change what the schedule does with the profile."""
+    key = _key(target) + " <- " + (_key(drafter) if drafter is not None else "model-free")
+    entry = _read_cache().get(key)
+    if _valid(entry):
+        return PassCosts({int(k): float(v) for k, v in entry["target"].items()}, float(entry["drafter"]))
+    say(f"measuring pass costs once for this machine and pair (cached in {_cache_path()})")
+    costs = PassCosts({1: _pass_seconds(target, 1)}, 0.0 if drafter is None else _pass_seconds(drafter, 1))
+    for width in WIDTHS[1:]:
+        costs.target[width] = _pass_seconds(target, width)
+        if costs.best_speedup() > CLEARLY_PAYS:
+            break
+    entries = _read_cache()  # re-read: another process may have written meanwhile
+    entries[key] = {"target": {str(k): v for k, v in costs.target.items()}, "drafter": costs.drafter}
+    _write_cache(entries)
+    return costs
+
+
+def _valid(entry) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("target"), dict):
+        return False
+    target, drafter = entry["target"], entry.get("drafter")
+    return "1" in target and len(target) > 1 and isinstance(drafter, (int, float)) and drafter >= 0 and all(
+        isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and v > 0 for k, v in target.items())

@@ -1,0 +1,79 @@
+"""Pass-cost profiles (passcost.py): the bound on what a draft can gain, its cache, and a cost
+schedule that drafts nothing where drafting cannot pay."""
+
+import json
+
+import pytest
+
+from specdec import autoregressive_generate, speculative_generate
+from specdec import passcost
+from specdec.passcost import PassCosts, pass_costs
+from specdec.schedules import CostAware
+
+from conftest import TableModel, tiny_model
+
+# seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/KERNELS.md)
+GGUF = {1: 0.0326, 2: 0.0567, 3: 0.0746, 4: 0.109, 6: 0.158, 8: 0.218}
+BF16 = {1: 0.174, 2: 0.171}
+
+
+def test_the_best_case_bound_and_the_margin():
+    # llama.cpp target with its 0.5B GGUF drafter: a 2-token draft, 3·32.6 / (74.6 + 2·18.7) = 0.87, is the best
+    gguf = PassCosts(GGUF, 0.0187)
+    assert gguf.best_speedup() == pytest.approx(3 * 0.0326 / (0.0746 + 2 * 0.0187))
+    assert gguf.never_pays()
+    # the same target with a free drafter (prompt lookup): 3·32.6 / 74.6 = 1.31, worth drafting
+    assert PassCosts(GGUF, 0.0).best_speedup() == pytest.approx(3 * 0.0326 / 0.0746)
+    assert not PassCosts(GGUF, 0.0).never_pays()
+    # bf16 on the same CPU: a 2-token pass costs less than a 1-token one
+    assert PassCosts(BF16, 0.0368).best_speedup() > 1.5 and not PassCosts(BF16, 0.0368).never_pays()
+    # a jump at 2 tokens, flat after it: the bound takes the best width, not the first
+    assert not PassCosts({1: 1.0, 2: 1.9, 8: 2.0}, 0.1).never_pays()
+    # exactly k passes for k tokens: no draft pays, whatever the drafter
+    assert PassCosts({k: float(k) for k in (1, 2, 4, 8)}, 0.0).never_pays()
+    assert PassCosts(GGUF, 0.0187).to_dict()["never_pays"] is True
+
+
+def test_profiles_are_measured_once_and_cached_per_pair(tmp_path, monkeypatch):
+    monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32, layers=1, name="tiny-drafter")
+    said = []
+    first = pass_costs(target, drafter, say=said.append)
+    assert len(said) == 1 and set(first.target) >= {1, 2} and first.drafter > 0
+    again = pass_costs(target, drafter, say=said.append)
+    assert len(said) == 1 and again == first  # read back, not measured
+    free = pass_costs(target, None, say=said.append)  # another pair: measured on its own
+    assert len(said) == 2 and free.drafter == 0
+    data = json.loads((tmp_path / "pass-costs.json").read_text())
+    assert len(data) == 2
+    # a damaged entry or file is measured again, never trusted
+    key = next(k for k in data if k.endswith("model-free"))
+    data[key]["target"] = {"1": -1.0}
+    (tmp_path / "pass-costs.json").write_text(json.dumps(data))
+    pass_costs(target, None, say=said.append)
+    assert len(said) == 3
+    (tmp_path / "pass-costs.json").write_text("{not json")
+    pass_costs(target, drafter, say=said.append)
+    assert len(said) == 4
+
+
+def test_a_cost_schedule_told_that_drafting_cannot_pay_drafts_nothing():
+    target, drafter = TableModel(6, 0), TableModel(6, 1)
+
+    class Counting(TableModel):
+        passes = 0
+
+        def forward(self, *args, **kwargs):
+            Counting.passes += 1
+            return super().forward(*args, **kwargs)
+
+    counted = Counting(6, 1)
+    ar = autoregressive_generate([1, 2], target, max_new_tokens=20, eos_token_ids=[])
+    never = CostAware(20, pass_costs=PassCosts(GGUF, 0.0187))
+    assert "drafts nothing" in never.describe()
+    sd = speculative_generate([1, 2], target, counted, schedule=never, max_new_tokens=20, eos_token_ids=[])
+    assert sd.tokens == ar.tokens
+    assert sd.stats.drafted == 0 and Counting.passes == 0  # not even the drafter's prompt pass
+    worth = CostAware(20, pass_costs=PassCosts(BF16, 0.0368))
+    sd = speculative_generate([1, 2], target, drafter, schedule=worth, max_new_tokens=20, eos_token_ids=[])
+    assert sd.tokens == ar.tokens and sd.stats.drafted > 0
