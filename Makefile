@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-policies bench-trees bench-self bench-eagle bench-self-all clean
+.PHONY: setup models peers demo test bench bench-llama bench-gguf bench-policies bench-trees bench-self bench-eagle bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -44,6 +44,12 @@ bench-llama: peers
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
 		--methods ar,sd-cost,hf,hf-assisted,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/llama.md --json docs/benchmarks/llama.json --plot docs/benchmarks/llama.png
+
+# the same without transformers' peers (~20 min): ours on the GGUF weights against llama.cpp alone
+bench-gguf: peers
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
+		--methods ar,sd-cost,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/llama-2.md --json docs/benchmarks/llama-2.json --plot docs/benchmarks/llama-2.png
 
 # issue 4's comparison: draft-length policies on the model drafter, and the three drafters at
 # the same fixed γ, greedy (so every output is also checked token for token against AR)

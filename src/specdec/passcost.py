@@ -85,7 +85,8 @@ def _key(model) -> str:
 
         versions.append(llama_cpp.__version__)
     return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
-                     str(model.device), _cpu(), f"threads={torch.get_num_threads()}", *versions])
+                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), _cpu(),
+                     f"threads={torch.get_num_threads()}", *versions])
 
 
 def _cpu() -> str:
