@@ -193,9 +193,9 @@ class CostAware(Schedule):
     def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
                  decay: float = 0.9, pass_costs=None):
         """pass_costs: a `passcost.PassCosts` profile of this target and drafter on this machine, or
-        None. Where it shows that no draft can beat plain decoding at any acceptance (`never_pays`),
-        the schedule drafts nothing at all, so neither the drafting steps it would learn from nor
-        the drafter's prompt pass are paid. (Keep it None under sampling with a seed: a profile
+        None. Where it shows that no draft would beat plain decoding by 10% even if accepted in full
+        (`never_pays`), the schedule drafts nothing at all, so neither the drafting steps it would
+        learn from nor the drafter's prompt pass are paid. (Keep it None under sampling with a seed: a profile
         is a timing, and a seed pins the output only where no timing steers the draft lengths.)"""
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("probe", probe)
