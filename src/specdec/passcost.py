@@ -63,18 +63,23 @@ class PassCosts:
                 "best_speedup": self.best_speedup(), "never_pays": self.never_pays()}
 
 
-def _pass_seconds(model, tokens: int) -> float:
-    """Median seconds of a pass over `tokens` new tokens after CONTEXT cached ones."""
-    ids = [(100 + 7 * i) % model.vocab_size for i in range(CONTEXT + 1 + tokens)]  # any ids the model embeds
+def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPEATS, parents=None) -> float:
+    """Median seconds of one pass over `tokens` new tokens after `context` cached ones (the cache
+    cropped back after each; the first pass warms up and is not counted). parents: a tree over
+    the new tokens (`LanguageModel.forward`), or None for a chain."""
+    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]  # any ids the model embeds
     cache = model.new_cache()
-    model.forward(model.prefill(ids[:CONTEXT + 1], cache), cache, 1)
+    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
     times = []
-    for _ in range(REPEATS + 1):
+    for _ in range(repeats + 1):
+        sync()
         start = time.perf_counter()
-        model.forward(ids[CONTEXT + 1:], cache, tokens)
+        model.forward(ids[context + 1:], cache, tokens, parents=parents)
+        sync()
         times.append(time.perf_counter() - start)
-        LanguageModel.crop(cache, CONTEXT + 1)  # static: takes either backend's cache
-    return statistics.median(times[1:])  # the first pass warms up
+        LanguageModel.crop(cache, context + 1)  # static: takes either backend's cache
+    return statistics.median(times[1:])
 
 
 def _key(model) -> str:
@@ -85,7 +90,7 @@ def _key(model) -> str:
 
         versions.append(llama_cpp.__version__)
     return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
-                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), _cpu(),
+                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), _machine(model),
                      f"threads={torch.get_num_threads()}", *versions])
 
 
@@ -96,6 +101,13 @@ def _cpu() -> str:
     except OSError:
         name = ""
     return f"{name or platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def _machine(model) -> str:
+    """What the timings depend on besides the model: the CPU (and the GPU a model runs on)."""
+    if model.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(model.device)} | {_cpu()}"
+    return _cpu()
 
 
 def _cache_path():
@@ -131,11 +143,12 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
     if _valid(entry):
         return PassCosts({int(k): float(v) for k, v in entry["target"].items()}, float(entry["drafter"]))
     say(f"measuring pass costs once for this machine and pair (cached in {_cache_path()})")
-    costs = PassCosts({1: _pass_seconds(target, 1)}, 0.0 if drafter is None else _pass_seconds(drafter, 1))
+    seconds, drafter_pass = {1: pass_seconds(target, 1)}, 0.0 if drafter is None else pass_seconds(drafter, 1)
     for width in WIDTHS[1:]:
-        costs.target[width] = _pass_seconds(target, width)
-        if costs.best_speedup() > CLEARLY_PAYS:
+        seconds[width] = pass_seconds(target, width)
+        if PassCosts(seconds, drafter_pass).best_speedup() > CLEARLY_PAYS:
             break
+    costs = PassCosts(seconds, drafter_pass)
     entries = _read_cache()  # re-read: another process may have written meanwhile
     entries[key] = {"target": {str(k): v for k, v in costs.target.items()}, "drafter": costs.drafter}
     _write_cache(entries)

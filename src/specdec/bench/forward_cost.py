@@ -12,6 +12,7 @@ import time
 from typing import Iterator
 
 from ..models import LanguageModel, load
+from ..passcost import pass_seconds
 from ..trees import input_parents
 
 
@@ -24,16 +25,8 @@ def tree_of_width(nodes: int, branching: int = 2) -> list[int]:
 def forward_ms(model: LanguageModel, tokens: int, context: int = 128, repeats: int = 5, tree: bool = False) -> float:
     """Median milliseconds of one pass over `tokens` new tokens after `context` cached ones; with
     `tree`, the last token committed plus a (tokens - 1)-node tree under the tree mask."""
-    cache = model.new_cache()
-    model.forward(model.prefill(list(range(1000, 1000 + context + 1)), cache), cache, 1)
     parents = input_parents(1, tree_of_width(tokens - 1)) if tree and tokens > 1 else None
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        model.forward(list(range(2000, 2000 + tokens)), cache, tokens, parents=parents)
-        times.append(time.perf_counter() - start)
-        LanguageModel.crop(cache, context + 1)
-    return statistics.median(times[1:]) * 1e3  # the first pass warms up
+    return 1e3 * pass_seconds(model, tokens, context, repeats, parents)
 
 
 def prefill_ms(model: LanguageModel, tokens: int = 128) -> float:

@@ -20,6 +20,7 @@ from ..generate import autoregressive_generate, speculative_generate
 from ..eagle import load_eagle
 from ..medusa import load_heads
 from ..models import LanguageModel
+from ..passcost import PassCosts
 from ..samplers import Sampler
 from ..schedules import TreeCost, make_schedule
 
@@ -85,7 +86,7 @@ class Settings:
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
-    pass_costs: object | None = None  # sd-cost's `passcost.PassCosts` for the model drafter (None: not measured)
+    pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
 
 
 @dataclass
