@@ -459,6 +459,8 @@ def bench(
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes per token tree (tree-* methods)."),
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
+    flat_at16: float = typer.Option(1.2, "--flat-at16", help="The machine the projection (and the -flat methods' "
+                                    "sizing) assumes: scoring 16 drafted tokens costs this many one-token passes."),
     heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
     eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
@@ -477,9 +479,11 @@ def bench(
         from .drafters.tree import check_tree_options
 
         check_tree_options("mixed", tree_nodes, tree_scheme)
+        if not flat_at16 >= 1:
+            raise SpecdecError(f"--flat-at16 must be >= 1 (a wide pass costs at least a 1-token one), got {flat_at16}")
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
-                            tree_scheme=tree_scheme, heads=heads, eagle=eagle,
+                            tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle,
                             skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,

@@ -75,6 +75,8 @@ class GenerationStats:
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # for trees: the accepted path's length
     nodes_per_step: list[int] = field(default_factory=list)  # tree nodes scored per step (trees only)
+    widths_per_step: list[int] = field(default_factory=list)  # tokens in each step's target pass (speculative)
+    drafter_passes_per_step: list[int] = field(default_factory=list)  # the drafter's passes in each step
     wall_seconds: float = 0.0
     first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
     target_seconds: float = 0.0  # inside the target's passes (its prompt pass included)
@@ -243,6 +245,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
             draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going)
         drafted_at = time.perf_counter()
         stats.drafter_seconds += drafted_at - step_start
+        stats.drafter_passes_per_step.append(drafter.forwards - passes)
 
         # 2. Score: one target pass over the tokens it has not seen and the whole draft (a tree
         #    under its tree attention mask).
@@ -252,6 +255,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
             logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
                                     parents=parents)  # [γ+1, V]
         stats.target_forwards += 1
+        stats.widths_per_step.append(len(pending) + len(draft.tokens))
 
         # 3. Verify: the acceptance rule lives in verify.py alone.
         details = {} if debug else None

@@ -156,6 +156,38 @@ class EGAG(Schedule):
         return f"egag γ in [{self.gamma_min}, {self.gamma_max}], β={self.beta:g}"
 
 
+class AssumedCosts:
+    """A machine's pass costs taken as given instead of timed: a target pass over w tokens costs
+    1 + slope·(w − 1) one-token passes, a drafter pass `drafter` of one (c).
+
+    A cost-aware policy given these (`CostAware(assumed=...)`) sizes its drafts as it would on
+    that machine: the timings it learns from are these costs, not the wall clock. That is how a
+    run here sizes drafts and trees for a machine where wide passes are nearly free (a GPU; a CPU
+    with AMX), to measure their tokens per pass and project their speed there (bench's `-flat`
+    methods, `specdec.passcost.projected_units`); on this machine they are then slower.
+    """
+
+    def __init__(self, drafter: float, slope: float):
+        if not (drafter >= 0 and slope >= 0 and math.isfinite(drafter) and math.isfinite(slope)):
+            raise SpecdecError(f"assumed costs must be finite and >= 0, got drafter {drafter!r}, slope {slope!r}")
+        self.drafter, self.slope = float(drafter), float(slope)
+
+    @classmethod
+    def flat(cls, drafter: float, at16: float = 1.2) -> "AssumedCosts":
+        """The nearly-free curve of `theory.flat_verification`: scoring 16 drafted tokens (plus the
+        pending one) costs `at16` one-token passes (1.2: a GPU at batch 1)."""
+        if not at16 >= 1:
+            raise SpecdecError(f"a wide pass cannot cost less than a 1-token one, got at16={at16!r}")
+        return cls(drafter, (at16 - 1) / 16)
+
+    def seconds(self, drafter_passes: int, width: int) -> tuple[float, float]:
+        """(drafting, verification) of a step, in one-token target passes."""
+        return self.drafter * drafter_passes, 1.0 + self.slope * (width - 1)
+
+    def to_dict(self) -> dict:
+        return {"drafter": self.drafter, "slope": self.slope, "at16": 1.0 + 16 * self.slope}
+
+
 class CostAware(Schedule):
     """Draft while the draft so far is likely enough to survive to pay for one more token.
 
@@ -191,12 +223,13 @@ class CostAware(Schedule):
     name = "cost"
 
     def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
-                 decay: float = 0.9, pass_costs=None):
+                 decay: float = 0.9, pass_costs=None, assumed: AssumedCosts | None = None):
         """pass_costs: a `passcost.PassCosts` profile of this target and drafter on this machine, or
         None. Where it shows that no draft would beat plain decoding by 10% even if accepted in full
         (`never_pays`), the schedule drafts nothing at all, so neither the drafting steps it would
         learn from nor the drafter's prompt pass are paid. (Keep it None under sampling with a seed: a profile
-        is a timing, and a seed pins the output only where no timing steers the draft lengths.)"""
+        is a timing, and a seed pins the output only where no timing steers the draft lengths.)
+        assumed: size drafts for these costs instead of the measured ones (`AssumedCosts`)."""
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("probe", probe)
         if not 0 < threshold < 1:
@@ -205,8 +238,8 @@ class CostAware(Schedule):
             raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
         super().__init__(gamma_max)
         self.prior, self.warmup, self.probe, self.decay = threshold, warmup, probe, decay
-        self.pass_costs = pass_costs
-        self.never_pays = pass_costs is not None and pass_costs.never_pays()
+        self.pass_costs, self.assumed = pass_costs, assumed
+        self.never_pays = pass_costs is not None and pass_costs.never_pays() and assumed is None
         self.reset()
 
     def reset(self) -> None:
@@ -264,6 +297,8 @@ class CostAware(Schedule):
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
+        if self.assumed is not None:
+            draft_seconds, verify_seconds = self.assumed.seconds(drafter_passes, width)
         self.timed_steps += 1
         if self.timed_steps > 1:  # the first step's time holds the prompt's passes
             kind = self.drafting if width > 1 else self.plain
@@ -279,11 +314,16 @@ class CostAware(Schedule):
             self._sums[i] += v
         n, sw, sww, st, swt = self._sums
         spread = n * sww - sw * sw
-        if n < self.warmup or spread < 0.25 * n * n or self.seconds <= 0:  # widths must vary
+        if n < self.warmup or self.seconds <= 0:
             return
-        slope = max(0.0, (n * swt - sw * st) / spread)  # least-squares seconds per extra scored token
-        one_token_pass = (st - slope * sw) / n + slope
-        per_pass = self.draft_seconds / self.passes if self.passes else 0.0
+        if self.assumed is not None:  # known: no fit, so also where the widths never vary
+            slope, one_token_pass, per_pass = self.assumed.slope, 1.0, self.assumed.drafter
+        elif spread < 0.25 * n * n:  # widths must vary
+            return
+        else:
+            slope = max(0.0, (n * swt - sw * st) / spread)  # least-squares seconds per extra scored token
+            one_token_pass = (st - slope * sw) / n + slope
+            per_pass = self.draft_seconds / self.passes if self.passes else 0.0
         # the best rate is at least plain decoding's (drafting nothing): a poor start must not
         # lower the bar and draw out ever longer drafts
         rate = max(self.tokens / self.seconds, 1 / one_token_pass if one_token_pass > 0 else 0.0)
@@ -297,7 +337,13 @@ class CostAware(Schedule):
         if self.never_pays:
             return (f"cost-aware: drafts nothing, drafting cannot pay on this machine (a draft accepted in "
                     f"full would make {self.pass_costs.best_speedup():.2f}x plain decoding, by measured pass costs)")
-        return f"cost-aware (θ measured, starts at {self.prior:g}), γ_max={self.gamma}"
+        return f"cost-aware (θ {self._costs_said()}, starts at {self.prior:g}), γ_max={self.gamma}"
+
+    def _costs_said(self) -> str:
+        if self.assumed is None:
+            return "measured"
+        return (f"from assumed costs: drafter pass {self.assumed.drafter:.2f}, 16 drafted tokens "
+                f"{1 + 16 * self.assumed.slope:.2f} one-token passes")
 
 
 class Calibration:
@@ -377,13 +423,13 @@ class TreeCost(CostAware):
 
     def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
                  node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9,
-                 calibrate: bool = True):
+                 calibrate: bool = True, assumed: AssumedCosts | None = None):
         _check_gamma("max_nodes", max_nodes)
         if not 0 < node_threshold < 1:
             raise SpecdecError(f"the tree's starting node threshold must be in (0, 1), got {node_threshold!r}")
         self.max_nodes, self.node_prior, self.calibrate = max_nodes, node_threshold, calibrate
         self.calibrated = Calibration()
-        super().__init__(max_depth, threshold, warmup, probe, decay)
+        super().__init__(max_depth, threshold, warmup, probe, decay, assumed=assumed)
 
     def reset(self) -> None:
         super().reset()
@@ -420,7 +466,7 @@ class TreeCost(CostAware):
 
     def describe(self) -> str:
         values = "calibrated" if self.calibrate else "the drafter's q"
-        return f"tree cost-aware (thresholds measured, node values {values}), depth <= {self.gamma}, " \
+        return f"tree cost-aware (thresholds {self._costs_said()}, node values {values}), depth <= {self.gamma}, " \
                f"nodes <= {self.max_nodes}"
 
 
@@ -432,10 +478,11 @@ def _check_range(gamma_min, gamma_max) -> None:
 
 
 def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma_max: int = 10,
-                  beta: float = 0.0, confidence: float = 0.4, pass_costs=None) -> Schedule:
+                  beta: float = 0.0, confidence: float = 0.4, pass_costs=None,
+                  assumed: AssumedCosts | None = None) -> Schedule:
     """A schedule by name: fixed (gamma), heuristic (starts at gamma, in [gamma_min, gamma_max]),
     confidence (threshold `confidence`, up to gamma_max), egag (gamma_min, gamma_max, beta),
-    cost (measured costs, up to gamma_max; `pass_costs`: see CostAware)."""
+    cost (measured costs, up to gamma_max; `pass_costs`, `assumed`: see CostAware)."""
     if name == "fixed":
         return Fixed(gamma)
     if name == "heuristic":
@@ -445,5 +492,5 @@ def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma
     if name == "egag":
         return EGAG(gamma_min, gamma_max, beta)
     if name == "cost":
-        return CostAware(gamma_max, pass_costs=pass_costs)
+        return CostAware(gamma_max, pass_costs=pass_costs, assumed=assumed)
     raise SpecdecError(f"unknown schedule '{name}'; choose from {', '.join(SCHEDULES)}")

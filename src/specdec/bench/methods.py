@@ -22,7 +22,7 @@ from ..medusa import load_heads
 from ..models import LanguageModel
 from ..passcost import PassCosts
 from ..samplers import Sampler
-from ..schedules import TreeCost, make_schedule
+from ..schedules import AssumedCosts, TreeCost, make_schedule
 
 METHODS = {
     "ar": "ours: autoregressive, one target pass per token",
@@ -38,6 +38,11 @@ METHODS = {
     "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
     "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
+    "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
+    "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
+    "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
+    "tree-sequoia-flat": "tree-sequoia sized for assumed nearly-free wide passes (--flat-at16): for projections",
+    "tree-mixed-flat": "tree-mixed sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
     "eagle": "ours: the target drafts for itself with an EAGLE layer (--eagle DIR), EAGLE-2 trees sized by cost",
     "medusa-uncalibrated": "medusa with node values from the heads' raw q (no measured calibration; an ablation)",
@@ -52,7 +57,13 @@ METHODS = {
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
-                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "llama-cpp-spec"}
+                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "llama-cpp-spec", "sd-cost-flat",
+                 "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
+FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
+
+
+def is_flat(method: str) -> bool:
+    return method.endswith(FLAT)
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 
 
@@ -87,6 +98,8 @@ class Settings:
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
+    flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
+    assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
 
 
 @dataclass
@@ -107,6 +120,8 @@ class Record:
     nodes_per_step: list[int] = field(default_factory=list)  # tree methods: nodes scored per step
     target_seconds: float | None = None  # ours: inside target passes (None for peers, which do not say)
     drafter_seconds: float | None = None  # ours: drafting and keeping the drafter in step
+    widths_per_step: list[int] = field(default_factory=list)  # ours, speculative: tokens per target pass
+    drafter_passes_per_step: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,20 +173,31 @@ def run_method(method: str, ids: list[int], target: LanguageModel, drafter: Lang
         result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
                                       schedule=schedule, **common)
     elif method.startswith("tree-"):
-        tree = make_tree_drafter(method.removeprefix("tree-"), drafter, settings.tree_nodes, settings.tree_scheme)
+        tree = make_tree_drafter(method.removeprefix("tree-").removesuffix(FLAT), drafter, settings.tree_nodes,
+                                 settings.tree_scheme, assumed=_assumed(method, settings))
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter()}
-        schedule_name = method.removeprefix("sd-") if method.startswith("sd-") else "fixed"
+        schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence,
-                                 settings.pass_costs if method == "sd-cost" else None)
+                                 settings.pass_costs if method == "sd-cost" else None, _assumed(method, settings))
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
                                       schedule=schedule, **common)
     s = result.stats
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
-                  nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds)
+                  nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
+                  widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step)
+
+
+def _assumed(method: str, settings: Settings) -> AssumedCosts | None:
+    if not is_flat(method):
+        return None
+    if settings.assumed is None:
+        raise SpecdecError(f"{method} needs the assumed costs (Settings.assumed; the bench sets them from the "
+                           f"pair's measured drafter cost)")
+    return settings.assumed
 
 
 _CHECKPOINTS: dict[tuple[str, str], object] = {}  # by (kind, folder)

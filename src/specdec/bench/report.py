@@ -130,6 +130,7 @@ def render_markdown(result: dict) -> str:
                   "| method | target passes | drafter | loop | loop ms / step |", "|---|---|---|---|---|"]
         lines += [f"| {m} | {s['time_in_target']:.1%} | {s['time_in_drafter']:.1%} | {s['time_in_loop']:.1%} | "
                   f"{_fmt(s['loop_ms_per_step'])} |" for m, s in split.items()]
+    lines += _markdown_projection(info, summary)
     hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}
     if hist:
         top = max(int(k) for h in hist.values() for k in h)
@@ -157,6 +158,30 @@ def render_markdown(result: dict) -> str:
     for pid, row in by_prompt.items():
         lines.append(f"| {pid} | " + " | ".join(_fmt(row.get(m)) for m in methods) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _markdown_projection(info: dict, summary: dict) -> list[str]:
+    """Tokens per target pass against sd-cost's, and the speedup each of our methods would have where
+    wide passes are nearly free (`theory.projected_speedup`), beside the one measured here."""
+    projected = {m: s for m, s in summary.items() if "projected_speedup" in s}
+    assumed = info.get("assumed_costs")
+    if not projected or not assumed:
+        return []
+    chain = summary.get("sd-cost", {}).get("tokens_per_target_forward")
+    lines = ["", "### Tokens per target pass, and the speedup projected where wide passes are nearly free", "",
+             f"Projected: each run's own steps (tokens, target pass widths, drafter passes) priced on a machine where "
+             f"scoring 16 drafted tokens costs {assumed['at16']:.2f} one-token passes and a drafter pass "
+             f"{assumed['drafter']:.3f} of one (this pair's c, measured here); prompt passes left out; median per "
+             f"prompt. The `-flat` methods size their drafts for that machine, the others for this one.", "",
+             "| method | tokens / target pass | × sd-cost's | tree nodes / step | measured vs ar here | projected vs ar |",
+             "|---|---|---|---|---|---|"]
+    for m, s in projected.items():
+        tpf = s.get("tokens_per_target_forward")
+        ratio = tpf / chain if tpf and chain else None
+        here = 1.0 if m == "ar" else s.get("median_speedup_vs_ar")
+        lines.append(f"| {m} | {_fmt(tpf)} | {_fmt(ratio, '.2f', '×')} | {_fmt(s.get('mean_nodes_per_step'), '.1f')} | "
+                     f"{_fmt(here, '.2f', '×')} | {s['projected_speedup']:.2f}× |")
+    return lines
 
 
 def render_plot(result: dict, path: str) -> None:

@@ -22,9 +22,11 @@ from ..drafters.layerskip import choose_skipped
 from ..models import LanguageModel, check_pair, load
 from ..passcost import pass_costs
 from ..samplers import Sampler
+from ..schedules import AssumedCosts
+from ..theory import projected_speedup
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
-                      run_method, self_drafting)
+                      is_flat, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
@@ -81,16 +83,35 @@ def _time_split(rs: list) -> dict:
             "loop_ms_per_step": 1e3 * loop / steps if steps else None} if wall > 0 else {}
 
 
+def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
+    """The median per-prompt speedup over AR each of our methods would have on the assumed machine
+    (`theory.projected_speedup`: its tokens per step, its passes' widths on that machine's cost
+    curve, its drafter passes at the pair's c). AR is 1 by definition; none for the peers and for
+    self-drafting, whose drafter passes are not the pair's drafter's."""
+    if assumed is None or checkpoint_kind(method) or method == "self-skip" or not rs:
+        return {}
+    if method == "ar":
+        return {"projected_speedup": 1.0}
+    if any(not r.widths_per_step for r in rs):
+        return {}
+    at16 = 1.0 + 16 * assumed.slope
+    return {"projected_speedup": statistics.median(
+        projected_speedup(r.new_tokens, r.widths_per_step, r.drafter_passes_per_step, assumed.drafter, at16,
+                          r.target_forwards - len(r.widths_per_step))  # the first token's pass
+        for r in rs)}
+
+
 def _median_or_none(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
-def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
+def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts | None = None) -> dict[str, dict]:
     """Per method: median and aggregate tok/s, median time to first token and decoding rate after it,
     median per-prompt speedups vs ar, hf and hf-assisted (with a bootstrap interval, on how many
     prompts it was faster, and decoding alone), acceptance, tokens per target forward, histogram of
-    accepted counts, and (greedy prompts) identity to ar."""
+    accepted counts, (greedy prompts) identity to ar, and with `assumed` costs the speedup
+    projected for that machine (`_projected`)."""
     by = {m: {r.prompt_id: r for r in records if r.method == m} for m in methods}
     summary = {}
     for m in methods:
@@ -112,6 +133,7 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
             **_time_split(rs),
+            **_projected(m, rs, assumed),
         }
         for base in BASELINES:
             if by.get(base) and base != m:
@@ -133,11 +155,12 @@ def summarize(records: list[Record], methods: list[str]) -> dict[str, dict]:
     return summary
 
 
-def group_summaries(records: list[Record], methods: list[str]) -> list[dict]:
+def group_summaries(records: list[Record], methods: list[str], assumed: AssumedCosts | None = None) -> list[dict]:
     """One summary per (dataset, task, temperature), in the order they ran."""
     keys = list(dict.fromkeys((r.dataset, r.task, r.temperature) for r in records))
     return [{"dataset": d, "task": t, "temperature": temp,
-             "summary": summarize([r for r in records if (r.dataset, r.task, r.temperature) == (d, t, temp)], methods)}
+             "summary": summarize([r for r in records if (r.dataset, r.task, r.temperature) == (d, t, temp)], methods,
+                                  assumed)}
             for d, t, temp in keys]
 
 
@@ -241,10 +264,16 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     if drafter_model is not None:
         check_pair(target_model, drafter_model)
     peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
-    if "sd-cost" in methods:  # as the CLI does: where no draft can pay, sd-cost drafts nothing
+    if "sd-cost" in methods or drafter_model is not None:
+        # as the CLI does: where no draft can pay, sd-cost drafts nothing; and the pair's c prices
+        # the drafter's passes in the projection for a machine with nearly free wide passes
         settings.pass_costs = pass_costs(target_model, drafter_model, say)
         say(f"pass costs: best case of a draft here {settings.pass_costs.best_speedup():.2f}x plain decoding"
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
+        costs = settings.pass_costs
+        settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
+    elif any(is_flat(m) for m in methods):
+        raise SpecdecError("the -flat methods need a drafter model")
     encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:
@@ -277,7 +306,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                         console.print(f"{r.prompt_id} {m}: {r.new_tokens} tokens, {r.tokens_per_second:.2f} tok/s",
                                       highlight=False)
 
-    summary = summarize(records, methods)
+    summary = summarize(records, methods, settings.assumed)
     ids_by_prompt = {f"{p.dataset}/{p.index}": ids for p, ids in zip(prompts, encoded)}
     ar_tokens = {r.prompt_id: r.tokens for r in records if r.method == "ar"}
     for r in records:  # for each greedy output that left AR's: where, and how close the target's call was
@@ -288,8 +317,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed,
-            "settings": {k: v for k, v in vars(settings).items() if k != "pass_costs"},
+            "settings": {k: v for k, v in vars(settings).items() if k not in ("pass_costs", "assumed")},
             "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
+            "assumed_costs": settings.assumed.to_dict() if settings.assumed else None,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
             "target_dtype": _dtype_name(target_model), "target_kernels": target_model.kernels,
             "target_exact_rows": target_model.exact_rows,
@@ -302,7 +332,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in kinds else None,
             "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
-    result = {"info": info, "summary": summary, "groups": group_summaries(records, methods),
+    result = {"info": info, "summary": summary, "groups": group_summaries(records, methods, settings.assumed),
               "records": [dict(vars(r), tokens_per_second=r.tokens_per_second,
                                decode_tokens_per_second=r.decode_tokens_per_second) for r in records]}
     console.print(render_table(summary, title="all prompts"))

@@ -20,7 +20,7 @@ import torch
 from ..errors import SpecdecError
 from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
-from ..schedules import TreeCost
+from ..schedules import AssumedCosts, TreeCost
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_continuations
 from .model import ModelDrafter
@@ -377,10 +377,12 @@ def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
 
 
 def make_tree_drafter(kind: str, model: LanguageModel | None = None, max_nodes: int = 64,
-                      scheme: str = "without-replacement", width: int | None = None):
-    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`."""
+                      scheme: str = "without-replacement", width: int | None = None,
+                      assumed: AssumedCosts | None = None):
+    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
+    or by `assumed` costs (sized for another machine, see `AssumedCosts`)."""
     check_tree_options(kind, max_nodes, scheme)
-    policy = TreeCost(max_nodes=max_nodes)
+    policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
     if kind == "lookup":
         return LookupTreeDrafter(policy=policy)
     if model is None:
