@@ -105,7 +105,20 @@ DRAFTERS = {
                                                                        max_nodes=3, warmup=10**9)),
     "lookup": lambda d: LookupTreeDrafter(policy=_wide()),
     "mixed": lambda d: MixedDrafter(d, width=2, policy=_wide()),
+    "mixed-alternating": lambda d: _Alternating(d, width=2, policy=_wide()),
 }
+
+
+class _Alternating(MixedDrafter):
+    """Steps of lookup alone and of model and lookup in turn, decided by the step count alone
+    (never by a draw): under seeded sampling the measured choice is never made, so this is what
+    puts lookup-alone steps into the sampled exactness test."""
+
+    turn = False
+
+    def _lookup_alone(self) -> bool:
+        self.turn = not self.turn
+        return self.turn
 
 
 @pytest.mark.parametrize("kind", ["sides", "lookup", "mixed"])
@@ -124,7 +137,8 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
 
 
 # the lookup trie is deterministic: its sampled exactness is that of the mixed tree's lookup nodes
-@pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed"])
+@pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed",
+                                  "mixed-alternating"])
 def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
     It caught a mixed tree that ranked lookup nodes before the model's sampled sides (p ~ 1e-27)."""
@@ -140,6 +154,27 @@ def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     assert chi_square_pvalue(samples, joint) > ALPHA
     if kind != "lookup":
         assert off_main_chain > runs // 20
+
+
+@pytest.mark.parametrize("drafter_seed, c", [(1, 0.5), (0, 0.05)])
+def test_the_mixed_tree_leaves_the_model_out_where_lookup_alone_makes_more_per_second(drafter_seed, c):
+    """The target's greedy output soon repeats itself, so lookup alone drafts it at no drafter
+    pass: with an unrelated drafter (seed 1), or with the target itself as a cheap drafter (seed 0),
+    lookup-alone steps make more per (assumed) second and the model is left out of most steps."""
+    from specdec.drafters.tree import LOOKUP_ALONE, WITH_MODEL
+    from specdec.schedules import AssumedCosts
+
+    target, drafter = TableModel(12, 0), TableModel(12, drafter_seed)
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    expected = autoregressive_generate(prompt, target, max_new_tokens=60, eos_token_ids=[]).tokens
+    mixed = MixedDrafter(drafter, policy=TreeCost(assumed=AssumedCosts(c, 0.01), warmup=2))
+    out = speculative_generate(prompt, target, mixed, gamma=8, max_new_tokens=60, eos_token_ids=[], first_target=False)
+    assert out.tokens == expected
+    steps = list(zip(out.steps, out.stats.drafter_passes_per_step))
+    alone = [s.num_accepted for s, passes in steps if s.draft_tokens and not passes]
+    with_model = [s.num_accepted for s, passes in steps if passes]
+    assert len(alone) >= 4 and sum(alone) > 2 * sum(with_model)  # most accepted tokens came at no drafter pass
+    assert mixed.kinds[WITH_MODEL][2] >= 2 and mixed.kinds[LOOKUP_ALONE][2] >= 3  # both measured
 
 
 def _off_main_chain(result) -> int:

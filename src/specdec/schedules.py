@@ -188,6 +188,31 @@ class AssumedCosts:
         return {"drafter": self.drafter, "slope": self.slope, "at16": 1.0 + 16 * self.slope}
 
 
+class Prober:
+    """Take the option measured faster, probing the other now and then: after a choice, the other
+    is tried on the `wait`-th decision, then after twice as many, and so on (up to 64·`probe`),
+    back to `wait` whenever the measured choice flips. A probe that loses costs one step, so their
+    number grows as the log of a generation's length."""
+
+    def __init__(self, probe: int):
+        self.probe = probe
+        self.reset()
+
+    def reset(self) -> None:
+        self.choice: bool | None = None
+        self.since = self.interval = 0
+
+    def decide(self, better: bool, wait: int) -> bool:
+        """`better`: what the measurements say; `wait`: the first probe's distance for that choice."""
+        if better != self.choice:
+            self.choice, self.since, self.interval = better, 0, wait
+        self.since += 1
+        if self.since < self.interval:
+            return better
+        self.since, self.interval = 0, min(2 * self.interval, 64 * self.probe)
+        return not better
+
+
 class CostAware(Schedule):
     """Draft while the draft so far is likely enough to survive to pay for one more token.
 
@@ -250,8 +275,7 @@ class CostAware(Schedule):
         self.drafted = self.accepted = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
         self.measured: tuple[float, float, float, float] | None = None  # rate, drafter pass, slope, 1-token pass
-        self.choice: bool | None = None  # what the rates last said: draft or not
-        self.since_probe = self.interval = 0
+        self.prober = Prober(self.probe)  # draft or not
         self.timed_steps = 0
         # decayed (tokens, seconds, steps) of steps that drafted / did not
         self.drafting = [0.0, 0.0, 0]
@@ -271,16 +295,7 @@ class CostAware(Schedule):
         draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
         plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
         drafts = draft_rate >= plain_rate
-        if drafts != self.choice:  # a new choice: probe the other at the base interval again
-            self.choice, self.since_probe = drafts, 0
-            self.interval = 4 * self.probe if drafts else self.probe
-        self.since_probe += 1
-        if self.since_probe < self.interval:
-            return drafts
-        # a probe; each one that leaves the choice standing doubles the wait for the next (a probe
-        # that loses costs a step's worth of time, so their number grows as log of the length)
-        self.since_probe, self.interval = 0, min(2 * self.interval, 64 * self.probe)
-        return not drafts
+        return self.prober.decide(drafts, 4 * self.probe if drafts else self.probe)  # a plain probe costs more
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:

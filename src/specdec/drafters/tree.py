@@ -20,7 +20,7 @@ import torch
 from ..errors import SpecdecError
 from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
-from ..schedules import AssumedCosts, TreeCost
+from ..schedules import AssumedCosts, Prober, TreeCost
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_continuations
 from .model import ModelDrafter
@@ -108,13 +108,9 @@ class SidesDrafter(ModelDrafter):
         if max_depth >= 1 and self.policy.should_draft():
             self._grow(root, context, max_depth, sampler, generator)
             _prune(root, self._select(root))
-            self._add_branches(root, context, max_depth)
         tree, _ = _to_tree(root)
         self._drafted = bool(tree.tokens)
         return tree
-
-    def _add_branches(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
-        """More nodes after the model's (none here; MixedDrafter adds lookup branches)."""
 
     def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
               generator: torch.Generator) -> list[_Node]:
@@ -290,6 +286,14 @@ class MixedDrafter(SidesDrafter):
     one-hot law), model nodes keep theirs: exact under any sampler (verify.py). A lookup node's
     value is its lookup estimate; they join while they pay for their width, like the sides.
     When drafting does not pay the tree is empty: the target decodes alone.
+
+    Where lookup finds a continuation, the step may also skip the model: on text that copies
+    its input (summaries, edits, retrieval) the lookup branch alone carries the accepted tokens
+    and the drafter's passes only add cost. Which of the two kinds of step (lookup alone, or
+    model and lookup) makes more tokens per second is measured on the steps where lookup found
+    something (decayed sums, as the policy's draft-or-not rule), the model kind first, then one
+    lookup-alone step as a baseline, then the faster one, probing the other (`Prober`). After
+    lookup-alone steps the drafter catches up on what it missed in its next pass.
     """
 
     def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
@@ -299,13 +303,64 @@ class MixedDrafter(SidesDrafter):
         self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
         self.lookup.policy = self.policy
         self.name = f"{model.name}+sides{width}+lookup"
+        self.prober = Prober(self.policy.probe)
+        self._reset_kinds()
 
-    def _add_branches(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
-        # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
-        lookup_root = _Node(-1, 1.0, "deterministic")
-        self.lookup.grow(lookup_root, context, max_depth)
-        _prune(lookup_root, self.lookup.select(lookup_root, self.policy.max_nodes - _count(root)))
-        _merge(root, lookup_root)
+    def _reset_kinds(self) -> None:
+        self.kinds = {LOOKUP_ALONE: [0.0, 0.0, 0], WITH_MODEL: [0.0, 0.0, 0]}  # decayed tokens, seconds; steps
+        self.kind: str | None = None  # of the last step, where lookup found something (None: it did not)
+        self.prober.reset()
+
+    def start(self, prompt: Sequence[int]) -> None:
+        super().start(prompt)
+        self._reset_kinds()
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        root = _Node(-1, 1.0, "deterministic")
+        self._fed, self.kind = [], None
+        if max_depth >= 1 and self.policy.should_draft():
+            found = _Node(-1, 1.0, "deterministic")
+            self.lookup.grow(found, context, max_depth)
+            alone = self.lookup.select(found) if found.children else set()
+            if alone:
+                self.kind = LOOKUP_ALONE if self._lookup_alone() else WITH_MODEL
+            if self.kind == LOOKUP_ALONE:
+                _prune(found, alone)
+            else:
+                self._grow(root, context, max_depth, sampler, generator)
+                _prune(root, self._select(root))
+                # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
+                _prune(found, self.lookup.select(found, self.policy.max_nodes - _count(root)))
+            _merge(root, found)
+        tree, _ = _to_tree(root)
+        self._drafted = bool(tree.tokens)
+        return tree
+
+    def _lookup_alone(self) -> bool:
+        """Whether this step (lookup found a continuation) should leave the model out."""
+        alone, with_model = self.kinds[LOOKUP_ALONE], self.kinds[WITH_MODEL]
+        if with_model[2] < self.policy.warmup:  # also: never timed (sampling under a seed)
+            return False
+        if alone[2] == 0:
+            return True  # the baseline: one step of lookup alone
+        better = alone[0] / max(alone[1], 1e-12) >= with_model[0] / max(with_model[1], 1e-12)
+        return self.prober.decide(better, self.policy.probe)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        super().timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+        if self.kind is None or self.policy.timed_steps <= 1:  # the first step holds the drafter's prompt pass
+            return
+        if self.policy.assumed is not None:
+            draft_seconds, verify_seconds = self.policy.assumed.seconds(drafter_passes, width)
+        sums, decay = self.kinds[self.kind], self.policy.decay
+        sums[0] = decay * sums[0] + emitted
+        sums[1] = decay * sums[1] + draft_seconds + verify_seconds
+        sums[2] += 1
+
+
+LOOKUP_ALONE, WITH_MODEL = "lookup alone", "with model"  # MixedDrafter's two kinds of drafting step
 
 
 def _merge(into: _Node, other: _Node) -> None:
