@@ -115,7 +115,7 @@ def _eagle2_reference(model, context, width, max_depth, threshold, node_threshol
     drafted = list(newest)
     for _ in range(1, max_depth):
         frontier = sorted(newest, key=lambda item: -item[1])[:width]
-        if frontier[0][1] < threshold:
+        if sum(value for _, value in frontier) < threshold:
             break
         newest = [child for path, value in frontier for child in children(path, value)]
         drafted += newest
@@ -128,6 +128,7 @@ def _eagle2_reference(model, context, width, max_depth, threshold, node_threshol
     (4, 0.02, 0.01, 20),  # deep and wide
     (3, 0.3, 0.05, 6),  # max_nodes binds
     (5, 0.99, 0.5, 10),  # no expansion pays: one drafter pass, the root's best child at least
+    (3, 0.6, 0.01, 20),  # no node of a frontier is worth a pass alone (best 0.44, 0.34), all of it is
 ])
 def test_eagle2_tree_is_the_reference_tree(max_depth, threshold, node_threshold, max_nodes):
     _, model = _pair()
@@ -150,6 +151,8 @@ def test_eagle2_tree_is_the_reference_tree(max_depth, threshold, node_threshold,
     assert drafter.forwards >= max(tree.depths)
     if threshold == 0.99:
         assert drafter.forwards == 1 and len(tree) >= 1
+    if threshold == 0.6:
+        assert drafter.forwards == 3 and max(tree.depths) == 3
 
 
 def test_sequoia_tree_is_its_shape_filled_with_the_drafters_ranks():

@@ -124,8 +124,8 @@ class Eagle2Drafter(_TreeModelDrafter):
     `width` tokens are the depth-1 nodes. Then, one drafter pass per depth: the `width` nodes of
     the newest depth with the highest path value (the product of q along the path) are fed
     together under tree attention, and each gets its top `width` tokens as children. Growth
-    stops at `max_depth`, or when the best node of the newest depth is worth less than a
-    drafter pass (`policy.threshold`). Reranking then keeps the nodes of highest value, while
+    stops at `max_depth`, or when those `width` nodes together are worth less than a drafter
+    pass (`policy.threshold`; their children's values sum to at most theirs). Reranking then keeps the nodes of highest value, while
     they pay for their verification width (value >= `policy.node_threshold`) and at most
     `policy.max_nodes`, the root's best child always (a step that drafts drafts something); a
     node's value never exceeds its parent's, so the kept set is closed under ancestors.
@@ -167,7 +167,9 @@ class Eagle2Drafter(_TreeModelDrafter):
         for _ in range(1, max_depth):
             # stable: among equal values the earlier drafted (a better-ranked sibling) first
             frontier = sorted(newest, key=lambda n: -n.value)[:self.width]
-            if not frontier or frontier[0].value < self.policy.threshold:
+            # a depth costs one drafter pass however many nodes it expands: it pays when they are
+            # worth it together (for a chain, width 1, this is CostAware's rule)
+            if not frontier or sum(n.value for n in frontier) < self.policy.threshold:
                 break
             newest = self._expand(frontier, self._feed_depth(frontier, fed, fed_parent, start), sampler)
             drafted += newest
