@@ -59,12 +59,13 @@ bench-policies: setup
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
 
-# issue 12's second tree run (docs/BENCHMARKS.md, "Token trees: the second run"; ~40 min on 2 cores)
+# issue 12's fourth tree run (docs/BENCHMARKS.md, "Token trees: a fourth run"; ~65 min on 2 cores):
+# trees sized for this machine and, as -flat, for one where wide passes are nearly free
 bench-trees: setup
-	$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0+1 --tasks mt_bench,summarization,rag,math_reasoning \
-		--methods ar,sd-cost,tree-sides,tree-mixed,hf-assisted,hf-lookup --gamma 5 --gamma-max 20 \
-		--max-new-tokens 64 --markdown docs/benchmarks/trees-2.md --json docs/benchmarks/trees-2.json \
-		--plot docs/benchmarks/trees-2.png
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,tree-mixed,tree-eagle2,sd-cost-flat,tree-mixed-flat,tree-eagle2-flat,hf-assisted,hf-lookup \
+		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-4.md \
+		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
 
 # issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation

@@ -251,3 +251,17 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair,
     assert result.tokens == expected
     assert result.stats.target_forwards < len(expected) / 2  # the pair really speculates
     assert _off_main_chain(result) > 0
+
+
+def test_lookup_nodes_are_valued_by_lookups_own_acceptance():
+    """In a mixed tree the lookup branches' value comes from how often verification accepted
+    lookup's own nodes: a model chain accepted at every step must not lend lookup its rate (it did,
+    through the policy's first-token rate, and lookup branches crowded trees on code)."""
+    lookup = LookupTreeDrafter()
+    assert lookup.acceptance() == 0.5  # the prior
+    # model chain 0-1-2 (lookup agreed on node 1), a lookup branch 3-4 at the root
+    lookup.remember(Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3]), {1, 3, 4})
+    lookup.learn([0, 1])  # the chain's first two accepted: tried 0, 3 (root), 1 (after 0), 2 (after 1)
+    assert (lookup.tries, lookup.hits) == (2, 1)  # node 1 accepted, node 3 rejected, node 4 never tried
+    lookup.learn([0])  # nothing remembered since: nothing counted twice
+    assert (lookup.tries, lookup.hits) == (2, 1) and lookup.acceptance() == pytest.approx(2 / 4)

@@ -164,7 +164,7 @@ class AssumedCosts:
     that machine: the timings it learns from are these costs, not the wall clock. That is how a
     run here sizes drafts and trees for a machine where wide passes are nearly free (a GPU; a CPU
     with AMX), to measure their tokens per pass and project their speed there (bench's `-flat`
-    methods, `specdec.passcost.projected_units`); on this machine they are then slower.
+    methods; `theory.projected_speedup` prices a run's steps there); here they are then slower.
     """
 
     def __init__(self, drafter: float, slope: float):
@@ -448,7 +448,6 @@ class TreeCost(CostAware):
 
     def reset(self) -> None:
         super().reset()
-        self.first_tries = self.first_hits = 0
         self.calibrated.reset()
 
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
@@ -468,16 +467,6 @@ class TreeCost(CostAware):
             return self.node_prior
         rate, _, slope, _ = self.measured
         return min(0.99, rate * slope)
-
-    def first_acceptance(self) -> float:
-        """Measured chance that a step's first draft token is accepted (a prior of 1/2 counts twice)."""
-        return (self.first_hits + 1) / (self.first_tries + 2)
-
-    def update_tree(self, drafted: int, first_accepted: bool | None) -> None:
-        """After a step: `first_accepted` is whether any child of the root was accepted (None: no draft)."""
-        if first_accepted is not None:
-            self.first_tries += 1
-            self.first_hits += int(first_accepted)
 
     def describe(self) -> str:
         values = "calibrated" if self.calibrate else "the drafter's q"

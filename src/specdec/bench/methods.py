@@ -59,16 +59,16 @@ BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method'
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
                  "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
-FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
-
-
-def is_flat(method: str) -> bool:
-    return method.endswith(FLAT)
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
+FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
 
 
 def is_peer(method: str) -> bool:
     return method.startswith(PEERS)
+
+
+def is_flat(method: str) -> bool:
+    return method.endswith(FLAT)
 
 
 @dataclass

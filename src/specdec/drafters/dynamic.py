@@ -109,8 +109,6 @@ class _TreeModelDrafter(ModelDrafter):
         """Tell the policy what became of the last tree's nodes."""
         if drafted and self._nodes[0].q is not None:  # a tree of the drafter's q (not Sequoia's ranks)
             self.policy.record_tree([node.q for node in self._nodes], self._parents, path)
-        # an empty tree (drafting did not pay) is no try of the first draft token
-        self.policy.update_tree(1, bool(path) if drafted else None)
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
@@ -125,10 +123,11 @@ class Eagle2Drafter(_TreeModelDrafter):
     the newest depth with the highest path value (the product of q along the path) are fed
     together under tree attention, and each gets its top `width` tokens as children. Growth
     stops at `max_depth`, or when those `width` nodes together are worth less than a drafter
-    pass (`policy.threshold`; their children's values sum to at most theirs). Reranking then keeps the nodes of highest value, while
-    they pay for their verification width (value >= `policy.node_threshold`) and at most
-    `policy.max_nodes`, the root's best child always (a step that drafts drafts something); a
-    node's value never exceeds its parent's, so the kept set is closed under ancestors.
+    pass (`policy.threshold`; their children's values sum to at most theirs). Reranking then
+    keeps the nodes of highest value, while they pay for their verification width (value >=
+    `policy.node_threshold`) and at most `policy.max_nodes`, the root's best child always (a
+    step that drafts drafts something); a node's value never exceeds its parent's, so the kept
+    set is closed under ancestors.
 
     Values are the drafter's q at temperature 1 under a greedy sampler, and the sampler's q
     (`sampler.probs`: temperature, top-k, top-p) otherwise: with deterministic siblings the

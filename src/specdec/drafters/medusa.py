@@ -119,7 +119,6 @@ class MedusaDrafter:
     def keep_path(self, start: int, path: list[int]) -> None:
         if self._drafted:
             self.policy.record_tree(self._q, self._parents, path)
-        self.policy.update_tree(1, bool(path) if self._drafted else None)
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:

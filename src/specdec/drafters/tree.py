@@ -20,7 +20,7 @@ import torch
 from ..errors import SpecdecError
 from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
-from ..schedules import AssumedCosts, Prober, TreeCost
+from ..schedules import AssumedCosts, Prober, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_continuations
 from .model import ModelDrafter
@@ -186,7 +186,6 @@ class SidesDrafter(ModelDrafter):
 
     def keep_path(self, start: int, path: list[int]) -> None:
         super().keep_path(start, path, self._fed)
-        self.policy.update_tree(1, bool(path) if self._drafted else None)
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
@@ -198,8 +197,9 @@ class LookupTreeDrafter(LookupDrafter):
     current suffix (longest n-gram first, then shorter ones), merged where they agree.
 
     Deterministic (exact under any sampler). Children are ranked by how many continuations pass
-    through them, then by recency. A node's value is the measured lookup acceptance to the
-    power of its depth, times its share of the continuations; nodes join while they pay for
+    through them, then by recency. A node's value is the lookup acceptance measured in this
+    generation (`acceptance`: of the lookup nodes verification tried, the share it accepted) to
+    the power of its depth, times its share of the continuations; nodes join while they pay for
     their verification width (`TreeCost`, drafting being free).
     """
 
@@ -212,10 +212,34 @@ class LookupTreeDrafter(LookupDrafter):
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self.name = f"lookup-tree-{min_ngram}..{max_ngram}x{branches}"
         self._drafted = False
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        self.tries = self.hits = 0  # lookup nodes verification tried, and those it accepted
+        self._parents: list[int] = []  # the last tree's parents
+        self._proposed: set[int] = set()  # and which of its nodes lookup proposed
 
     def start(self, prompt: Sequence[int]) -> None:
         self.policy.reset()
         self._drafted = False
+        self.reset_counts()
+
+    def acceptance(self) -> float:
+        """The measured chance that verification accepts a lookup node it tries (its parent
+        accepted), a prior of 1/2 counting twice."""
+        return (self.hits + 1) / (self.tries + 2)
+
+    def remember(self, tree: Tree, proposed: set[int]) -> None:
+        """The tree just proposed, and the indices of its nodes lookup proposed (for `learn`)."""
+        self._parents, self._proposed = tree.parents, proposed
+
+    def learn(self, path: list[int]) -> None:
+        """Count the lookup nodes of the remembered tree that verification tried (`path`: accepted nodes)."""
+        for i, accepted in tried_nodes(self._parents, path):
+            if i in self._proposed:
+                self.tries += 1
+                self.hits += int(accepted)
+        self._parents, self._proposed = [], set()
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
@@ -224,6 +248,7 @@ class LookupTreeDrafter(LookupDrafter):
             self.grow(root, context, max_depth)
         tree = _to_tree(root, self.select(root))[0]
         self._drafted = bool(tree.tokens)
+        self.remember(tree, set(range(len(tree))))
         return tree
 
     def grow(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
@@ -231,7 +256,7 @@ class LookupTreeDrafter(LookupDrafter):
         continuations = find_continuations(context, self.max_ngram, self.min_ngram, max_depth, self.branches)
         if not continuations:
             return
-        accept = self.policy.first_acceptance()
+        accept = self.acceptance()
         share = 1.0 / len(continuations)
         for continuation in continuations:
             node, depth = root, 0
@@ -263,7 +288,7 @@ class LookupTreeDrafter(LookupDrafter):
         return keep
 
     def keep_path(self, start: int, path: list[int]) -> None:
-        self.policy.update_tree(1, bool(path) if self._drafted else None)
+        self.learn(path)
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
@@ -284,8 +309,10 @@ class MixedDrafter(SidesDrafter):
     Lookup branches hang beside the model's chain (ranked after it) and merge into it where
     they agree, so a token drafted by both is scored once. Lookup nodes are deterministic (a
     one-hot law), model nodes keep theirs: exact under any sampler (verify.py). A lookup node's
-    value is its lookup estimate; they join while they pay for their width, like the sides.
-    When drafting does not pay the tree is empty: the target decodes alone.
+    value is its lookup estimate, from the acceptance of lookup's own nodes (a token both
+    proposed counts for both; the model's acceptance does not lend lookup its rate); they join
+    while they pay for their width, like the sides. When drafting does not pay the tree is
+    empty: the target decodes alone.
 
     Where lookup finds a continuation, the step may also skip the model: on text that copies
     its input (summaries, edits, retrieval) the lookup branch alone carries the accepted tokens
@@ -313,12 +340,14 @@ class MixedDrafter(SidesDrafter):
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
+        self.lookup.reset_counts()
         self._reset_kinds()
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         root = _Node(-1, 1.0, "deterministic")
         self._fed, self.kind = [], None
+        proposed: list[_Node] = []  # the tree's nodes that lookup proposed
         if max_depth >= 1 and self.policy.should_draft():
             found = _Node(-1, 1.0, "deterministic")
             self.lookup.grow(found, context, max_depth)
@@ -332,10 +361,16 @@ class MixedDrafter(SidesDrafter):
                 _prune(root, self._select(root))
                 # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
                 _prune(found, self.lookup.select(found, self.policy.max_nodes - _count(root)))
-            _merge(root, found)
-        tree, _ = _to_tree(root)
+            _merge(root, found, proposed)
+        tree, order = _to_tree(root)
         self._drafted = bool(tree.tokens)
+        ids = {id(node) for node in proposed}
+        self.lookup.remember(tree, {i for i, node in enumerate(order) if id(node) in ids})
         return tree
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        super().keep_path(start, path)
+        self.lookup.learn(path)
 
     def _lookup_alone(self) -> bool:
         """Whether this step (lookup found a continuation) should leave the model out."""
@@ -363,9 +398,10 @@ class MixedDrafter(SidesDrafter):
 LOOKUP_ALONE, WITH_MODEL = "lookup alone", "with model"  # MixedDrafter's two kinds of drafting step
 
 
-def _merge(into: _Node, other: _Node) -> None:
+def _merge(into: _Node, other: _Node, proposed: list[_Node]) -> None:
     """Add `other`'s subtrees under `into`, sharing the nodes whose tokens agree (a model node
-    keeps its own law and takes the larger of the two values).
+    keeps its own law and takes the larger of the two values); appends to `proposed` the node
+    that stands for each of `other`'s.
 
     The added nodes rank after every existing sibling. That is what keeps sampled verification
     exact: whether a lookup token gets a node of its own then depends only on its earlier
@@ -379,9 +415,15 @@ def _merge(into: _Node, other: _Node) -> None:
         same = into.child(child.token)
         if same is None:
             into.children.append(child)
+            proposed += _subtree(child)
         else:
             same.value = max(same.value, child.value)
-            _merge(same, child)
+            proposed.append(same)
+            _merge(same, child, proposed)
+
+
+def _subtree(node: _Node) -> list[_Node]:
+    return [node] + [n for child in node.children for n in _subtree(child)]
 
 
 def _prune(node: _Node, keep: set[int]) -> None:
@@ -417,7 +459,8 @@ TREES = {
     "eagle2": "EAGLE-2 dynamic tree: the best nodes by path value, expanded one drafter pass per depth",
     "sequoia": "Sequoia static shape from measured per-rank acceptance, sized by measured costs",
     "lookup": "prompt lookup trie over several earlier occurrences (no drafter model)",
-    "mixed": "the drafter model's chain with sides plus prompt-lookup branches (the default tree)",
+    "mixed": "the drafter model's chain with sides plus prompt-lookup branches, or lookup alone where that "
+             "is measured faster (the default tree)",
 }
 
 
