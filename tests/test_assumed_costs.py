@@ -1,5 +1,5 @@
 """Drafts sized for another machine's costs (schedules.AssumedCosts) and the speedup projected
-there from a run's own steps (theory.projected_speedup, the bench's projection)."""
+there from a run's own steps (AssumedCosts.projected_speedup, the bench's projection)."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from specdec.bench.report import render_markdown
 from specdec.bench.run import summarize
 from specdec.drafters import make_tree_drafter
 from specdec.schedules import AssumedCosts, CostAware, TreeCost
-from specdec.theory import flat_verification, projected_speedup
+from specdec.theory import flat_verification
 
 from conftest import TableModel
 
@@ -57,17 +57,18 @@ def test_trees_sized_for_nearly_free_passes_grow_and_stay_exact(kind):
 
 
 def test_projected_speedup_prices_each_step_on_the_assumed_machine():
+    costs = AssumedCosts.flat(0.25, at16=1.2)
     # AR's steps: one token per one-token pass
-    assert projected_speedup(3, [1, 1, 1], [0, 0, 0], c=0.3) == pytest.approx(1.0)
+    assert AssumedCosts.flat(0.3).projected_speedup(3, [1, 1, 1], [0, 0, 0]) == pytest.approx(1.0)
     # two chain steps of 4 drafted tokens, 8 tokens; the first step's first pass is the drafter's prompt
     units = 0.25 * 8 + 2 * flat_verification(4, 1.2)
-    assert projected_speedup(8, [5, 5], [5, 4], c=0.25) == pytest.approx(8 / units)
+    assert costs.projected_speedup(8, [5, 5], [5, 4]) == pytest.approx(8 / units)
     # model-free drafting (lookup): no drafter pass at all
-    assert projected_speedup(6, [6], [0], c=0.25) == pytest.approx(6 / flat_verification(5, 1.2))
+    assert costs.projected_speedup(6, [6], [0]) == pytest.approx(6 / flat_verification(5, 1.2))
     # the first token from the target's own pass, before any step
-    assert projected_speedup(7, [6], [0], c=0.25, one_token_passes=1) == pytest.approx(7 / (1 + flat_verification(5)))
+    assert costs.projected_speedup(7, [6], [0], one_token_passes=1) == pytest.approx(7 / (1 + flat_verification(5)))
     with pytest.raises(SpecdecError, match="one width"):
-        projected_speedup(4, [2, 2], [1], c=0.2)
+        costs.projected_speedup(4, [2, 2], [1])
 
 
 def test_the_bench_reports_tokens_per_pass_and_the_projection():

@@ -109,16 +109,31 @@ DRAFTERS = {
 }
 
 
+class _Turns:
+    """Stands for MixedDrafter's measured choice: lookup alone and model with lookup in turn."""
+
+    def __init__(self):
+        self.with_model = True
+
+    def reset(self) -> None:
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    def choose(self) -> bool:
+        self.with_model = not self.with_model
+        return self.with_model
+
+
 class _Alternating(MixedDrafter):
     """Steps of lookup alone and of model and lookup in turn, decided by the step count alone
     (never by a draw): under seeded sampling the measured choice is never made, so this is what
     puts lookup-alone steps into the sampled exactness test."""
 
-    turn = False
-
-    def _lookup_alone(self) -> bool:
-        self.turn = not self.turn
-        return self.turn
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kinds = _Turns()
 
 
 @pytest.mark.parametrize("kind", ["sides", "lookup", "mixed"])
@@ -145,13 +160,17 @@ def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     target, drafter = TableModel(vocab=5, seed=0), TableModel(vocab=5, seed=1)
     sampler, prompt, length, runs = Sampler(1.0), [2, 3, 2], 3, 3_000
     joint = exact_joint(target, prompt, length, sampler)
-    samples, off_main_chain = [], 0
+    samples, off_main_chain, lookup_alone = [], 0, 0
     for seed in range(runs):
         out = speculative_generate(prompt, target, DRAFTERS[kind](drafter), gamma=3, sampler=sampler,
                                    max_new_tokens=length, seed=seed, first_target=False)
         samples.append(tuple(out.tokens))
         off_main_chain += sum(1 for s in out.steps if s.path and s.path != list(range(len(s.path))))
+        lookup_alone += sum(1 for s, passes in zip(out.steps, out.stats.drafter_passes_per_step)
+                            if s.draft_tokens and not passes)
     assert chi_square_pvalue(samples, joint) > ALPHA
+    if kind == "mixed-alternating":
+        assert lookup_alone > runs // 2  # the steps this case is for did happen
     if kind != "lookup":
         assert off_main_chain > runs // 20
 
@@ -161,7 +180,6 @@ def test_the_mixed_tree_leaves_the_model_out_where_lookup_alone_makes_more_per_s
     """The target's greedy output soon repeats itself, so lookup alone drafts it at no drafter
     pass: with an unrelated drafter (seed 1), or with the target itself as a cheap drafter (seed 0),
     lookup-alone steps make more per (assumed) second and the model is left out of most steps."""
-    from specdec.drafters.tree import LOOKUP_ALONE, WITH_MODEL
     from specdec.schedules import AssumedCosts
 
     target, drafter = TableModel(12, 0), TableModel(12, drafter_seed)
@@ -174,7 +192,7 @@ def test_the_mixed_tree_leaves_the_model_out_where_lookup_alone_makes_more_per_s
     alone = [s.num_accepted for s, passes in steps if s.draft_tokens and not passes]
     with_model = [s.num_accepted for s, passes in steps if passes]
     assert len(alone) >= 4 and sum(alone) > 2 * sum(with_model)  # most accepted tokens came at no drafter pass
-    assert mixed.kinds[WITH_MODEL][2] >= 2 and mixed.kinds[LOOKUP_ALONE][2] >= 3  # both measured
+    assert mixed.kinds.steps(True) >= 2 and mixed.kinds.steps(False) >= 3  # both kinds measured: with model, alone
 
 
 def _off_main_chain(result) -> int:

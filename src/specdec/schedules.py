@@ -164,7 +164,7 @@ class AssumedCosts:
     that machine: the timings it learns from are these costs, not the wall clock. That is how a
     run here sizes drafts and trees for a machine where wide passes are nearly free (a GPU; a CPU
     with AMX), to measure their tokens per pass and project their speed there (bench's `-flat`
-    methods; `theory.projected_speedup` prices a run's steps there); here they are then slower.
+    methods; `projected_speedup` prices a run's steps there); here they are then slower.
     """
 
     def __init__(self, drafter: float, slope: float):
@@ -186,6 +186,21 @@ class AssumedCosts:
 
     def to_dict(self) -> dict:
         return {"drafter": self.drafter, "slope": self.slope, "at16": 1.0 + 16 * self.slope}
+
+    def projected_speedup(self, new_tokens: int, widths: Sequence[int], drafter_passes: Sequence[int],
+                          one_token_passes: int = 0) -> float:
+        """The speedup over AR a measured speculative generation would have on this machine: its
+        new_tokens over its steps priced by `seconds` (`GenerationStats.widths_per_step`,
+        `drafter_passes_per_step`) plus `one_token_passes` target passes outside the steps (the
+        first token's, under `first_target`). Prompt passes are left out on both sides: AR makes
+        one token per one-token pass, and the drafter's first pass (its prompt) is not counted."""
+        if len(widths) != len(drafter_passes) or new_tokens < 1 or one_token_passes < 0 or \
+                not widths and not one_token_passes:
+            raise SpecdecError(f"projected_speedup needs one width and drafter pass count per step and tokens >= 1, "
+                               f"got {len(widths)} widths, {len(drafter_passes)} pass counts, {new_tokens!r} tokens")
+        prompt = 1 if any(drafter_passes) else 0
+        steps = sum(sum(self.seconds(passes, width)) for width, passes in zip(widths, drafter_passes))
+        return new_tokens / (steps - self.drafter * prompt + one_token_passes)
 
 
 class Prober:
@@ -211,6 +226,44 @@ class Prober:
             return better
         self.since, self.interval = 0, min(2 * self.interval, 64 * self.probe)
         return not better
+
+
+class FasterOf:
+    """A choice between two kinds of step, by measurement: the first kind until `warmup` of its
+    steps are timed, then one step of the other as a baseline, then whichever has made more
+    tokens per second (sums decayed by `decay` per step of the same kind), probing the other
+    (`Prober`; `waits[first]`: the first probe's distance while that kind is the choice)."""
+
+    def __init__(self, warmup: int, probe: int, decay: float, waits: dict[bool, int]):
+        self.warmup, self.decay, self.waits = warmup, decay, waits
+        self.prober = Prober(probe)
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # by kind (True: the first): tokens, seconds, steps
+        self.prober.reset()
+
+    def record(self, first: bool, tokens: int, seconds: float) -> None:
+        sums = self.sums[first]
+        sums[0] = self.decay * sums[0] + tokens
+        sums[1] = self.decay * sums[1] + seconds
+        sums[2] += 1
+
+    def steps(self, first: bool) -> int:
+        return self.sums[first][2]
+
+    def rate(self, first: bool) -> float:
+        tokens, seconds, _ = self.sums[first]
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def choose(self) -> bool:
+        """True: take a step of the first kind."""
+        if self.steps(True) < self.warmup:  # also: never timed (sampling under a seed)
+            return True
+        if self.steps(False) == 0:
+            return False  # the baseline
+        better = self.rate(True) >= self.rate(False)
+        return self.prober.decide(better, self.waits[better])
 
 
 class CostAware(Schedule):
@@ -275,27 +328,16 @@ class CostAware(Schedule):
         self.drafted = self.accepted = 0
         self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
         self.measured: tuple[float, float, float, float] | None = None  # rate, drafter pass, slope, 1-token pass
-        self.prober = Prober(self.probe)  # draft or not
+        # draft or not; a plain probe costs more where drafting wins, so it waits longer
+        self.kinds = FasterOf(self.warmup, self.probe, self.decay, {True: 4 * self.probe, False: self.probe})
         self.timed_steps = 0
-        # decayed (tokens, seconds, steps) of steps that drafted / did not
-        self.drafting = [0.0, 0.0, 0]
-        self.plain = [0.0, 0.0, 0]
 
     def budget(self) -> int:
         return self.gamma if self.should_draft() else 0
 
     def should_draft(self) -> bool:
         """Whether this step should draft at all (see the class docstring)."""
-        if self.never_pays:
-            return False
-        if self.drafting[2] < self.warmup:  # also: never timed (sampling under a seed)
-            return True
-        if self.plain[2] == 0:
-            return False  # the baseline: one plain step
-        draft_rate = self.drafting[0] / self.drafting[1] if self.drafting[1] > 0 else 0.0
-        plain_rate = self.plain[0] / self.plain[1] if self.plain[1] > 0 else 0.0
-        drafts = draft_rate >= plain_rate
-        return self.prober.decide(drafts, 4 * self.probe if drafts else self.probe)  # a plain probe costs more
+        return not self.never_pays and self.kinds.choose()
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:
@@ -312,14 +354,10 @@ class CostAware(Schedule):
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
-        if self.assumed is not None:
-            draft_seconds, verify_seconds = self.assumed.seconds(drafter_passes, width)
+        draft_seconds, verify_seconds = self.step_seconds(draft_seconds, drafter_passes, verify_seconds, width)
         self.timed_steps += 1
         if self.timed_steps > 1:  # the first step's time holds the prompt's passes
-            kind = self.drafting if width > 1 else self.plain
-            kind[0] = self.decay * kind[0] + emitted
-            kind[1] = self.decay * kind[1] + draft_seconds + verify_seconds
-            kind[2] += 1
+            self.kinds.record(width > 1, emitted, draft_seconds + verify_seconds)
         self.tokens += emitted
         self.seconds += draft_seconds + verify_seconds
         if self._sums[0] > 0:  # the first step's drafting includes the drafter's prompt pass: not a drafter pass
@@ -344,6 +382,14 @@ class CostAware(Schedule):
         rate = max(self.tokens / self.seconds, 1 / one_token_pass if one_token_pass > 0 else 0.0)
         self.threshold = min(0.99, rate * (per_pass + slope))
         self.measured = (rate, per_pass, slope, one_token_pass)
+
+    def step_seconds(self, draft_seconds: float, drafter_passes: int, verify_seconds: float,
+                     width: int) -> tuple[float, float]:
+        """A step's (drafting, verification) time as the policy counts it: as measured, or as
+        `assumed` prices it."""
+        if self.assumed is None:
+            return draft_seconds, verify_seconds
+        return self.assumed.seconds(drafter_passes, width)
 
     def step_info(self) -> dict:
         return {"threshold": self.threshold}

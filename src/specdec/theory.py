@@ -71,24 +71,6 @@ def flat_verification(nodes: int, at16: float = 1.2) -> float:
     return 1.0 + (at16 - 1.0) * nodes / 16
 
 
-def projected_speedup(new_tokens: int, widths: list[int], drafter_passes: list[int], c: float,
-                      at16: float = 1.2, one_token_passes: int = 0) -> float:
-    """The speedup over AR that a measured speculative generation would have on a machine where
-    wide passes are nearly free (`flat_verification`) and a drafter pass costs c target passes:
-    new_tokens / (Σ_steps (c·drafter passes + flat_verification(width − 1)) + one_token_passes),
-    from its per-step target pass widths and drafter passes (`GenerationStats.widths_per_step`,
-    `drafter_passes_per_step`); `one_token_passes`: target passes outside the steps (the first
-    token's, under `first_target`). Prompt passes are left out on both sides: AR makes one token
-    per one-token pass, and the drafter's first pass (its prompt) is not counted."""
-    if len(widths) != len(drafter_passes) or new_tokens < 1 or c < 0 or one_token_passes < 0 or \
-            not widths and not one_token_passes:
-        raise SpecdecError(f"projected_speedup needs one width and drafter pass count per step, tokens >= 1 and "
-                           f"c >= 0, got {len(widths)} widths, {len(drafter_passes)} pass counts, "
-                           f"{new_tokens!r} tokens, c={c!r}")
-    passes = sum(drafter_passes) - (1 if any(drafter_passes) else 0)
-    return new_tokens / (c * passes + sum(flat_verification(w - 1, at16) for w in widths) + one_token_passes)
-
-
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     """The integer γ in [1, max_gamma] that maximises `walltime_improvement`."""
     _check(alpha, c=c)

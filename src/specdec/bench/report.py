@@ -162,7 +162,7 @@ def render_markdown(result: dict) -> str:
 
 def _markdown_projection(info: dict, summary: dict) -> list[str]:
     """Tokens per target pass against sd-cost's, and the speedup each of our methods would have where
-    wide passes are nearly free (`theory.projected_speedup`), beside the one measured here."""
+    wide passes are nearly free (`schedules.AssumedCosts.projected_speedup`), beside the one measured here."""
     projected = {m: s for m, s in summary.items() if "projected_speedup" in s}
     assumed = info.get("assumed_costs")
     if not projected or not assumed:

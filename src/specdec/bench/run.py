@@ -23,10 +23,9 @@ from ..models import LanguageModel, check_pair, load
 from ..passcost import pass_costs
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
-from ..theory import projected_speedup
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
-                      is_flat, run_method, self_drafting)
+                      run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
@@ -85,7 +84,7 @@ def _time_split(rs: list) -> dict:
 
 def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
     """The median per-prompt speedup over AR each of our methods would have on the assumed machine
-    (`theory.projected_speedup`: its tokens per step, its passes' widths on that machine's cost
+    (`AssumedCosts.projected_speedup`: its tokens per step, its passes' widths on that machine's cost
     curve, its drafter passes at the pair's c). AR is 1 by definition; none for the peers and for
     self-drafting, whose drafter passes are not the pair's drafter's."""
     if assumed is None or checkpoint_kind(method) or method == "self-skip" or not rs:
@@ -94,10 +93,9 @@ def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
         return {"projected_speedup": 1.0}
     if any(not r.widths_per_step for r in rs):
         return {}
-    at16 = 1.0 + 16 * assumed.slope
     return {"projected_speedup": statistics.median(
-        projected_speedup(r.new_tokens, r.widths_per_step, r.drafter_passes_per_step, assumed.drafter, at16,
-                          r.target_forwards - len(r.widths_per_step))  # the first token's pass
+        assumed.projected_speedup(r.new_tokens, r.widths_per_step, r.drafter_passes_per_step,
+                                  r.target_forwards - len(r.widths_per_step))  # the first token's pass
         for r in rs)}
 
 
@@ -272,8 +270,6 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
         costs = settings.pass_costs
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
-    elif any(is_flat(m) for m in methods):
-        raise SpecdecError("the -flat methods need a drafter model")
     encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:

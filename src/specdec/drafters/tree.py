@@ -20,7 +20,7 @@ import torch
 from ..errors import SpecdecError
 from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
-from ..schedules import AssumedCosts, Prober, TreeCost, tried_nodes
+from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_continuations
 from .model import ModelDrafter
@@ -318,8 +318,8 @@ class MixedDrafter(SidesDrafter):
     its input (summaries, edits, retrieval) the lookup branch alone carries the accepted tokens
     and the drafter's passes only add cost. Which of the two kinds of step (lookup alone, or
     model and lookup) makes more tokens per second is measured on the steps where lookup found
-    something (decayed sums, as the policy's draft-or-not rule), the model kind first, then one
-    lookup-alone step as a baseline, then the faster one, probing the other (`Prober`). After
+    something (`FasterOf`, as the policy's draft-or-not rule): the model kind first, then one
+    lookup-alone step as a baseline, then the faster one, probing the other. After
     lookup-alone steps the drafter catches up on what it missed in its next pass.
     """
 
@@ -330,31 +330,29 @@ class MixedDrafter(SidesDrafter):
         self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
         self.lookup.policy = self.policy
         self.name = f"{model.name}+sides{width}+lookup"
-        self.prober = Prober(self.policy.probe)
-        self._reset_kinds()
-
-    def _reset_kinds(self) -> None:
-        self.kinds = {LOOKUP_ALONE: [0.0, 0.0, 0], WITH_MODEL: [0.0, 0.0, 0]}  # decayed tokens, seconds; steps
-        self.kind: str | None = None  # of the last step, where lookup found something (None: it did not)
-        self.prober.reset()
+        policy = self.policy
+        # the first kind: steps with the model; the other: lookup alone
+        self.kinds = FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
+        self.with_model: bool | None = None  # the last step's kind, where lookup found something (None: it did not)
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
         self.lookup.reset_counts()
-        self._reset_kinds()
+        self.kinds.reset()
+        self.with_model = None
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         root = _Node(-1, 1.0, "deterministic")
-        self._fed, self.kind = [], None
+        self._fed, self.with_model = [], None
         proposed: list[_Node] = []  # the tree's nodes that lookup proposed
         if max_depth >= 1 and self.policy.should_draft():
             found = _Node(-1, 1.0, "deterministic")
             self.lookup.grow(found, context, max_depth)
             alone = self.lookup.select(found) if found.children else set()
             if alone:
-                self.kind = LOOKUP_ALONE if self._lookup_alone() else WITH_MODEL
-            if self.kind == LOOKUP_ALONE:
+                self.with_model = self.kinds.choose()
+            if self.with_model is False:
                 _prune(found, alone)
             else:
                 self._grow(root, context, max_depth, sampler, generator)
@@ -372,30 +370,12 @@ class MixedDrafter(SidesDrafter):
         super().keep_path(start, path)
         self.lookup.learn(path)
 
-    def _lookup_alone(self) -> bool:
-        """Whether this step (lookup found a continuation) should leave the model out."""
-        alone, with_model = self.kinds[LOOKUP_ALONE], self.kinds[WITH_MODEL]
-        if with_model[2] < self.policy.warmup:  # also: never timed (sampling under a seed)
-            return False
-        if alone[2] == 0:
-            return True  # the baseline: one step of lookup alone
-        better = alone[0] / max(alone[1], 1e-12) >= with_model[0] / max(with_model[1], 1e-12)
-        return self.prober.decide(better, self.policy.probe)
-
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
         super().timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
-        if self.kind is None or self.policy.timed_steps <= 1:  # the first step holds the drafter's prompt pass
-            return
-        if self.policy.assumed is not None:
-            draft_seconds, verify_seconds = self.policy.assumed.seconds(drafter_passes, width)
-        sums, decay = self.kinds[self.kind], self.policy.decay
-        sums[0] = decay * sums[0] + emitted
-        sums[1] = decay * sums[1] + draft_seconds + verify_seconds
-        sums[2] += 1
-
-
-LOOKUP_ALONE, WITH_MODEL = "lookup alone", "with model"  # MixedDrafter's two kinds of drafting step
+        if self.with_model is not None and self.policy.timed_steps > 1:  # the first holds the drafter's prompt pass
+            self.kinds.record(self.with_model, emitted,
+                              sum(self.policy.step_seconds(draft_seconds, drafter_passes, verify_seconds, width)))
 
 
 def _merge(into: _Node, other: _Node, proposed: list[_Node]) -> None:
