@@ -170,3 +170,49 @@ def test_greedy_identity_on_tiny_models_with_every_dtype():
         sd = speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=24, eos_token_ids=[],
                                   first_target=False)
         assert sd.tokens == ar.tokens
+
+
+def test_one_query_attention_is_grouped_query_attention():
+    """Packed heads compute what transformers' repeat_kv layout computes: head h reads key/value
+    head h // groups (a wrong grouping, e.g. h % kv_heads, would fail this)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from specdec.errors import SpecdecError
+    from specdec.rows import one_query_attention
+
+    torch.manual_seed(0)
+    for heads, kv_heads in ((12, 2), (8, 8), (6, 3)):
+        query, key, value = torch.randn(2, heads, 1, 16), torch.randn(2, kv_heads, 40, 16), torch.randn(2, kv_heads, 40, 16)
+        groups = heads // kv_heads
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups), scale=0.3).transpose(1, 2)
+        assert torch.allclose(one_query_attention(query, key, value, 0.3), expected, atol=1e-6)
+    with pytest.raises(SpecdecError, match="multiple"):
+        one_query_attention(torch.randn(1, 5, 1, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16))
+
+
+@pytest.mark.parametrize("exact_rows", [True, False], ids=["row-exact", "batched"])
+def test_our_one_query_passes_pack_heads_and_transformers_own_do_not(monkeypatch, exact_rows):
+    """Our decode steps (row-exact target or plain drafter) take the packed call in every layer;
+    the same model object called as transformers' own (what its `generate` does) never does."""
+    import specdec.rows
+
+    calls = []
+    real = specdec.rows.one_query_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(specdec.rows, "one_query_attention", counted)
+    model = qwen_like(torch.bfloat16, exact_rows=exact_rows, vocab=256)
+    cache = model.new_cache()
+    pending = model.prefill(_ids(20, 256, 1), cache)
+    model.forward(pending, cache, 1)
+    calls.clear()
+    model.forward([3], cache, 1)
+    assert len(calls) == model.hf.config.num_hidden_layers
+    calls.clear()
+    with torch.inference_mode():
+        model.hf(input_ids=torch.tensor([[3, 4]]), past_key_values=cache, use_cache=True)
+        model.hf(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+    assert not calls

@@ -19,7 +19,7 @@ from .errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (Int8Linear, PackedLinear, has_onednn, int8_fits, int8_supported, pack_linears,
                       pad_single_rows, quantize_linears, row_stable_linear)
-from .rows import PREFIX, enable_row_exact_attention, refine_top_logits, row_exact
+from .rows import PREFIX, install_attention, refine_top_logits, row_exact
 from .trees import tree_attention
 from .vocab import check_vocab_options, restrict_drafter_vocabulary
 
@@ -160,8 +160,9 @@ class LanguageModel:
             # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/KERNELS.md).
             exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
                 hf_model.config._attn_implementation in ("sdpa", "eager")
+        if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
+            install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
         if exact_rows:
-            enable_row_exact_attention(hf_model)
             if self.kernels == "stock" and self._device.type == "cpu":
                 pad_single_rows(self._decoder)
         self.exact_rows = bool(exact_rows)
