@@ -102,3 +102,19 @@ def test_the_bench_reports_tokens_per_pass_and_the_projection():
     assert "costs 1.20 one-token passes and a drafter pass 0.250 of one" in text
     # tokens per pass 8 vs sd-cost's 4: 2x; measured here 2 tok/s vs ar's 2 tok/s
     assert "| tree-mixed-flat | 8.00 | 2.00× | 20.0 | 1.00× |" in text
+
+
+def test_a_kind_left_for_a_while_is_judged_by_its_next_probe():
+    """Both kinds' sums decay at every step: after a long plain stretch one good drafting probe
+    outweighs a bad old record (decayed per step of its own kind only, it would not: rate 0.93)."""
+    from specdec.schedules import FasterOf
+
+    kinds = FasterOf(warmup=1, probe=8, decay=0.9, waits={True: 8, False: 8})
+    for _ in range(3):
+        kinds.record(True, 1, 2.0)  # drafting at 0.5 tokens a second
+    for _ in range(30):
+        kinds.record(False, 1, 1.0)  # plain at 1
+    assert kinds.rate(True) == pytest.approx(0.5) and kinds.rate(False) == pytest.approx(1.0)
+    kinds.record(True, 3, 1.0)  # one probe at 3
+    assert kinds.rate(True) > 2 > kinds.rate(False)
+    assert kinds.steps(True) == 4 and kinds.steps(False) == 30

@@ -5,6 +5,7 @@ import torch
 
 from specdec import LanguageModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter
+from specdec.drafters.tree import _Node
 from specdec.errors import SpecdecError
 from specdec.schedules import TreeCost
 from specdec.trees import Tree, input_parents
@@ -133,7 +134,8 @@ class _Alternating(MixedDrafter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kinds = _Turns()
+        turns = _Turns()
+        self.kinds = {n: turns for n in self.kinds}
 
 
 @pytest.mark.parametrize("kind", ["sides", "lookup", "mixed"])
@@ -184,15 +186,16 @@ def test_the_mixed_tree_leaves_the_model_out_where_lookup_alone_makes_more_per_s
 
     target, drafter = TableModel(12, 0), TableModel(12, drafter_seed)
     prompt = [1, 2, 3, 1, 2, 3, 4]
-    expected = autoregressive_generate(prompt, target, max_new_tokens=60, eos_token_ids=[]).tokens
+    expected = autoregressive_generate(prompt, target, max_new_tokens=100, eos_token_ids=[]).tokens
     mixed = MixedDrafter(drafter, policy=TreeCost(assumed=AssumedCosts(c, 0.01), warmup=2))
-    out = speculative_generate(prompt, target, mixed, gamma=8, max_new_tokens=60, eos_token_ids=[], first_target=False)
+    out = speculative_generate(prompt, target, mixed, gamma=8, max_new_tokens=100, eos_token_ids=[], first_target=False)
     assert out.tokens == expected
     steps = list(zip(out.steps, out.stats.drafter_passes_per_step))
     alone = [s.num_accepted for s, passes in steps if s.draft_tokens and not passes]
     with_model = [s.num_accepted for s, passes in steps if passes]
     assert len(alone) >= 4 and sum(alone) > 2 * sum(with_model)  # most accepted tokens came at no drafter pass
-    assert mixed.kinds.steps(True) >= 2 and mixed.kinds.steps(False) >= 3  # both kinds measured: with model, alone
+    measured = {kind: sum(k.steps(kind) for k in mixed.kinds.values()) for kind in (True, False)}
+    assert measured[True] >= 2 and measured[False] >= 3  # both kinds measured: with model, alone
 
 
 def _off_main_chain(result) -> int:
@@ -278,8 +281,28 @@ def test_lookup_nodes_are_valued_by_lookups_own_acceptance():
     lookup = LookupTreeDrafter()
     assert lookup.acceptance() == 0.5  # the prior
     # model chain 0-1-2 (lookup agreed on node 1), a lookup branch 3-4 at the root
-    lookup.remember(Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3]), {1, 3, 4})
+    lookup.remember(Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3]), {1: 2, 3: 1, 4: 1})
     lookup.learn([0, 1])  # the chain's first two accepted: tried 0, 3 (root), 1 (after 0), 2 (after 1)
     assert (lookup.tries, lookup.hits) == (2, 1)  # node 1 accepted, node 3 rejected, node 4 never tried
     lookup.learn([0])  # nothing remembered since: nothing counted twice
     assert (lookup.tries, lookup.hits) == (2, 1) and lookup.acceptance() == pytest.approx(2 / 4)
+    # by match length: node 1 came from a 2-token match (accepted), node 3 from a 1-token one (rejected)
+    assert lookup.by_ngram == {2: [1, 1], 1: [1, 0]}
+    assert lookup.acceptance(2) == pytest.approx((1 + 2 * 0.5) / 3) and lookup.acceptance(1) == pytest.approx(1 / 3)
+    assert lookup.acceptance(3) == pytest.approx(0.5)  # never tried: the overall rate
+
+
+def test_lookup_branches_are_valued_by_the_acceptance_of_their_match_length():
+    """A 2-token match's continuation and a 1-token match's hang side by side; each node's value
+    is its match length's acceptance to the power of its depth (times its share), and the tree
+    reports the longest match."""
+    lookup = LookupTreeDrafter(max_ngram=2, min_ngram=1)
+    lookup.by_ngram = {2: [10, 9], 1: [10, 1]}
+    lookup.tries, lookup.hits = 20, 10
+    root = _Node(-1, 1.0, "deterministic")
+    # ... 7 8 | 4 5 ... 8 | 6 ... 7 8: the suffix [7, 8] recurs before 4 5; [8] alone also before 6
+    assert lookup.grow(root, [7, 8, 4, 5, 1, 8, 6, 2, 7, 8], 2) == 2
+    first, second = root.children
+    assert (first.token, first.ngram, second.token, second.ngram) == (4, 2, 6, 1)
+    assert first.value == pytest.approx(0.5 * lookup.acceptance(2)) and second.value == pytest.approx(0.5 * lookup.acceptance(1))
+    assert first.children[0].value == pytest.approx(0.5 * lookup.acceptance(2) ** 2)

@@ -231,8 +231,14 @@ class Prober:
 class FasterOf:
     """A choice between two kinds of step, by measurement: the first kind until `warmup` of its
     steps are timed, then one step of the other as a baseline, then whichever has made more
-    tokens per second (sums decayed by `decay` per step of the same kind), probing the other
-    (`Prober`; `waits[first]`: the first probe's distance while that kind is the choice)."""
+    tokens per second, probing the other (`Prober`; `waits[first]`: the first probe's distance
+    while that kind is the choice).
+
+    Both kinds' sums decay by `decay` at every timed step, of either kind. A kind's rate is a
+    ratio of its sums, so decay alone leaves it; but a kind left for a while is then judged by
+    its next probe more than by its old record. (With decay per step of the same kind, a T = 1
+    rag prompt decoded plainly for 100 of its last 108 steps after a bad drafting stretch: each
+    probe weighed little against the old record.)"""
 
     def __init__(self, warmup: int, probe: int, decay: float, waits: dict[bool, int]):
         self.warmup, self.decay, self.waits = warmup, decay, waits
@@ -244,9 +250,12 @@ class FasterOf:
         self.prober.reset()
 
     def record(self, first: bool, tokens: int, seconds: float) -> None:
+        for sums in self.sums.values():
+            sums[0] *= self.decay
+            sums[1] *= self.decay
         sums = self.sums[first]
-        sums[0] = self.decay * sums[0] + tokens
-        sums[1] = self.decay * sums[1] + seconds
+        sums[0] += tokens
+        sums[1] += seconds
         sums[2] += 1
 
     def steps(self, first: bool) -> int:
@@ -289,8 +298,8 @@ class CostAware(Schedule):
     1 + slope; llama.cpp's kernels on a 2-core CPU 2×), which is what decides whether a step
     should draft at all. So after `warmup` timed steps that drafted, the policy takes one step
     without a draft (`budget` 0) as a baseline, and from then on compares the measured tokens per
-    second of steps that drafted against steps that did not (decayed sums, `decay` per step of
-    the same kind) and does what has been faster (`should_draft`). To notice a change in the
+    second of steps that drafted against steps that did not (`FasterOf`: sums decayed by `decay`
+    per step) and does what has been faster (`should_draft`). To notice a change in the
     text it probes the other kind `probe` decisions after a choice (4·`probe` when drafting
     wins, a plain step being the dearer probe there), then after twice as many, and so on (up to
     64·`probe`), back to the base wait whenever the choice flips. Until `warmup` steps are timed

@@ -39,8 +39,14 @@ def find_continuations(context: Sequence[int], max_ngram: int, min_ngram: int, m
     (transformers' prompt lookup copies the earliest; the prompt's source text often lies
     there), then the others from the latest back. A continuation that is a prefix of one
     already found adds nothing and is skipped."""
+    return [continuation for _, continuation in find_matches(context, max_ngram, min_ngram, max_tokens, count)]
+
+
+def find_matches(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int,
+                 count: int) -> list[tuple[int, list[int]]]:
+    """`find_continuations`, each with the length n of the suffix it matched."""
     length = len(context)
-    found: list[list[int]] = []
+    found: list[tuple[int, list[int]]] = []
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = list(context[length - n:])
         starts = [s for s in range(length - n - 1, -1, -1)
@@ -49,8 +55,8 @@ def find_continuations(context: Sequence[int], max_ngram: int, min_ngram: int, m
             starts.insert(1, starts.pop())  # the earliest second
         for start in starts:
             continuation = list(context[start + n:start + n + max_tokens])
-            if continuation and not any(f[:len(continuation)] == continuation for f in found):
-                found.append(continuation)
+            if continuation and not any(f[:len(continuation)] == continuation for _, f in found):
+                found.append((n, continuation))
                 if len(found) >= count:
                     return found
     return found

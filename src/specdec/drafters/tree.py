@@ -22,14 +22,14 @@ from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
 from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
-from .lookup import LookupDrafter, find_continuations
+from .lookup import LookupDrafter, find_matches
 from .model import ModelDrafter
 
 
 class _Node:
     """A node of a tree under construction (trees are serialised depth first by `_to_tree`)."""
 
-    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q")
+    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q", "ngram")
 
     def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
                  rank_value: float | None = None, q: float | None = None):
@@ -39,6 +39,7 @@ class _Node:
         # whose presence must not depend on its own token (verify.py: that would bias the output)
         self.rank_value = value if rank_value is None else rank_value
         self.children: list[_Node] = []
+        self.ngram = 0  # for a node lookup proposed: the longest suffix match that proposed it
 
     def child(self, token: int) -> "_Node | None":
         return next((c for c in self.children if c.token == token), None)
@@ -198,9 +199,12 @@ class LookupTreeDrafter(LookupDrafter):
 
     Deterministic (exact under any sampler). Children are ranked by how many continuations pass
     through them, then by recency. A node's value is the lookup acceptance measured in this
-    generation (`acceptance`: of the lookup nodes verification tried, the share it accepted) to
-    the power of its depth, times its share of the continuations; nodes join while they pay for
-    their verification width (`TreeCost`, drafting being free).
+    generation for matches as long as its own (`acceptance(n)`: of the lookup nodes from n-token
+    suffix matches that verification tried, the share it accepted) to the power of its depth,
+    times its share of the continuations; nodes join while they pay for their verification
+    width (`TreeCost`, drafting being free). By match length because that is what tells a copy
+    from a coincidence: after a 3-token match in a summary the source text usually goes on, after
+    a 1-token match it rarely does.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 4, max_nodes: int = 64,
@@ -216,21 +220,27 @@ class LookupTreeDrafter(LookupDrafter):
 
     def reset_counts(self) -> None:
         self.tries = self.hits = 0  # lookup nodes verification tried, and those it accepted
+        self.by_ngram: dict[int, list[int]] = {}  # the same by match length: n -> [tries, hits]
         self._parents: list[int] = []  # the last tree's parents
-        self._proposed: set[int] = set()  # and which of its nodes lookup proposed
+        self._proposed: dict[int, int] = {}  # and its nodes lookup proposed: index -> match length
 
     def start(self, prompt: Sequence[int]) -> None:
         self.policy.reset()
         self._drafted = False
         self.reset_counts()
 
-    def acceptance(self) -> float:
+    def acceptance(self, ngram: int | None = None) -> float:
         """The measured chance that verification accepts a lookup node it tries (its parent
-        accepted), a prior of 1/2 counting twice."""
-        return (self.hits + 1) / (self.tries + 2)
+        accepted): over all lookup nodes, a prior of 1/2 counting twice; for nodes from `ngram`-token
+        matches, with that overall rate as the prior, counting twice."""
+        overall = (self.hits + 1) / (self.tries + 2)
+        if ngram is None:
+            return overall
+        tries, hits = self.by_ngram.get(ngram, (0, 0))
+        return (hits + 2 * overall) / (tries + 2)
 
-    def remember(self, tree: Tree, proposed: set[int]) -> None:
-        """The tree just proposed, and the indices of its nodes lookup proposed (for `learn`)."""
+    def remember(self, tree: Tree, proposed: dict[int, int]) -> None:
+        """The tree just proposed, and its nodes lookup proposed: index -> match length (for `learn`)."""
         self._parents, self._proposed = tree.parents, proposed
 
     def learn(self, path: list[int]) -> None:
@@ -239,36 +249,42 @@ class LookupTreeDrafter(LookupDrafter):
             if i in self._proposed:
                 self.tries += 1
                 self.hits += int(accepted)
-        self._parents, self._proposed = [], set()
+                counts = self.by_ngram.setdefault(self._proposed[i], [0, 0])
+                counts[0] += 1
+                counts[1] += int(accepted)
+        self._parents, self._proposed = [], {}
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         root = _Node(-1, 1.0, "deterministic")
         if max_depth >= 1 and self.policy.should_draft():
             self.grow(root, context, max_depth)
-        tree = _to_tree(root, self.select(root))[0]
+        tree, order = _to_tree(root, self.select(root))
         self._drafted = bool(tree.tokens)
-        self.remember(tree, set(range(len(tree))))
+        self.remember(tree, {i: node.ngram for i, node in enumerate(order)})
         return tree
 
-    def grow(self, root: _Node, context: Sequence[int], max_depth: int) -> None:
-        """Insert the continuations under `root` (children after any it already has)."""
-        continuations = find_continuations(context, self.max_ngram, self.min_ngram, max_depth, self.branches)
-        if not continuations:
-            return
-        accept = self.acceptance()
-        share = 1.0 / len(continuations)
-        for continuation in continuations:
+    def grow(self, root: _Node, context: Sequence[int], max_depth: int) -> int:
+        """Insert the continuations under `root` (children after any it already has); return the
+        longest suffix match found (0: none)."""
+        matches = find_matches(context, self.max_ngram, self.min_ngram, max_depth, self.branches)
+        if not matches:
+            return 0
+        share = 1.0 / len(matches)
+        for ngram, continuation in matches:
+            accept = self.acceptance(ngram)
             node, depth = root, 0
             for token in continuation:
                 depth += 1
                 child = node.child(token)
                 if child is None:
                     child = _Node(token, 0.0, "deterministic")
+                    child.ngram = ngram  # the longest match reaches a node first
                     node.children.append(child)
                 child.value += share * accept ** depth
                 node = child
         _rank(root)
+        return matches[0][0]
 
     def select(self, root: _Node, budget: int | None = None) -> set[int]:
         """Nodes by falling value while they pay, at most `budget` (default: the policy's
@@ -318,9 +334,11 @@ class MixedDrafter(SidesDrafter):
     its input (summaries, edits, retrieval) the lookup branch alone carries the accepted tokens
     and the drafter's passes only add cost. Which of the two kinds of step (lookup alone, or
     model and lookup) makes more tokens per second is measured on the steps where lookup found
-    something (`FasterOf`, as the policy's draft-or-not rule): the model kind first, then one
-    lookup-alone step as a baseline, then the faster one, probing the other. After
-    lookup-alone steps the drafter catches up on what it missed in its next pass.
+    something, apart for each length of the suffix match (`kinds[n]`, each a `FasterOf` as the
+    policy's draft-or-not rule: the model kind first, then one lookup-alone step as a baseline,
+    then the faster one, probing the other): a 3-token match in a summary usually starts a copy,
+    a 1-token match rarely does. After lookup-alone steps the drafter catches up on what it
+    missed in its next pass.
     """
 
     def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
@@ -331,15 +349,19 @@ class MixedDrafter(SidesDrafter):
         self.lookup.policy = self.policy
         self.name = f"{model.name}+sides{width}+lookup"
         policy = self.policy
-        # the first kind: steps with the model; the other: lookup alone
-        self.kinds = FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
+        # by the length of the step's longest suffix match; the first kind: steps with the model,
+        # the other: lookup alone
+        self.kinds = {n: FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
+                      for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1)}
         self.with_model: bool | None = None  # the last step's kind, where lookup found something (None: it did not)
+        self.ngram = 0  # and its longest suffix match
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
         self.lookup.reset_counts()
-        self.kinds.reset()
-        self.with_model = None
+        for kinds in self.kinds.values():
+            kinds.reset()
+        self.with_model, self.ngram = None, 0
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
@@ -348,10 +370,10 @@ class MixedDrafter(SidesDrafter):
         proposed: list[_Node] = []  # the tree's nodes that lookup proposed
         if max_depth >= 1 and self.policy.should_draft():
             found = _Node(-1, 1.0, "deterministic")
-            self.lookup.grow(found, context, max_depth)
+            self.ngram = self.lookup.grow(found, context, max_depth)
             alone = self.lookup.select(found) if found.children else set()
             if alone:
-                self.with_model = self.kinds.choose()
+                self.with_model = self.kinds[self.ngram].choose()
             if self.with_model is False:
                 _prune(found, alone)
             else:
@@ -363,7 +385,7 @@ class MixedDrafter(SidesDrafter):
         tree, order = _to_tree(root)
         self._drafted = bool(tree.tokens)
         ids = {id(node) for node in proposed}
-        self.lookup.remember(tree, {i for i, node in enumerate(order) if id(node) in ids})
+        self.lookup.remember(tree, {i: node.ngram for i, node in enumerate(order) if id(node) in ids})
         return tree
 
     def keep_path(self, start: int, path: list[int]) -> None:
@@ -374,7 +396,7 @@ class MixedDrafter(SidesDrafter):
                emitted: int) -> None:
         super().timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
         if self.with_model is not None and self.policy.timed_steps > 1:  # the first holds the drafter's prompt pass
-            self.kinds.record(self.with_model, emitted,
+            self.kinds[self.ngram].record(self.with_model, emitted,
                               sum(self.policy.step_seconds(draft_seconds, drafter_passes, verify_seconds, width)))
 
 
@@ -398,6 +420,7 @@ def _merge(into: _Node, other: _Node, proposed: list[_Node]) -> None:
             proposed += _subtree(child)
         else:
             same.value = max(same.value, child.value)
+            same.ngram = max(same.ngram, child.ngram)
             proposed.append(same)
             _merge(same, child, proposed)
 
