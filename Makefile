@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-gguf bench-policies bench-trees bench-self bench-eagle bench-self-all clean
+.PHONY: setup models peers demo test bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self bench-eagle bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -66,6 +66,13 @@ bench-trees: setup
 		--methods ar,sd-cost,tree-mixed,tree-eagle2,sd-cost-flat,tree-mixed-flat,tree-eagle2-flat,hf-assisted,hf-lookup \
 		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-4.md \
 		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
+
+# the default tree against the chain, lookup and transformers' peers (trees-6, ~65 min)
+bench-default-tree: setup
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
+		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-6.md \
+		--json docs/benchmarks/trees-6.json --plot docs/benchmarks/trees-6.png
 
 # issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation
