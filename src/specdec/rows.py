@@ -85,7 +85,7 @@ def install_attention(hf_model) -> str:
     name = PREFIX + base
     if name not in ALL_ATTENTION_FUNCTIONS:
         function = _model_eager_attention if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
-        AttentionInterface.register(name, _rowwise_attention(function, packs=base == "sdpa"))
+        AttentionInterface.register(name, _our_attention(function, packs=base == "sdpa"))
         AttentionMaskInterface.register(name, _materialized_mask(ALL_MASK_ATTENTION_FUNCTIONS[base]))
     hf_model.set_attn_implementation(name)
     return name
@@ -107,7 +107,7 @@ def _materialized_mask(base):
     return mask
 
 
-def _rowwise_attention(base, packs: bool):
+def _our_attention(base, packs: bool):
     def one_query(module, query, key, value, **kwargs):
         if packs and query.device.type == "cpu" and not any(kwargs.get(name) for name in _EXTRAS):
             return one_query_attention(query, key, value, kwargs.get("scaling"))
