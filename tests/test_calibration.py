@@ -18,6 +18,7 @@ from specdec import autoregressive_generate, speculative_generate
 from specdec.drafters.dynamic import Eagle2Drafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.tree import SidesDrafter
 from specdec.errors import SpecdecError
 from specdec.schedules import Calibration, TreeCost, tried_nodes
 
@@ -69,9 +70,9 @@ def _hits_and_tries(policy: TreeCost) -> tuple[int, int]:
     return sum(r[3] for r in rows), sum(r[2] for r in rows)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle2"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle2", "sides"])
 def test_every_accepted_node_is_counted_as_a_hit(kind):
-    target = _pair()[0] if kind == "eagle2" else tiny_model(1, vocab=32)
+    target = _pair()[0] if kind in ("eagle2", "sides") else tiny_model(1, vocab=32)
     accepted = 0
     for prompt in PROMPTS:
         policy = _wide()
@@ -79,8 +80,10 @@ def test_every_accepted_node_is_counted_as_a_hit(kind):
             drafter = MedusaDrafter(_random_heads(target), 3, policy=policy)
         elif kind == "eagle":
             drafter = EagleDrafter(_random_eagle(target), 3, policy=policy)
-        else:
+        elif kind == "eagle2":
             drafter = Eagle2Drafter(_pair()[1], 3, policy=policy)  # the target with a noisy head
+        else:  # greedy: the chain and its sides are all counted
+            drafter = SidesDrafter(_pair()[1], 3, policy=policy)
         result = speculative_generate(prompt, target, drafter, gamma=6, max_new_tokens=30, eos_token_ids=[], seed=0)
         hits, tries = _hits_and_tries(policy)
         assert hits == result.stats.accepted
@@ -97,12 +100,15 @@ def _flat_pair():
 
 
 @pytest.mark.parametrize("calibrate", [True, False])
-def test_an_under_confident_drafter_drafts_deeper_once_its_acceptance_is_measured(calibrate):
+@pytest.mark.parametrize("kind", ["eagle2", "sides"])
+def test_an_under_confident_drafter_drafts_deeper_once_its_acceptance_is_measured(calibrate, kind):
+    """Also the sides tree's chain (width 1: a chain alone), whose stopping rule reads the same values."""
     target, drafter = _flat_pair()
     passes = tokens = deepest = 0
+    made = Eagle2Drafter if kind == "eagle2" else SidesDrafter
     for prompt in PROMPTS:
         policy = TreeCost(threshold=0.3, node_threshold=0.2, warmup=10**9, calibrate=calibrate)
-        result = speculative_generate(prompt, target, Eagle2Drafter(drafter, 1, policy=policy), gamma=8,
+        result = speculative_generate(prompt, target, made(drafter, 1, policy=policy), gamma=8,
                                       max_new_tokens=120, eos_token_ids=[], seed=0)
         assert result.tokens == autoregressive_generate(prompt, target, max_new_tokens=120, eos_token_ids=[]).tokens
         passes += result.stats.target_forwards

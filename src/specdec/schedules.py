@@ -485,8 +485,10 @@ class TreeCost(CostAware):
     nearly free (a GPU, AMX) it grows to `max_nodes`.
 
     Whether to draft at all is measured as in CostAware (`should_draft`); the tree drafters ask it.
-    Drafters of deterministic trees value their nodes by `acceptance(q)`: the acceptance measured
-    so far at the drafter's q in this generation (`calibrated`, fed by `record_tree`).
+    Drafters value their nodes by `acceptance(q)`: the acceptance measured so far at the drafter's
+    q in this generation (`calibrated`, fed by `record_tree`): every node of the deterministic
+    trees (EAGLE-2, Medusa, EAGLE), and the model chain of the sides and mixed trees, whose
+    growth stops on those values too.
     """
 
     name = "tree-cost"
@@ -507,9 +509,11 @@ class TreeCost(CostAware):
 
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
         """After verifying a deterministic tree: each node's drafter probability `q` (given its
-        parent), the tree's `parents` and the accepted `path`; counts the tried nodes."""
+        parent; None: a node not to count), the tree's `parents` and the accepted `path`; counts
+        the tried nodes."""
         for i, accepted in tried_nodes(parents, path):
-            self.calibrated.record(q[i], accepted)
+            if q[i] is not None:
+                self.calibrated.record(q[i], accepted)
 
     def acceptance(self, q: float) -> float:
         """A node's chance of acceptance given its parent's, from the drafter's q of its token:

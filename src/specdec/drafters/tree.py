@@ -75,13 +75,20 @@ def _to_tree(root: _Node, keep: set[int] | None = None) -> tuple[Tree, list[_Nod
 class SidesDrafter(ModelDrafter):
     """The model drafter's chain, with the drafter's next best tokens at each position as leaves.
 
-    The chain grows while its path value (the product of the drafter's q of each chain token)
-    pays for a drafter pass and a wider target pass; then the best `width - 1` alternatives at
-    each chain position join in falling path value while they pay for their verification
-    width (`TreeCost`). Under a greedy sampler the leaves are the drafter's next ranks; under
-    sampling the chain is drawn from q and the leaves by `scheme`: "without-replacement"
-    (default; recursive rejection sampling), "iid" (SpecInfer), or "deterministic" (the next
-    ranks of q; exact too, verified with a one-hot law after the sampled chain token).
+    The chain grows while its path value pays for a drafter pass and a wider target pass; then
+    the best `width - 1` alternatives at each chain position join in falling path value while
+    they pay for their verification width (`TreeCost`). A path value is the product, along the
+    path, of each token's acceptance as measured so far in this generation at the drafter's q of
+    it (`TreeCost.acceptance`: q itself until verified nodes have been counted), not of q alone:
+    on long prompts a small drafter is overconfident, and chains that ran on its q took up to 20
+    drafter passes for 5 accepted tokens (BENCHMARKS, the sixth tree run). The chain's tokens are
+    counted under any sampler, greedy sides too (the target's argmax decides them as it does the
+    chain's); sampled sides, verified against a residual, are not.
+
+    Under a greedy sampler the leaves are the drafter's next ranks; under sampling the chain is
+    drawn from q and the leaves by `scheme`: "without-replacement" (default; recursive rejection
+    sampling), "iid" (SpecInfer), or "deterministic" (the next ranks of q; exact too, verified
+    with a one-hot law after the sampled chain token).
     """
 
     def __init__(self, model: LanguageModel, width: int = 3, max_nodes: int = 64,
@@ -96,11 +103,13 @@ class SidesDrafter(ModelDrafter):
         self.name = f"{model.name}+sides{width}"
         self._fed: list[int] = []
         self._drafted = False
+        self._q: list[float | None] = []  # the last tree's nodes' drafter q (None: not calibrated)
+        self._parents: list[int] = []
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
         self.policy.reset()
-        self._fed, self._drafted = [], False
+        self._fed, self._drafted, self._q, self._parents = [], False, [], []
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
@@ -109,9 +118,14 @@ class SidesDrafter(ModelDrafter):
         if max_depth >= 1 and self.policy.should_draft():
             self._grow(root, context, max_depth, sampler, generator)
             _prune(root, self._select(root))
-        tree, _ = _to_tree(root)
-        self._drafted = bool(tree.tokens)
+        tree, order = _to_tree(root)
+        self._remember(tree, order)
         return tree
+
+    def _remember(self, tree: Tree, order: list[_Node]) -> None:
+        """The tree just proposed, and its nodes' drafter q where the calibration counts them."""
+        self._drafted = bool(tree.tokens)
+        self._q, self._parents = [node.q for node in order], tree.parents
 
     def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
               generator: torch.Generator) -> list[_Node]:
@@ -120,6 +134,7 @@ class SidesDrafter(ModelDrafter):
         pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
         parent, chain = root, []
         greedy = sampler.is_greedy
+        acceptance = self.policy.acceptance
         while len(chain) < max_depth:
             logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
             self.forwards += 1
@@ -129,8 +144,9 @@ class SidesDrafter(ModelDrafter):
             q = (over.float().softmax(-1) if greedy else sampler.probs(over))
             token = int(greedy_tokens(over)) if greedy else int(sample(q, generator))
             row = None if greedy else q
-            node = _Node(token, parent.value * float(q[token]), "deterministic" if greedy else
-                         ("iid" if self.scheme == "iid" else "without-replacement"), row)
+            chance = float(q[token])
+            node = _Node(token, parent.value * acceptance(chance), "deterministic" if greedy else
+                         ("iid" if self.scheme == "iid" else "without-replacement"), row, q=chance)
             parent.children.append(node)
             kind = "deterministic" if greedy else self.scheme
             taken = {token}
@@ -138,7 +154,11 @@ class SidesDrafter(ModelDrafter):
                 # a sampled side joins by what the parent and its earlier siblings leave (the mass
                 # not yet drafted), never by its own q
                 slot = None if kind == "deterministic" else parent.value * max(0.0, 1 - float(q[list(taken)].sum()))
-                parent.children.append(_Node(alt, parent.value * float(q[alt]), kind, row, slot))
+                side = float(q[alt])
+                # under greedy a side is accepted as a chain token is (the target's argmax is its
+                # token), so both share the calibration; a sampled side is judged by a residual law
+                parent.children.append(_Node(alt, parent.value * (acceptance(side) if greedy else side), kind, row,
+                                             slot, q=side if greedy else None))
                 taken.add(alt)
             chain.append(node)
             parent = node
@@ -187,6 +207,9 @@ class SidesDrafter(ModelDrafter):
 
     def keep_path(self, start: int, path: list[int]) -> None:
         super().keep_path(start, path, self._fed)
+        if self._drafted:
+            self.policy.record_tree(self._q, self._parents, path)
+        self._drafted, self._q, self._parents = False, [], []
 
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
@@ -383,7 +406,7 @@ class MixedDrafter(SidesDrafter):
                 _prune(found, self.lookup.select(found, self.policy.max_nodes - _count(root)))
             _merge(root, found, proposed)
         tree, order = _to_tree(root)
-        self._drafted = bool(tree.tokens)
+        self._remember(tree, order)
         ids = {id(node) for node in proposed}
         self.lookup.remember(tree, {i: node.ngram for i, node in enumerate(order) if id(node) in ids})
         return tree
