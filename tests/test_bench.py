@@ -8,7 +8,7 @@ import pytest
 
 from specdec import SpecdecError
 from specdec.bench.datasets import load_prompts, parse_dataset
-from specdec.bench.methods import Record, check_methods
+from specdec.bench.methods import Record, check_methods, merge_samples
 from specdec.bench.report import render_markdown, render_paired, render_plot, render_table
 from specdec.bench.run import bootstrap_median_interval, group_summaries, method_orders, summarize
 
@@ -180,3 +180,24 @@ def test_decoding_rate_leaves_out_the_time_to_first_token():
     assert s["ar"]["median_first_token_seconds"] == 1.0
     assert s["ar"]["median_decode_speedup_vs_hf"] == pytest.approx(5.0 / (10 / 1.5))
     assert s["ar"]["median_speedup_vs_hf"] == pytest.approx((11 / 3) / (11 / 2))
+
+
+def test_sampled_generations_are_summed_into_one_record():
+    a = Record("s/0@t1", "sd", [1, 2, 3], 3, 2.0, 2, drafted=4, accepted=1, accepted_per_step=[1, 0],
+               first_token_seconds=0.5, target_seconds=1.5, drafter_seconds=0.4, widths_per_step=[3, 3],
+               drafter_passes_per_step=[2, 2], temperature=1.0)
+    b = Record("s/0@t1", "sd", [4] * 9, 9, 2.0, 3, drafted=6, accepted=5, accepted_per_step=[5],
+               first_token_seconds=0.5, target_seconds=1.2, drafter_seconds=0.7, widths_per_step=[7],
+               drafter_passes_per_step=[6], temperature=1.0)
+    m = merge_samples([a, b])
+    assert (m.samples, m.new_tokens, m.tokens, m.target_forwards) == (2, 12, [1, 2, 3] + [4] * 9, 5)
+    assert (m.drafted, m.accepted, m.accepted_per_step, m.widths_per_step) == (10, 6, [1, 0, 5], [3, 3, 7])
+    assert m.wall_seconds == 4.0 and m.target_seconds == pytest.approx(2.7) and m.drafter_seconds == pytest.approx(1.1)
+    # total tokens over total time, not the mean of the two rates (1.5 and 4.5 tok/s)
+    assert m.tokens_per_second == pytest.approx(12 / 4.0)
+    assert m.decode_tokens_per_second == pytest.approx((12 - 2) / (4.0 - 1.0))  # each sample's first token out
+    assert merge_samples([a]).decode_tokens_per_second == a.decode_tokens_per_second
+    peer = Record("s/0@t1", "hf", [1], 1, 1.0, None)
+    assert merge_samples([peer, peer]).target_forwards is None  # not reported stays not reported
+    with pytest.raises(SpecdecError, match="one method on one prompt"):
+        merge_samples([a, peer])

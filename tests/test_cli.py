@@ -90,7 +90,8 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
     result = runner.invoke(app, ["bench", "--dataset", "humaneval", "--limit", "2", "--target", "smollm2-135m",
                                  "--drafter", "smollm2-135m", "--methods", "ar,sd,lookup,hf,hf-assisted-fixed",
                                  "--max-new-tokens", "6", "--temperature", temperatures, "--json", f"{out}.json",
-                                 "--markdown", f"{out}.md", "--plot", f"{out}.png", "--dtype", dtype])
+                                 "--markdown", f"{out}.md", "--plot", f"{out}.png", "--dtype", dtype,
+                                 "--samples", "2"])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "r.json").read_text())
     for m in ("ar", "sd", "lookup", "hf", "hf-assisted-fixed"):
@@ -105,6 +106,8 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
             assert {"position", "top2_logit_gap"} <= set(entry["divergences"][prompt])
     groups = len(temperatures.split(","))
     assert len(data["records"]) == 2 * 5 * groups and len(data["groups"]) == groups
+    for r in data["records"]:  # two generations at T = 1, summed into one record; greedy ones run once
+        assert r["samples"] == (2 if r["temperature"] > 0 else 1) and r["new_tokens"] == len(r["tokens"]), r
     assert groups == 1 or "### humaneval, temperature 1" in (tmp_path / "r.md").read_text()
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert "median tok/s" in result.output  # a log, not a terminal: the table is not wrapped at 80 columns
@@ -145,6 +148,7 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["bench", "--methods", "ar,magic"], "unknown method"),
     (["bench", "--temperature", "hot"], "--temperature takes"),
+    (["bench", "--samples", "0"], "samples must be an integer >= 1"),
     (["bench", "--dataset", "spec-bench", "--tasks", "poetry"], "no task poetry"),
     (["generate", "x", "--schedule", "sometimes"], "unknown schedule"),
     (["measure", "--gammas", "0,2"], "--gammas must be"),

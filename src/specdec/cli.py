@@ -447,6 +447,8 @@ def bench(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: str = typer.Option("0", help="Comma-separated temperatures; 0 = greedy (checks identity to ar)."),
     seed: int = typer.Option(0, help="Base seed; prompt i is sampled with seed + i by every method."),
+    samples: int = typer.Option(1, help="Generations per method of each prompt at a temperature > 0, summed "
+                                "into one result (a sampled output's length, and so its speed, is a draw)."),
     markdown: Optional[str] = typer.Option(None, help="Write a markdown report to this file."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write info, summary, groups and records as JSON."),
     plot: Optional[str] = typer.Option(None, help="Write a PNG of tokens/s per method and per task."),
@@ -489,7 +491,7 @@ def bench(
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
                       drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows,
-                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus)
+                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus, samples=samples)
     except SpecdecError as exc:
         _fail(str(exc))
 

@@ -122,6 +122,7 @@ class Record:
     drafter_seconds: float | None = None  # ours: drafting and keeping the drafter in step
     widths_per_step: list[int] = field(default_factory=list)  # ours, speculative: tokens per target pass
     drafter_passes_per_step: list[int] = field(default_factory=list)
+    samples: int = 1  # generations folded into this record (`merge_samples`): their sums, their lists joined
 
     @property
     def tokens_per_second(self) -> float:
@@ -129,10 +130,36 @@ class Record:
 
     @property
     def decode_tokens_per_second(self) -> float | None:
-        """Tokens after the first over the time after it: the decoding rate, prompt pass left out."""
-        if self.first_token_seconds is None or self.new_tokens < 2 or self.wall_seconds <= self.first_token_seconds:
+        """Tokens after each generation's first over the time after it: the decoding rate, prompt
+        passes left out."""
+        if self.first_token_seconds is None or self.new_tokens <= self.samples or \
+                self.wall_seconds <= self.first_token_seconds:
             return None
-        return (self.new_tokens - 1) / (self.wall_seconds - self.first_token_seconds)
+        return (self.new_tokens - self.samples) / (self.wall_seconds - self.first_token_seconds)
+
+
+def merge_samples(records: list[Record]) -> Record:
+    """Several sampled generations of one method on one prompt as one record: tokens, times and
+    counts summed, per-step lists and the tokens joined. Its tokens per second is then total
+    tokens over total time. Under sampling each generation writes a text of its own length, so
+    one generation's rate says as much about that length (how far the prompt pass is spread)
+    and that draw as about the method; the sums weigh each token alike."""
+    if not records or len({(r.prompt_id, r.method) for r in records}) != 1:
+        raise SpecdecError("merge_samples takes the records of one method on one prompt")
+
+    def total(values):
+        return None if any(v is None for v in values) else sum(values)
+
+    first = records[0]
+    return Record(first.prompt_id, first.method, [t for r in records for t in r.tokens],
+                  sum(r.new_tokens for r in records), sum(r.wall_seconds for r in records),
+                  total([r.target_forwards for r in records]), sum(r.drafted for r in records),
+                  sum(r.accepted for r in records), [n for r in records for n in r.accepted_per_step],
+                  first.dataset, first.task, first.temperature,
+                  total([r.first_token_seconds for r in records]), [n for r in records for n in r.nodes_per_step],
+                  total([r.target_seconds for r in records]), total([r.drafter_seconds for r in records]),
+                  [n for r in records for n in r.widths_per_step], [n for r in records for n in r.drafter_passes_per_step],
+                  sum(r.samples for r in records))
 
 
 def check_methods(methods: list[str]) -> None:

@@ -25,10 +25,11 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
-                      run_method, self_drafting)
+                      merge_samples, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
+SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (no two prompts share one)
 
 
 def method_orders(methods: list[str], seed: int = 0):
@@ -227,10 +228,16 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                   plot: str | None = None, argv: list[str] | None = None, console: Console | None = None,
                   dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto",
                   exact_rows: bool | None = None, drafter_vocab: int | None = None,
-                  drafter_vocab_corpus: str | None = None) -> dict:
+                  drafter_vocab_corpus: str | None = None, samples: int = 1) -> dict:
     """Run every method on every prompt of `datasets` (names, or NAME:LIMIT:T+T specs, see
     `parse_dataset`) at every temperature; report and return
-    {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}."""
+    {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}.
+
+    samples: generations per method of each prompt at a temperature > 0 (greedy ones run once),
+    each sample's methods in a counterbalanced order of their own, summed into one record
+    (`merge_samples`): one sampled generation's length, and so its speed, is a draw."""
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise SpecdecError(f"samples must be an integer >= 1, got {samples!r}")
     console = console or Console(stderr=True)
     if not console.is_terminal:  # a log file: the summary table would wrap at 80 columns
         console.width = max(console.width, 160)
@@ -284,23 +291,30 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     records: list[Record] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("benchmark", total=sum(map(len, temperatures_of)) * len(methods))
+        runs = sum(samples if t > 0 else 1 for temps in temperatures_of for t in temps)
+        bar = progress.add_task("benchmark", total=runs * len(methods))
         orders = method_orders(methods, seed)
         for sampler in samplers:
             for p, ids, temps in zip(prompts, encoded, temperatures_of):
                 if sampler.temperature not in temps:
                     continue
-                for m in next(orders):  # counterbalanced: see method_orders
-                    progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}: {m}")
-                    gc.collect()  # the garbage of the previous method is not collected on this one's clock
-                    r = run_method(m, ids, target_model, drafter_model, settings, sampler, seed + p.index, peers)
-                    r.prompt_id = f"{p.dataset}/{p.index}@t{sampler.temperature:g}"
-                    r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
-                    records.append(r)
-                    progress.advance(bar)
-                    if not console.is_terminal:  # a log file gets no live bar: one line per generation
-                        console.print(f"{r.prompt_id} {m}: {r.new_tokens} tokens, {r.tokens_per_second:.2f} tok/s",
-                                      highlight=False)
+                count = 1 if sampler.is_greedy else samples
+                drawn: dict[str, list[Record]] = {m: [] for m in methods}
+                for k in range(count):
+                    for m in next(orders):  # counterbalanced: see method_orders
+                        progress.update(bar, description=f"{p.dataset}/{p.task} #{p.index} T={sampler.temperature:g}"
+                                        + (f" sample {k + 1}/{count}" if count > 1 else "") + f": {m}")
+                        gc.collect()  # the garbage of the previous method is not collected on this one's clock
+                        r = run_method(m, ids, target_model, drafter_model, settings, sampler,
+                                       seed + p.index + SAMPLE_SEEDS * k, peers)
+                        r.prompt_id = f"{p.dataset}/{p.index}@t{sampler.temperature:g}"
+                        r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
+                        drawn[m].append(r)
+                        progress.advance(bar)
+                        if not console.is_terminal:  # a log file gets no live bar: one line per generation
+                            console.print(f"{r.prompt_id} {m}: {r.new_tokens} tokens, {r.tokens_per_second:.2f} tok/s",
+                                          highlight=False)
+                records += [merge_samples(rs) if len(rs) > 1 else rs[0] for rs in drawn.values()]
 
     summary = summarize(records, methods, settings.assumed)
     ids_by_prompt = {f"{p.dataset}/{p.index}": ids for p, ids in zip(prompts, encoded)}
@@ -312,7 +326,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                 target_model, ids_by_prompt[r.prompt_id.split("@")[0]], ar_tokens[r.prompt_id], r.tokens)
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
-            "temperatures": list(temperatures), "seed": seed,
+            "temperatures": list(temperatures), "seed": seed, "samples": samples,
             "settings": {k: v for k, v in vars(settings).items() if k not in ("pass_costs", "assumed")},
             "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
             "assumed_costs": settings.assumed.to_dict() if settings.assumed else None,
