@@ -107,6 +107,9 @@ DRAFTERS = {
     "lookup": lambda d: LookupTreeDrafter(policy=_wide()),
     "mixed": lambda d: MixedDrafter(d, width=2, policy=_wide()),
     "mixed-alternating": lambda d: _Alternating(d, width=2, policy=_wide()),
+    # chains that stop early, so that lookup carries them on (`MixedDrafter._extend`)
+    "mixed-short-chains": lambda d: MixedDrafter(d, width=2, policy=TreeCost(threshold=0.7, node_threshold=0.001,
+                                                                             warmup=10**9)),
 }
 
 
@@ -138,7 +141,7 @@ class _Alternating(MixedDrafter):
         self.kinds = {n: turns for n in self.kinds}
 
 
-@pytest.mark.parametrize("kind", ["sides", "lookup", "mixed"])
+@pytest.mark.parametrize("kind", ["sides", "lookup", "mixed", "mixed-short-chains"])
 def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
     target, drafter = tiny_model(1, vocab=32), tiny_model(2, vocab=32, layers=1, logit_scale=0.3)
     off_main_chain = branched = 0
@@ -155,7 +158,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
 
 # the lookup trie is deterministic: its sampled exactness is that of the mixed tree's lookup nodes
 @pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed",
-                                  "mixed-alternating"])
+                                  "mixed-alternating", "mixed-short-chains"])
 def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
     It caught a mixed tree that ranked lookup nodes before the model's sampled sides (p ~ 1e-27)."""
@@ -306,3 +309,25 @@ def test_lookup_branches_are_valued_by_the_acceptance_of_their_match_length():
     assert (first.token, first.ngram, second.token, second.ngram) == (4, 2, 6, 1)
     assert first.value == pytest.approx(0.5 * lookup.acceptance(2)) and second.value == pytest.approx(0.5 * lookup.acceptance(1))
     assert first.children[0].value == pytest.approx(0.5 * lookup.acceptance(2) ** 2)
+
+
+def test_lookup_carries_the_model_chain_on_past_its_end():
+    """Where the model's chain stops (here after one token: a threshold no q reaches) lookup
+    continues from the chain's end: the context's last tokens never occurred before (lookup from
+    the root finds nothing), but the chain's token did, and what followed it hangs below the chain."""
+    drafter = TableModel(12, 0)
+    first = int(drafter.table[9, 10].argmax())  # the drafter's token after ... 9 10
+    context = [first, 3, 4, 5, 6] + [t for t in (0, 1, 2, 7, 8, 11) if t != first] + [9, 10]
+    for extend in (True, False):
+        mixed = MixedDrafter(drafter, policy=TreeCost(threshold=0.999, node_threshold=0.01, warmup=10**9,
+                                                      calibrate=False))
+        mixed.chain_lookup = extend
+        mixed.start(context)
+        tree = mixed.propose_tree(context, 8, Sampler(0.0), torch.Generator())
+        chain_end = tree.tokens.index(first)
+        below = [tree.tokens[i] for i in range(len(tree)) if i > chain_end and chain_end in tree.path_to(i)]
+        if not extend:
+            assert below == []
+            continue
+        assert len(below) >= 4 and below == context[1:1 + len(below)]  # what followed the chain's token
+        assert set(mixed.lookup._proposed.values()) == {1}  # lookup's nodes, counted by their match length

@@ -362,6 +362,11 @@ class MixedDrafter(SidesDrafter):
     then the faster one, probing the other): a 3-token match in a summary usually starts a copy,
     a 1-token match rarely does. After lookup-alone steps the drafter catches up on what it
     missed in its next pass.
+
+    Lookup also runs from the end of the model's chain (`_extend`, on unless `chain_lookup` is
+    False): the context with the chain drafted onto it may recur where the context alone does
+    not, and what followed it then carries the draft on past the point where the model's values
+    stopped it, at no drafter pass.
     """
 
     def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
@@ -376,6 +381,7 @@ class MixedDrafter(SidesDrafter):
         # the other: lookup alone
         self.kinds = {n: FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
                       for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1)}
+        self.chain_lookup = True  # lookup also from the model chain's end (`_extend`)
         self.with_model: bool | None = None  # the last step's kind, where lookup found something (None: it did not)
         self.ngram = 0  # and its longest suffix match
 
@@ -400,16 +406,42 @@ class MixedDrafter(SidesDrafter):
             if self.with_model is False:
                 _prune(found, alone)
             else:
-                self._grow(root, context, max_depth, sampler, generator)
+                chain = self._grow(root, context, max_depth, sampler, generator)
                 _prune(root, self._select(root))
                 # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
                 _prune(found, self.lookup.select(found, self.policy.max_nodes - _count(root)))
+                if self.chain_lookup and chain and len(chain) < max_depth:
+                    self._extend(chain, context, max_depth - len(chain), self.policy.max_nodes - _count(root)
+                                 - _count(found), proposed)
             _merge(root, found, proposed)
         tree, order = _to_tree(root)
         self._remember(tree, order)
         ids = {id(node) for node in proposed}
         self.lookup.remember(tree, {i: node.ngram for i, node in enumerate(order) if id(node) in ids})
         return tree
+
+    def _extend(self, chain: list[_Node], context: Sequence[int], max_depth: int, budget: int,
+                proposed: list[_Node]) -> None:
+        """Hang under the chain's last node what followed earlier occurrences of the context with
+        the chain drafted onto it: where the model has drafted into a passage the text repeats
+        (a name, a call, a line of code written before), lookup carries the draft on past the
+        point where the model's confidence stopped it, at no drafter pass. The nodes' values are
+        the chain end's times lookup's (the chance the target reaches them); they join while they
+        pay for their width, in what the budget leaves."""
+        if budget <= 0:
+            return
+        tail = _Node(-1, 1.0, "deterministic")
+        if not self.lookup.grow(tail, list(context) + [node.token for node in chain], max_depth):
+            return
+        end = chain[-1]
+        stack = list(tail.children)
+        while stack:
+            node = stack.pop()
+            node.value *= end.value
+            node.rank_value = node.value
+            stack += node.children
+        _prune(tail, self.lookup.select(tail, budget))
+        _merge(end, tail, proposed)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         super().keep_path(start, path)
