@@ -67,12 +67,13 @@ bench-trees: setup
 		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-4.md \
 		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
 
-# the default tree against the chain, lookup and transformers' peers (trees-6, ~65 min)
+# the default tree against the chain, lookup and transformers' peers, three samples of each T = 1 prompt
+# (trees-7; trees-6 was this with one sample, ~56 min on the 2-core EPYC)
 bench-default-tree: setup
-	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 3 \
 		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
-		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-6.md \
-		--json docs/benchmarks/trees-6.json --plot docs/benchmarks/trees-6.png
+		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-7.md \
+		--json docs/benchmarks/trees-7.json --plot docs/benchmarks/trees-7.png
 
 # issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation
