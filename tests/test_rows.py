@@ -127,13 +127,15 @@ def test_key_spans_follow_the_mask():
     assert causal == [slice(0, 8), slice(0, 9), slice(0, 10)]
     mask = torch.zeros(1, 1, 3, 6, dtype=torch.bool)
     mask[0, 0, 0, :4] = True          # contiguous
-    mask[0, 0, 1, [0, 1, 2, 4]] = True  # a tree branch: gathered
+    mask[0, 0, 1, [0, 1, 2, 4]] = True  # a tree branch: its contiguous runs
     mask[0, 0, 2, 2:6] = True         # a sliding window
     spans = key_spans(mask, 3, 6)
     assert spans[0] == slice(0, 4) and spans[2] == slice(2, 6)
-    assert spans[1].tolist() == [0, 1, 2, 4]
+    assert spans[1] == (slice(0, 3), slice(4, 5))
     additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
-    assert key_spans(additive, 3, 6)[1].tolist() == [0, 1, 2, 4]
+    assert key_spans(additive, 3, 6)[1] == (slice(0, 3), slice(4, 5))
+    mask[0, 0, 1] = torch.tensor([True, False, True, False, True, True])  # three runs
+    assert key_spans(mask, 3, 6)[1] == (slice(0, 1), slice(2, 3), slice(4, 6))
 
 
 def test_refined_bf16_logits_pick_the_fp32_argmax():

