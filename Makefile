@@ -68,7 +68,7 @@ bench-trees: setup
 		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
 
 # the default tree against the chain, lookup and transformers' peers, three samples of each T = 1 prompt
-# (trees-7; trees-6 was this with one sample, ~56 min on the 2-core EPYC)
+# (trees-7: 44 min on the 2-core EPYC; trees-6 was this with one sample)
 bench-default-tree: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 3 \
 		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
