@@ -63,6 +63,8 @@ def test_projected_speedup_prices_each_step_on_the_assumed_machine():
     # two chain steps of 4 drafted tokens, 8 tokens; the first step's first pass is the drafter's prompt
     units = 0.25 * 8 + 2 * flat_verification(4, 1.2)
     assert costs.projected_speedup(8, [5, 5], [5, 4]) == pytest.approx(8 / units)
+    # two such generations joined (the bench's --samples): two drafter prompt passes left out
+    assert costs.projected_speedup(16, [5, 5, 5, 5], [5, 4, 5, 4], generations=2) == pytest.approx(16 / (2 * units))
     # model-free drafting (lookup): no drafter pass at all
     assert costs.projected_speedup(6, [6], [0]) == pytest.approx(6 / flat_verification(5, 1.2))
     # the first token from the target's own pass, before any step

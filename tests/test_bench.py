@@ -195,7 +195,10 @@ def test_sampled_generations_are_summed_into_one_record():
     assert m.wall_seconds == 4.0 and m.target_seconds == pytest.approx(2.7) and m.drafter_seconds == pytest.approx(1.1)
     # total tokens over total time, not the mean of the two rates (1.5 and 4.5 tok/s)
     assert m.tokens_per_second == pytest.approx(12 / 4.0)
+    assert m.first_token_seconds == pytest.approx(0.5)  # the time to first token: the mean, not the sum
     assert m.decode_tokens_per_second == pytest.approx((12 - 2) / (4.0 - 1.0))  # each sample's first token out
+    assert merge_samples([m, a]).first_token_seconds == pytest.approx(0.5)  # weighed by samples
+    assert merge_samples([m, a]).decode_tokens_per_second == pytest.approx((15 - 3) / (6.0 - 1.5))
     assert merge_samples([a]).decode_tokens_per_second == a.decode_tokens_per_second
     peer = Record("s/0@t1", "hf", [1], 1, 1.0, None)
     assert merge_samples([peer, peer]).target_forwards is None  # not reported stays not reported

@@ -446,7 +446,8 @@ def bench(
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: str = typer.Option("0", help="Comma-separated temperatures; 0 = greedy (checks identity to ar)."),
-    seed: int = typer.Option(0, help="Base seed; prompt i is sampled with seed + i by every method."),
+    seed: int = typer.Option(0, help="Base seed; prompt i is sampled with seed + i by every method (its sample k "
+                             "with seed + i + 100003·k)."),
     samples: int = typer.Option(1, help="Generations per method of each prompt at a temperature > 0, summed "
                                 "into one result (a sampled output's length, and so its speed, is a draw)."),
     markdown: Optional[str] = typer.Option(None, help="Write a markdown report to this file."),

@@ -188,17 +188,18 @@ class AssumedCosts:
         return {"drafter": self.drafter, "slope": self.slope, "at16": 1.0 + 16 * self.slope}
 
     def projected_speedup(self, new_tokens: int, widths: Sequence[int], drafter_passes: Sequence[int],
-                          one_token_passes: int = 0) -> float:
+                          one_token_passes: int = 0, generations: int = 1) -> float:
         """The speedup over AR a measured speculative generation would have on this machine: its
         new_tokens over its steps priced by `seconds` (`GenerationStats.widths_per_step`,
         `drafter_passes_per_step`) plus `one_token_passes` target passes outside the steps (the
         first token's, under `first_target`). Prompt passes are left out on both sides: AR makes
-        one token per one-token pass, and the drafter's first pass (its prompt) is not counted."""
+        one token per one-token pass, and the drafter's first pass (its prompt) is not counted,
+        one per generation where `generations` were joined (the bench's `merge_samples`)."""
         if len(widths) != len(drafter_passes) or new_tokens < 1 or one_token_passes < 0 or \
                 not widths and not one_token_passes:
             raise SpecdecError(f"projected_speedup needs one width and drafter pass count per step and tokens >= 1, "
                                f"got {len(widths)} widths, {len(drafter_passes)} pass counts, {new_tokens!r} tokens")
-        prompt = 1 if any(drafter_passes) else 0
+        prompt = generations if any(drafter_passes) else 0
         steps = sum(sum(self.seconds(passes, width)) for width, passes in zip(widths, drafter_passes))
         return new_tokens / (steps - self.drafter * prompt + one_token_passes)
 
@@ -421,10 +422,12 @@ class Calibration:
 
     A node of a deterministic tree whose parent was accepted is accepted with the target's
     (sampled) p of its token: q estimates that only when the drafter is calibrated, and a
-    drafter trained on little text (the heads and EAGLE layers trained here) is not. So every
-    such node verified is counted in a bin of q (`EDGES`), and the estimate for a q is the
-    bin's acceptance rate shrunk towards q itself by `strength` pseudo-counts:
-    (hits + strength·q) / (tries + strength), raised where needed to what the lower bins give at
+    drafter trained on little text (the heads and EAGLE layers trained here) is not. (A chain
+    token sampled from q, as the sides and mixed trees draw theirs under sampling, is accepted
+    with min(1, p/q) instead: its bin then counts that.) So every such node verified is counted
+    in a bin of q (`EDGES`), and the estimate for a q is the bin's acceptance rate shrunk
+    towards q itself by `strength` pseudo-counts: (hits + strength·q) / (tries + strength),
+    raised where needed to what the lower bins give at
     their upper edges, so that it never falls as q grows (siblings keep their rank order by
     value). Before any count it is q, as without calibration.
     """
@@ -508,9 +511,8 @@ class TreeCost(CostAware):
         self.calibrated.reset()
 
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
-        """After verifying a deterministic tree: each node's drafter probability `q` (given its
-        parent; None: a node not to count), the tree's `parents` and the accepted `path`; counts
-        the tried nodes."""
+        """After verifying a tree: each node's drafter probability `q` (given its parent; None: a
+        node not to count), the tree's `parents` and the accepted `path`; counts the tried nodes."""
         for i, accepted in tried_nodes(parents, path):
             if q[i] is not None:
                 self.calibrated.record(q[i], accepted)

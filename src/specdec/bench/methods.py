@@ -116,7 +116,7 @@ class Record:
     dataset: str = ""
     task: str = ""
     temperature: float = 0.0
-    first_token_seconds: float | None = None  # prompt pass and first token: the time to first token
+    first_token_seconds: float | None = None  # prompt pass and first token: the time to first token (merged: the mean)
     nodes_per_step: list[int] = field(default_factory=list)  # tree methods: nodes scored per step
     target_seconds: float | None = None  # ours: inside target passes (None for peers, which do not say)
     drafter_seconds: float | None = None  # ours: drafting and keeping the drafter in step
@@ -132,16 +132,16 @@ class Record:
     def decode_tokens_per_second(self) -> float | None:
         """Tokens after each generation's first over the time after it: the decoding rate, prompt
         passes left out."""
-        if self.first_token_seconds is None or self.new_tokens <= self.samples or \
-                self.wall_seconds <= self.first_token_seconds:
+        if self.first_token_seconds is None or self.new_tokens <= self.samples:
             return None
-        return (self.new_tokens - self.samples) / (self.wall_seconds - self.first_token_seconds)
+        decoding = self.wall_seconds - self.samples * self.first_token_seconds
+        return (self.new_tokens - self.samples) / decoding if decoding > 0 else None
 
 
 def merge_samples(records: list[Record]) -> Record:
     """Several sampled generations of one method on one prompt as one record: tokens, times and
-    counts summed, per-step lists and the tokens joined. Its tokens per second is then total
-    tokens over total time. Under sampling each generation writes a text of its own length, so
+    counts summed (the time to first token averaged), per-step lists and the tokens joined. Its
+    tokens per second is then total tokens over total time. Under sampling each generation writes a text of its own length, so
     one generation's rate says as much about that length (how far the prompt pass is spread)
     and that draw as about the method; the sums weigh each token alike."""
     if not records or len({(r.prompt_id, r.method) for r in records}) != 1:
@@ -150,16 +150,20 @@ def merge_samples(records: list[Record]) -> Record:
     def total(values):
         return None if any(v is None for v in values) else sum(values)
 
+    first_tokens = total([r.first_token_seconds * r.samples if r.first_token_seconds is not None else None
+                          for r in records])
+    samples = sum(r.samples for r in records)
+
     first = records[0]
     return Record(first.prompt_id, first.method, [t for r in records for t in r.tokens],
                   sum(r.new_tokens for r in records), sum(r.wall_seconds for r in records),
                   total([r.target_forwards for r in records]), sum(r.drafted for r in records),
                   sum(r.accepted for r in records), [n for r in records for n in r.accepted_per_step],
                   first.dataset, first.task, first.temperature,
-                  total([r.first_token_seconds for r in records]), [n for r in records for n in r.nodes_per_step],
+                  None if first_tokens is None else first_tokens / samples, [n for r in records for n in r.nodes_per_step],
                   total([r.target_seconds for r in records]), total([r.drafter_seconds for r in records]),
                   [n for r in records for n in r.widths_per_step], [n for r in records for n in r.drafter_passes_per_step],
-                  sum(r.samples for r in records))
+                  samples)
 
 
 def check_methods(methods: list[str]) -> None:

@@ -100,7 +100,7 @@ def render_markdown(result: dict) -> str:
              + (f", at most {info['limit']} per task" if info.get("limit") else "") + "); temperatures: "
              + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}"
              + (f"; {info['samples']} generations per method of each sampled prompt, summed"
-                if info.get("samples", 1) > 1 else ""),
+                if info.get("samples", 1) > 1 and any(t > 0 for t in info["temperatures"]) else ""),
              f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {st['gamma']} (fixed), "
              f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence and cost up to γ_max), "
              f"confidence τ = {st['confidence']:g}, EGAG β = {st['egag_beta']:g}, n-gram n = {st['ngram_n']}",

@@ -29,11 +29,12 @@ from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, ch
 from .report import render_markdown, render_paired, render_plot, render_table
 
 CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
-SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (no two prompts share one)
+SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
 
 
 def method_orders(methods: list[str], seed: int = 0):
-    """Yield the order to run `methods` in, prompt after prompt: rows of a Williams design.
+    """Yield the order to run `methods` in, prompt (or sample of a prompt) after prompt: rows of a
+    Williams design.
 
     Within every block of k rows (2k when k is odd) each method runs in each position equally often
     and right after each other method equally often. A machine that drifts (these speed up or slow
@@ -96,7 +97,7 @@ def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
         return {}
     return {"projected_speedup": statistics.median(
         assumed.projected_speedup(r.new_tokens, r.widths_per_step, r.drafter_passes_per_step,
-                                  r.target_forwards - len(r.widths_per_step))  # the first token's pass
+                                  r.target_forwards - len(r.widths_per_step), r.samples)  # the first tokens' passes
         for r in rs)}
 
 

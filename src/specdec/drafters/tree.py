@@ -438,7 +438,6 @@ class MixedDrafter(SidesDrafter):
         while stack:
             node = stack.pop()
             node.value *= end.value
-            node.rank_value = node.value
             stack += node.children
         _prune(tail, self.lookup.select(tail, budget))
         _merge(end, tail, proposed)
