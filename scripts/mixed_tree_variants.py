@@ -24,9 +24,7 @@ VARIANTS = {
 
 
 def make(drafter, calibrate: bool, chain_lookup: bool) -> MixedDrafter:
-    mixed = MixedDrafter(drafter, policy=TreeCost(calibrate=calibrate))
-    mixed.chain_lookup = chain_lookup
-    return mixed
+    return MixedDrafter(drafter, policy=TreeCost(calibrate=calibrate), chain_lookup=chain_lookup)
 
 
 def main() -> None:

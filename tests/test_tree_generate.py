@@ -320,8 +320,7 @@ def test_lookup_carries_the_model_chain_on_past_its_end():
     context = [first, 3, 4, 5, 6] + [t for t in (0, 1, 2, 7, 8, 11) if t != first] + [9, 10]
     for extend in (True, False):
         mixed = MixedDrafter(drafter, policy=TreeCost(threshold=0.999, node_threshold=0.01, warmup=10**9,
-                                                      calibrate=False))
-        mixed.chain_lookup = extend
+                                                      calibrate=False), chain_lookup=extend)
         mixed.start(context)
         tree = mixed.propose_tree(context, 8, Sampler(0.0), torch.Generator())
         chain_end = tree.tokens.index(first)

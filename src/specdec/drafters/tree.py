@@ -81,7 +81,8 @@ class SidesDrafter(ModelDrafter):
     path, of each token's acceptance as measured so far in this generation at the drafter's q of
     it (`TreeCost.acceptance`: q itself until verified nodes have been counted), not of q alone:
     a drafter's q is not its acceptance (on the Spec-Bench summary the 0.5B drafter's tokens at
-    q >= 0.9 were accepted 58 times of 58, those at q in 0.1-0.3 6 times of 16). The chain's
+    q >= 0.9 were accepted 62 times of 62, those at q in 0.1-0.3 6 times of 19, in a run of
+    scripts/mixed_tree_variants.py; BENCHMARKS, the seventh tree run). The chain's
     tokens are counted under any sampler, greedy sides too (the target's argmax decides them as
     it does the chain's); sampled sides, verified against a residual, are not.
 
@@ -287,13 +288,14 @@ class LookupTreeDrafter(LookupDrafter):
         self.remember(tree, {i: node.ngram for i, node in enumerate(order)})
         return tree
 
-    def grow(self, root: _Node, context: Sequence[int], max_depth: int) -> int:
-        """Insert the continuations under `root` (children after any it already has); return the
-        longest suffix match found (0: none)."""
+    def grow(self, root: _Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
+        """Insert the continuations under `root` (children after any it already has), their values
+        times `weight` (the chance the target reaches `root`); return the longest suffix match
+        found (0: none)."""
         matches = find_matches(context, self.max_ngram, self.min_ngram, max_depth, self.branches)
         if not matches:
             return 0
-        share = 1.0 / len(matches)
+        share = weight / len(matches)
         for ngram, continuation in matches:
             accept = self.acceptance(ngram)
             node, depth = root, 0
@@ -363,15 +365,15 @@ class MixedDrafter(SidesDrafter):
     a 1-token match rarely does. After lookup-alone steps the drafter catches up on what it
     missed in its next pass.
 
-    Lookup also runs from the end of the model's chain (`_extend`, on unless `chain_lookup` is
-    False): the context with the chain drafted onto it may recur where the context alone does
+    Lookup also runs from the end of the model's chain (`_extend`; `chain_lookup=False` turns it
+    off): the context with the chain drafted onto it may recur where the context alone does
     not, and what followed it then carries the draft on past the point where the model's values
     stopped it, at no drafter pass.
     """
 
     def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
                  scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,
-                 policy: TreeCost | None = None):
+                 policy: TreeCost | None = None, chain_lookup: bool = True):
         super().__init__(model, width, max_nodes, scheme, policy)
         self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
         self.lookup.policy = self.policy
@@ -381,7 +383,7 @@ class MixedDrafter(SidesDrafter):
         # the other: lookup alone
         self.kinds = {n: FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
                       for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1)}
-        self.chain_lookup = True  # lookup also from the model chain's end (`_extend`)
+        self.chain_lookup = chain_lookup  # lookup also from the model chain's end (`_extend`)
         self.with_model: bool | None = None  # the last step's kind, where lookup found something (None: it did not)
         self.ngram = 0  # and its longest suffix match
 
@@ -430,17 +432,10 @@ class MixedDrafter(SidesDrafter):
         pay for their width, in what the budget leaves."""
         if budget <= 0:
             return
-        tail = _Node(-1, 1.0, "deterministic")
-        if not self.lookup.grow(tail, list(context) + [node.token for node in chain], max_depth):
-            return
-        end = chain[-1]
-        stack = list(tail.children)
-        while stack:
-            node = stack.pop()
-            node.value *= end.value
-            stack += node.children
-        _prune(tail, self.lookup.select(tail, budget))
-        _merge(end, tail, proposed)
+        end, tail = chain[-1], _Node(-1, 1.0, "deterministic")
+        if self.lookup.grow(tail, list(context) + [node.token for node in chain], max_depth, end.value):
+            _prune(tail, self.lookup.select(tail, budget))
+            _merge(end, tail, proposed)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         super().keep_path(start, path)
