@@ -212,6 +212,18 @@ def test_pair_check_compares_tokenizers_not_head_widths(padded_models):
         check_pair(target, narrow_untokenized)
 
 
+def test_pair_check_remembers_a_verified_pair_until_a_tokenizer_grows():
+    target = _padded_model(0, 16, "target", "grows-target", _word_tokenizer(TOKENS))
+    drafter = _padded_model(4, 16, "drafter", "grows-drafter", _word_tokenizer(TOKENS))
+    check_pair(target, drafter)
+    check_pair(target, drafter)  # remembered: the vocabularies are not built again
+    # both grow by one token, each by another: equal lengths, different vocabularies
+    target.tokenizer.add_tokens(["zzz-target-token"])
+    drafter.tokenizer.add_tokens(["zzz-drafter-token"])
+    with pytest.raises(SpecdecError, match="tokenizers differ"):
+        check_pair(target, drafter)
+
+
 @pytest.mark.parametrize("which", ["wide", "narrow"])
 def test_padded_drafter_greedy_matches_autoregressive(padded_models, which):
     target, wide, narrow = padded_models

@@ -9,6 +9,7 @@ last few positions, and a crop of that cache back to a shorter prefix.
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -645,7 +646,7 @@ def check_pair(target: LanguageModel, drafter: LanguageModel) -> None:
     gives q over the target's ids. Without a tokenizer on either side, the widths must be equal.
     """
     if target.tokenizer is not None and drafter.tokenizer is not None:
-        if len(target.tokenizer) != len(drafter.tokenizer) or target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
+        if len(target.tokenizer) != len(drafter.tokenizer) or not _same_vocabulary(target.tokenizer, drafter.tokenizer):
             raise SpecdecError(
                 f"tokenizers differ: target {target.name} and drafter {drafter.name} map tokens to different ids"
             )
@@ -656,6 +657,26 @@ def check_pair(target: LanguageModel, drafter: LanguageModel) -> None:
         )
     if target.device != drafter.device:
         raise SpecdecError(f"target is on {target.device} but drafter on {drafter.device}; load both on one device")
+
+
+# tokenizer -> the tokenizers (and their lengths) found to map every token to the same id: building
+# two 151,665-entry vocabularies took 0.17 s, at every generation (a chat turn, a bench run)
+_SAME_VOCABULARY: "weakref.WeakKeyDictionary[object, weakref.WeakKeyDictionary[object, int]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _same_vocabulary(a, b) -> bool:
+    """a.get_vocab() == b.get_vocab(), remembered for the pair while neither grows (tokens added)."""
+    try:
+        known = _SAME_VOCABULARY.setdefault(a, weakref.WeakKeyDictionary())
+        if known.get(b) == len(a) == len(b):
+            return True
+    except TypeError:  # a tokenizer that cannot be weakly referenced: compare every time
+        return a.get_vocab() == b.get_vocab()
+    same = a.get_vocab() == b.get_vocab()
+    if same:
+        known[b] = len(a)
+    return same
 
 
 def _check_loading_info(model, info: dict) -> None:
