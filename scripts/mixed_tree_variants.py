@@ -8,12 +8,19 @@ prompt and repeat the wall time, target passes and drafter passes of each varian
 reversed on every other run; at the end each variant's total and its per-prompt speed against
 `sd-cost` (geometric mean of time ratios). Then the calibration table of the default variant's
 last generation on each prompt: tokens tried per bin of the drafter's q, and how many the target
-accepted. Usage:
+accepted; and, from one more (untimed) generation of the default, its nodes by kind: the main
+chain, side leaves, lookup's own (both lookup from the context and from the chain's end), each
+counted as proposed, tried (its parent accepted) and accepted. With --passes, each variant's
+passes timed one by one during its runs (a clock read around each call): the target's median ms
+by width, the drafter's by tokens fed, and its drafting time outside drafter passes per pass.
+Usage:
     .venv/bin/python scripts/mixed_tree_variants.py [--tasks summarization,rag] [--humaneval 3]
-        [--skip 1] [--repeats 2] [--max-new-tokens 128] [--variants default,sd-cost]
+        [--skip 1] [--repeats 2] [--max-new-tokens 128] [--variants default,sd-cost] [--passes]
 """
 import argparse
 import statistics
+import time
+from collections import defaultdict
 
 from specdec import load, speculative_generate
 from specdec.bench.datasets import load_prompts
@@ -21,6 +28,54 @@ from specdec.drafters import MixedDrafter
 from specdec.schedules import TreeCost, make_schedule
 
 GAMMA_MAX = 20  # the bench's --gamma-max for trees-7: the trees' depth bound, sd-cost's longest draft
+
+
+class CountingMixed(MixedDrafter):
+    """The default tree, counting its nodes by kind as verification leaves them."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.counts = {kind: [0, 0, 0] for kind in ("chain", "side", "lookup")}  # proposed, tried, accepted
+
+    def keep_path(self, start, path):
+        q, parents, lookup = self._q, self._parents, self.lookup._proposed
+        on_path, chain = set(path), 0
+        while chain < len(parents) and parents[chain] == chain - 1 and q[chain] is not None:
+            chain += 1  # the main chain: nodes 0..D-1, each the first child of the one before
+        for i, parent in enumerate(parents):
+            kind = "chain" if i < chain else "side" if q[i] is not None else "lookup" if i in lookup else None
+            if kind:
+                counts = self.counts[kind]
+                counts[0] += 1
+                counts[1] += parent < 0 or parent in on_path
+                counts[2] += i in on_path
+        super().keep_path(start, path)
+
+
+class PassClock:
+    """Times every `forward` of a model, by the number of tokens fed (`record` names the variant)."""
+
+    def __init__(self, model):
+        self.variant, self.seconds = None, defaultdict(list)  # (variant, tokens fed) -> seconds of each pass
+        forward = model.forward
+
+        def timed(ids, *args, **kwargs):
+            began = time.perf_counter()
+            out = forward(ids, *args, **kwargs)
+            if self.variant is not None:
+                self.seconds[self.variant, len(ids)].append(time.perf_counter() - began)
+            return out
+        model.forward = timed
+
+    def medians(self, variant: str, most: int = 32, least: int = 3) -> str:
+        """'tokens: count x median ms' for each number of tokens fed with at least `least` passes."""
+        return ", ".join(f"{k}: {len(v)}x{1000 * statistics.median(v):.0f}"
+                         for (name, k), v in sorted(self.seconds.items()) if name == variant and k <= most and len(v) >= least)
+
+    def total(self, variant: str, most: int = 32) -> tuple[float, int]:
+        """Seconds and count of `variant`'s passes of at most `most` tokens (not its prompt pass)."""
+        passes = [t for (name, k), v in self.seconds.items() if name == variant and k <= most for t in v]
+        return sum(passes), len(passes)
 
 
 def mixed(calibrate: bool = True, chain_lookup: bool = True, width: int = 2):
@@ -48,6 +103,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="; ".join(f"{k}: {v}" for k, v in HELP.items()))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--passes", action="store_true", help="time each pass, by width (see above)")
     args = parser.parse_args()
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
@@ -60,35 +116,59 @@ def main() -> None:
     warm = target.encode(load_prompts("humaneval", 1)[0].text)
     speculative_generate(warm, target, MixedDrafter(drafter), gamma=GAMMA_MAX, max_new_tokens=8)
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    drafting = {name: 0.0 for name in names}  # the drafter's share of the wall clock (passes and the rest)
+    clocks = (PassClock(target), PassClock(drafter)) if args.passes else ()
     runs = 0
+    nodes = {kind: [0, 0, 0] for kind in ("chain", "side", "lookup")}
     for p in prompts:
         ids = target.encode(p.text, chat=p.dataset == "spec-bench")
         reference, last = None, None
         for repeat in range(args.repeats):
             runs += 1
             for name in (names if runs % 2 else names[::-1]):
-                drafting, options = VARIANTS[name](drafter)
-                result = speculative_generate(ids, target, drafting, max_new_tokens=args.max_new_tokens, seed=0,
+                drafts, options = VARIANTS[name](drafter)
+                for clock in clocks:
+                    clock.variant = name
+                result = speculative_generate(ids, target, drafts, max_new_tokens=args.max_new_tokens, seed=0,
                                               **options)
+                for clock in clocks:
+                    clock.variant = None
                 reference = reference or result.tokens
                 assert result.tokens == reference, (p.task, name)
                 s = result.stats
                 seconds[name].append(s.wall_seconds)
+                drafting[name] += s.drafter_seconds
                 print(f"{p.task} ({len(ids)} tokens) #{repeat + 1} {name}: {s.wall_seconds:.2f} s, "
                       f"{s.target_forwards} target passes, {sum(s.drafter_passes_per_step)} drafter passes", flush=True)
                 if name == "default":
-                    last = drafting
+                    last = drafts
         if last is not None:
             print(f"{p.task}: calibration (q from, q to, tried, accepted):")
             for low, high, tries, hits in last.policy.calibrated.table():
                 if tries:
                     print(f"  {low:.2f}-{high:.2f}: {hits}/{tries}")
+        if "default" in names:
+            counting = CountingMixed(drafter)
+            speculative_generate(ids, target, counting, gamma=GAMMA_MAX, max_new_tokens=args.max_new_tokens, seed=0)
+            for kind, total in nodes.items():
+                total[:] = [a + b for a, b in zip(total, counting.counts[kind])]
+    if "default" in names:
+        print("default's nodes by kind, all prompts (proposed, tried, accepted): " +
+              ", ".join(f"{kind} {a}/{b}/{c}" for kind, (a, b, c) in nodes.items()))
     base = seconds.get("sd-cost")
     for name, times in seconds.items():
         against = "" if base is None else \
             f", per run {statistics.geometric_mean([b / t for b, t in zip(base, times)]):.3f}x sd-cost " \
             f"(faster on {sum(t < b for b, t in zip(base, times))} of {len(times)})"
         print(f"{name}: {sum(times):.2f} s in all{against}")
+    for clock, role in zip(clocks, ("target passes, ms by width", "drafter passes, ms by tokens fed")):
+        for name in names:
+            print(f"{name}, {role}: {clock.medians(name)}")
+    if clocks:
+        for name in names:
+            passed, count = clocks[1].total(name, most=10 ** 9)
+            print(f"{name}: drafting outside drafter passes {1000 * (drafting[name] - passed) / max(count, 1):.2f} ms "
+                  f"per drafter pass ({count} passes)")
 
 
 if __name__ == "__main__":

@@ -201,21 +201,40 @@ def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
 
 @needs_int8
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
-@pytest.mark.parametrize("native_bf16", [True, False], ids=["native-bf16", "avx2"])
-def test_both_cpu_kinds_build_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16):
+@pytest.mark.parametrize("native_bf16,amx", [(True, True), (True, False), (False, False)],
+                         ids=["amx", "avx512-bf16", "avx2"])
+def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16, amx):
     import specdec.models
 
     monkeypatch.setattr(specdec.models, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(specdec.models, "cpu_has_amx", lambda: amx)
+    short = 2 if amx else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = LanguageModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = LanguageModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     assert drafter.kernels == ("int8+bfloat16" if native_bf16 else "int8+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
-    assert layers and all(m.short_rows == (2 if native_bf16 else 16) for m in layers)
-    assert drafter._draft_head.short_rows == (2 if native_bf16 else 8)
+    assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)
+    assert drafter._draft_head.short_rows == (short if native_bf16 else 8)
     long_pass = drafter.forward(list(range(2, 22)), None, num_logits=20)  # 20 rows: the long path
     assert long_pass.shape == (20, 32) and bool(torch.isfinite(long_pass).all())
     prompt = [2, 5, 7]
     reference = autoregressive_generate(prompt, target, max_new_tokens=16, eos_token_ids=[]).tokens
     out = speculative_generate(prompt, target, ModelDrafter(drafter), gamma=3, max_new_tokens=16, eos_token_ids=[])
     assert out.tokens == reference and out.stats.accepted > 0
+
+
+def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    import builtins
+
+    import specdec.models
+
+    real_open = builtins.open
+    for flags, expected in (("fpu avx512_bf16 amx_bf16 amx_tile amx_int8", True), ("fpu avx512_bf16", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+        assert specdec.models.cpu_has_amx() is expected
+        assert specdec.models.int8_short_rows() == (2 if expected else 8)
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no such file")))
+    assert specdec.models.cpu_has_amx() is False

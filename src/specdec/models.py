@@ -47,6 +47,26 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles (Linux's `amx_tile` flag). There bf16 matmuls cost about the
+    same for 1 and 16 rows, so a drafter's int8 short path pays only up to 2 rows; on a CPU with
+    native bf16 but no AMX (AVX512-BF16) it paid up to 8 (`int8_short_rows`). Elsewhere, or where
+    the flags cannot be read, False."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " amx_tile" in line for line in info)
+    except OSError:
+        return False
+
+
+def int8_short_rows() -> int:
+    """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
+    native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), 8 without AMX (on the
+    AVX512-BF16 EPYC a 0.5B drafter pass of 3-4 tokens took 22 ms in int8 against 36 in bf16, of
+    8 tokens 36 against 66, and bf16 won at 16; docs/KERNELS.md)."""
+    return 2 if cpu_has_amx() else 8
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
     """The working dtype. "auto": bf16 on CUDA and on CPUs with native bf16; on other CPUs fp32
     for a target (multi-token passes, see kernels.py) and bf16 for a drafter (1-token passes,
@@ -146,8 +166,8 @@ class LanguageModel:
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
             self.kernels = "int8+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
         elif int8:
-            # native bf16 grows slowly with rows; int8 wins for 1-2 rows (up to 4 on the EPYC)
-            quantize_linears(self._decoder, short_rows=2)
+            # native bf16 grows slowly with rows on AMX, where int8 wins for 1-2 rows; up to 8 without
+            quantize_linears(self._decoder, short_rows=int8_short_rows())
             self.kernels = f"int8+{str(self._dtype).removeprefix('torch.')}"
         self.int8 = bool(int8)
         self._vocab_ids: torch.Tensor | None = None
@@ -213,8 +233,8 @@ class LanguageModel:
         if bias is not None:
             long.bias = torch.nn.Parameter(bias, requires_grad=False)
         # the head's long path is plain bf16. int8 beat it up to 8 rows on the AVX512-BF16 EPYC, up
-        # to 2-3 on AMX (issue 13's probe): 2 where bf16 is native (both), 8 where it is emulated
-        short_rows = 2 if cpu_has_native_bf16() else 8
+        # to 2-3 on AMX (issue 13's probe)
+        short_rows = int8_short_rows() if cpu_has_native_bf16() else 8
         self._draft_head = Int8Linear(weight, bias, long, short_rows) if self.int8 and int8_fits(long) else long
 
     @property
