@@ -72,8 +72,8 @@ bench-trees: setup
 bench-default-tree: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 3 \
 		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
-		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-7.md \
-		--json docs/benchmarks/trees-7.json --plot docs/benchmarks/trees-7.png
+		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-8.md \
+		--json docs/benchmarks/trees-8.json --plot docs/benchmarks/trees-8.png
 
 # issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation
