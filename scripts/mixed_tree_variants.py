@@ -53,7 +53,8 @@ class CountingMixed(MixedDrafter):
 
 
 class PassClock:
-    """Times every `forward` of a model, by the number of tokens fed (`record` names the variant)."""
+    """Times every `forward` of a model, by the number of tokens fed, for the variant named in
+    `variant` (None: passes not counted)."""
 
     def __init__(self, model):
         self.variant, self.seconds = None, defaultdict(list)  # (variant, tokens fed) -> seconds of each pass
@@ -73,7 +74,8 @@ class PassClock:
                          for (name, k), v in sorted(self.seconds.items()) if name == variant and k <= most and len(v) >= least)
 
     def total(self, variant: str, most: int = 32) -> tuple[float, int]:
-        """Seconds and count of `variant`'s passes of at most `most` tokens (not its prompt pass)."""
+        """Seconds and count of `variant`'s passes of at most `most` tokens (by default: not the
+        prompt pass)."""
         passes = [t for (name, k), v in self.seconds.items() if name == variant and k <= most for t in v]
         return sum(passes), len(passes)
 
