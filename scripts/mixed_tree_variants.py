@@ -25,7 +25,7 @@ from collections import defaultdict
 from specdec import load, speculative_generate
 from specdec.bench.datasets import load_prompts
 from specdec.drafters import MixedDrafter
-from specdec.schedules import TreeCost, make_schedule
+from specdec.schedules import TreeCost, make_schedule, tried_nodes
 
 GAMMA_MAX = 20  # the bench's --gamma-max for trees-7: the trees' depth bound, sd-cost's longest draft
 
@@ -42,12 +42,13 @@ class CountingMixed(MixedDrafter):
         on_path, chain = set(path), 0
         while chain < len(parents) and parents[chain] == chain - 1 and q[chain] is not None:
             chain += 1  # the main chain: nodes 0..D-1, each the first child of the one before
-        for i, parent in enumerate(parents):
+        tried = {i for i, _ in tried_nodes(parents, path)}
+        for i in range(len(parents)):
             kind = "chain" if i < chain else "side" if q[i] is not None else "lookup" if i in lookup else None
             if kind:
                 counts = self.counts[kind]
                 counts[0] += 1
-                counts[1] += parent < 0 or parent in on_path
+                counts[1] += i in tried
                 counts[2] += i in on_path
         super().keep_path(start, path)
 

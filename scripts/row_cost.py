@@ -9,7 +9,12 @@ the extra rows went to the layers' linears, not the head. Last, one of those lin
 (bf16 1536 -> 8960, the MLP's up projection) by row count: flat where it reads its weights, growing
 where it computes.
 
+--drafter: instead, the default drafter's (int8) pass of k tokens after the cached prompt with its
+int8 layers taking at most 2 rows (longer passes on its bf16 path, as on AMX) and at most 16 (all
+of these on int8): where int8 stops paying on this CPU (`models.int8_short_rows`).
+
 Usage: .venv/bin/python scripts/row_cost.py [--context 300] [--widths 1,2,4,8,12,16,24] [--repeats 7]
+       [--drafter]
 """
 import argparse
 import statistics
@@ -18,6 +23,7 @@ import time
 import torch
 
 from specdec import load
+from specdec.kernels import Int8Linear
 from specdec.rows import row_exact
 
 FAMILIES = {"aten::mm": "dense linears", "aten::addmm": "dense linears", "scaled_dot_product": "attention"}
@@ -38,8 +44,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="cached prompt tokens before the timed passes")
     parser.add_argument("--widths", default="1,2,4,8,12,16,24")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--drafter", action="store_true", help="the drafter's int8 and bf16 paths by rows instead")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
+    if args.drafter:
+        drafter_rows(widths, args.context, args.repeats)
+        return
     target = load("qwen2.5-coder-1.5b")
     print(f"{target.name}: {str(target.dtype).removeprefix('torch.')}, row-exact {target.exact_rows}, "
           f"kernels {target.kernels}, {torch.get_num_threads()} threads, {args.context} cached tokens")
@@ -95,6 +105,28 @@ def main() -> None:
         x = torch.randn(rows, 1536, dtype=torch.bfloat16)
         times.append(f"{rows}: {median_ms(lambda: torch.nn.functional.linear(x, weight), 15):.2f}")
     print("one bf16 1536 -> 8960 linear, ms by rows: " + ", ".join(times))
+
+
+def drafter_rows(widths: list[int], context: int, repeats: int) -> None:
+    drafter = load("qwen2.5-coder-0.5b", role="drafter")
+    layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
+    print(f"{drafter.name}: kernels {drafter.kernels}, {len(layers)} int8 layers, {context} cached tokens")
+    cache = drafter.new_cache()
+    drafter.forward(list(range(1000, 1000 + context)), cache)
+    cached = drafter.cache_length(cache)
+    print("tokens | int8 up to 2 rows (else bf16) ms | int8 up to 16 rows ms")
+    for k in widths:
+        ids = list(range(2000, 2000 + k))
+
+        def one_pass():
+            drafter.forward(ids, cache, num_logits=1)
+            drafter.crop(cache, cached)
+        costs = []
+        for limit in (2, 16):
+            for layer in layers:
+                layer.short_rows = limit
+            costs.append(median_ms(one_pass, repeats))
+        print(f"{k} | {costs[0]:.1f} | {costs[1]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

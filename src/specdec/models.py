@@ -62,8 +62,8 @@ def cpu_has_amx() -> bool:
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
     native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), 8 without AMX (on the
-    AVX512-BF16 EPYC a 0.5B drafter pass of 3-4 tokens took 22 ms in int8 against 36 in bf16, of
-    8 tokens 36 against 66, and bf16 won at 16; docs/KERNELS.md)."""
+    AVX512-BF16 EPYC a 0.5B drafter pass of 3-4 tokens took 23 ms in int8 against 44 in bf16, of
+    8 tokens 39 against 49, and bf16 won at 16; `scripts/row_cost.py --drafter`, docs/KERNELS.md)."""
     return 2 if cpu_has_amx() else 8
 
 

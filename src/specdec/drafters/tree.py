@@ -82,7 +82,7 @@ class SidesDrafter(ModelDrafter):
     it (`TreeCost.acceptance`: q itself until verified nodes have been counted), not of q alone:
     a drafter's q is not its acceptance (on the Spec-Bench summary the 0.5B drafter's tokens at
     q >= 0.9 were accepted 50 times of 50, those at q in 0.1-0.3 5 times of 19, in a run of
-    scripts/mixed_tree_variants.py; BENCHMARKS, the seventh tree run). The chain's
+    scripts/mixed_tree_variants.py; BENCHMARKS, "What a row costs here"). The chain's
     tokens are counted under any sampler, greedy sides too (the target's argmax decides them as
     it does the chain's); sampled sides, verified against a residual, are not.
 
