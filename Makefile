@@ -67,13 +67,13 @@ bench-trees: setup
 		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-4.md \
 		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
 
-# the default tree against the chain, lookup and transformers' peers, three samples of each T = 1 prompt
-# (trees-7: 44 min on the 2-core EPYC; trees-6 was this with one sample)
+# the default tree against the chain, lookup and transformers' peers, five samples of each T = 1 prompt
+# (trees-9: ~1 h on the 2-core EPYC; trees-7 and 8 took three samples, 45 min; trees-6 one)
 bench-default-tree: setup
-	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 3 \
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 5 \
 		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
-		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-8.md \
-		--json docs/benchmarks/trees-8.json --plot docs/benchmarks/trees-8.png
+		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-9.md \
+		--json docs/benchmarks/trees-9.json --plot docs/benchmarks/trees-9.png
 
 # issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
 # cores; layer skip) against the separate drafter and transformers' assisted generation

@@ -330,3 +330,27 @@ def test_lookup_carries_the_model_chain_on_past_its_end():
             continue
         assert len(below) >= 4 and below == context[1:1 + len(below)]  # what followed the chain's token
         assert set(mixed.lookup._proposed.values()) == {1}  # lookup's nodes, counted by their match length
+
+
+def test_a_sampled_chain_token_is_valued_by_the_drafters_top_probability():
+    """Under sampling a chain token in q's tail must not end the chain: it is accepted with
+    min(1, p/q), which its own small q does not predict; the chain is valued by q's top
+    probability. Here q = (0.55, 0.15, 0.15, 0.15) everywhere and the chain goes on while its
+    value is >= 0.4: two tokens (0.55, then 0.3) whatever was sampled. Valued by each token's
+    own q, a tail token (drawn 45% of the time) would end it at one."""
+    model = TableModel(vocab=4, seed=0)
+    model.table = torch.log(torch.tensor([0.55, 0.15, 0.15, 0.15])).expand(5, 5, 4).clone()
+    sampler = Sampler(temperature=1.0)
+    depths, tails = {}, 0
+    for value in ("top", "token"):
+        drafter = SidesDrafter(model, width=1, policy=TreeCost(threshold=0.4, warmup=10**9), sampled_value=value)
+        generator = torch.Generator().manual_seed(0)
+        depths[value] = []
+        for _ in range(40):
+            drafter.start([1, 2, 3])
+            tree = drafter.propose_tree([1, 2, 3], 6, sampler, generator)
+            depths[value].append(len(tree))
+            tails += tree.tokens[0] != 0
+    assert tails > 10  # the case happened
+    assert set(depths["top"]) == {2}
+    assert 1 in depths["token"]  # the other rule would fail the assertion above

@@ -424,7 +424,8 @@ class Calibration:
     (sampled) p of its token: q estimates that only when the drafter is calibrated, and a
     drafter trained on little text (the heads and EAGLE layers trained here) is not. (A chain
     token sampled from q, as the sides and mixed trees draw theirs under sampling, is accepted
-    with min(1, p/q) instead: its bin then counts that.) So every such node verified is counted
+    with min(1, p/q) instead; those trees count it in the bin of the drafter's top probability at
+    its position, which predicts that better than its own q: `SidesDrafter`.) So every such node verified is counted
     in a bin of q (`EDGES`), and the estimate for a q is the bin's acceptance rate shrunk
     towards q itself by `strength` pseudo-counts: (hits + strength·q) / (tries + strength),
     raised where needed to what the lower bins give at

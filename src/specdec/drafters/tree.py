@@ -90,13 +90,23 @@ class SidesDrafter(ModelDrafter):
     drawn from q and the leaves by `scheme`: "without-replacement" (default; recursive rejection
     sampling), "iid" (SpecInfer), or "deterministic" (the next ranks of q; exact too, verified
     with a one-hot law after the sampled chain token).
+
+    A sampled chain token x is accepted with min(1, p(x)/q(x)), which its own q(x) predicts
+    poorly: on a Spec-Bench maths prompt at T = 1 the 0.5B drafter's tokens sampled at q(x) in
+    0.05-0.3 were accepted 38-50% of the time (BENCHMARKS, "Sampled chains"). So under sampling a
+    chain node is valued, and counted in the calibration, by the drafter's top probability at its
+    position (`sampled_value="top"`, the default, and `sd-cost`'s measure), not by q(x)
+    ("token"). Under greedy the two are one number. Only values change, never the tokens drawn or
+    how they are verified: exactness does not depend on it.
     """
 
     def __init__(self, model: LanguageModel, width: int = 3, max_nodes: int = 64,
-                 scheme: str = "without-replacement", policy: TreeCost | None = None):
+                 scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):
         super().__init__(model)
         if not isinstance(width, int) or width < 1:
             raise SpecdecError(f"tree width must be an integer >= 1, got {width!r}")
+        if sampled_value not in ("top", "token"):
+            raise SpecdecError(f"sampled_value must be 'top' or 'token', got {sampled_value!r}")
         if scheme not in SCHEMES:
             raise SpecdecError(f"unknown sibling scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
         self.width, self.scheme = width, scheme
@@ -106,6 +116,7 @@ class SidesDrafter(ModelDrafter):
         self._drafted = False
         self._q: list[float | None] = []  # the last tree's nodes' drafter q (None: not calibrated)
         self._parents: list[int] = []
+        self.sampled_value = sampled_value
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
@@ -145,7 +156,9 @@ class SidesDrafter(ModelDrafter):
             q = (over.float().softmax(-1) if greedy else sampler.probs(over))
             token = int(greedy_tokens(over)) if greedy else int(sample(q, generator))
             row = None if greedy else q
-            chance = float(q[token])
+            # a sampled token is accepted with min(1, p/q), which its own q predicts poorly: value it by
+            # the drafter's top probability there (`sampled_value`); under greedy the two are one number
+            chance = float(q[token]) if greedy or self.sampled_value == "token" else float(q.max())
             node = _Node(token, parent.value * acceptance(chance), "deterministic" if greedy else
                          ("iid" if self.scheme == "iid" else "without-replacement"), row, q=chance)
             parent.children.append(node)
@@ -373,8 +386,8 @@ class MixedDrafter(SidesDrafter):
 
     def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
                  scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,
-                 policy: TreeCost | None = None, chain_lookup: bool = True):
-        super().__init__(model, width, max_nodes, scheme, policy)
+                 policy: TreeCost | None = None, chain_lookup: bool = True, sampled_value: str = "top"):
+        super().__init__(model, width, max_nodes, scheme, policy, sampled_value)
         self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
         self.lookup.policy = self.policy
         self.name = f"{model.name}+sides{width}+lookup"
