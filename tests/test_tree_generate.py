@@ -354,3 +354,5 @@ def test_a_sampled_chain_token_is_valued_by_the_drafters_top_probability():
     assert tails > 10  # the case happened
     assert set(depths["top"]) == {2}
     assert 1 in depths["token"]  # the other rule would fail the assertion above
+    with pytest.raises(SpecdecError, match="sampled_value must be 'top' or 'token'"):
+        SidesDrafter(model, sampled_value="q")

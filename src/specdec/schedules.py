@@ -425,12 +425,12 @@ class Calibration:
     drafter trained on little text (the heads and EAGLE layers trained here) is not. (A chain
     token sampled from q, as the sides and mixed trees draw theirs under sampling, is accepted
     with min(1, p/q) instead; those trees count it in the bin of the drafter's top probability at
-    its position, which predicts that better than its own q: `SidesDrafter`.) So every such node verified is counted
-    in a bin of q (`EDGES`), and the estimate for a q is the bin's acceptance rate shrunk
-    towards q itself by `strength` pseudo-counts: (hits + strength·q) / (tries + strength),
-    raised where needed to what the lower bins give at
-    their upper edges, so that it never falls as q grows (siblings keep their rank order by
-    value). Before any count it is q, as without calibration.
+    its position, which predicts that better than its own q: `SidesDrafter`.) So every such node
+    verified is counted in a bin of q (`EDGES`), and the estimate for a q is the bin's acceptance
+    rate shrunk towards q itself by `strength` pseudo-counts: (hits + strength·q) / (tries +
+    strength), raised where needed to what the lower bins give at their upper edges, so that it
+    never falls as q grows (siblings keep their rank order by value). Before any count it is q,
+    as without calibration.
     """
 
     EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # inner bin edges over q in [0, 1]

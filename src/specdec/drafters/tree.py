@@ -92,12 +92,14 @@ class SidesDrafter(ModelDrafter):
     with a one-hot law after the sampled chain token).
 
     A sampled chain token x is accepted with min(1, p(x)/q(x)), which its own q(x) predicts
-    poorly: on a Spec-Bench maths prompt at T = 1 the 0.5B drafter's tokens sampled at q(x) in
-    0.05-0.3 were accepted 38-50% of the time (BENCHMARKS, "Sampled chains"). So under sampling a
-    chain node is valued, and counted in the calibration, by the drafter's top probability at its
-    position (`sampled_value="top"`, the default, and `sd-cost`'s measure), not by q(x)
-    ("token"). Under greedy the two are one number. Only values change, never the tokens drawn or
-    how they are verified: exactness does not depend on it.
+    poorly: at T = 1 on Spec-Bench's maths and rag prompts the 0.5B drafter's tokens sampled at
+    q(x) < 0.1 were accepted 31-54% of the time (scripts/sampled_chain_value.py; BENCHMARKS,
+    "Sampled chains"). The calibration learns that within a generation, but starts from q(x). So
+    under sampling a chain node is valued, and counted in the calibration, by the drafter's top
+    probability at its position (`sampled_value="top"`, the default, and `sd-cost`'s measure),
+    whose starting values lie closer to the measured acceptance, not by q(x) ("token"). Under
+    greedy the two are one number. Only values change, never the tokens drawn or how they are
+    verified: exactness does not depend on it.
     """
 
     def __init__(self, model: LanguageModel, width: int = 3, max_nodes: int = 64,
