@@ -29,7 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", default="math_reasoning,rag", help="Spec-Bench tasks, comma-separated")
     parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--variants", default="sd-cost,token,top", help="; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+    parser.add_argument("--variants", default="sd-cost,token,top",
+                        help="; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
