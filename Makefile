@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self bench-eagle bench-self-all clean
+.PHONY: setup models peers demo test test-fast docs-check bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -34,12 +34,20 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# the fast tier: every test that needs no real model (CONTRIBUTING.md), under 3 minutes on 2 cores
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not real"
+
+# the docs' links, anchors, cited files, make targets and commands (plain Markdown; tests/test_docs.py)
+docs-check: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_docs.py
+
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \
 		--methods ar,sd-cost,hf,hf-assisted --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/main.md --json docs/benchmarks/main.json --plot docs/benchmarks/main.png
 
-# issue 13's run: ours on the GGUF weights (llama.cpp backend) against llama.cpp itself and transformers
+# ours on the GGUF weights (llama.cpp backend) against llama.cpp itself and transformers (~60 min)
 bench-llama: peers
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
 		--methods ar,sd-cost,hf,hf-assisted,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
@@ -51,15 +59,15 @@ bench-gguf: peers
 		--methods ar,sd-cost,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/llama-2.md --json docs/benchmarks/llama-2.json --plot docs/benchmarks/llama-2.png
 
-# issue 4's comparison: draft-length policies on the model drafter, and the three drafters at
-# the same fixed γ, greedy (so every output is also checked token for token against AR)
+# draft-length schedules on the model drafter, and the three drafters at the same fixed γ, greedy
+# (so every output is also checked token for token against AR; ~100 min)
 bench-policies: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0 \
 		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram,lookup --gamma 5 --gamma-max 20 \
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
 
-# issue 12's fourth tree run (docs/BENCHMARKS.md, "Token trees: a fourth run"; ~65 min on 2 cores):
+# token trees against chains and peers (docs/benchmarks.md; ~65 min on 2 cores):
 # trees sized for this machine and, as -flat, for one where wide passes are nearly free
 bench-trees: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
@@ -68,37 +76,25 @@ bench-trees: setup
 		--json docs/benchmarks/trees-4.json --plot docs/benchmarks/trees-4.png
 
 # the default tree against the chain, lookup and transformers' peers, five samples of each T = 1 prompt
-# (trees-9: ~1 h on the 2-core EPYC; trees-7 and 8 took three samples, 45 min; trees-6 one)
+# (~1 h on the 2-core EPYC)
 bench-default-tree: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 5 \
 		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
 		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-9.md \
 		--json docs/benchmarks/trees-9.json --plot docs/benchmarks/trees-9.png
 
-# issue 14's run: the target drafting for itself (Medusa heads trained here once, ~40 min on 2
-# cores; layer skip) against the separate drafter and transformers' assisted generation
+# self-drafting heads, each trained here once (~40 min on 2 cores): Medusa
 HEADS := heads/qwen2.5-coder-1.5b
 $(HEADS)/medusa.json: | $(STAMP)
 	$(BIN)/specdec train-heads --out $(HEADS) --tokens 49152 --epochs 3
 
-bench-self: setup $(HEADS)/medusa.json
-	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
-		--methods ar,sd-cost,medusa,self-skip,hf-assisted --heads $(HEADS) --gamma-max 20 --max-new-tokens 128 \
-		--markdown docs/benchmarks/self.md --json docs/benchmarks/self.json --plot docs/benchmarks/self.png
-
-# issue 14's second run: the EAGLE feature drafter trained here once (~40 min on 2 cores) against
-# Medusa and the separate drafter, on the same prompts
+# and the EAGLE feature drafter
 EAGLE := heads/qwen2.5-coder-1.5b-eagle
 $(EAGLE)/eagle.json: | $(STAMP)
 	$(BIN)/specdec train-heads --kind eagle --out $(EAGLE) --tokens 65536 --epochs 2 --batch 1
 
-bench-eagle: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
-	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
-		--methods ar,sd-cost,medusa,eagle --heads $(HEADS) --eagle $(EAGLE) --gamma-max 20 --max-new-tokens 128 \
-		--markdown docs/benchmarks/eagle.md --json docs/benchmarks/eagle.json --plot docs/benchmarks/eagle.png
-
-# issue 14's full run: every self-drafting method, the separate drafter and transformers' assisted
-# generation in one interleaved run (~95 min on 2 cores, after both trainings)
+# every self-drafting method, the separate drafter and transformers' assisted generation in one
+# interleaved run (~95 min on 2 cores, after both trainings)
 bench-self-all: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
 		--methods ar,sd-cost,medusa,eagle,self-skip,hf-assisted --heads $(HEADS) --eagle $(EAGLE) \

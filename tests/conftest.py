@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from specdec import LanguageModel, load
+from specdec import TransformersModel, load
 from specdec import registry
 
 
 def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int = 256,
                logit_scale: float = 1.0, name: str | None = None, kernels: str = "auto",
-               exact_rows: bool | None = None) -> LanguageModel:
+               exact_rows: bool | None = None) -> TransformersModel:
     """A random Llama with sharp enough logits that p and q differ noticeably."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,12 +25,38 @@ def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int =
     with torch.no_grad():
         # default init gives near-uniform logits; spread them so sampling tests have power
         model.lm_head.weight.mul_(logit_scale * 40.0)
-    return LanguageModel(model, None, name or f"tiny-{seed}", kernels=kernels, exact_rows=exact_rows)
+    return TransformersModel(model, None, name or f"tiny-{seed}", kernels=kernels, exact_rows=exact_rows)
 
 
 
 
-REAL_MODEL_MARKS = ("smollm2", "gemma", "default_pair", "qwen")
+# Fixtures that load real pretrained weights: a test that uses one (directly or through another
+# fixture) is marked `real`; `pytest -m "not real"` is the fast tier (CONTRIBUTING.md).
+REAL_FIXTURES = {"smollm2", "smollm2_drafters", "default_pair", "default_pair_greedy", "need_smollm2", "gemma3",
+                 "gguf_pair"}
+REAL_MODELS = frozenset(registry.MODELS)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(autouse=True)
+def _real_weights_only_where_marked(request, monkeypatch):
+    """A test not marked `real` that reaches for installed real weights fails, naming the mark, so
+    the fast tier stays free of them and a new real-model test cannot go unmarked."""
+    if request.node.get_closest_marker("real"):
+        return
+    original = registry.require_installed  # what `load(name)` goes through
+
+    def guarded(name):
+        if name in REAL_MODELS and registry.is_installed(name):
+            pytest.fail(f"{request.node.nodeid} loads the real model {name}: mark it @pytest.mark.real")
+        return original(name)
+
+    monkeypatch.setattr(registry, "require_installed", guarded)
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +64,7 @@ def _threads_for_the_model_size(request):
     """Tiny models and tables run thousands of tiny ops, each of which waits on an OpenMP barrier
     with 2 threads on a busy 2-core machine (a [5, 3] softmax took 11 ms with 2 threads, 3 µs with
     1); real models keep every core."""
-    if any(mark in name for name in request.fixturenames for mark in REAL_MODEL_MARKS):
+    if request.node.get_closest_marker("real"):
         yield
         return
     threads = torch.get_num_threads()
@@ -53,13 +79,13 @@ def _installed_or_skip(name: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LanguageModel:
+def smollm2() -> TransformersModel:
     _installed_or_skip("smollm2-135m")
     return load("smollm2-135m", dtype="fp32", device="cpu")
 
 
 @pytest.fixture(scope="session")
-def default_pair() -> tuple[LanguageModel, LanguageModel]:
+def default_pair() -> tuple[TransformersModel, TransformersModel]:
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER):
         _installed_or_skip(name)
     # as the CLI loads them: the drafter with its own (cheaper) kernels and head
@@ -78,7 +104,7 @@ def default_pair_greedy(default_pair, humaneval_prompts) -> tuple[list[int], lis
 
 
 @pytest.fixture(scope="session")
-def smollm2_drafters(smollm2) -> list[LanguageModel]:
+def smollm2_drafters(smollm2) -> list[TransformersModel]:
     """Real drafters for SmolLM2: its first 6 layers (mostly rejected) and first 24 (mostly accepted)."""
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +113,7 @@ def smollm2_drafters(smollm2) -> list[LanguageModel]:
         hf = AutoModelForCausalLM.from_pretrained(registry.converted_dir("smollm2-135m"), dtype=torch.float32)
         hf.model.layers = hf.model.layers[:layers]
         hf.config.num_hidden_layers = layers
-        drafters.append(LanguageModel(hf, smollm2.tokenizer, f"smollm2-first{layers}", role="drafter"))
+        drafters.append(TransformersModel(hf, smollm2.tokenizer, f"smollm2-first{layers}", role="drafter"))
     return drafters
 
 
@@ -100,7 +126,7 @@ def humaneval_prompts() -> list[str]:
 
 class _TokenCache:
     """The 'KV cache' of a TableModel: just the tokens it has seen, held like one cache layer
-    ([1, 1, L, 1] keys and values) so that `LanguageModel.compact` gathers it as a real one."""
+    ([1, 1, L, 1] keys and values) so that `TransformersModel.compact` gathers it as a real one."""
 
     is_initialized = True
 
@@ -128,9 +154,9 @@ class _TokenCache:
 
 
 class TableModel:
-    """A fast stand-in for LanguageModel: logits = table[previous two tokens].
+    """A fast stand-in for TransformersModel: logits = table[previous two tokens].
 
-    It quacks like LanguageModel for the decoding loops, so statistical tests of the loop (cache
+    It quacks like TransformersModel for the decoding loops, so statistical tests of the loop (cache
     bookkeeping, acceptance, rollback) can run tens of thousands of generations in seconds.
     """
 

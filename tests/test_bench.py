@@ -204,3 +204,34 @@ def test_sampled_generations_are_summed_into_one_record():
     assert merge_samples([peer, peer]).target_forwards is None  # not reported stays not reported
     with pytest.raises(SpecdecError, match="one method on one prompt"):
         merge_samples([a, peer])
+
+
+def test_the_assisted_peer_runs_without_transformers_own_config_warning():
+    """transformers warns on every assisted run (its own call of the assistant's `generate` passes a
+    config and arguments); the bench drops that one message and nothing else."""
+    import logging
+
+    import torch
+    from conftest import tiny_model
+    from transformers.utils import logging as hf_logging
+
+    from specdec import GREEDY
+    from specdec.bench.methods import Settings, hf_generate
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addHandler(handler)
+    target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
+    try:
+        hf_logging.get_logger().warning_once.cache_clear()
+        record = hf_generate("hf-assisted", target, [2, 3, 4], Settings(max_new_tokens=8), GREEDY, None, drafter)
+        assert record.new_tokens == 8 and not any("together with" in m for m in messages)
+        inputs = torch.tensor([[2, 3, 4]])  # the power check: the same call without the filter warns
+        hf_logging.get_logger().warning_once.cache_clear()  # transformers says it once per process
+        target.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=8, do_sample=False,
+                           assistant_model=drafter.hf, pad_token_id=0)
+        assert any("together with" in m for m in messages)
+    finally:
+        logger.removeHandler(handler)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec import LanguageModel, Sampler, autoregressive_generate, load, speculative_generate
+from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
 from specdec.kernels import Int8Linear, int8_fits, int8_supported, pack_linears, quantize_int8, quantize_linears
@@ -70,9 +70,9 @@ def test_layers_the_int8_op_cannot_take_keep_their_kernel():
         assert pack_linears(nn.Sequential(nn.Linear(40, 16))) == 1  # no int8: packing as before
 
 
-def _drafter(seed: int, vocab: int, int8: bool) -> LanguageModel:
+def _drafter(seed: int, vocab: int, int8: bool) -> TransformersModel:
     hf = tiny_model(seed, vocab=vocab, layers=1, kernels="stock").hf
-    return LanguageModel(hf, None, f"tiny-drafter-{seed}", role="drafter", int8=int8)
+    return TransformersModel(hf, None, f"tiny-drafter-{seed}", role="drafter", int8=int8)
 
 
 @pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
@@ -101,14 +101,14 @@ def test_restricting_is_refused_for_targets_and_for_bad_ids():
         with pytest.raises(SpecdecError, match=r"non-empty set of ids in \[0, 12\)"):
             drafter.restrict_vocabulary(ids)
     with pytest.raises(SpecdecError, match="drafters on the CPU only"):
-        LanguageModel(tiny_model(0, vocab=12).hf, None, "t", role="target", int8=True)
+        TransformersModel(tiny_model(0, vocab=12).hf, None, "t", role="target", int8=True)
 
 
 @pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
 def test_greedy_output_with_a_cheap_drafter_is_the_targets(int8):
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
-    target = LanguageModel(copy.deepcopy(hf), None, "tiny-target")
-    drafter = LanguageModel(copy.deepcopy(hf), None, "tiny-self-drafter", role="drafter", int8=int8)
+    target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
+    drafter = TransformersModel(copy.deepcopy(hf), None, "tiny-self-drafter", role="drafter", int8=int8)
     prompt = [2, 5, 7]
     reference = autoregressive_generate(prompt, target, max_new_tokens=24, eos_token_ids=[]).tokens
     lacking = reference[5]
@@ -204,14 +204,15 @@ def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
 @pytest.mark.parametrize("native_bf16,amx", [(True, True), (True, False), (False, False)],
                          ids=["amx", "avx512-bf16", "avx2"])
 def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16, amx):
-    import specdec.models
+    import specdec.backends.transformers
+    import specdec.kernels
 
-    monkeypatch.setattr(specdec.models, "cpu_has_native_bf16", lambda: native_bf16)
-    monkeypatch.setattr(specdec.models, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(specdec.kernels, "cpu_has_amx", lambda: amx)
     short = 2 if amx else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
-    target = LanguageModel(copy.deepcopy(hf), None, "tiny-target")
-    drafter = LanguageModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
+    target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
+    drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     assert drafter.kernels == ("int8+bfloat16" if native_bf16 else "int8+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)
@@ -227,14 +228,14 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
 def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
     import builtins
 
-    import specdec.models
+    import specdec.kernels
 
     real_open = builtins.open
     for flags, expected in (("fpu avx512_bf16 amx_bf16 amx_tile amx_int8", True), ("fpu avx512_bf16", False)):
         info = tmp_path / "cpuinfo"
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
-        assert specdec.models.cpu_has_amx() is expected
-        assert specdec.models.int8_short_rows() == (2 if expected else 8)
+        assert specdec.kernels.cpu_has_amx() is expected
+        assert specdec.kernels.int8_short_rows() == (2 if expected else 8)
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no such file")))
-    assert specdec.models.cpu_has_amx() is False
+    assert specdec.kernels.cpu_has_amx() is False

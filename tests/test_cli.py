@@ -50,6 +50,9 @@ def test_generate_text_output_has_a_summary_line(need_smollm2):
     (["generate", "x", "--temperature", "-1"], "temperature must be"),
     (["generate", "x", "--target", "no-such-model"], "unknown model 'no-such-model'"),
     (["generate", "x", "--dtype", "int8"], "int8 weights are for drafters only"),
+    (["generate", "x", "--dtype", "gguf", "--tree", "mixed"], "--tree mixed cannot run on --dtype gguf"),
+    (["generate", "x", "--dtype", "gguf", "--drafter", "self-skip"], "--drafter self-skip cannot run on --dtype gguf"),
+    (["chat", "--dtype", "gguf", "--drafter", "self-skip"], "--drafter self-skip cannot run on --dtype gguf"),
     (["bench", "--drafter-vocab", "-5"], "must be a number of ids >= 0"),
     (["measure", "--drafter-vocab-corpus", "no/such/corpus.txt"], "vocabulary corpus not found"),
 ])
@@ -220,3 +223,73 @@ def test_chat_drafts_with_the_target_itself(need_smollm2):
                                  "--max-new-tokens", "8"], input=script + "\n")
     assert result.exit_code == 0, result.output
     assert "sd · drafter self-skip:5,10,15" in result.output and "medusa.json is missing" in result.output
+
+
+def test_a_drafter_follows_a_gguf_target_onto_its_gguf_weights_only_where_it_can():
+    from specdec.cli import _drafter_weights
+
+    drafter = registry.DEFAULT_DRAFTER
+    assert _drafter_weights("gguf", drafter, "auto", False) == "gguf"
+    assert _drafter_weights("gguf", "other/drafter.gguf", "auto", False) == "gguf"
+    assert _drafter_weights("gguf", drafter, "auto", True) == "auto"  # a restricted vocabulary: transformers
+    assert _drafter_weights("gguf", "ngram", "auto", False) == "auto"  # no model
+    assert _drafter_weights("gguf", drafter, "int8", False) == "int8"  # asked for: kept
+    assert _drafter_weights("auto", drafter, "auto", False) == "auto"
+    assert _drafter_weights("bf16", drafter, "auto", False) == "auto"
+
+
+@pytest.fixture
+def llama_cpp_installed(monkeypatch):
+    """llama-cpp-python 'installed' (faked: the suite need not build it), and failing if anything loads
+    a model on it: under --dtype auto nothing may."""
+    import specdec.backends.llamacpp as backend
+
+    def refuse():
+        raise AssertionError("--dtype auto loaded a model on llama.cpp")
+
+    monkeypatch.setattr(backend, "available", lambda: True)
+    monkeypatch.setattr(backend, "import_llama_cpp", refuse)
+
+
+@pytest.mark.parametrize("drafter", [
+    ["--drafter", "smollm2-135m", "--schedule", "fixed", "--gamma", "3"], ["--drafter", "ngram"],
+    ["--drafter", "lookup"], ["--drafter", "smollm2-135m", "--tree", "mixed"], ["--drafter", "lookup", "--tree", "lookup"],
+    ["--drafter", "smollm2-135m", "--tree", "eagle2"], ["--drafter", "self-skip:10,20"],
+])
+def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, llama_cpp_installed, drafter):
+    """With the `peers` extra installed, --dtype auto still means transformers' weights for every
+    method, so a drafter's greedy output is AR's, token for token, and both name the same weights."""
+    common = ["generate", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,", "--target", "smollm2-135m", "--max-new-tokens",
+              "12", "--json"]
+    ar = _json(common + ["--method", "ar"])
+    sd = _json(common + drafter)
+    assert sd["tokens"] == ar["tokens"] and len(ar["tokens"]) == 12
+    assert sd["weights"]["target"] == ar["weights"]["target"] != "gguf"
+    assert ar["weights"]["drafter"] is None
+
+
+def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
+    out = tmp_path / "profile.json"
+    result = runner.invoke(app, ["profile", "def add(a, b):", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
+                                 "--max-new-tokens", "8", "--widths", "1,2,4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "ms per added row" in result.output and "drafter passes" in result.output
+    data = json.loads(out.read_text())
+    assert sorted(data["passes"]["target_ms"]) == ["1", "2", "4"] and data["passes"]["drafter_ms"]
+    assert data["method"] == "sd-cost" and data["generation"]["new_tokens"] == 8
+    assert data["target_weights"] != "gguf" and data["drafter_weights"] and data["machine"]
+    stats = data["generation"]  # the split covers the wall time
+    parts = stats["target_seconds"] + stats["drafter_seconds"] + stats["loop_seconds"]
+    assert abs(parts - stats["wall_seconds"]) < 1e-6
+
+
+@pytest.mark.parametrize("args,message", [
+    (["profile", "--widths", "2,4"], "--widths must be comma-separated integers rising from 1"),
+    (["profile", "--widths", "1,x"], "--widths must be"),
+    (["profile", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["profile", "--tree", "forest"], "unknown tree"),
+    (["profile", "--tree", "mixed", "--dtype", "gguf"], "cannot run on --dtype gguf"),
+])
+def test_profile_errors_are_one_line(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

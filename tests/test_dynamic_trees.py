@@ -21,7 +21,7 @@ import itertools
 import pytest
 import torch
 
-from specdec import GREEDY, LanguageModel, Sampler, autoregressive_generate, speculative_generate
+from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.drafters.dynamic import Eagle2Drafter, SequoiaDrafter, _ShapeTables, sequoia_shape
 from specdec.schedules import TreeCost
 from specdec.theory import expected_tree_tokens
@@ -29,6 +29,7 @@ from specdec.trees import Tree
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import chi_square_pvalue, exact_joint
+from specdec.backends.cache import cache_length, crop_cache
 
 ALPHA = 1e-4
 POWER = 1e-6
@@ -40,7 +41,7 @@ VOCAB = 32
 # the trees, and the counts the tests assert, are the same on every machine and every run.
 
 @functools.lru_cache(maxsize=1)
-def _pair() -> tuple[LanguageModel, LanguageModel]:
+def _pair() -> tuple[TransformersModel, TransformersModel]:
     """The target, and a drafter that is the target with a noisy output head: its top token is
     often the target's, its second or third often when the top one is not (off-chain paths)."""
     target = tiny_model(0, vocab=VOCAB, name="tiny-target")
@@ -57,7 +58,7 @@ def _policy(max_nodes: int = 16) -> TreeCost:
     return TreeCost(max_nodes=max_nodes, threshold=0.05, node_threshold=0.01, warmup=10**9)
 
 
-def _drafter(kind: str, model: LanguageModel, max_nodes: int = 16):
+def _drafter(kind: str, model: TransformersModel, max_nodes: int = 16):
     if kind == "eagle2":
         return Eagle2Drafter(model, width=3, policy=_policy(max_nodes))
     # cheap drafter passes and target width: Sequoia's sizing then picks deep, wide shapes
@@ -94,7 +95,7 @@ def test_greedy_equals_autoregressive_and_paths_leave_the_main_chain(kind):
 
 # --- the trees themselves, against references built from cache-free drafter passes --------------
 
-def _fresh_logits(model: LanguageModel, context: list[int]) -> torch.Tensor:
+def _fresh_logits(model: TransformersModel, context: list[int]) -> torch.Tensor:
     return model.forward(context, None, num_logits=1)[-1]
 
 
@@ -232,10 +233,10 @@ def _cache_check(kind: str, prompt: list[int]) -> tuple[float, int]:
         sequence.extend(step.emitted)
         if step.path and _off_chain(step) and step.path[0] in drafter._fed:
             gathered += 1
-        length = LanguageModel.cache_length(drafter.cache)
+        length = cache_length(drafter.cache)
         assert length <= len(sequence) - 1 or not step.draft_tokens
         cached = model.forward(sequence[length:], drafter.cache, num_logits=1)[-1]
-        LanguageModel.crop(drafter.cache, length)
+        crop_cache(drafter.cache, length)
         worst = max(worst, float((cached - _fresh_logits(model, sequence)).abs().max()))
 
     speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=24, eos_token_ids=[], first_target=False,
@@ -253,12 +254,14 @@ def test_drafter_cache_after_keep_path_equals_a_fresh_pass(kind):
 def test_the_cache_check_catches_a_keep_path_that_only_crops(monkeypatch):
     """Power check: keeping the first positions of the tree region instead of the accepted path's
     (a crop where a gather is needed) is detected."""
-    right = LanguageModel.compact
+    import specdec.drafters.model as drafter_module
+
+    right = drafter_module.compact_cache  # what ModelDrafter.keep_path rolls the drafter's cache back with
 
     def crop_only(cache, start, offsets):
         right(cache, start, list(range(len(offsets))))
 
-    monkeypatch.setattr(LanguageModel, "compact", staticmethod(crop_only))
+    monkeypatch.setattr(drafter_module, "compact_cache", crop_only)
     worst, gathered = _cache_check("eagle2", [3, 7, 9])
     assert gathered >= 1 and worst > 1e-2
 
@@ -266,7 +269,7 @@ def test_the_cache_check_catches_a_keep_path_that_only_crops(monkeypatch):
 # --- sampled decoding is lossless ---------------------------------------------------------------
 # Table models (conftest.TableModel: logits = table[previous token, token]) that also take tree
 # passes, with a cache laid out like a KV cache (a layer whose keys hold each position's token and
-# values the token it follows), so LanguageModel.compact gathers it: thousands of generations in
+# values the token it follows), so backends.cache.compact_cache gathers it: thousands of generations in
 # seconds.
 
 class _TokenLayer:

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import LanguageModel, Sampler, autoregressive_generate, load, registry, speculative_generate
+from specdec import TransformersModel, Sampler, autoregressive_generate, load, registry, speculative_generate
 
 NAME = "gemma3-270m"
 DRAFTER_LAYERS = 15  # of 18; fewer layers are rejected almost always (first 6: 1 of 102 accepted)
+
+
+pytestmark = pytest.mark.real  # Gemma 3 270M's real weights, in every test here
 
 
 @pytest.fixture(autouse=True)
@@ -30,18 +33,18 @@ def _installed_or_skip() -> None:
         pytest.skip(f"{NAME} is not installed (run `specdec install {NAME}`)")
 
 
-def _first_layers(dtype: torch.dtype, layers: int, tokenizer) -> LanguageModel:
+def _first_layers(dtype: torch.dtype, layers: int, tokenizer) -> TransformersModel:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(registry.converted_dir(NAME), dtype=dtype)
     hf.model.layers = hf.model.layers[:layers]
     hf.config.num_hidden_layers = layers
     hf.config.layer_types = hf.config.layer_types[:layers]  # the cache is built from them
-    return LanguageModel(hf, tokenizer, f"{NAME}-first{layers}", role="drafter")
+    return TransformersModel(hf, tokenizer, f"{NAME}-first{layers}", role="drafter")
 
 
 @pytest.fixture(scope="module")
-def gemma3() -> tuple[LanguageModel, LanguageModel]:
+def gemma3() -> tuple[TransformersModel, TransformersModel]:
     """(target, drafter) in fp32."""
     _installed_or_skip()
     target = load(NAME, dtype="fp32", device="cpu")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec import GREEDY, LanguageModel, SpecdecError, autoregressive_generate, speculative_generate
+from specdec import GREEDY, TransformersModel, SpecdecError, autoregressive_generate, speculative_generate
 
 
 def _tiny(family: str, seed: int = 0, layers: int = 2):
@@ -38,7 +38,7 @@ def test_our_logits_are_the_models_own(family):
     ids = torch.tensor([[3, 9, 4, 17, 22, 5]])
     with torch.inference_mode():
         reference = hf(input_ids=ids).logits[0].float()
-    model = LanguageModel(hf, None, family)
+    model = TransformersModel(hf, None, family)
     assert model._transform is not None
     ours = model.forward(ids[0].tolist(), None, num_logits=6)
     assert torch.allclose(ours, reference, atol=1e-4, rtol=1e-4), (ours - reference).abs().max()
@@ -46,7 +46,7 @@ def test_our_logits_are_the_models_own(family):
 
 @pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
 def test_greedy_identity_with_transformed_logits(family):
-    target, drafter = LanguageModel(_tiny(family, 0), None, "t"), LanguageModel(_tiny(family, 1, 1), None, "d", role="drafter")
+    target, drafter = TransformersModel(_tiny(family, 0), None, "t"), TransformersModel(_tiny(family, 1, 1), None, "d", role="drafter")
     prompt = [3, 9, 4]
     ar = autoregressive_generate(prompt, target, GREEDY, max_new_tokens=20, eos_token_ids=[])
     sd = speculative_generate(prompt, target, drafter, gamma=3, max_new_tokens=20, eos_token_ids=[])
@@ -64,8 +64,8 @@ def test_an_unknown_transform_is_refused():
 
     hf.forward = forward
     with pytest.raises(SpecdecError, match="transforms its logits"):
-        LanguageModel(hf, None, "odd")
+        TransformersModel(hf, None, "odd")
 
 
 def test_a_plain_model_has_no_transform():
-    assert LanguageModel(_tiny("llama"), None, "plain")._transform is None
+    assert TransformersModel(_tiny("llama"), None, "plain")._transform is None

@@ -4,11 +4,12 @@ and drafters whose output head is padded to another width than the target's (one
 import pytest
 import torch
 
-from specdec import LanguageModel, Sampler, SpecdecError, autoregressive_generate, check_pair, registry
+from specdec import TransformersModel, Sampler, SpecdecError, autoregressive_generate, check_pair, registry
 from specdec import speculative_generate
 from specdec.drafters import ModelDrafter
 
 from test_sampling_exactness import chi_square_pvalue, exact_joint
+from specdec.backends.cache import cache_length, crop_cache
 
 
 @pytest.fixture(autouse=True)
@@ -46,16 +47,16 @@ def _sliding_hf(family: str, seed: int, layers: int, vocab: int = 32):
     return hf
 
 
-def _sliding_pair(family: str) -> tuple[LanguageModel, LanguageModel]:
+def _sliding_pair(family: str) -> tuple[TransformersModel, TransformersModel]:
     """A target and a drafter that agrees with it often but not always (its head perturbed), so
     drafts are cut at many different points and the caches are cropped past the window."""
     layers = 7 if family == "gemma3" else 2
-    target = LanguageModel(_sliding_hf(family, 0, layers), None, f"{family}-target", kernels="stock")
+    target = TransformersModel(_sliding_hf(family, 0, layers), None, f"{family}-target", kernels="stock")
     drafter_hf = _sliding_hf(family, 0, layers)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         drafter_hf.lm_head.weight.add_(torch.randn(drafter_hf.lm_head.weight.shape, generator=g) * 0.3)
-    return target, LanguageModel(drafter_hf, None, f"{family}-drafter", role="drafter", kernels="stock")
+    return target, TransformersModel(drafter_hf, None, f"{family}-drafter", role="drafter", kernels="stock")
 
 
 FAMILIES = ["mistral", "gemma2", "gemma3"]
@@ -79,29 +80,29 @@ def _sliding_layers(cache):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sliding_window_cache_crops_like_a_cache_free_pass(family):
-    model = LanguageModel(_sliding_hf(family, 0, 7 if family == "gemma3" else 2), None, family, kernels="stock")
+    model = TransformersModel(_sliding_hf(family, 0, 7 if family == "gemma3" else 2), None, family, kernels="stock")
     tokens = torch.randint(2, 32, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = model.new_cache()
     model.forward(tokens[:12], cache, 1)  # past the window already
     model.forward([7, 8, 9, 10, 11], cache, 5)  # a rejected draft...
-    LanguageModel.crop(cache, 12)  # ...cropped
-    assert LanguageModel.cache_length(cache) == 12  # the whole sequence, not the window
+    crop_cache(cache, 12)  # ...cropped
+    assert cache_length(cache) == 12  # the whole sequence, not the window
     cached = model.forward(tokens[12:20], cache, 8)
     model.forward(tokens[20:26], cache, 6)
-    LanguageModel.crop(cache, 26)  # all accepted: nothing dropped, sliding layers trimmed to the window
-    assert LanguageModel.cache_length(cache) == 26
+    crop_cache(cache, 26)  # all accepted: nothing dropped, sliding layers trimmed to the window
+    assert cache_length(cache) == 26
     assert all(layer.keys.shape[-2] == WINDOW - 1 for layer in _sliding_layers(cache))
     for token in tokens[26:30]:  # drafter-style: one token per pass, no crop in between
         model.forward([token], cache, 1)
-    LanguageModel.crop(cache, 27)  # drop 3 of those 4
+    crop_cache(cache, 27)  # drop 3 of those 4
     cached_tail = model.forward(tokens[27:40], cache, 13)
     reference = model.forward(tokens, None, 40)
     torch.testing.assert_close(cached, reference[12:20], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cached_tail, reference[27:40], atol=1e-4, rtol=1e-4)
     # keys older than the window and the tokens fed since the last crop are gone: a clear error
-    LanguageModel.crop(cache, 40)
+    crop_cache(cache, 40)
     with pytest.raises(SpecdecError, match="cannot crop a sliding-window cache from 40 to 30"):
-        LanguageModel.crop(cache, 30)
+        crop_cache(cache, 30)
 
 
 # --- BOS in plain-text prompts
@@ -120,7 +121,7 @@ def _word_tokenizer(size: int = 12, template: str | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="t0", eos_token="t1", unk_token="t3")
 
 
-def _with_tokenizer(tokenizer) -> LanguageModel:
+def _with_tokenizer(tokenizer) -> TransformersModel:
     from conftest import tiny_model
 
     model = tiny_model(0, vocab=16, kernels="stock")
@@ -170,7 +171,7 @@ def test_plain_text_of_tokenizers_without_bos_is_unchanged(name):
 TOKENS = 12  # the tokenizer's ids; the heads below have 16 (target), 20 and 12 (drafters) rows
 
 
-def _padded_model(seed: int, vocab: int, role: str, name: str, tokenizer, padding_logit: float = 0.0) -> LanguageModel:
+def _padded_model(seed: int, vocab: int, role: str, name: str, tokenizer, padding_logit: float = 0.0) -> TransformersModel:
     """A tiny Llama with `vocab` output rows over the shared tokenizer; rows from 16 on (ids no
     target of 16 rows has) get logit `padding_logit` from a bias, as an untrained padded head might."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -186,7 +187,7 @@ def _padded_model(seed: int, vocab: int, role: str, name: str, tokenizer, paddin
         head.bias.zero_()
         head.bias[16:] = padding_logit
     hf.lm_head = head
-    return LanguageModel(hf, tokenizer, name, role=role, kernels="stock")
+    return TransformersModel(hf, tokenizer, name, role=role, kernels="stock")
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,7 @@ def test_padded_drafter_q_covers_the_target_vocabulary(padded_models, which):
 
 
 class _Reference:
-    """exact_joint's view of a LanguageModel: p(. | context) from a cache-free pass."""
+    """exact_joint's view of a TransformersModel: p(. | context) from a cache-free pass."""
 
     def __init__(self, model):
         self.model = model

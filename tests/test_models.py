@@ -6,19 +6,20 @@ import zipfile
 import pytest
 import torch
 
-from specdec import LanguageModel, SpecdecError, autoregressive_generate, load, speculative_generate
+from specdec import TransformersModel, SpecdecError, autoregressive_generate, load, speculative_generate
 from specdec import registry
 from specdec.kernels import PackedLinear
 from specdec.models import cpu_has_native_bf16, resolve_dtype
 
 from conftest import tiny_model
+from specdec.backends.cache import cache_length, crop_cache
 
 
 def _cache_free_logits(model, tokens):
     return model.forward(tokens, None, num_logits=len(tokens))
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_model(0, vocab=64), "smollm2"])
+@pytest.mark.parametrize("make", [lambda: tiny_model(0, vocab=64), pytest.param("smollm2", marks=pytest.mark.real)])
 def test_cached_and_cache_free_forwards_agree_after_crops(make, request):
     model = request.getfixturevalue("smollm2") if make == "smollm2" else make()
     g = torch.Generator().manual_seed(0)
@@ -26,11 +27,11 @@ def test_cached_and_cache_free_forwards_agree_after_crops(make, request):
     cache = model.new_cache()
     model.forward(tokens[:10], cache, 1)
     model.forward([7, 8, 9, 10, 11], cache, 5)  # a draft that gets rejected...
-    LanguageModel.crop(cache, 10)  # ...and cropped
-    assert LanguageModel.cache_length(cache) == 10
+    crop_cache(cache, 10)  # ...and cropped
+    assert cache_length(cache) == 10
     cached = model.forward(tokens[10:16], cache, 6)
     model.forward(tokens[16:20], cache, 4)
-    LanguageModel.crop(cache, 17)  # partial accept of that step
+    crop_cache(cache, 17)  # partial accept of that step
     cached_tail = model.forward(tokens[17:24], cache, 7)
     reference = _cache_free_logits(model, tokens)
     assert torch.allclose(cached, reference[10:16], atol=2e-4, rtol=1e-4)
@@ -68,51 +69,9 @@ def test_auto_dtype_and_kernels_follow_the_role():
     # a bf16 drafter on a CPU without native bf16 keeps bf16 weights for short passes
     if not cpu_has_native_bf16():
         bf16 = tiny_model(1, vocab=64, kernels="stock").hf.to(torch.bfloat16)
-        drafter = LanguageModel(bf16, None, "d", role="drafter")
+        drafter = TransformersModel(bf16, None, "d", role="drafter")
         assert drafter.forward([3, 4, 5], None, 3).dtype == torch.float32
         assert drafter.kernels == "bf16+onednn-packed-fp32"
-
-
-@pytest.fixture
-def fake_gguf_install(tmp_path, monkeypatch):
-    """Every registry model 'installed' with its GGUF file kept (empty files under tmp_path); returns
-    a switch for whether llama-cpp-python counts as installed."""
-    import specdec.backends.llamacpp as backend
-
-    for name, model in registry.MODELS.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / model.gguf_name).write_bytes(b"")
-    monkeypatch.setattr(registry, "model_root", lambda name: tmp_path / name)
-    monkeypatch.setattr(registry, "is_installed", lambda name: True)
-    state = {"llama_cpp": True}
-    monkeypatch.setattr(backend, "available", lambda: state["llama_cpp"])
-    return state
-
-
-def test_auto_weights_pick_the_gguf_only_where_llama_cpp_can_serve_it(fake_gguf_install, monkeypatch, tmp_path):
-    from specdec.cli import _auto_weights
-    from specdec.models import auto_weights
-
-    target, drafter = registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER
-    assert auto_weights(target, "cpu") == "gguf"
-    assert auto_weights(target, "cpu", on_llama_cpp=False) == "auto"  # trees, self-drafting
-    assert auto_weights(str(tmp_path), "cpu") == "auto"  # not a registry model
-    (tmp_path / target / registry.spec(target).gguf_name).unlink()
-    assert auto_weights(target, "cpu") == "auto"  # installed without its GGUF file
-    assert auto_weights(drafter, "cpu") == "gguf"
-    fake_gguf_install["llama_cpp"] = False
-    assert auto_weights(drafter, "cpu") == "auto"
-    fake_gguf_install["llama_cpp"] = True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert auto_weights(drafter, "auto") == "auto"  # CUDA: transformers' weights
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    # the CLI: the drafter follows a target on its GGUF, unless its vocabulary is restricted or it is no model
-    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", True) == ("gguf", "gguf")
-    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", True, restricted_vocab=True) == ("gguf", "auto")
-    assert _auto_weights(drafter, "ngram", "auto", "auto", "cpu", True) == ("gguf", "auto")
-    assert _auto_weights(drafter, drafter, "auto", "int8", "cpu", True) == ("gguf", "int8")  # explicit stays
-    assert _auto_weights(drafter, drafter, "bf16", "auto", "cpu", True) == ("bf16", "auto")
-    assert _auto_weights(drafter, drafter, "auto", "auto", "cpu", False) == ("auto", "auto")
 
 
 def test_real_model_loads_with_tokenizer_and_eos(smollm2):

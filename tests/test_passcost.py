@@ -12,7 +12,7 @@ from specdec.schedules import CostAware
 
 from conftest import TableModel, tiny_model
 
-# seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/KERNELS.md)
+# seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/kernels.md)
 GGUF = {1: 0.0326, 2: 0.0567, 3: 0.0746, 4: 0.109, 6: 0.158, 8: 0.218}
 BF16 = {1: 0.174, 2: 0.171}
 

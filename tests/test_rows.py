@@ -8,12 +8,12 @@ picks on CPUs with native bf16), whatever CPU runs them.
 import pytest
 import torch
 
-from specdec import GREEDY, LanguageModel, Sampler, autoregressive_generate, speculative_generate
+from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.rows import key_spans, refine_top_logits
 
 
 def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
-              layers: int = 2) -> LanguageModel:
+              layers: int = 2) -> TransformersModel:
     """A random Qwen2 with grouped-query attention and hidden sizes where kernels block for real."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -22,10 +22,10 @@ def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     hf = Qwen2ForCausalLM(config).to(dtype)
-    return LanguageModel(hf, None, f"qwen-like-{seed}", role="target", exact_rows=exact_rows)
+    return TransformersModel(hf, None, f"qwen-like-{seed}", role="target", exact_rows=exact_rows)
 
 
-def row_gap(model: LanguageModel, prompt: list[int], continuation: list[int]) -> float:
+def row_gap(model: TransformersModel, prompt: list[int], continuation: list[int]) -> float:
     """max |logits of a pass over `continuation` − logits of one-token passes|, both after `prompt`."""
     one_row = model.new_cache()
     pending = model.prefill(prompt, one_row)
@@ -50,7 +50,7 @@ def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype):
 
 def _one_row_gemv_differs(monkeypatch) -> None:
     """Make every bf16/fp32 `F.linear` on one row round differently from the same row in a
-    multi-row call, as an AVX512-BF16 EPYC's GEMV path did (docs/KERNELS.md)."""
+    multi-row call, as an AVX512-BF16 EPYC's GEMV path did (docs/kernels.md)."""
     real = torch.nn.functional.linear
 
     def linear(x, weight, bias=None):
@@ -67,10 +67,10 @@ def test_row_exact_passes_do_not_trust_a_one_row_gemm(monkeypatch):
 
 
 def test_the_one_row_gemm_test_has_power(monkeypatch):
-    import specdec.models
+    import specdec.backends.transformers
 
     _one_row_gemv_differs(monkeypatch)
-    monkeypatch.setattr(specdec.models, "pad_single_rows", lambda module: 0)
+    monkeypatch.setattr(specdec.backends.transformers, "pad_single_rows", lambda module: 0)
     model = qwen_like(torch.bfloat16, exact_rows=True)
     assert row_gap(model, _ids(20, 4096, 3), _ids(3, 4096, 53)) > 0.0
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specdec import LanguageModel, Sampler, sample, speculative_generate
+import specdec.generate as generate_module
+from specdec import Sampler, TransformersModel, sample, speculative_generate
 from specdec.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter
 
 from conftest import TableModel, tiny_model
@@ -184,11 +185,11 @@ def test_the_joint_test_catches_a_drafter_that_reports_another_q():
 REAL_PROMPT, REAL_LENGTH, REAL_GAMMA, REAL_RUNS = [2, 3, 1], 4, 3, 300
 
 
-def _real_pair() -> tuple[LanguageModel, LanguageModel]:
+def _real_pair() -> tuple[TransformersModel, TransformersModel]:
     return tiny_model(0, vocab=4, name="tiny-target"), tiny_model(1, vocab=4, layers=1, name="tiny-drafter")
 
 
-def _real_joint(target: LanguageModel, sampler: Sampler) -> dict:
+def _real_joint(target: TransformersModel, sampler: Sampler) -> dict:
     class Reference:  # cache-free conditionals of the HF target
         def next_probs(self, context, sampler):
             return sampler.probs(target.forward(context, None, 1)[-1])
@@ -196,7 +197,7 @@ def _real_joint(target: LanguageModel, sampler: Sampler) -> dict:
     return exact_joint(Reference(), REAL_PROMPT, REAL_LENGTH, sampler)
 
 
-def _real_samples(target: LanguageModel, drafter: ModelDrafter, runs: int) -> tuple[list[tuple], int]:
+def _real_samples(target: TransformersModel, drafter: ModelDrafter, runs: int) -> tuple[list[tuple], int]:
     """Token tuples of `runs` seeded generations, and how many steps rejected part of a draft."""
     samples, rejections = [], 0
     for seed in range(runs):
@@ -216,17 +217,6 @@ def test_on_a_tiny_transformer_with_real_kv_caches():
     assert chi_square_pvalue(samples, joint) > ALPHA
 
 
-def _crop_target_only(drafter: ModelDrafter, crop):
-    """LanguageModel.crop with `crop` for the target's cache; the drafter's stays right (a wrong
-    drafter cache only changes q, which the rule corrects for, so it cannot bias the output)."""
-    right = LanguageModel.crop
-
-    def patched(cache, length):
-        (right if cache is drafter.cache else crop)(cache, length)
-
-    return staticmethod(patched)
-
-
 def test_the_real_cache_test_catches_a_crop_that_removes_the_wrong_positions(monkeypatch):
     """Power check: a crop that keeps the right number of positions but drops the oldest ones
     (a slicing slip in a cache backend) leaves a cache of the right length and silently wrong
@@ -240,7 +230,7 @@ def test_the_real_cache_test_catches_a_crop_that_removes_the_wrong_positions(mon
 
     target, drafter = _real_pair()
     drafter = ModelDrafter(drafter)
-    monkeypatch.setattr(LanguageModel, "crop", _crop_target_only(drafter, drop_oldest))
+    monkeypatch.setattr(generate_module, "crop_cache", drop_oldest)  # the loop's crop of the target's cache
     samples, _ = _real_samples(target, drafter, REAL_RUNS)  # as many runs as the test above
     assert chi_square_pvalue(samples, _real_joint(target, Sampler(1.0))) < 1e-6
 
@@ -251,7 +241,7 @@ def test_a_crop_that_keeps_rejected_positions_stops_the_loop(monkeypatch, keep):
     the draft (or nothing) and returns fewer rows of logits than the loop needs, so the loop stops
     with an error (today a SpecdecError about target_probs' shape, or a TypeError from the model
     on an empty input) instead of producing samples."""
-    right = LanguageModel.crop
+    right = generate_module.crop_cache
     broken_crops = []
 
     def keep_too_much(cache, length):
@@ -261,7 +251,7 @@ def test_a_crop_that_keeps_rejected_positions_stops_the_loop(monkeypatch, keep):
 
     target, drafter = _real_pair()
     drafter = ModelDrafter(drafter)
-    monkeypatch.setattr(LanguageModel, "crop", _crop_target_only(drafter, keep_too_much))
+    monkeypatch.setattr(generate_module, "crop_cache", keep_too_much)
     with pytest.raises(Exception):
         _real_samples(target, drafter, 30)
     assert broken_crops  # the error came after a broken crop, not from the set-up

@@ -253,7 +253,7 @@ def test_medusa_on_real_smollm2_is_greedy_identical_with_trained_heads(smollm2, 
 
 
 def test_a_skipped_layer_model_equals_the_target_with_those_layers_removed():
-    from specdec import LanguageModel
+    from specdec import TransformersModel
 
     target = tiny_model(1, vocab=32, layers=4, kernels="stock")
     skip = LayerSkipModel(target, [1, 2])
@@ -261,7 +261,7 @@ def test_a_skipped_layer_model_equals_the_target_with_those_layers_removed():
     hf = tiny_model(1, vocab=32, layers=4, kernels="stock").hf  # the same weights, cut
     hf.model.layers = torch.nn.ModuleList([hf.model.layers[0], hf.model.layers[3]])
     hf.config.num_hidden_layers = 2
-    reference = LanguageModel(hf, None, "cut", role="drafter", kernels="stock")
+    reference = TransformersModel(hf, None, "cut", role="drafter", kernels="stock")
     assert torch.allclose(skip.forward(ids, None, len(ids)), reference.forward(ids, None, len(ids)), atol=1e-5)
     # and the target itself is whole again afterwards
     assert len(target._decoder.layers) == 4

@@ -3,15 +3,16 @@
 import pytest
 import torch
 
-from specdec import LanguageModel, Sampler, autoregressive_generate, speculative_generate
+from specdec import TransformersModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter
-from specdec.drafters.tree import _Node
+from specdec.drafters.nodes import Node
 from specdec.errors import SpecdecError
 from specdec.schedules import TreeCost
 from specdec.trees import Tree, input_parents
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
+from specdec.backends.cache import cache_length, compact_cache
 
 TREE = Tree([3, 4, 5, 6, 7, 8, 9], [-1, 0, 1, 0, -1, 4, 4])  # three root-to-leaf paths off the main chain
 
@@ -21,7 +22,7 @@ def _wide() -> TreeCost:
     return TreeCost(threshold=0.02, node_threshold=0.001, warmup=10**9)
 
 
-def _tree_pass(model: LanguageModel, prompt: list[int], tree: Tree):
+def _tree_pass(model: TransformersModel, prompt: list[int], tree: Tree):
     cache = model.new_cache()
     pending = model.prefill(prompt, cache)
     logits = model.forward(pending + tree.tokens, cache, len(tree) + 1, parents=input_parents(len(pending), tree.parents))
@@ -41,10 +42,10 @@ def test_a_tree_pass_equals_chain_passes_over_each_path(attention, kernels):
         torch.testing.assert_close(logits[node + 1], chain, atol=2e-5, rtol=0)
     # compaction to a path off the main chain: the cache then equals a chain pass's cache
     path = TREE.path_to(6)  # nodes 4, 6: tokens 7, 9
-    LanguageModel.compact(cache, len(prompt), path)
+    compact_cache(cache, len(prompt), path)
     chain_cache = model.new_cache()
     model.forward(prompt + [7, 9], chain_cache, 1)
-    assert LanguageModel.cache_length(cache) == len(prompt) + 2
+    assert cache_length(cache) == len(prompt) + 2
     for ours, theirs in zip(cache.layers, chain_cache.layers):
         torch.testing.assert_close(ours.keys, theirs.keys, atol=2e-5, rtol=0)
         torch.testing.assert_close(ours.values, theirs.values, atol=2e-5, rtol=0)
@@ -61,7 +62,7 @@ def test_a_boolean_mask_under_eager_attention_would_be_wrong():
     real = trees.tree_attention
     try:
         trees_module_attention = lambda *a, **k: real(*a, **{**k, "additive": False})  # noqa: E731
-        import specdec.models as models
+        import specdec.backends.transformers as models
         models.tree_attention = trees_module_attention
         logits, _ = _tree_pass(model, [2, 5, 7], TREE)
     finally:
@@ -91,7 +92,7 @@ def test_trees_refuse_sliding_window_models_clearly():
 
     config = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    model = LanguageModel(MistralForCausalLM(config), None, "tiny-mistral", kernels="stock")
+    model = TransformersModel(MistralForCausalLM(config), None, "tiny-mistral", kernels="stock")
     with pytest.raises(SpecdecError, match="sliding-window"):
         model.forward([1, 2, 3], model.new_cache(), 3, parents=[-1, 0, 0])
 
@@ -302,7 +303,7 @@ def test_lookup_branches_are_valued_by_the_acceptance_of_their_match_length():
     lookup = LookupTreeDrafter(max_ngram=2, min_ngram=1)
     lookup.by_ngram = {2: [10, 9], 1: [10, 1]}
     lookup.tries, lookup.hits = 20, 10
-    root = _Node(-1, 1.0, "deterministic")
+    root = Node(-1, 1.0, "deterministic")
     # ... 7 8 | 4 5 ... 8 | 6 ... 7 8: the suffix [7, 8] recurs before 4 5; [8] alone also before 6
     assert lookup.grow(root, [7, 8, 4, 5, 1, 8, 6, 2, 7, 8], 2) == 2
     first, second = root.children

@@ -3,8 +3,11 @@
 from .errors import SpecdecError
 from .generate import (GenerationResult, GenerationStats, Step, autoregressive_generate, beam_search_generate,
                        speculative_generate)
-from .models import LanguageModel, check_pair, load
+from .backends import Backend
+from .backends.transformers import TransformersModel
+from .models import load
 from .samplers import GREEDY, Sampler, logits_to_probs, sample
+from .text import check_pair
 from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
 from .drafters import (Eagle2Drafter, LookupDrafter, LookupTreeDrafter, MixedDrafter, ModelDrafter, NgramDrafter,
                        SequoiaDrafter, SidesDrafter, make_tree_drafter)
@@ -12,7 +15,7 @@ from .schedules import TreeCost, make_schedule
 from .trees import Tree
 
 __all__ = [
-    "GREEDY", "GenerationResult", "GenerationStats", "LanguageModel", "Sampler", "SpecdecError", "Step",
+    "GREEDY", "GenerationResult", "GenerationStats", "Backend", "TransformersModel", "Sampler", "SpecdecError", "Step",
     "autoregressive_generate", "beam_search_generate", "check_pair", "load", "logits_to_probs", "sample", "speculative_generate",
     "verify_draft", "verify_greedy", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
     "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",

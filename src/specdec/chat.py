@@ -10,11 +10,11 @@ from typing import Callable
 
 from rich.console import Console
 
+from .backends import Backend
 from .display import DebugPrinter, StepPrinter, summary_line
 from .drafters import LookupDrafter, NgramDrafter
 from .errors import SpecdecError
 from .generate import GenerationStats, autoregressive_generate, speculative_generate
-from .models import LanguageModel
 from .passcost import pass_costs
 from .samplers import Sampler
 from .schedules import SCHEDULES, make_schedule
@@ -32,7 +32,7 @@ HELP = """commands:
 
 
 class ChatSession:
-    def __init__(self, target: LanguageModel, load_drafter: Callable[[str], LanguageModel], drafter: str,
+    def __init__(self, target: Backend, load_drafter: Callable[[str], Backend], drafter: str,
                  console: Console, method: str = "sd", schedule: str = "cost", gamma: int = 5,
                  gamma_max: int = 20, sampler: Sampler | None = None, debug: bool = False,
                  max_new_tokens: int = 256):
@@ -116,10 +116,12 @@ class ChatSession:
         return True
 
     def describe(self) -> str:
+        weights = f"weights {self.target.weights}"
         if self.method == "ar":
-            return f"ar · {self.sampler.describe()}"
+            return f"ar · {self.sampler.describe()} · {weights}"
         plan = make_schedule(self.schedule, self.gamma, 1, self.gamma_max).describe()
-        return f"sd · drafter {self.drafter_name} · {plan} · {self.sampler.describe()}" + (" · debug" if self.debug else "")
+        return (f"sd · drafter {self.drafter_name} · {plan} · {self.sampler.describe()} · {weights}" +
+                (" · debug" if self.debug else ""))
 
     def _schedule(self, drafter):
         """This turn's schedule. A tree drafter sizes its own trees (the schedule only bounds their

@@ -35,22 +35,26 @@ def check_vocab_options(vocab, corpus) -> None:
     check(vocab, corpus)
 
 
-def _auto_weights(target: str, drafter: str | None, dtype: str, drafter_dtype: str, device: str,
-                  on_llama_cpp: bool, restricted_vocab: bool = False) -> tuple[str, str]:
-    """(target dtype, drafter dtype) with "auto" resolved for generate and chat: the GGUF's own
-    weights on llama.cpp where that is the fastest exact choice (models.auto_weights), the drafter
-    following a target on them unless its vocabulary is restricted (a transformers feature);
-    otherwise unchanged."""
-    from .models import auto_weights
+def _drafter_weights(dtype: str, drafter: str | None, drafter_dtype: str, restricted_vocab: bool) -> str:
+    """The drafter's dtype with "auto" resolved: a model drafter follows a GGUF target onto its own
+    GGUF weights (llama.cpp) unless its vocabulary is restricted (a transformers feature); else
+    unchanged. A drafter's weights change acceptance only, never the output."""
+    from .models import GGUF_WEIGHTS
 
-    if dtype == "auto":
-        dtype = auto_weights(target, device, on_llama_cpp)
-        if dtype == "gguf":
-            err.print("[dim]--dtype auto: the GGUF's own weights on llama.cpp, the fastest exact choice on this "
-                      "CPU (--dtype bf16 or fp32 for transformers' weights)[/]", highlight=False)
-    if dtype == "gguf" and drafter_dtype == "auto" and drafter is not None:
-        drafter_dtype = auto_weights(drafter, device, not restricted_vocab)
-    return dtype, drafter_dtype
+    follows = drafter is not None and (drafter in registry.MODELS or drafter.endswith(".gguf"))
+    if dtype in GGUF_WEIGHTS and drafter_dtype == "auto" and follows and not restricted_vocab:
+        return "gguf"
+    return drafter_dtype
+
+
+def _check_runs_on(dtype: str, what: str | None) -> None:
+    """One line, before any loading, where a method cannot run on the target's weights: llama.cpp's
+    backend (--dtype gguf) takes chains, not trees or self-drafting heads."""
+    from .models import GGUF_WEIGHTS
+
+    if dtype in GGUF_WEIGHTS and what:
+        raise SpecdecError(f"{what} cannot run on --dtype gguf (llama.cpp's backend takes chain drafts only); "
+                           "use --dtype auto (transformers' weights)")
 
 
 def _cost_schedule(target_model, drafter_model, gamma_max: int):
@@ -76,10 +80,9 @@ def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus)
 
 
-TARGET_DTYPE_HELP = ("Target weights: auto, fp32, bf16, fp16, or gguf: the GGUF file's own quantized weights on "
-                     "llama.cpp (the `peers` extra; chains only). auto: gguf on the CPU where llama-cpp-python is "
-                     "installed (generate and chat, chain methods, registry models), else bf16 on CUDA and on "
-                     "CPUs with native bf16, fp32 on other CPUs.")
+TARGET_DTYPE_HELP = ("Target weights: auto (transformers' weights: bf16 on CUDA and on CPUs with native bf16, "
+                     "fp32 on other CPUs; the same for every method), fp32, bf16, fp16, or gguf: the GGUF file's own "
+                     "quantized weights on llama.cpp (the `peers` extra; AR and chain drafts only).")
 DRAFTER_DTYPE_HELP = ("Drafter dtype: auto (gguf beside a gguf target, else int8 weights on the CPU, bf16 on CUDA), "
                       "int8, bf16, fp32, fp16, gguf. Changes acceptance only, never the output.")
 DRAFTER_VOCAB_HELP = ("Ids the drafter's output head scores: the N most frequent (FR-Spec; q is 0 elsewhere, so "
@@ -88,12 +91,12 @@ DRAFTER_VOCAB_CORPUS_HELP = "Text file to count the drafter vocabulary's frequen
 
 
 EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass computed bit for bit as a one-token "
-                   "pass would, so greedy output is token-identical to AR in every dtype (default: on for CPU "
-                   "targets; --batched-rows: plain multi-row kernels).")
+                   "pass would, so greedy output is token-identical to AR in every dtype (default: on for bf16 "
+                   "targets on the CPU, off for fp32 ones, where it slows 1-token passes; --batched-rows: plain "
+                   "multi-row kernels).")
 
 
 MODEL_FREE_DRAFTERS = ("ngram", "lookup")
-SELF_DRAFTERS = ("medusa", "eagle", "self-skip")  # --drafter medusa:DIR, eagle:DIR, self-skip[:LAYERS]
 
 
 def self_drafter_spec(spec: str):
@@ -190,8 +193,7 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import LookupDrafter, NgramDrafter, make_tree_drafter
-    from .drafters.tree import check_tree_options
+    from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
     from .generate import autoregressive_generate, speculative_generate
     from .samplers import Sampler
     from .schedules import make_schedule
@@ -209,9 +211,9 @@ def generate(
         self_spec = self_drafter_spec(drafter) if method == Method.sd else None
         if self_spec and tree != "off":
             raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
-        chain = method == Method.ar or (tree == "off" and not self_spec)
-        dtype, drafter_dtype = _auto_weights(target, drafter if method == Method.sd else None, dtype, drafter_dtype,
-                                             device, chain, bool(drafter_vocab or drafter_vocab_corpus))
+        if method == Method.sd:
+            _check_runs_on(dtype, f"--tree {tree}" if tree != "off" else self_spec and f"--drafter {drafter}")
+            drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
         if method == Method.sd:
@@ -255,6 +257,8 @@ def generate(
         payload = {"text": target_model.decode(result.tokens), "tokens": result.tokens, "stats": stats,
                    "stop_reason": result.stop_reason, "method": method.value, "target": target_model.name,
                    "drafter": drafter_used.name if drafter_used is not None else None,
+                   "weights": {"target": target_model.weights,
+                               "drafter": getattr(getattr(drafter_used, "model", None), "weights", None)},
                    "sampler": sampler.describe(), "schedule": plan.describe() if method == Method.sd else None,
                    "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info,
                               **({"parents": s.tree_parents, "path": s.path} if s.tree_parents is not None else {})}
@@ -264,7 +268,8 @@ def generate(
         out.print()
         if debug and method == Method.sd:
             out.print(target_model.decode(result.tokens), highlight=False)
-        err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason}[/]",
+        err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason} · "
+                  f"weights: {target_model.weights}[/]",
                   highlight=False)
 
 
@@ -299,9 +304,9 @@ def chat(
         # The session builds its schedule lazily (outside this handler); a bad value must fail here,
         # before minutes of model loading, as one error line.
         make_schedule(schedule, gamma, 1, gamma_max)
-        dtype, drafter_dtype = _auto_weights(target, drafter, dtype, drafter_dtype, device,
-                                             drafter.split(":")[0] not in SELF_DRAFTERS,
-                                             bool(drafter_vocab or drafter_vocab_corpus))
+        if method == Method.sd:
+            _check_runs_on(dtype, self_drafter_spec(drafter) and f"--drafter {drafter}")
+        drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
@@ -479,7 +484,7 @@ def bench(
             temperatures = [float(t) for t in _csv(temperature)]
         except ValueError:
             raise SpecdecError(f"--temperature takes comma-separated numbers, got {temperature!r}") from None
-        from .drafters.tree import check_tree_options
+        from .drafters import check_tree_options
 
         check_tree_options("mixed", tree_nodes, tree_scheme)
         if not flat_at16 >= 1:
@@ -567,7 +572,7 @@ def measure(
 @app.command()
 def theory(
     alpha: list[float] = typer.Option([0.6, 0.7, 0.8, 0.9], help="Acceptance rate(s) α (repeat the option)."),
-    c: float = typer.Option(0.24, help="Cost coefficient: drafter pass / target pass (measured: docs/KERNELS.md)."),
+    c: float = typer.Option(0.24, help="Cost coefficient: drafter pass / target pass (measured: docs/kernels.md)."),
     c_hat: float = typer.Option(0.0, "--c-hat", help="Arithmetic ratio ĉ of drafter to target per token."),
     gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ to tabulate."),
 ):
@@ -589,7 +594,7 @@ def theory(
                               f"{arithmetic_increase(a, g, c_hat):.2f}×")
             console.print(table)
         err.print("[dim]assumes iid acceptance and a verification pass that costs one target pass; "
-                  "on CPUs it costs more (docs/KERNELS.md)[/]")
+                  "on CPUs it costs more (docs/kernels.md)[/]")
     except SpecdecError as exc:
         _fail(str(exc))
 
@@ -627,6 +632,89 @@ def forward_cost(
                 print(row, flush=True)
     except (SpecdecError, ValueError) as exc:
         _fail(str(exc))
+
+
+@app.command()
+def profile(
+    prompt: str = typer.Argument("def quicksort(arr):", help="The prompt of the profiled generation."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup."),
+    tree: str = typer.Option("off", help=TREE_HELP + " off: a chain under the cost schedule."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens of the profiled generation."),
+    widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this JSON file."),
+):
+    """Where a generation's time goes on this machine, and what one more row of a target pass costs."""
+    from rich.table import Table
+
+    from .bench.profile import pass_profile, profile_record, time_split
+    from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
+    from .generate import speculative_generate
+    from .schedules import make_schedule
+
+    try:
+        widths = [int(w) for w in _csv(widths_text)]
+        if not widths or widths[0] != 1 or any(b <= a for a, b in zip(widths, widths[1:])):
+            raise ValueError
+    except ValueError:
+        _fail(f"--widths must be comma-separated integers rising from 1, got {widths_text!r}")
+    try:
+        if max_new_tokens < 1:
+            raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if tree != "off":
+            check_tree_options(tree, 64, "without-replacement")
+            _check_runs_on(dtype, f"--tree {tree}")
+        model_free = drafter in MODEL_FREE_DRAFTERS
+        target_model = _load(target, dtype, device, "target")
+        drafter_model = None if model_free or tree == "lookup" else _load(
+            drafter, _drafter_weights(dtype, drafter, drafter_dtype, False), device, "drafter")
+        with err.status("timing passes…"):
+            passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [])
+        if tree != "off":
+            drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
+        else:
+            drafter_used = drafter_model or (NgramDrafter() if drafter == "ngram" else LookupDrafter())
+            plan, method = _cost_schedule(target_model, drafter_model, 20), "sd-cost"
+        with err.status(f"generating {max_new_tokens} tokens ({method})…"):
+            result = speculative_generate(target_model.encode(prompt), target_model, drafter_used,
+                                          max_new_tokens=max_new_tokens, schedule=plan)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    out = Console()
+    table = Table(title=f"{target_model.name} ({target_model.weights}, {target_model.kernels}): one pass after "
+                        "128 cached tokens", title_justify="left")
+    table.add_column("rows", justify="right")
+    table.add_column("chain pass (ms)", justify="right")
+    table.add_column("× 1 row", justify="right")
+    table.add_column("ms per added row", justify="right")
+    if passes.target_tree_ms:
+        table.add_column("tree pass (ms)", justify="right")
+    one = passes.target_ms[1]
+    for i, width in enumerate(widths):
+        ms = passes.target_ms[width]
+        added = "" if i == 0 else f"{(ms - passes.target_ms[widths[i - 1]]) / (width - widths[i - 1]):.1f}"
+        cells = [str(width), f"{ms:.1f}", f"{ms / one:.2f}", added]
+        table.add_row(*cells, *([f"{passes.target_tree_ms[width]:.1f}"] if passes.target_tree_ms else []))
+    out.print(table)
+    if passes.drafter_ms:
+        out.print(f"drafter {drafter_model.name} ({drafter_model.weights}, {drafter_model.kernels}): " + ", ".join(
+            f"{t} token{'s' if t > 1 else ''} {ms:.1f} ms" for t, ms in passes.drafter_ms.items()), highlight=False)
+    stats = result.stats
+    split = Table(title=f"{method}: {stats.new_tokens} tokens in {stats.wall_seconds:.2f} s "
+                        f"({stats.tokens_per_second:.2f} tok/s, {stats.tokens_per_target_forward:.2f} per target pass)",
+                  title_justify="left")
+    for column in ("part", "passes", "seconds", "share", "ms each"):
+        split.add_column(column, justify="left" if column == "part" else "right")
+    for part, count, seconds in time_split(stats):
+        share = seconds / stats.wall_seconds if stats.wall_seconds else 0.0
+        split.add_row(part, str(count), f"{seconds:.2f}", f"{share:.0%}", f"{1e3 * seconds / count:.1f}" if count else "")
+    out.print(split)
+    if json_path:
+        json_path.write_text(json.dumps(profile_record(passes, stats, method, target_model, drafter_model), indent=1))
+        err.print(f"[dim]wrote {json_path}[/]", highlight=False)
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
+from .backends import Backend
 from .generate import GenerationStats, Step
-from .models import LanguageModel
 
 STYLES = {"accepted": "green", "rejected": "red strike", "resampled": "bold blue", "bonus": "bold cyan",
           "target": ""}
@@ -34,7 +34,7 @@ class StepPrinter:
     CONTEXT = 4  # printed tokens decoded again with each new one: a tokenizer may join text across tokens
     MAX_HELD = 16  # ids held back at most; a UTF-8 character spans at most 4 byte tokens
 
-    def __init__(self, model: LanguageModel, console: Console):
+    def __init__(self, model: Backend, console: Console):
         self.model, self.console = model, console
         self.ids: list[int] = []
         self.text = ""
@@ -99,7 +99,7 @@ class DebugPrinter:
     each draft token's q(x), p(x) and uniform draw u, the verdict, and the target's token; a token
     tree is drawn with its accepted path marked."""
 
-    def __init__(self, model: LanguageModel, console: Console):
+    def __init__(self, model: Backend, console: Console):
         self.model, self.console = model, console
         self.number = 0
 

@@ -64,9 +64,9 @@ def bound_copy(module: nn.Module, store: dict, device: torch.device, dtype: torc
 
 def check_reads_hidden(target) -> None:
     """SpecdecError unless the loop can hand `target`'s hidden states to a self-drafter."""
-    if not hasattr(target, "hidden_size") or not hasattr(target, "pass_hidden"):
+    if getattr(target, "hidden_size", None) is None:
         raise SpecdecError(f"self-drafting heads need a target whose hidden states can be read; {target.name} "
-                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype bf16/fp32")
+                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype auto (transformers' weights)")
 
 
 def check_checkpoint_target(info: dict, vocab_ids: torch.Tensor, target, title: str) -> None:
@@ -220,7 +220,7 @@ def prepare(target, corpus: str | Sequence[int], out: Path, tokens: int, seq_len
 
     if not hasattr(target, "_decoder"):
         raise SpecdecError(f"training needs the target's hidden states; {target.name} "
-                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype bf16/fp32")
+                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype auto (transformers' weights)")
     if isinstance(corpus, str):
         ids, identity = corpus_ids(target.tokenizer, corpus)
     else:

@@ -13,10 +13,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import SpecdecError
+from .backends import Backend
+from .backends.cache import cache_length, compact_cache, crop_cache
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import one_hot
-from .models import LanguageModel
+from .errors import SpecdecError
 from .samplers import GREEDY, Sampler, greedy_tokens, sample
 from .schedules import Fixed, Schedule
 from .trees import Tree, input_parents
@@ -136,7 +137,7 @@ StepCallback = Callable[[Step], None]
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
 
 
-def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sampler: Sampler = GREEDY,
+def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
                             seed: int | None = None, on_step: StepCallback | None = None) -> GenerationResult:
     """Generate one token per target forward, with a KV cache: the baseline to beat."""
@@ -158,7 +159,7 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: LanguageModel, sam
     return out.finish()
 
 
-def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, drafter: LanguageModel | Drafter,
+def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
                          gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
@@ -167,7 +168,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
-    drafter: a smaller `LanguageModel` (same vocabulary), or any `Drafter` (drafters/: n-gram,
+    drafter: a smaller model (any `Backend`, same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
         `gamma` (or the schedule's budget) then bounds the tree's depth, the drafter its size.
@@ -197,7 +198,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
     reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
     if trees and not getattr(target, "tree_masks", True):
         raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
-                           "use a chain method, or --dtype bf16/fp32 for trees")
+                           "use a chain method, or --dtype auto (transformers' weights) for trees")
     if trees and lenience != 1:
         raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
     drafter.check_target(target)
@@ -225,7 +226,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
 
     if first_target:
         with _timed(stats, "target_seconds"):
-            logits = target.forward(sequence[LanguageModel.cache_length(target_cache):], target_cache, num_logits=1)
+            logits = target.forward(sequence[cache_length(target_cache):], target_cache, num_logits=1)
         stats.target_forwards += 1
         sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
         if reads_hidden:
@@ -249,7 +250,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
 
         # 2. Score: one target pass over the tokens it has not seen and the whole draft (a tree
         #    under its tree attention mask).
-        pending = sequence[LanguageModel.cache_length(target_cache):]
+        pending = sequence[cache_length(target_cache):]
         parents = input_parents(len(pending), draft.parents) if trees else None
         with _timed(stats, "target_seconds"):
             logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
@@ -267,9 +268,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: LanguageModel, draft
 
         # 4. Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         if trees:
-            LanguageModel.compact(target_cache, len(sequence), path)
+            compact_cache(target_cache, len(sequence), path)
         else:
-            LanguageModel.crop(target_cache, len(sequence) + num_accepted)
+            crop_cache(target_cache, len(sequence) + num_accepted)
         with _timed(stats, "drafter_seconds"):
             if not trees:
                 drafter.rollback(len(sequence) + num_accepted)
@@ -418,7 +419,7 @@ class _Output:
         return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason)
 
 
-def _validate(prompt_ids: Sequence[int], models: list[LanguageModel], max_new_tokens: int,
+def _validate(prompt_ids: Sequence[int], models: list[Backend], max_new_tokens: int,
               eos_token_ids: Sequence[int] | None) -> tuple[list[int], int, str, set[int]]:
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
@@ -453,7 +454,7 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def beam_search_generate(prompt_ids: Sequence[int], model: LanguageModel, num_beams: int = 4,
+def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: int = 4,
                          length_penalty: float = 1.0, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, early_stopping: bool | str = False
                          ) -> GenerationResult:

@@ -1,6 +1,6 @@
 """What some models do to their logits after the output head, and a check that we do the same.
 
-`LanguageModel` computes `hidden @ W` itself (to keep the head exact and row-invariant), so it
+`TransformersModel` computes `hidden @ W` itself (to keep the head exact and row-invariant), so it
 must also apply what a model's own forward applies after that product, or its sampling would
 follow another law than the model's: Gemma-2/3's final soft-capping, Cohere's `logit_scale`,
 Granite's `logits_scaling`. A model that transforms its logits in a way not listed here is

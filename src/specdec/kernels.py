@@ -4,7 +4,7 @@ On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a h
 costs about as much per row as a matrix-vector product: in fp32, scoring 6 tokens took 3.0x the
 time of 1 token for the 1.5B target, in bf16 4.7x, which leaves speculative decoding nothing to
 gain. oneDNN with the weight prepacked into its blocked layout costs ~1.0x for 1 row and ~1.7x
-for 6 (docs/KERNELS.md). oneDNN has no bf16 path on such CPUs, so:
+for 6 (docs/kernels.md). oneDNN has no bf16 path on such CPUs, so:
 
 - a target in fp32 gets `PackedLinear` everywhere (same fp32 dot products, another summation order);
 - a drafter in bf16 keeps its bf16 weights for 1-2-row passes (half the weight traffic wins
@@ -25,6 +25,39 @@ from .rows import row_exact_active
 
 def has_onednn() -> bool:
     return torch.backends.mkldnn.is_available()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AMX or AVX512-BF16), where bf16 beats fp32.
+
+    Without it (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a 1-token forward is still
+    cheaper than fp32 (half the weight traffic), but the cost grows linearly with the number of
+    tokens scored at once, which removes the point of speculative decoding. See docs/kernels.md.
+    """
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a private probe: absent in some builds
+        return False
+
+
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles (Linux's `amx_tile` flag). There bf16 matmuls cost about the
+    same for 1 and 16 rows, so a drafter's int8 short path pays only up to 2 rows; on a CPU with
+    native bf16 but no AMX (AVX512-BF16) it paid up to 8 (`int8_short_rows`). Elsewhere, or where
+    the flags cannot be read, False."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " amx_tile" in line for line in info)
+    except OSError:
+        return False
+
+
+def int8_short_rows() -> int:
+    """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
+    native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), 8 without AMX (on the
+    AVX512-BF16 EPYC a 0.5B drafter pass of 3-4 tokens took 23 ms in int8 against 44 in bf16, of
+    8 tokens 39 against 49, and bf16 won at 16; docs/kernels.md)."""
+    return 2 if cpu_has_amx() else 8
 
 
 class PackedLinear(nn.Module):
@@ -75,7 +108,7 @@ class Int8Linear(nn.Module):
 
     torch's weight-only int8 op reads a quarter of fp32's bytes and half of bf16's, so it wins on
     memory-bound passes of a few rows, but its cost grows about linearly with rows, which a
-    prompt prefill cannot afford (docs/KERNELS.md: on an AVX512-BF16 EPYC it beat packed fp32 up
+    prompt prefill cannot afford (docs/kernels.md: on an AVX512-BF16 EPYC it beat packed fp32 up
     to 16 rows and bf16 up to 4; issue 13's AMX probe put its break-even with bf16 at 2-3 rows).
     Symmetric per-row rounding: a weight moves by at most max|W[row]| / 254. Only for drafters,
     whose precision steers acceptance alone.
@@ -151,7 +184,7 @@ class TwoRowLinear(nn.Linear):
 
     CPU GEMMs may take another path for one row than for several: on an AVX512-BF16 EPYC (no AMX)
     a 1-row bf16 `F.linear` differed from the same row in any 2..160-row call, which all agreed
-    with each other whatever the row's position (docs/KERNELS.md); on AMX all row counts agreed.
+    with each other whatever the row's position (docs/kernels.md); on AMX all row counts agreed.
     Padding the 1-row case makes a decode step and a verification pass meet on the multi-row path
     on both, at the price of one extra row (bf16 GEMMs of 1-2 rows cost about the same).
     """

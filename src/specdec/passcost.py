@@ -5,7 +5,7 @@ pass over k tokens and k − 1 drafter passes. Where that is not clearly faster 
 target passes for any k (`PassCosts.never_pays`), no acceptance rate makes speculative decoding
 pay, and the cost-aware schedule should draft nothing from the first step rather than learn it
 from steps that drafted (paying for them and for the drafter's prompt pass). That is the case
-on llama.cpp's quantized kernels on a 2-core CPU (docs/KERNELS.md: a 3-token pass of the 1.5B
+on llama.cpp's quantized kernels on a 2-core CPU (docs/kernels.md: a 3-token pass of the 1.5B
 target costs 2.3 one-token passes, the 0.5B drafter's pass 0.6 of one). Elsewhere (bf16 on the
 same CPU: 2 tokens cost 0.97 of one) the bound is far above 1 and the schedule measures as before.
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from . import registry
-from .models import LanguageModel
+from .backends import Backend
+from .backends.cache import crop_cache
 
 # Target pass widths measured: drafts of up to 7 tokens. Where none of these pays, a longer one
 # would need passes that get cheaper per token past 8, which no kernel measured here does.
@@ -66,7 +67,7 @@ class PassCosts:
 def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPEATS, parents=None) -> float:
     """Median seconds of one pass over `tokens` new tokens after `context` cached ones (the cache
     cropped back after each; the first pass warms up and is not counted). parents: a tree over
-    the new tokens (`LanguageModel.forward`), or None for a chain."""
+    the new tokens (`Backend.forward`), or None for a chain."""
     ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]  # any ids the model embeds
     cache = model.new_cache()
     model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
@@ -78,7 +79,7 @@ def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPE
         model.forward(ids[context + 1:], cache, tokens, parents=parents)
         sync()
         times.append(time.perf_counter() - start)
-        LanguageModel.crop(cache, context + 1)  # static: takes either backend's cache
+        crop_cache(cache, context + 1)  # static: takes either backend's cache
     return statistics.median(times[1:])
 
 
@@ -90,7 +91,7 @@ def _key(model) -> str:
 
         versions.append(llama_cpp.__version__)
     return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
-                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), _machine(model),
+                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), machine(model),
                      f"threads={torch.get_num_threads()}", *versions])
 
 
@@ -103,7 +104,7 @@ def _cpu() -> str:
     return f"{name or platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
-def _machine(model) -> str:
+def machine(model) -> str:
     """What the timings depend on besides the model: the CPU (and the GPU a model runs on)."""
     if model.device.type == "cuda":
         return f"{torch.cuda.get_device_name(model.device)} | {_cpu()}"
@@ -134,7 +135,7 @@ def _write_cache(entries: dict) -> None:
 
 
 def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
-    """The profile of a target and its drafter (a LanguageModel, or None for a model-free one) on
+    """The profile of a target and its drafter (a Backend, or None for a model-free one) on
     this machine, from the cache or measured now (3-8 s) and cached. The target's widths are
     measured in order until one shows that drafting clearly pays (`CLEARLY_PAYS`): past that,
     more widths cannot change what the schedule does with the profile."""

@@ -12,18 +12,18 @@ in tests/test_rows.py, `row_gap`):
   with each other, whatever the row's position); oneDNN-packed fp32 likewise gives equal rows for
   2..32 rows and another result for 1. So a row-exact pass never makes a 1-row GEMM call: it
   computes 1-row inputs as 2-row ones (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
-  head in `LanguageModel._logits`);
+  head in `TransformersModel._logits`);
 - attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see, a
   multi-row pass runs another kernel path with a causal mask; fp32 rows differed by ~3e-7, bf16
   rows by up to 3e-2. Here a row-exact pass runs attention one query row at a time, each over
   exactly the keys its mask allows, through the very call a decode step makes — equal by
   construction, whatever the kernel;
-- the output head: see `LanguageModel._logits` (fp32 packed head, or bf16 head with the top
+- the output head: see `TransformersModel._logits` (fp32 packed head, or bf16 head with the top
   candidates re-scored in fp32, both row-invariant).
 
 The prompt's prefill is not row-exact (attention one row at a time would cost a call per prompt
 token per layer): both decoding loops prefill `prompt[:-1]` by the same batched call and score
-the prompt's last token in a row-exact pass (`LanguageModel.prefill`).
+the prompt's last token in a row-exact pass (`TransformersModel.prefill`).
 
 On CUDA, cuBLAS picks kernels by row count, so per-row attention alone would not make rows
 exact; row-exact passes are a CPU feature (`exact_rows` defaults to off on CUDA).

@@ -238,8 +238,8 @@ class FasterOf:
     Both kinds' sums decay by `decay` at every timed step, of either kind. A kind's rate is a
     ratio of its sums, so decay alone leaves it; but a kind left for a while is then judged by
     its next probe more than by its old record. (With decay per step of the same kind, the mixed
-    tree decoded plainly for 109 of 119 steps on a T = 1 rag prompt in BENCHMARKS' fifth tree
-    run, where `sd-cost`'s chains paid: each probe weighed little against the old record.)"""
+    tree decoded plainly for 109 of 119 steps on a T = 1 rag prompt in one bench run, where
+    `sd-cost`'s chains paid: each probe weighed little against the old record.)"""
 
     def __init__(self, warmup: int, probe: int, decay: float, waits: dict[bool, int]):
         self.warmup, self.decay, self.waits = warmup, decay, waits

@@ -141,7 +141,7 @@ def check_vocab_options(n: int | None, corpus: str | Path | None) -> None:
 
 def restrict_drafter_vocabulary(model, n: int | None, corpus: str | Path | None = None,
                                 say: Callable[[str], None] = lambda msg: None) -> None:
-    """Make `model` (a drafter LanguageModel) score only its n most frequent ids; None or 0: all."""
+    """Make `model` (a drafter TransformersModel) score only its n most frequent ids; None or 0: all."""
     if not n or n >= model.vocab_size:
         if corpus is not None and not n:
             raise SpecdecError("--drafter-vocab-corpus needs --drafter-vocab N")

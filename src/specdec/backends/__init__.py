@@ -1,7 +1,11 @@
-"""Model backends: what the decoding loops need from a model, and the backends beside
-transformers' (`models.LanguageModel`).
+"""Model backends: the `Backend` protocol (what the decoding loops and drafters need from a model)
+and one file per backend behind it:
 
-One file per backend: `llamacpp.py` runs a GGUF file's own quantized weights on llama.cpp.
+- `transformers.py`: a Hugging Face causal LM (`TransformersModel`), row-exact passes, token trees;
+- `llamacpp.py`: a GGUF file's own quantized weights on llama.cpp (`LlamaCppModel`), chains only;
+- `cache.py`: rolling either backend's KV cache back to what verification kept.
+
+`models.load` picks and builds one. tests/test_layout.py checks that both satisfy the protocol.
 """
 
 from __future__ import annotations
@@ -29,16 +33,17 @@ class Backend(Protocol):
     tokenizer: object  # a transformers tokenizer (check_pair compares them), or None
     exact_rows: bool  # each row of a k-token pass equals a 1-token pass, bit for bit
     kernels: str  # what runs the weights, for reports
-    tree_masks: bool  # whether `forward` takes `parents` (absent: True); speculative_generate checks it
+    weights: str  # which weights run, for every output: "bfloat16", "float32", "float16", "int8" or "gguf"
+    tree_masks: bool  # whether `forward` takes `parents`; speculative_generate checks it
 
     device: torch.device
     dtype: torch.dtype  # of the logits' computation (reports); logits are returned in fp32
     vocab_size: int  # the logits' width
     max_context: int
     eos_token_ids: list[int]
-    # optional: the final hidden states [num_logits, H] of the last `forward`, and [T, H] of every
-    # input of the last `forward` or `prefill` (transformers' backend keeps them; self-drafting
-    # heads need them and refuse a backend without)
+    # the final hidden states [num_logits, H] of the last `forward`, and [T, H] of every input of
+    # the last `forward` or `prefill`; None on a backend that does not read them (llama.cpp's).
+    # Self-drafting heads need them, and a `hidden_size`, and refuse a backend without
     last_hidden: torch.Tensor | None
     pass_hidden: torch.Tensor | None
 

@@ -18,7 +18,7 @@ A target therefore scores at most `ROWS_PER_CALL` = 3 tokens per llama_decode ca
 verification pass is fed in pieces) under flash attention with a bf16 KV cache: every scored row
 then comes from the same kernels as a 1-token pass, bit for bit (tests/test_llamacpp.py checks
 this on real weights after a 600-token prefix).
-On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/KERNELS.md), so the
+On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/kernels.md), so the
 pieces cost little. The prompt (no logits) is fed in one batch by both loops alike (`prefill`),
 and a drafter's rounding only steers acceptance: drafters take any batch.
 
@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from ..errors import SpecdecError
+from ..text import decode_ids, encode_text
 
-INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; README, 'llama.cpp')"
+INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; docs/models.md)"
 MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~12 KB for the 0.5B
 BATCH = 512  # tokens per llama_decode call (longer prompts are fed in pieces)
 GGML_TYPE_BF16 = 30  # ggml's type id (ggml.h)
@@ -93,7 +94,7 @@ class LlamaCache:
     """The KV cache of a `LlamaCppModel`: a view of sequence 0 in its llama.cpp context.
 
     Duck-typed like transformers' DynamicCache where the loops touch it (`get_seq_length`,
-    `crop`), so `LanguageModel.cache_length` and `LanguageModel.crop` serve both backends.
+    `crop`), so `backends.cache` serves both backends.
     """
 
     def __init__(self, model: "LlamaCppModel"):
@@ -130,6 +131,7 @@ class LlamaCppModel:
     kernels = "llama.cpp"
     tree_masks = False  # one sequence, no custom attention mask: `speculative_generate` refuses trees
     draft_vocabulary = None
+    last_hidden = pass_hidden = None  # llama.cpp's hidden states are not read: no self-drafting heads here
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
                  eos_token_ids: Sequence[int] | None = None, threads: int | None = None,
@@ -311,11 +313,7 @@ class LlamaCppModel:
 
     # -- text --------------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:
-        from ..models import encode_text
-
         return encode_text(self.tokenizer, self.name, text, chat)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        from ..models import decode_ids
-
         return decode_ids(self.tokenizer, ids, skip_special_tokens)

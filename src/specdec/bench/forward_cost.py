@@ -11,7 +11,8 @@ import statistics
 import time
 from typing import Iterator
 
-from ..models import LanguageModel, load
+from ..backends import Backend
+from ..models import load
 from ..passcost import pass_seconds
 from ..trees import input_parents
 
@@ -22,14 +23,14 @@ def tree_of_width(nodes: int, branching: int = 2) -> list[int]:
     return [-1] + [(i - 1) // branching for i in range(1, nodes)]
 
 
-def forward_ms(model: LanguageModel, tokens: int, context: int = 128, repeats: int = 5, tree: bool = False) -> float:
+def forward_ms(model: Backend, tokens: int, context: int = 128, repeats: int = 5, tree: bool = False) -> float:
     """Median milliseconds of one pass over `tokens` new tokens after `context` cached ones; with
     `tree`, the last token committed plus a (tokens - 1)-node tree under the tree mask."""
     parents = input_parents(1, tree_of_width(tokens - 1)) if tree and tokens > 1 else None
     return 1e3 * pass_seconds(model, tokens, context, repeats, parents)
 
 
-def prefill_ms(model: LanguageModel, tokens: int = 128) -> float:
+def prefill_ms(model: Backend, tokens: int = 128) -> float:
     """Milliseconds to prefill a prompt of `tokens` tokens and score its last one (first token)."""
     start = time.perf_counter()
     cache = model.new_cache()

@@ -18,9 +18,10 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..backends import Backend
 from ..generate import autoregressive_generate, speculative_generate
-from ..models import LanguageModel, check_pair
 from ..samplers import Sampler
+from ..text import check_pair
 from ..theory import acceptance_beta, expected_tokens, flat_verification, step_speedup, walltime_improvement
 from .forward_cost import forward_ms
 
@@ -41,7 +42,7 @@ class GammaRow:
 RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
 
 
-def measure_alpha(target: LanguageModel, drafter: LanguageModel, prompt: list[int], generated: list[int],
+def measure_alpha(target: Backend, drafter: Backend, prompt: list[int], generated: list[int],
                   sampler: Sampler) -> tuple[list[float], torch.Tensor]:
     """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes),
     and p(x_r) [n, RANKS] of the drafter's rank-r token x_r there: with deterministic siblings
@@ -55,7 +56,7 @@ def measure_alpha(target: LanguageModel, drafter: LanguageModel, prompt: list[in
     return acceptance_beta(p, q).tolist(), p.gather(-1, ranked)
 
 
-def tree_rows(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], acceptance: list[float],
+def tree_rows(target: Backend, drafter: Backend, prompts: list[list[int]], acceptance: list[float],
               sizes: list[int], max_new_tokens: int, sampler: Sampler, seed: int) -> list[dict]:
     """For each tree size: the tokens per step that `theory.expected_tree_tokens` predicts for the
     best tree of that size (Sequoia's shape under the measured per-rank acceptance, depth <= 8),
@@ -110,7 +111,7 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
             "tree_speedup": tree[0], "tree_nodes": tree[1], "tree_depth": tree[2], "tree_tokens": tree[3]}
 
 
-def run_measure(target: LanguageModel, drafter: LanguageModel, prompts: list[list[int]], gammas: list[int],
+def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gammas: list[int],
                 max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None,
                 tree_sizes: list[int] | None = None) -> dict:
     """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt);

@@ -5,21 +5,23 @@ Every method runs on the very same model objects (same weights, kernels, dtype) 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..backends.transformers import TransformersModel
 from ..drafters import LookupDrafter, NgramDrafter, make_tree_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.layerskip import self_skip_drafter
 from ..drafters.medusa import MedusaDrafter
+from ..eagle import load_eagle
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
-from ..eagle import load_eagle
 from ..medusa import load_heads
-from ..models import LanguageModel
 from ..passcost import PassCosts
 from ..samplers import Sampler
 from ..schedules import AssumedCosts, TreeCost, make_schedule
@@ -76,8 +78,8 @@ class PeerModels:
     """What the peers run on where it is not our models: transformers models when ours are on the
     llama.cpp backend, and llama.cpp's own `Llama` objects (bench/llama_peers.py)."""
 
-    hf_target: LanguageModel | None = None
-    hf_drafter: LanguageModel | None = None
+    hf_target: TransformersModel | None = None
+    hf_drafter: TransformersModel | None = None
     llama: object | None = None
 
 
@@ -173,7 +175,7 @@ def check_methods(methods: list[str]) -> None:
                            f"{', '.join(METHODS)}")
 
 
-def run_method(method: str, ids: list[int], target: LanguageModel, drafter: LanguageModel | None,
+def run_method(method: str, ids: list[int], target: TransformersModel, drafter: TransformersModel | None,
                settings: Settings, sampler: Sampler, seed: int | None = None,
                peers: PeerModels | None = None) -> Record:
     """One generation of `method` on prompt `ids` (peers on `peers`' models where given)."""
@@ -254,8 +256,8 @@ def self_drafting(settings: Settings, kind: str):
     return _CHECKPOINTS[kind, folder]
 
 
-def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Settings, sampler: Sampler,
-                seed: int | None, drafter: LanguageModel | None = None) -> Record:
+def hf_generate(method: str, model: TransformersModel, ids: list[int], settings: Settings, sampler: Sampler,
+                seed: int | None, drafter: TransformersModel | None = None) -> Record:
     """transformers' own `generate` on the very same model objects, with the same sampler."""
     peers = {"hf": {}, "hf-assisted": {"assistant_model": drafter.hf if drafter else None},
              "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
@@ -281,7 +283,7 @@ def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Set
     inputs = torch.tensor([ids], device=model.device)
     clock = _FirstTokens()
     start = clock.start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _without_assistant_config_warning():
         out = model.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=settings.max_new_tokens,
                                 num_beams=1, repetition_penalty=1.0, eos_token_id=eos,
                                 pad_token_id=eos[0] if eos else None, stopping_criteria=StoppingCriteriaList([clock]),
@@ -290,6 +292,26 @@ def hf_generate(method: str, model: LanguageModel, ids: list[int], settings: Set
     tokens = out[0, len(ids):].tolist()
     return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "hf" else None,
                   first_token_seconds=clock.seconds)
+
+
+class _AssistantConfigWarning(logging.Filter):
+    """Drops transformers' deprecation warning about passing `generation_config` with generation
+    arguments. Our call passes arguments only; transformers' assisted generation makes that call
+    itself, for the assistant (candidate_generator.py, `_prepare_generation_args` with
+    `min_new_tokens`/`max_new_tokens`), on every bench run: nothing a caller can change."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Passing `generation_config` together with" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_assistant_config_warning():
+    logger, warning = logging.getLogger("transformers.generation.utils"), _AssistantConfigWarning()
+    logger.addFilter(warning)
+    try:
+        yield
+    finally:
+        logger.removeFilter(warning)
 
 
 class _FirstTokens(StoppingCriteria):

@@ -17,12 +17,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import SpecdecError
+from ..backends import Backend
 from ..drafters.layerskip import choose_skipped
-from ..models import LanguageModel, check_pair, load
+from ..errors import SpecdecError
+from ..models import load
 from ..passcost import pass_costs
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
+from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
                       merge_samples, run_method, self_drafting)
@@ -183,11 +185,6 @@ def load_peers(methods: list[str], target: str, drafter: str, target_model, draf
     return peers
 
 
-def _dtype_name(model) -> str:
-    """The weights' name: gguf for a model on its GGUF file (llama.cpp), else the torch dtype's."""
-    return getattr(model, "weights", None) or str(model.dtype).removeprefix("torch.")
-
-
 def llama_cpp_version() -> str | None:
     try:
         import llama_cpp
@@ -196,7 +193,7 @@ def llama_cpp_version() -> str | None:
     return getattr(llama_cpp, "__version__", "unknown")
 
 
-def divergence(target: LanguageModel, ids: list[int], reference: list[int], other: list[int]) -> dict:
+def divergence(target: Backend, ids: list[int], reference: list[int], other: list[int]) -> dict:
     """Where `other` first leaves `reference`, and the target's top-2 logit gap there, scored as the
     AR baseline scores it (prefill, then a one-token pass)."""
     k = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
@@ -332,9 +329,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
             "assumed_costs": settings.assumed.to_dict() if settings.assumed else None,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,
-            "target_dtype": _dtype_name(target_model), "target_kernels": target_model.kernels,
+            "target_dtype": target_model.weights, "target_kernels": target_model.kernels,
             "target_exact_rows": target_model.exact_rows,
-            "drafter_dtype": _dtype_name(drafter_model) if drafter_model else None,
+            "drafter_dtype": drafter_model.weights if drafter_model else None,
             "drafter_kernels": drafter_model.kernels if drafter_model else None,
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),

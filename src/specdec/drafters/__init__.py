@@ -3,14 +3,64 @@
 A drafter proposes up to n tokens after a context, with the distribution q each was drawn
 from (or None when the proposal is deterministic: q is then one-hot at each token, which keeps
 rejection sampling exact). The loop in `generate.py` knows nothing else about it.
+
+Tree drafters (tree.py, dynamic.py; self-drafting in medusa.py, eagle.py) propose a token tree
+instead; `make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
 """
 
+from __future__ import annotations
+
+from ..backends import Backend
+from ..errors import SpecdecError
+from ..schedules import AssumedCosts, TreeCost
+from ..trees import SCHEMES
 from .base import Draft, Drafter, KeepGoing
 from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
-from .tree import TREES, LookupTreeDrafter, MixedDrafter, SidesDrafter, make_tree_drafter
+from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter
 
-__all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter", "LookupTreeDrafter", "MixedDrafter", "ModelDrafter",
-           "NgramDrafter", "SidesDrafter", "TREES", "make_tree_drafter"]
+__all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
+           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "TREES",
+           "check_tree_options", "make_tree_drafter"]
+
+
+TREES = {
+    "sides": "the drafter model's chain plus its next best tokens beside each chain token",
+    "eagle2": "EAGLE-2 dynamic tree: the best nodes by path value, expanded one drafter pass per depth",
+    "sequoia": "Sequoia static shape from measured per-rank acceptance, sized by measured costs",
+    "lookup": "prompt lookup trie over several earlier occurrences (no drafter model)",
+    "mixed": "the drafter model's chain with sides plus prompt-lookup branches, or lookup alone where that "
+             "is measured faster (the default tree)",
+}
+
+
+def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
+    """Raise SpecdecError for an unknown tree, a node budget below 1 or an unknown sibling scheme."""
+    if kind not in TREES:
+        raise SpecdecError(f"unknown tree '{kind}'; choose from off, {', '.join(TREES)}")
+    if not isinstance(max_nodes, int) or max_nodes < 1:
+        raise SpecdecError(f"tree nodes must be an integer >= 1, got {max_nodes!r}")
+    if scheme not in SCHEMES:
+        raise SpecdecError(f"unknown sibling scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
+
+
+def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 64,
+                      scheme: str = "without-replacement", width: int | None = None,
+                      assumed: AssumedCosts | None = None):
+    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
+    or by `assumed` costs (sized for another machine, see `AssumedCosts`)."""
+    check_tree_options(kind, max_nodes, scheme)
+    policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
+    if kind == "lookup":
+        return LookupTreeDrafter(policy=policy)
+    if model is None:
+        raise SpecdecError(f"the '{kind}' tree needs a drafter model")
+    if kind == "sides":
+        return SidesDrafter(model, width or 3, scheme=scheme, policy=policy)
+    if kind == "mixed":
+        return MixedDrafter(model, width or 2, scheme=scheme, policy=policy)
+    if kind == "eagle2":
+        return Eagle2Drafter(model, width or 4, policy=policy)
+    return SequoiaDrafter(model, policy=policy)

@@ -26,13 +26,14 @@ from typing import Sequence
 
 import torch
 
+from ..backends import Backend
+from ..backends.cache import cache_length
 from ..errors import SpecdecError
-from ..models import LanguageModel
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
 from .model import ModelDrafter
-from .tree import _Node, _to_tree
+from .nodes import Node, to_tree
 
 NOT_IN_TREE = -2  # `_fed` entry of a fed node that reranking left out of the tree (never on a path)
 
@@ -40,15 +41,15 @@ NOT_IN_TREE = -2  # `_fed` entry of a fed node that reranking left out of the tr
 class _TreeModelDrafter(ModelDrafter):
     """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
 
-    def __init__(self, model: LanguageModel, policy: TreeCost | None, max_nodes: int):
+    def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self._fed: list[int] = []  # tree node held at drafter cache position start + i (NOT_IN_TREE: none)
         self._drafted = False  # whether the last tree had any node
-        self._parent: dict[int, _Node] = {}  # id(node) -> its parent, for the tree being drafted
-        self._root: _Node | None = None
+        self._parent: dict[int, Node] = {}  # id(node) -> its parent, for the tree being drafted
+        self._root: Node | None = None
         self._start: int | None = None  # len(context) of the last proposed tree (None: answered)
-        self._nodes: list[_Node] = []  # the last tree's nodes, in its order
+        self._nodes: list[Node] = []  # the last tree's nodes, in its order
         self._parents: list[int] = []  # and their parents
 
     def start(self, prompt: Sequence[int]) -> None:
@@ -58,12 +59,12 @@ class _TreeModelDrafter(ModelDrafter):
 
     def _feed_root(self, context: Sequence[int]) -> torch.Tensor:
         """One plain pass over what the drafter has not seen: its logits [V'] at the root."""
-        pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
+        pending = self._inputs(context[cache_length(self.cache):])
         logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
         self.forwards += 1
         return logits
 
-    def _feed_depth(self, nodes: list[_Node], fed: list[_Node], fed_parent: dict[int, int],
+    def _feed_depth(self, nodes: list[Node], fed: list[Node], fed_parent: dict[int, int],
                     start: int) -> torch.Tensor:
         """Feed `nodes` (one depth of the tree, children of fed nodes or of the root) in one pass
         under tree attention; appends them to `fed`. Returns their logits [len(nodes), V']."""
@@ -84,8 +85,8 @@ class _TreeModelDrafter(ModelDrafter):
         return logits if missing <= 0 else torch.cat([logits, logits.new_full((*logits.shape[:-1], missing),
                                                                                float("-inf"))], -1)
 
-    def _finish(self, root: _Node, keep: set[int] | None, fed: list[_Node], start: int) -> Tree:
-        tree, order = _to_tree(root, keep)
+    def _finish(self, root: Node, keep: set[int] | None, fed: list[Node], start: int) -> Tree:
+        tree, order = to_tree(root, keep)
         index = {id(node): i for i, node in enumerate(order)}
         self._fed = [index.get(id(node), NOT_IN_TREE) for node in fed]
         self._drafted = bool(tree.tokens)
@@ -137,7 +138,7 @@ class Eagle2Drafter(_TreeModelDrafter):
     Tokens with q = 0 are never drafted.
     """
 
-    def __init__(self, model: LanguageModel, width: int = 4, max_nodes: int = 64, policy: TreeCost | None = None):
+    def __init__(self, model: Backend, width: int = 4, max_nodes: int = 64, policy: TreeCost | None = None):
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise SpecdecError(f"EAGLE-2 tree width (top-k) must be an integer >= 1, got {width!r}")
         super().__init__(model, policy, max_nodes)
@@ -146,17 +147,17 @@ class Eagle2Drafter(_TreeModelDrafter):
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         self._parent = {}
-        fed: list[_Node] = []
+        fed: list[Node] = []
         keep = None
         if max_depth >= 1 and self.policy.should_draft():
             drafted = self._grow(root, context, max_depth, sampler, fed)
             keep = self._select(root, drafted)
         return self._finish(root, keep, fed, len(context))
 
-    def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
-              fed: list[_Node]) -> list[_Node]:
+    def _grow(self, root: Node, context: Sequence[int], max_depth: int, sampler: Sampler,
+              fed: list[Node]) -> list[Node]:
         """Draft the tree under `root`, feeding its expanded nodes; returns every drafted node in
         the order drafted (depth by depth)."""
         start = len(context)
@@ -174,7 +175,7 @@ class Eagle2Drafter(_TreeModelDrafter):
             drafted += newest
         return drafted
 
-    def _expand(self, parents: list[_Node], logits: torch.Tensor, sampler: Sampler) -> list[_Node]:
+    def _expand(self, parents: list[Node], logits: torch.Tensor, sampler: Sampler) -> list[Node]:
         """Each parent's top `width` tokens of q (from its logits row) as its children, best first."""
         children = []
         over = self._over(logits)
@@ -185,13 +186,13 @@ class Eagle2Drafter(_TreeModelDrafter):
             for prob, token in zip(probs, tokens):
                 if prob <= 0:
                     break
-                child = _Node(int(token), parent.value * acceptance(prob), "deterministic", q=prob)
+                child = Node(int(token), parent.value * acceptance(prob), "deterministic", q=prob)
                 parent.children.append(child)
                 self._parent[id(child)] = parent
                 children.append(child)
         return children
 
-    def _select(self, root: _Node, drafted: list[_Node]) -> set[int]:
+    def _select(self, root: Node, drafted: list[Node]) -> set[int]:
         """Reranking: the drafted nodes by falling value (ties: earlier drafted first, so an
         ancestor before its descendants) while they pay, each only after its parent."""
         keep: set[int] = set()
@@ -340,7 +341,7 @@ class SequoiaDrafter(_TreeModelDrafter):
     measured acceptance moves by more than `tolerance` (in any rank) from the one they were made for.
     """
 
-    def __init__(self, model: LanguageModel, max_nodes: int = 64, acceptance: Sequence[float] = PRIOR_ACCEPTANCE,
+    def __init__(self, model: Backend, max_nodes: int = 64, acceptance: Sequence[float] = PRIOR_ACCEPTANCE,
                  prior_weight: float = 8.0, prior_costs: tuple[float, float, float] | None = None,
                  policy: TreeCost | None = None, tolerance: float = 0.01):
         super().__init__(model, policy, max_nodes)
@@ -405,9 +406,9 @@ class SequoiaDrafter(_TreeModelDrafter):
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         self._observe(context)
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         self._parent, self._rankings = {}, {}
-        fed: list[_Node] = []
+        fed: list[Node] = []
         if max_depth >= 1 and self.policy.should_draft():
             size, depth = self.choose(max_depth)
             self._fill(root, context, self._tables.shape(size, depth), fed)
@@ -415,14 +416,14 @@ class SequoiaDrafter(_TreeModelDrafter):
         self._walk = None
         return tree
 
-    def _fill(self, root: _Node, context: Sequence[int], shape: list[tuple[int, int]], fed: list[_Node]) -> None:
+    def _fill(self, root: Node, context: Sequence[int], shape: list[tuple[int, int]], fed: list[Node]) -> None:
         """Build the shape's nodes under `root` with the drafter's ranked tokens, feeding the
         internal nodes one depth per pass."""
         acceptance = self.acceptance
         kids: dict[int, list[tuple[int, int]]] = {}  # shape index (-1: root) -> [(child index, rank)]
         for i, (parent, rank) in enumerate(shape):
             kids.setdefault(parent, []).append((i, rank))
-        built: dict[int, _Node] = {-1: root}
+        built: dict[int, Node] = {-1: root}
         start, fed_parent = len(context), {id(root): -1}
         level = [-1]  # shape indices of this depth's internal nodes (the root first)
         logits = self._feed_root(context).unsqueeze(0)
@@ -437,7 +438,7 @@ class SequoiaDrafter(_TreeModelDrafter):
                 for child, rank in sorted(kids.get(index, []), key=lambda c: c[1]):
                     if rank >= len(tokens):
                         break  # the drafter has no token of that rank: the child and its subtree go
-                    node = _Node(tokens[rank], parent.value * acceptance[rank], "deterministic")
+                    node = Node(tokens[rank], parent.value * acceptance[rank], "deterministic")
                     parent.children.append(node)
                     self._parent[id(node)] = parent
                     built[child] = node

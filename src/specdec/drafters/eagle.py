@@ -20,20 +20,21 @@ from typing import Sequence
 
 import torch
 
+from ..backends import Backend
+from ..backends.cache import cache_length, crop_cache
 from ..distill import head_rows
 from ..eagle import Eagle, check_eagle_target, load_eagle
-from ..models import LanguageModel
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree, tree_attention
 from .dynamic import Eagle2Drafter
-from .tree import _Node
+from .nodes import Node
 
 
 class EagleModel:
     """An EAGLE layer bound to a target, with the surface `Eagle2Drafter` drives: `forward` over
     new tokens (a chain, or tree nodes after `tree_start`) returning logits over the target's ids
-    (-inf outside the scored ids), and a cache that `LanguageModel.crop`/`compact` handle."""
+    (-inf outside the scored ids), and a cache that `crop_cache`/`compact_cache` handle."""
 
     tokenizer = None
     max_context = 1 << 30
@@ -90,10 +91,10 @@ class EagleModel:
         """New tokens after what `cache` holds -> logits [num_logits, V] fp32 of the last ones.
 
         A chain (parents None) at positions L.. reads the target's features at L-1..; tree nodes
-        (`parents` over the region from `tree_start`, as `LanguageModel.forward`) read their
+        (`parents` over the region from `tree_start`, as `Backend.forward`) read their
         parents' predicted features (the root's: the last chain input's prediction)."""
         ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=self.device)
-        new, cached = len(ids), LanguageModel.cache_length(cache)
+        new, cached = len(ids), cache_length(cache)
         if parents is None:
             if cached + new - 1 > self._count:
                 raise RuntimeError(f"EAGLE needs the target's features up to position {cached + new - 2}, "
@@ -148,10 +149,10 @@ class EagleDrafter(Eagle2Drafter):
                      generator: torch.Generator) -> Tree:
         if self.model.known_features != len(context) - 1:  # no target pass has read the context yet
             self._parent = {}
-            return self._finish(_Node(-1, 1.0, "deterministic"), None, [], len(context))
+            return self._finish(Node(-1, 1.0, "deterministic"), None, [], len(context))
         return super().propose_tree(context, max_depth, sampler, generator)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         drafted = self._take_last_tree(start)
-        LanguageModel.crop(self.cache, start)  # the path is read again with the target's features
+        crop_cache(self.cache, start)  # the path is read again with the target's features
         self._learn(drafted, path)

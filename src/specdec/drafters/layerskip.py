@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
-from ..models import LanguageModel
 from ..theory import optimal_gamma, walltime_improvement
 from .model import ModelDrafter
 
@@ -46,7 +46,7 @@ FRACTIONS = (0.25, 0.375, 0.5, 0.625)
 class LayerSkipModel:
     """The target with the decoder layers in `skip` left out: a drafter model sharing its weights.
 
-    It has what the model drafters use of a `LanguageModel` (forward over new tokens with a cache,
+    It has what the model drafters use of a `TransformersModel` (forward over new tokens with a cache,
     token trees included); its logits come from the target's output head without the target's
     exactness refinements (a drafter's logits only steer acceptance).
     """
@@ -54,7 +54,7 @@ class LayerSkipModel:
     role = "drafter"
     exact_rows = False
 
-    def __init__(self, target: LanguageModel, skip: Sequence[int]):
+    def __init__(self, target: TransformersModel, skip: Sequence[int]):
         layers = _layers(target)
         skip = sorted({int(i) for i in skip})
         if any(not 0 < i < len(layers) for i in skip):
@@ -87,7 +87,7 @@ class LayerSkipModel:
     @torch.inference_mode()
     def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1,
                 parents: Sequence[int] | None = None, tree_start: int | None = None) -> torch.Tensor:
-        """[T] new ids -> logits [num_logits, V] fp32 through the kept layers (see `LanguageModel.forward`)."""
+        """[T] new ids -> logits [num_logits, V] fp32 through the kept layers (see `TransformersModel.forward`)."""
         target = self.target
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=target.device).view(1, -1)
         extra = {} if parents is None else target._tree_inputs(parents, cache, ids.shape[1], tree_start)
@@ -110,7 +110,7 @@ def _layers(target) -> nn.ModuleList:
 
 
 @torch.inference_mode()
-def choose_skipped(target: LanguageModel, text: str = CALIBRATION,
+def choose_skipped(target: TransformersModel, text: str = CALIBRATION,
                    fractions: Sequence[float] = FRACTIONS) -> tuple[list[int], dict]:
     """(layers to skip, the search's measurements): see the module docstring."""
     layers = _layers(target)
@@ -137,7 +137,7 @@ def choose_skipped(target: LanguageModel, text: str = CALIBRATION,
     return best["skip"], {"layer_change": [round(x, 4) for x in change], "trials": trials}
 
 
-def self_skip_drafter(target: LanguageModel, skip: Sequence[int] | None = None) -> ModelDrafter:
+def self_skip_drafter(target: TransformersModel, skip: Sequence[int] | None = None) -> ModelDrafter:
     """A drafter of `target` with layers skipped: `skip` as given, else chosen by `choose_skipped`."""
     search = None
     if skip is None:

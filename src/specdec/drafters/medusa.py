@@ -21,13 +21,13 @@ from typing import Sequence
 
 import torch
 
-from ..errors import SpecdecError
 from ..distill import head_rows
+from ..errors import SpecdecError
 from ..medusa import Heads, check_heads_target, load_heads
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
-from .tree import _Node, _rank, _to_tree
+from .nodes import Node, rank, to_tree
 
 
 class MedusaDrafter:
@@ -82,7 +82,7 @@ class MedusaDrafter:
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         self._drafted = False
         if self._hidden is None or max_depth < 1 or not self.policy.should_draft():
             return Tree([], [])
@@ -103,15 +103,15 @@ class MedusaDrafter:
             value = -value
             if value < threshold:
                 break
-            node = _Node(token, value, "deterministic", q=q)
+            node = Node(token, value, "deterministic", q=q)
             parent.children.append(node)
             count += 1
             if depth + 1 < depth_limit:
                 for t, v in zip(tokens[depth + 1], values[depth + 1]):
                     order += 1
                     heapq.heappush(frontier, (-(value * acceptance(v)), order, depth + 1, node, t, v))
-        _rank(root)
-        tree, nodes = _to_tree(root)
+        rank(root)
+        tree, nodes = to_tree(root)
         self._drafted = bool(tree.tokens)
         self._q, self._parents = [n.q for n in nodes], tree.parents
         return tree

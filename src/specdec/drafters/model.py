@@ -6,8 +6,10 @@ from typing import Sequence
 
 import torch
 
-from ..models import LanguageModel, check_pair
+from ..backends import Backend
+from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..samplers import Sampler, greedy_tokens, sample
+from ..text import check_pair
 from .base import Draft, KeepGoing
 
 
@@ -19,7 +21,7 @@ class ModelDrafter:
     target's ids, zero on ids the drafter lacks, and ids beyond the target's are never proposed.
     """
 
-    def __init__(self, model: LanguageModel):
+    def __init__(self, model: Backend):
         self.model = model
         self.name = model.name
         self.forwards = 0
@@ -31,7 +33,7 @@ class ModelDrafter:
         self._stand_in = next((i for i in (getattr(tokenizer, "unk_token_id", None),
                                            getattr(tokenizer, "pad_token_id", None)) if isinstance(i, int)), 0)
 
-    def check_target(self, target: LanguageModel) -> None:
+    def check_target(self, target: Backend) -> None:
         check_pair(target, self.model)
         self.vocab_size = target.vocab_size
 
@@ -45,7 +47,7 @@ class ModelDrafter:
         probs = []
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
-        pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
+        pending = self._inputs(context[cache_length(self.cache):])
         while len(tokens) < max_tokens:
             logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
             self.forwards += 1
@@ -64,7 +66,7 @@ class ModelDrafter:
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def rollback(self, length: int) -> None:
-        LanguageModel.crop(self.cache, length)
+        crop_cache(self.cache, length)
 
     def keep_path(self, start: int, path: list[int], fed: list[int]) -> None:
         """After a tree step: the tree hung after `start` tokens, `fed[i]` is the tree node held at
@@ -75,7 +77,7 @@ class ModelDrafter:
             if node not in fed:
                 break
             offsets.append(fed.index(node))
-        LanguageModel.compact(self.cache, start, offsets)
+        compact_cache(self.cache, start, offsets)
 
     def _over_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V_drafter'] -> [V_target]: -inf (q = 0) on the target's ids the drafter lacks."""

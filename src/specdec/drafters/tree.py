@@ -5,7 +5,7 @@
 - `LookupTreeDrafter`: prompt lookup with several earlier occurrences merged into a trie.
 - `MixedDrafter`: a model-drafted chain with sides, and lookup branches, in the same pass.
 
-`make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
+`drafters.make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
 A tree drafter has `propose_tree(context, max_depth, sampler, generator) -> Tree`,
 `keep_path(start, path)` (what of its last tree was accepted) and `timing(...)` (the step's
 measured costs, for its `TreeCost` policy).
@@ -17,59 +17,15 @@ from typing import Sequence
 
 import torch
 
+from ..backends import Backend
+from ..backends.cache import cache_length
 from ..errors import SpecdecError
-from ..models import LanguageModel
 from ..samplers import Sampler, greedy_tokens, sample
 from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_matches
 from .model import ModelDrafter
-
-
-class _Node:
-    """A node of a tree under construction (trees are serialised depth first by `_to_tree`)."""
-
-    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q", "ngram")
-
-    def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
-                 rank_value: float | None = None, q: float | None = None):
-        self.token, self.value, self.scheme, self.prob_row = token, value, scheme, prob_row
-        self.q = q  # the drafter's probability of this token at its parent, where a drafter calibrates it
-        # what decides whether the node joins the tree: its value, except for a sampled side,
-        # whose presence must not depend on its own token (verify.py: that would bias the output)
-        self.rank_value = value if rank_value is None else rank_value
-        self.children: list[_Node] = []
-        self.ngram = 0  # for a node lookup proposed: the longest suffix match that proposed it
-
-    def child(self, token: int) -> "_Node | None":
-        return next((c for c in self.children if c.token == token), None)
-
-
-def _to_tree(root: _Node, keep: set[int] | None = None) -> tuple[Tree, list[_Node]]:
-    """Depth first, children in their rank order (the first child first), so the main chain is
-    nodes 0..D-1. `keep`: ids of the nodes to include (their ancestors must be included)."""
-    tokens, parents, values, schemes, rows, order = [], [], [], [], [], []
-
-    def visit(node: _Node, parent: int) -> None:
-        for child in node.children:
-            if keep is not None and id(child) not in keep:
-                continue
-            index = len(tokens)
-            tokens.append(child.token)
-            parents.append(parent)
-            values.append(child.value)
-            schemes.append(child.scheme)
-            rows.append(child.prob_row)
-            order.append(child)
-            visit(child, index)
-
-    visit(root, -1)
-    probs = None
-    if rows and any(r is not None for r in rows):
-        width = next(r for r in rows if r is not None)
-        probs = torch.stack([r if r is not None else torch.zeros_like(width) for r in rows])
-    scheme: str | list[str] = schemes[0] if schemes and len(set(schemes)) == 1 else schemes
-    return Tree(tokens, parents, probs, values, scheme if tokens else "deterministic"), order
+from .nodes import Node, rank, to_tree
 
 
 class SidesDrafter(ModelDrafter):
@@ -81,8 +37,8 @@ class SidesDrafter(ModelDrafter):
     path, of each token's acceptance as measured so far in this generation at the drafter's q of
     it (`TreeCost.acceptance`: q itself until verified nodes have been counted), not of q alone:
     a drafter's q is not its acceptance (on the Spec-Bench summary the 0.5B drafter's tokens at
-    q >= 0.9 were accepted 50 times of 50, those at q in 0.1-0.3 5 times of 19, in a run of
-    scripts/mixed_tree_variants.py; BENCHMARKS, "What a row costs here"). The chain's
+    q >= 0.9 were accepted 50 times of 50, those at q in 0.1-0.3 5 times of 19, in one measured
+    run). The chain's
     tokens are counted under any sampler, greedy sides too (the target's argmax decides them as
     it does the chain's); sampled sides, verified against a residual, are not.
 
@@ -93,8 +49,7 @@ class SidesDrafter(ModelDrafter):
 
     A sampled chain token x is accepted with min(1, p(x)/q(x)), which its own q(x) predicts
     poorly: at T = 1 on Spec-Bench's maths and rag prompts the 0.5B drafter's tokens sampled at
-    q(x) < 0.1 were accepted 31-54% of the time (scripts/sampled_chain_value.py; BENCHMARKS,
-    "Sampled chains"). The calibration learns that within a generation, but starts from q(x). So
+    q(x) < 0.1 were accepted 31-54% of the time in one measured run. The calibration learns that within a generation, but starts from q(x). So
     under sampling a chain node is valued, and counted in the calibration, by the drafter's top
     probability at its position (`sampled_value="top"`, the default, and `sd-cost`'s measure),
     whose starting values lie closer to the measured acceptance, not by q(x) ("token"). Under
@@ -102,7 +57,7 @@ class SidesDrafter(ModelDrafter):
     verified: exactness does not depend on it.
     """
 
-    def __init__(self, model: LanguageModel, width: int = 3, max_nodes: int = 64,
+    def __init__(self, model: Backend, width: int = 3, max_nodes: int = 64,
                  scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):
         super().__init__(model)
         if not isinstance(width, int) or width < 1:
@@ -127,25 +82,25 @@ class SidesDrafter(ModelDrafter):
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         self._fed = []
         if max_depth >= 1 and self.policy.should_draft():
             self._grow(root, context, max_depth, sampler, generator)
             _prune(root, self._select(root))
-        tree, order = _to_tree(root)
+        tree, order = to_tree(root)
         self._remember(tree, order)
         return tree
 
-    def _remember(self, tree: Tree, order: list[_Node]) -> None:
+    def _remember(self, tree: Tree, order: list[Node]) -> None:
         """The tree just proposed, and its nodes' drafter q where the calibration counts them."""
         self._drafted = bool(tree.tokens)
         self._q, self._parents = [node.q for node in order], tree.parents
 
-    def _grow(self, root: _Node, context: Sequence[int], max_depth: int, sampler: Sampler,
-              generator: torch.Generator) -> list[_Node]:
+    def _grow(self, root: Node, context: Sequence[int], max_depth: int, sampler: Sampler,
+              generator: torch.Generator) -> list[Node]:
         """Draft the chain under `root` (one drafter pass per token) with its side leaves; returns
         the chain's nodes. The chain's tokens but the last are fed to the drafter's cache."""
-        pending = self._inputs(context[LanguageModel.cache_length(self.cache):])
+        pending = self._inputs(context[cache_length(self.cache):])
         parent, chain = root, []
         greedy = sampler.is_greedy
         acceptance = self.policy.acceptance
@@ -161,7 +116,7 @@ class SidesDrafter(ModelDrafter):
             # a sampled token is accepted with min(1, p/q), which its own q predicts poorly: value it by
             # the drafter's top probability there (`sampled_value`); under greedy the two are one number
             chance = float(q[token]) if greedy or self.sampled_value == "token" else float(q.max())
-            node = _Node(token, parent.value * acceptance(chance), "deterministic" if greedy else
+            node = Node(token, parent.value * acceptance(chance), "deterministic" if greedy else
                          ("iid" if self.scheme == "iid" else "without-replacement"), row, q=chance)
             parent.children.append(node)
             kind = "deterministic" if greedy else self.scheme
@@ -173,7 +128,7 @@ class SidesDrafter(ModelDrafter):
                 side = float(q[alt])
                 # under greedy a side is accepted as a chain token is (the target's argmax is its
                 # token), so both share the calibration; a sampled side is judged by a residual law
-                parent.children.append(_Node(alt, parent.value * (acceptance(side) if greedy else side), kind, row,
+                parent.children.append(Node(alt, parent.value * (acceptance(side) if greedy else side), kind, row,
                                              slot, q=side if greedy else None))
                 taken.add(alt)
             chain.append(node)
@@ -200,7 +155,7 @@ class SidesDrafter(ModelDrafter):
         count = min(count, int((rest > 0).sum()))
         return [int(t) for t in torch.multinomial(rest, count, replacement=False, generator=generator)] if count else []
 
-    def _select(self, root: _Node) -> set[int]:
+    def _select(self, root: Node) -> set[int]:
         """The chain, then other nodes in falling path value while they pay (`TreeCost`)."""
         keep, candidates = set(), []
         node = root
@@ -295,15 +250,15 @@ class LookupTreeDrafter(LookupDrafter):
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         if max_depth >= 1 and self.policy.should_draft():
             self.grow(root, context, max_depth)
-        tree, order = _to_tree(root, self.select(root))
+        tree, order = to_tree(root, self.select(root))
         self._drafted = bool(tree.tokens)
         self.remember(tree, {i: node.ngram for i, node in enumerate(order)})
         return tree
 
-    def grow(self, root: _Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
+    def grow(self, root: Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
         """Insert the continuations under `root` (children after any it already has), their values
         times `weight` (the chance the target reaches `root`); return the longest suffix match
         found (0: none)."""
@@ -318,15 +273,15 @@ class LookupTreeDrafter(LookupDrafter):
                 depth += 1
                 child = node.child(token)
                 if child is None:
-                    child = _Node(token, 0.0, "deterministic")
+                    child = Node(token, 0.0, "deterministic")
                     child.ngram = ngram  # the longest match reaches a node first
                     node.children.append(child)
                 child.value += share * accept ** depth
                 node = child
-        _rank(root)
+        rank(root)
         return matches[0][0]
 
-    def select(self, root: _Node, budget: int | None = None) -> set[int]:
+    def select(self, root: Node, budget: int | None = None) -> set[int]:
         """Nodes by falling value while they pay, at most `budget` (default: the policy's
         max_nodes); a node's value never exceeds its parent's, so the set is closed."""
         candidates, stack = [], [root]
@@ -349,13 +304,6 @@ class LookupTreeDrafter(LookupDrafter):
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
         self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
-
-
-def _rank(node: _Node) -> None:
-    """Children in falling value (a stable sort: earlier insertions win ties)."""
-    node.children.sort(key=lambda c: -c.value)
-    for child in node.children:
-        _rank(child)
 
 
 class MixedDrafter(SidesDrafter):
@@ -386,7 +334,7 @@ class MixedDrafter(SidesDrafter):
     stopped it, at no drafter pass.
     """
 
-    def __init__(self, model: LanguageModel, width: int = 2, max_nodes: int = 64,
+    def __init__(self, model: Backend, width: int = 2, max_nodes: int = 64,
                  scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,
                  policy: TreeCost | None = None, chain_lookup: bool = True, sampled_value: str = "top"):
         super().__init__(model, width, max_nodes, scheme, policy, sampled_value)
@@ -411,11 +359,11 @@ class MixedDrafter(SidesDrafter):
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
-        root = _Node(-1, 1.0, "deterministic")
+        root = Node(-1, 1.0, "deterministic")
         self._fed, self.with_model = [], None
-        proposed: list[_Node] = []  # the tree's nodes that lookup proposed
+        proposed: list[Node] = []  # the tree's nodes that lookup proposed
         if max_depth >= 1 and self.policy.should_draft():
-            found = _Node(-1, 1.0, "deterministic")
+            found = Node(-1, 1.0, "deterministic")
             self.ngram = self.lookup.grow(found, context, max_depth)
             alone = self.lookup.select(found) if found.children else set()
             if alone:
@@ -431,14 +379,14 @@ class MixedDrafter(SidesDrafter):
                     self._extend(chain, context, max_depth - len(chain), self.policy.max_nodes - _count(root)
                                  - _count(found), proposed)
             _merge(root, found, proposed)
-        tree, order = _to_tree(root)
+        tree, order = to_tree(root)
         self._remember(tree, order)
         ids = {id(node) for node in proposed}
         self.lookup.remember(tree, {i: node.ngram for i, node in enumerate(order) if id(node) in ids})
         return tree
 
-    def _extend(self, chain: list[_Node], context: Sequence[int], max_depth: int, budget: int,
-                proposed: list[_Node]) -> None:
+    def _extend(self, chain: list[Node], context: Sequence[int], max_depth: int, budget: int,
+                proposed: list[Node]) -> None:
         """Hang under the chain's last node what followed earlier occurrences of the context with
         the chain drafted onto it: where the model has drafted into a passage the text repeats
         (a name, a call, a line of code written before), lookup carries the draft on past the
@@ -447,7 +395,7 @@ class MixedDrafter(SidesDrafter):
         pay for their width, in what the budget leaves."""
         if budget <= 0:
             return
-        end, tail = chain[-1], _Node(-1, 1.0, "deterministic")
+        end, tail = chain[-1], Node(-1, 1.0, "deterministic")
         if self.lookup.grow(tail, list(context) + [node.token for node in chain], max_depth, end.value):
             _prune(tail, self.lookup.select(tail, budget))
             _merge(end, tail, proposed)
@@ -464,7 +412,7 @@ class MixedDrafter(SidesDrafter):
                               sum(self.policy.step_seconds(draft_seconds, drafter_passes, verify_seconds, width)))
 
 
-def _merge(into: _Node, other: _Node, proposed: list[_Node]) -> None:
+def _merge(into: Node, other: Node, proposed: list[Node]) -> None:
     """Add `other`'s subtrees under `into`, sharing the nodes whose tokens agree (a model node
     keeps its own law and takes the larger of the two values); appends to `proposed` the node
     that stands for each of `other`'s.
@@ -489,26 +437,26 @@ def _merge(into: _Node, other: _Node, proposed: list[_Node]) -> None:
             _merge(same, child, proposed)
 
 
-def _subtree(node: _Node) -> list[_Node]:
+def _subtree(node: Node) -> list[Node]:
     return [node] + [n for child in node.children for n in _subtree(child)]
 
 
-def _prune(node: _Node, keep: set[int]) -> None:
+def _prune(node: Node, keep: set[int]) -> None:
     """Drop the children (and their subtrees) not in `keep`."""
     node.children = [c for c in node.children if id(c) in keep]
     for child in node.children:
         _prune(child, keep)
 
 
-def _count(node: _Node) -> int:
+def _count(node: Node) -> int:
     return sum(1 + _count(c) for c in node.children)
 
 
-def _closed(root: _Node, keep: set[int]) -> set[int]:
+def _closed(root: Node, keep: set[int]) -> set[int]:
     """`keep` with every kept node's ancestors (so the tree stays connected)."""
     closed: set[int] = set()
 
-    def visit(node: _Node) -> bool:
+    def visit(node: Node) -> bool:
         any_kept = False
         for child in node.children:
             below = visit(child)
@@ -519,45 +467,3 @@ def _closed(root: _Node, keep: set[int]) -> set[int]:
 
     visit(root)
     return closed
-
-
-TREES = {
-    "sides": "the drafter model's chain plus its next best tokens beside each chain token",
-    "eagle2": "EAGLE-2 dynamic tree: the best nodes by path value, expanded one drafter pass per depth",
-    "sequoia": "Sequoia static shape from measured per-rank acceptance, sized by measured costs",
-    "lookup": "prompt lookup trie over several earlier occurrences (no drafter model)",
-    "mixed": "the drafter model's chain with sides plus prompt-lookup branches, or lookup alone where that "
-             "is measured faster (the default tree)",
-}
-
-
-def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
-    """Raise SpecdecError for an unknown tree, a node budget below 1 or an unknown sibling scheme."""
-    if kind not in TREES:
-        raise SpecdecError(f"unknown tree '{kind}'; choose from off, {', '.join(TREES)}")
-    if not isinstance(max_nodes, int) or max_nodes < 1:
-        raise SpecdecError(f"tree nodes must be an integer >= 1, got {max_nodes!r}")
-    if scheme not in SCHEMES:
-        raise SpecdecError(f"unknown sibling scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
-
-
-def make_tree_drafter(kind: str, model: LanguageModel | None = None, max_nodes: int = 64,
-                      scheme: str = "without-replacement", width: int | None = None,
-                      assumed: AssumedCosts | None = None):
-    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
-    or by `assumed` costs (sized for another machine, see `AssumedCosts`)."""
-    check_tree_options(kind, max_nodes, scheme)
-    policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
-    if kind == "lookup":
-        return LookupTreeDrafter(policy=policy)
-    if model is None:
-        raise SpecdecError(f"the '{kind}' tree needs a drafter model")
-    if kind == "sides":
-        return SidesDrafter(model, width or 3, scheme=scheme, policy=policy)
-    if kind == "mixed":
-        return MixedDrafter(model, width or 2, scheme=scheme, policy=policy)
-    from .dynamic import Eagle2Drafter, SequoiaDrafter
-
-    if kind == "eagle2":
-        return Eagle2Drafter(model, width or 4, policy=policy)
-    return SequoiaDrafter(model, policy=policy)

@@ -1,0 +1,61 @@
+"""Rolling a KV cache back: what stays of a pass after verification. Works on transformers'
+`DynamicCache` (sliding-window layers included) and on any cache with `get_seq_length` and `crop`
+(llama.cpp's, backends/llamacpp.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecdecError
+
+
+def cache_length(cache) -> int:
+    """Positions the cache holds."""
+    return cache.get_seq_length()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop cached positions from `length` on (rejected draft tokens).
+
+    Sliding-window layers that record their past are trimmed back to their window even when
+    nothing is dropped. Raises SpecdecError where the cache cannot go back to `length`: layers
+    with a recurrent state (Mamba-like), or a sliding layer asked to drop more than the
+    tokens fed since its last crop (their keys are gone).
+    """
+    current = cache.get_seq_length()
+    remove = current - length
+    layers = getattr(cache, "layers", ())
+    if remove > 0:
+        if not getattr(cache, "is_croppable", True):
+            raise SpecdecError("this model's cache cannot be rolled back (a recurrent state); "
+                               "speculative decoding needs a croppable KV cache")
+        for layer in layers:
+            if getattr(layer, "is_sliding", False) and getattr(layer, "is_initialized", False) and \
+                    layer.keys.shape[-2] - remove < min(layer.sliding_window - 1, length):
+                raise SpecdecError(f"cannot crop a sliding-window cache from {current} to {length} tokens: "
+                                   "it keeps only the window and the tokens fed since its last crop")
+        cache.crop(-remove)
+    elif remove == 0 and current > 0 and any(getattr(layer, "record_past", False) for layer in layers):
+        cache.crop(0)  # restrict sliding layers to their window
+
+
+@torch.inference_mode()
+def compact_cache(cache, start: int, offsets: Sequence[int]) -> None:
+    """Keep the cache's first `start` positions and then those at start + offsets (ascending),
+    moved into place; drop the rest: what stays of a tree pass is the accepted path.
+
+    A main-chain path (offsets 0..k-1) is a plain `crop`.
+    """
+    offsets = [int(o) for o in offsets]
+    if offsets != list(range(len(offsets))):
+        for layer in getattr(cache, "layers", ()):
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            index = torch.tensor([start + o for o in offsets], dtype=torch.long, device=layer.keys.device)
+            # index_select copies first, so overlapping source and destination are safe
+            layer.keys[..., start:start + len(offsets), :] = layer.keys.index_select(-2, index)
+            layer.values[..., start:start + len(offsets), :] = layer.values.index_select(-2, index)
+    crop_cache(cache, start + len(offsets))

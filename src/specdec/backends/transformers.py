@@ -1,0 +1,333 @@
+"""The transformers backend: a Hugging Face causal LM run one sequence at a time with a croppable
+KV cache, its passes row-exact where they decide the output (rows.py), its linears picked per
+CPU kind (kernels.py), its logits fp32 (`TransformersModel._logits`).
+
+`specdec.load` builds it (models.py); the decoding loops and drafters use it through the
+`Backend` protocol (backends/__init__.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecdecError
+from ..heads import check_output_transform, max_row_norm, output_transform
+from ..kernels import (Int8Linear, PackedLinear, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
+                       int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable_linear)
+from ..rows import PREFIX, install_attention, refine_top_logits, row_exact
+from ..text import decode_ids, encode_text, eos_ids
+from ..trees import tree_attention
+from .cache import cache_length
+
+
+class TransformersModel:
+    """A causal LM with its tokenizer, run one sequence at a time with a croppable KV cache."""
+
+    tree_masks = True  # `forward` takes `parents` (sdpa or eager attention; see `_tree_inputs`)
+
+    def __init__(self, hf_model, tokenizer=None, name: str = "model", role: str = "target", kernels: str = "auto",
+                 exact_rows: bool | None = None, int8: bool = False):
+        """Wrap a transformers causal LM.
+
+        role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
+            target in fp32 gets oneDNN-packed linears; a drafter in bf16 on a CPU without native
+            bf16 gets hybrid ones. A target's logits are fp32-exact where they decide the output
+            (see `_logits`); a drafter's need not be (they only steer acceptance).
+        kernels: "auto" (as above) or "stock" (leave transformers' linear layers alone).
+            Packed weights live in oneDNN's layout: move or cast `hf_model` before wrapping it,
+            not after (`.to()` cannot move them).
+        exact_rows: compute every row of a multi-token pass bit for bit as a one-token pass
+            would (rows.py), so that greedy speculative output is token-identical to greedy AR
+            by construction. None: on for a bf16 target on the CPU (nearly free there); off for
+            fp32 (where it slows 1-token passes), for drafters and on CUDA.
+        int8: (drafters, CPU) int8 weight-only linears and output head for passes of a few
+            tokens (`kernels.Int8Linear`); longer passes keep the paths above.
+        """
+        if kernels not in ("auto", "stock"):
+            raise SpecdecError(f"kernels must be 'auto' or 'stock', got {kernels!r}")
+        if role not in ("target", "drafter"):
+            raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
+        if int8 and (role != "drafter" or not int8_supported(hf_model.get_output_embeddings().weight.device)):
+            raise SpecdecError("int8 weights are for drafters on the CPU only")
+        self.hf = hf_model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.role = role
+        self._decoder = getattr(hf_model, hf_model.base_model_prefix)
+        head = hf_model.get_output_embeddings()
+        weight = head.weight
+        self._device, self._dtype = weight.device, weight.dtype
+        self._transform = output_transform(hf_model.config)
+        if self._transform is not None or role == "target":
+            check_output_transform(self, hf_model)
+        self._head_bias = getattr(head, "bias", None)
+        self._head_weight = weight
+        self._head = None
+        self._head_row_norm = None
+        self.kernels = "stock"
+        on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
+        if on_cpu and self._dtype == torch.float32 and not int8:
+            pack_linears(self._decoder)
+            self.kernels = "onednn-packed"
+            # our forward uses a packed head; transformers' own calls (generate) get it too,
+            # unless the head is tied to the embedding, which must stay dense
+            self._head = PackedLinear(weight, self._head_bias)
+            if not getattr(hf_model.config, "tie_word_embeddings", False):
+                hf_model.set_output_embeddings(self._head)
+                if role == "target":  # a drafter keeps it for a head of its own (`restrict_vocabulary`)
+                    self._head_weight = None  # let the dense copy go
+        elif on_cpu and role == "drafter" and not cpu_has_native_bf16() and (int8 or self._dtype == torch.bfloat16):
+            # int8 beat packed fp32 up to 16 rows (measured on the AVX512-BF16 EPYC, not on AVX2);
+            # emulated bf16 beats packed fp32 only up to 2
+            pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
+            self.kernels = "int8+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
+        elif int8:
+            # native bf16 grows slowly with rows on AMX, where int8 wins for 1-2 rows; up to 8 without
+            quantize_linears(self._decoder, short_rows=int8_short_rows())
+            self.kernels = f"int8+{str(self._dtype).removeprefix('torch.')}"
+        self.int8 = bool(int8)
+        self._vocab_ids: torch.Tensor | None = None
+        self._draft_head: torch.nn.Module | None = None
+        self.exact_logits = role == "target"
+        if self.exact_logits and self._head is None and self._dtype != torch.float32 and self._device.type == "cpu":
+            self._head_row_norm = max_row_norm(weight)
+        if exact_rows is None:
+            # on where it is nearly free: bf16 linears give row-invariant results at any row count,
+            # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
+            # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/kernels.md).
+            exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
+                hf_model.config._attn_implementation in ("sdpa", "eager")
+        if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
+            install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
+        if exact_rows:
+            if self.kernels == "stock" and self._device.type == "cpu":
+                pad_single_rows(self._decoder)
+        self.exact_rows = bool(exact_rows)
+        self._vocab_size = weight.shape[0]
+        self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
+        self.pass_hidden: torch.Tensor | None = None  # [T, H] every input's, of the last `forward` or `prefill`
+        if int8:
+            self._build_draft_head()
+
+    @property
+    def draft_vocabulary(self) -> int | None:
+        """How many ids the output head scores (None: all of them); see `restrict_vocabulary`."""
+        return None if self._vocab_ids is None else len(self._vocab_ids)
+
+    @torch.inference_mode()
+    def restrict_vocabulary(self, ids: Sequence[int] | torch.Tensor | None) -> None:
+        """Score only `ids` in the output head from now on (FR-Spec, Zhao et al. 2025); None: all.
+
+        Logits keep their full width V, -inf outside `ids`, so a drafter's q is exactly 0 there
+        and verification stays exact. Drafters only: a target's logits decide the output.
+        """
+        if self.role != "drafter":
+            raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
+        if ids is None:
+            self._vocab_ids = None
+        else:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten().unique()
+            if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self._vocab_size:
+                raise SpecdecError(f"a draft vocabulary must be a non-empty set of ids in [0, {self._vocab_size})")
+            self._vocab_ids = ids.to(self.device)
+        self._build_draft_head()
+
+    def _build_draft_head(self) -> None:
+        """The drafter's own output head over its scored ids: int8 for few rows where `int8`."""
+        if self._head_weight is None:
+            raise SpecdecError(f"{self.name}: its output head was packed away; a drafter keeps it dense")
+        weight, bias = self._head_weight, self._head_bias
+        if self._vocab_ids is not None:
+            weight = weight.index_select(0, self._vocab_ids)
+            bias = None if bias is None else bias.index_select(0, self._vocab_ids)
+        if not self.int8 and self._vocab_ids is None:
+            self._draft_head = None
+            return
+        long = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=self.device,
+                               dtype=weight.dtype)
+        long.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            long.bias = torch.nn.Parameter(bias, requires_grad=False)
+        # the head's long path is plain bf16. int8 beat it up to 8 rows on the AVX512-BF16 EPYC, up
+        # to 2-3 on AMX (issue 13's probe)
+        short_rows = int8_short_rows() if cpu_has_native_bf16() else 8
+        self._draft_head = Int8Linear(weight, bias, long, short_rows) if self.int8 and int8_fits(long) else long
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def weights(self) -> str:
+        """Which weights run, for reports: the torch dtype's name, or "int8" (int8 linears)."""
+        return "int8" if self.int8 else str(self._dtype).removeprefix("torch.")
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the final hidden states (`last_hidden`)."""
+        return int(self._head_weight.shape[1] if self._head_weight is not None else self._head.in_features)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the logits' last dimension (may exceed the tokenizer's count by padding rows)."""
+        return self._vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.hf.config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """All ids that end a generation: the generation config's and the tokenizer's EOS."""
+        return eos_ids([getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer])
+
+    def new_cache(self):
+        """An empty KV cache that `crop` can roll back.
+
+        Sliding-window layers (Mistral, Gemma 2/3) drop keys older than their window as they go,
+        after which they cannot be cropped; with past recording on (as in transformers' assisted
+        generation) they keep a pass's keys until the next `crop` trims them back to the window.
+        `cache_length` counts every position of the sequence either way.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf.config)
+        cache.activate_past_recording()
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1,
+                parents: Sequence[int] | None = None, tree_start: int | None = None) -> torch.Tensor:
+        """Run new tokens through the model, extending `cache` (if given).
+
+        Args:
+            input_ids: [T] new token ids, following what `cache` already holds.
+            cache: a cache from `new_cache()`, or None for a cache-free pass.
+            num_logits: how many of the last positions to return logits for.
+            parents: [T] a token tree over the inputs (trees.py, `input_parents`): each token's
+                parent among them (-1: it follows the cache). Each token then sees the cache and
+                its ancestors only, at position (cache length + depth - 1). None: a chain.
+            tree_start: where the tree region begins in the cache (default: the cache's length).
+                Earlier: the cache already holds the region's first tokens (a tree grown one
+                depth per pass); `parents` then covers the whole region, cached tokens first.
+        Returns:
+            logits: [num_logits, V] fp32, for the last `num_logits` input positions; with
+            `exact_rows`, each row bit for bit what a one-token pass at its position returns
+            (for a tree: a one-token pass after the cache and the token's ancestors).
+        The final hidden states of those positions, [num_logits, H] (what the output head read),
+        are kept in `last_hidden` until the next pass, and those of every input, [T, H], in
+        `pass_hidden`: self-drafting heads draft from them.
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).view(1, -1)
+        extra = {} if parents is None else self._tree_inputs(parents, cache, ids.shape[1], tree_start)
+        with row_exact(self.exact_rows):
+            out = self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
+            self.pass_hidden = out.last_hidden_state[0]
+            self.last_hidden = self.pass_hidden[-num_logits:]
+            return self._logits(self.last_hidden)
+
+    def _tree_inputs(self, parents: Sequence[int], cache, new: int, tree_start: int | None) -> dict:
+        """The 4D attention mask and position ids of a tree pass; SpecdecError where the model
+        cannot take them."""
+        config = self.hf.config
+        implementation = config._attn_implementation.removeprefix(PREFIX)
+        if implementation not in ("sdpa", "eager"):
+            raise SpecdecError(f"token trees need sdpa or eager attention (a custom 4D mask), not "
+                               f"{implementation!r}; load the model with attn_implementation='sdpa'")
+        if getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
+                                                        "sliding_attention" in (getattr(config, "layer_types", None) or ())):
+            raise SpecdecError(f"token trees are not supported for {self.name}: its sliding-window attention "
+                               "would need a window in the tree mask; use a chain drafter")
+        cached = 0 if cache is None else cache_length(cache)
+        past = cached if tree_start is None else tree_start
+        if past + len(parents) != cached + new:
+            raise SpecdecError(f"tree region of {len(parents)} tokens from position {past} does not end where "
+                               f"the {new} new tokens after {cached} cached ones do")
+        mask, positions = tree_attention(parents, past, self.dtype, self.device, additive=implementation == "eager",
+                                         new=new)
+        return {"attention_mask": mask, "position_ids": positions}
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Sequence[int], cache) -> list[int]:
+        """Feed all of `prompt` but its last token into `cache` in one batched pass (no logits) and
+        return what is left to score, [prompt[-1]].
+
+        Both decoding loops start this way, so the prompt's cache entries come from one identical
+        call, and the first token (or first draft) is scored by a row-exact pass like every later
+        one: the prompt needs no row-exact attention (a call per prompt token per layer). Without
+        `exact_rows` nothing is fed here and the whole prompt is left to the first scoring pass.
+        The fed positions' final hidden states are kept in `pass_hidden` ([0, H] when none).
+        """
+        prompt = list(prompt)
+        self.pass_hidden = torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        if not self.exact_rows:
+            return prompt
+        if len(prompt) > 1:
+            ids = torch.as_tensor(prompt[:-1], dtype=torch.long, device=self.device).view(1, -1)
+            with row_exact(False):
+                self.pass_hidden = self._decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
+        return prompt[-1:]
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Several sequences at once (beam search): input_ids [B, T] new tokens after what each row
+        of `cache` holds -> logits [B, V] fp32 at each row's last position."""
+        out = self._decoder(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True)
+        return self._logits(out.last_hidden_state[:, -1])
+
+    def _logits(self, hidden: torch.Tensor, exact: bool | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] fp32, after the model's own output transform.
+
+        A target's head is exact in fp32 where it decides the output, and row-invariant: fp32
+        weights go through the packed head; bf16 weights on the CPU through a bf16 head whose
+        near-top candidates are re-scored in fp32 (`rows.refine_top_logits`; an fp32 copy of a
+        151,936-row head would double the bytes read per token); low-precision weights on CUDA
+        through a matmul with fp32 accumulation. A drafter's own head (int8, or over its frequent
+        ids only: `restrict_vocabulary`) need not be exact; it returns -inf for the ids it skips.
+        exact=False skips a target's refinements (its layers drafting for it: drafters/layerskip.py).
+        """
+        exact = self.exact_logits if exact is None else exact
+        if self._draft_head is not None:
+            scored = self._draft_head(hidden).float()
+            if self._transform is not None:  # before the scatter: a soft cap would lift -inf to -cap
+                scored = self._transform(scored)
+            if self._vocab_ids is None:
+                return scored
+            logits = scored.new_full((*scored.shape[:-1], self._vocab_size), float("-inf"))
+            logits[..., self._vocab_ids] = scored
+            return logits
+        if self._head is not None:
+            logits = self._head(hidden)
+        elif self._head_row_norm is not None and exact:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            logits = row_stable_linear(flat, self._head_weight).float()
+            logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
+            logits = logits.view(*hidden.shape[:-1], -1)
+        elif self.dtype != torch.float32 and exact:
+            logits = _fp32_matmul(hidden, self._head_weight)
+        else:
+            logits = torch.nn.functional.linear(hidden, self._head_weight).float()
+        if self._head_bias is not None and self._head is None:
+            logits = logits + self._head_bias.float()
+        return logits if self._transform is None else self._transform(logits)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Text -> prompt token ids (`encode_text`)."""
+        return encode_text(self.tokenizer, self.name, text, chat)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return decode_ids(self.tokenizer, ids, skip_special_tokens)
+
+
+def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H] @ weight[V, H]^T with fp32 accumulation and output (CUDA low-precision weights)."""
+    try:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):  # builds without mm's out_dtype
+        return torch.nn.functional.linear(hidden.float(), weight.float())

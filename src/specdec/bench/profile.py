@@ -1,0 +1,59 @@
+"""`specdec profile`: what a pass costs on this machine by its width, and where one generation's
+time goes (the target's passes, the drafter's, the decoding loop around them).
+
+A wider verification pass pays only while one more row costs less than the tokens it is expected
+to add; this prints that cost as this machine measures it, with no benchmark run needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..backends import Backend
+from ..generate import GenerationStats
+from ..passcost import machine
+from .forward_cost import forward_ms
+
+
+@dataclass
+class PassProfile:
+    """Median ms of one pass after a cached context, by the number of new tokens it scores."""
+
+    target_ms: dict[int, float]  # chain passes: the last committed token plus width - 1 drafts
+    target_tree_ms: dict[int, float]  # the same widths under a tree mask (what a tree step pays)
+    drafter_ms: dict[int, float]  # the drafter model's passes (empty for a model-free drafter)
+
+
+def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], drafter_tokens: list[int],
+                 repeats: int = 5) -> PassProfile:
+    """Time the target over each width (chain, and tree where the backend takes tree masks) and the
+    drafter over each token count, each after a 128-token cache."""
+    trees = getattr(target, "tree_masks", False)
+    return PassProfile(
+        target_ms={w: forward_ms(target, w, repeats=repeats) for w in widths},
+        target_tree_ms={w: forward_ms(target, w, repeats=repeats, tree=True) for w in widths} if trees else {},
+        drafter_ms={t: forward_ms(drafter, t, repeats=repeats) for t in drafter_tokens} if drafter else {},
+    )
+
+
+def time_split(stats: GenerationStats) -> list[tuple[str, int, float]]:
+    """(part, passes or steps, seconds) of a generation's wall time: the target's passes (its prompt
+    pass included), the drafter's, and the loop (drafting bookkeeping, verification, rollback)."""
+    return [("target passes", stats.target_forwards, stats.target_seconds),
+            ("drafter passes", stats.drafter_forwards, stats.drafter_seconds),
+            ("decoding loop", stats.target_forwards, stats.loop_seconds)]
+
+
+def profile_record(passes: PassProfile, stats: GenerationStats, method: str, target: Backend,
+                   drafter: Backend | None) -> dict:
+    """Everything `specdec profile` printed, for --json, with the machine and date it was measured on."""
+    return {"machine": machine(target), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "command": " ".join(["specdec", *sys.argv[1:]]),
+            "method": method, "target": target.name, "target_weights": target.weights,
+            "target_kernels": target.kernels, "drafter": drafter.name if drafter else None,
+            "drafter_weights": drafter.weights if drafter else None, "passes": asdict(passes),
+            "generation": stats.to_dict()}

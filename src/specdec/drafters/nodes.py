@@ -1,0 +1,62 @@
+"""Token trees under construction: the tree drafters grow `Node`s, rank their children by value,
+and serialise them depth first into a `trees.Tree` for the target's pass (`to_tree`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..trees import Tree
+
+
+class Node:
+    """A node of a tree under construction (trees are serialised depth first by `to_tree`)."""
+
+    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q", "ngram")
+
+    def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
+                 rank_value: float | None = None, q: float | None = None):
+        self.token, self.value, self.scheme, self.prob_row = token, value, scheme, prob_row
+        self.q = q  # the drafter's probability of this token at its parent, where a drafter calibrates it
+        # what decides whether the node joins the tree: its value, except for a sampled side,
+        # whose presence must not depend on its own token (verify.py: that would bias the output)
+        self.rank_value = value if rank_value is None else rank_value
+        self.children: list[Node] = []
+        self.ngram = 0  # for a node lookup proposed: the longest suffix match that proposed it
+
+    def child(self, token: int) -> "Node | None":
+        return next((c for c in self.children if c.token == token), None)
+
+
+def to_tree(root: Node, keep: set[int] | None = None) -> tuple[Tree, list[Node]]:
+    """Depth first, children in their rank order (the first child first), so the main chain is
+    nodes 0..D-1. `keep`: ids of the nodes to include (their ancestors must be included)."""
+    tokens, parents, values, schemes, rows, order = [], [], [], [], [], []
+
+    def visit(node: Node, parent: int) -> None:
+        for child in node.children:
+            if keep is not None and id(child) not in keep:
+                continue
+            index = len(tokens)
+            tokens.append(child.token)
+            parents.append(parent)
+            values.append(child.value)
+            schemes.append(child.scheme)
+            rows.append(child.prob_row)
+            order.append(child)
+            visit(child, index)
+
+    visit(root, -1)
+    probs = None
+    if rows and any(r is not None for r in rows):
+        width = next(r for r in rows if r is not None)
+        probs = torch.stack([r if r is not None else torch.zeros_like(width) for r in rows])
+    scheme: str | list[str] = schemes[0] if schemes and len(set(schemes)) == 1 else schemes
+    return Tree(tokens, parents, probs, values, scheme if tokens else "deterministic"), order
+
+
+def rank(node: Node) -> None:
+    """Children in falling value (a stable sort: earlier insertions win ties)."""
+    node.children.sort(key=lambda c: -c.value)
+    for child in node.children:
+        rank(child)

@@ -1,0 +1,182 @@
+"""The code's layout: no import cycles in src/, and every backend satisfies the `Backend` protocol.
+
+Both checks read the source (ast), so they hold for the llama.cpp backend without its extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import specdec
+from specdec.backends import Backend
+
+SRC = Path(specdec.__file__).parent
+
+
+def module_name(path: Path, root: Path = SRC) -> str:
+    parts = ["specdec", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """module -> the specdec modules it imports anywhere in its body (function-level imports too:
+    a cycle hidden in a function is still a cycle). `from . import x` names the submodule x;
+    the parent packages Python initialises on the way are not counted as edges."""
+    modules = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                targets = [f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target
+                           for alias in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_src_has_no_import_cycle():
+    graph = import_graph()
+    assert "specdec.backends.transformers" in graph and "specdec.models" in graph
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_function_level_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("from . import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .c import g\n")
+    (tmp_path / "c.py").write_text("from .a import x\n")
+    (tmp_path / "d.py").write_text("from .a import x\n")
+    assert cycles(import_graph(tmp_path)) == [["specdec.a", "specdec.b", "specdec.c"]]
+
+
+def protocol_members(protocol: type) -> tuple[set[str], dict[str, inspect.Signature]]:
+    """The protocol's data attributes and its methods with their signatures."""
+    attributes = set(getattr(protocol, "__annotations__", {}))
+    methods = {name: inspect.signature(value) for name, value in vars(protocol).items()
+               if callable(value) and not name.startswith("_")}
+    return attributes, methods
+
+
+def class_members(cls: type) -> tuple[set[str], dict[str, inspect.Signature]]:
+    """What instances of `cls` have: class attributes, properties and every `self.x = ...` in its
+    methods (read from the source, so no instance is needed), and its public methods."""
+    attributes = {name for name, value in vars(cls).items() if not callable(value) or isinstance(value, property)}
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and \
+                        element.value.id == "self":
+                    attributes.add(element.attr)
+    methods = {name: inspect.signature(getattr(cls, name)) for name, value in vars(cls).items()
+               if callable(value) and not isinstance(value, type) and not name.startswith("_")}
+    return attributes, methods
+
+
+def protocol_gaps(cls: type, protocol: type = Backend) -> list[str]:
+    """What `cls` lacks of `protocol`: missing attributes or methods, and methods whose parameters
+    (names, in order, and defaults) differ from the protocol's."""
+    want_attributes, want_methods = protocol_members(protocol)
+    have_attributes, have_methods = class_members(cls)
+    gaps = [f"attribute {name}" for name in sorted(want_attributes - have_attributes - set(have_methods))]
+    for name, signature in want_methods.items():
+        if name not in have_methods:
+            gaps.append(f"method {name}")
+            continue
+        want = [(p.name, p.default) for p in signature.parameters.values()]
+        have = [(p.name, p.default) for p in have_methods[name].parameters.values()][:len(want)]
+        if have != want:
+            gaps.append(f"method {name}{have_methods[name]} differs from {signature}")
+    return gaps
+
+
+def test_both_backends_satisfy_the_protocol():
+    from specdec.backends.llamacpp import LlamaCppModel  # importable without llama-cpp-python
+    from specdec.backends.transformers import TransformersModel
+
+    assert protocol_gaps(TransformersModel) == []
+    assert protocol_gaps(LlamaCppModel) == []
+
+
+def test_the_protocol_check_sees_a_missing_member_and_a_changed_signature():
+    from specdec.backends.transformers import TransformersModel
+
+    class Partial(TransformersModel):
+        def forward(self, input_ids, cache=None, num_logits: int = 2, parents=None, tree_start=None):
+            return None
+
+    Wider = type("Wider", (), {"__annotations__": {"name": str, "colour": str}})
+    assert any(gap.startswith("method forward") for gap in protocol_gaps(Partial))
+    assert protocol_gaps(TransformersModel, Wider) == ["attribute colour"]
+
+
+def test_a_loaded_transformers_model_has_every_protocol_member():
+    from conftest import tiny_model
+
+    model = tiny_model(0)
+    attributes, methods = protocol_members(Backend)
+    assert [name for name in sorted(attributes | set(methods)) if not hasattr(model, name)] == []
+
+
+@pytest.mark.parametrize("module", ["specdec.models", "specdec.backends.transformers", "specdec.text"])
+def test_loading_is_apart_from_the_backends(module):
+    """models.py loads and picks; the backends never import it."""
+    graph = import_graph()
+    if module == "specdec.models":
+        assert "specdec.backends.transformers" in graph[module]
+    else:
+        assert "specdec.models" not in graph[module]
