@@ -122,19 +122,48 @@ def _our_attention(base, packs: bool):
             return base(module, query, key, value, attention_mask, **kwargs)
         if not mode:
             return one_query(module, query, key, value, **kwargs), None
+        batch = _SEGMENTS.get()
+        if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
+            cache, parts = batch
+            keys_of, values_of = cache.layer(module.layer_idx)
+            return torch.cat([_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs)
+                              for i, (start, spans) in enumerate(parts)], dim=1), None
         spans = key_spans(attention_mask, rows, keys)
         if rows == 1 and spans[0] == slice(0, keys):
             return one_query(module, query, key, value, **kwargs), None
-        outputs = []
-        for t, span in enumerate(spans):
-            if isinstance(span, slice):
-                k, v = key[:, :, span], value[:, :, span]
-            else:  # the same values in the same order as a gather: the same result, at a copy's cost
-                k, v = (torch.cat([x[:, :, run] for run in span], dim=2) for x in (key, value))
-            # no mask: exactly the call a decode step makes for this position
-            outputs.append(one_query(module, query[:, :, t:t + 1], k, v, **kwargs))
-        return torch.cat(outputs, dim=1), None
+        return _rows(one_query, module, query, key, value, spans, 0, kwargs), None
     return attention
+
+
+def _rows(one_query, module, query, key, value, spans, start: int, kwargs) -> torch.Tensor:
+    """Query rows start, start + 1, ... one at a time, row t over the keys `spans[t]`: [B, rows, heads, D]."""
+    outputs = []
+    for t, span in enumerate(spans):
+        if isinstance(span, slice):
+            k, v = key[:, :, span], value[:, :, span]
+        else:  # the same values in the same order as a gather: the same result, at a copy's cost
+            k, v = (torch.cat([x[:, :, run] for run in span], dim=2) for x in (key, value))
+        # no mask: exactly the call a decode step makes for this position
+        outputs.append(one_query(module, query[:, :, start + t:start + t + 1], k, v, **kwargs))
+    return torch.cat(outputs, dim=1)
+
+
+# inside a batched pass: (the pass's `backends.cache.SegmentedCache`, [(first row, key spans of
+# each row)] per sequence); None elsewhere
+_SEGMENTS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specdec_segments", default=None)
+
+
+@contextlib.contextmanager
+def segmented(cache, parts: list[tuple[int, list]]):
+    """Marks a row-exact pass over several sequences' rows: attention reads each sequence's keys
+    from `cache` (a `SegmentedCache`) and runs its rows one at a time over their spans, so every
+    row is computed as that sequence's own row-exact pass computes it."""
+    token = _SEGMENTS.set((cache, parts))
+    try:
+        with row_exact(True):
+            yield
+    finally:
+        _SEGMENTS.reset(token)
 
 
 # keyword arguments that, when set (not None or 0), change what sdpa computes beyond q, k, v and the

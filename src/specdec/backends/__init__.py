@@ -10,6 +10,7 @@ and one file per backend behind it:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -63,3 +64,24 @@ class Backend(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text."""
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a batched pass (`BatchedBackend.forward_batch`): what `forward` takes
+    for that sequence alone."""
+
+    input_ids: Sequence[int]  # [T >= 1] new ids after what `cache` holds
+    cache: Cache
+    num_logits: int = 1
+    parents: Sequence[int] | None = None  # a token tree over the inputs, as in `forward`
+    tree_start: int | None = None
+
+
+class BatchedBackend(Backend, Protocol):
+    """A backend that scores several sequences' new tokens in one pass (transformers' on the CPU;
+    llama.cpp's serves one sequence per model so far)."""
+
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """One pass over every segment's tokens, each seeing only its own cache and tree -> per
+        segment logits [num_logits, V] fp32, bit for bit what `forward` returns for it alone."""

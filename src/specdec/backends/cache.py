@@ -59,3 +59,31 @@ def compact_cache(cache, start: int, offsets: Sequence[int]) -> None:
             layer.keys[..., start:start + len(offsets), :] = layer.keys.index_select(-2, index)
             layer.values[..., start:start + len(offsets), :] = layer.values.index_select(-2, index)
     crop_cache(cache, start + len(offsets))
+
+
+class SegmentedCache:
+    """Several sequences' caches, seen as one by a model's layers in a batched pass (`rows.segmented`).
+
+    Each layer's new keys and values [1, kv_heads, N, D] are cut by sequence (`lengths`, in order)
+    and appended to that sequence's own cache, which grows and rolls back on its own as before;
+    the pass's attention reads each sequence's whole keys back with `layer`.
+    """
+
+    def __init__(self, caches: Sequence, lengths: Sequence[int]):
+        self.caches, self.lengths = list(caches), list(lengths)
+        self._layers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values, start = [], [], 0
+        for cache, length in zip(self.caches, self.lengths):
+            k, v = cache.update(key[:, :, start:start + length], value[:, :, start:start + length], layer_idx,
+                                *args, **kwargs)
+            keys.append(k)
+            values.append(v)
+            start += length
+        self._layers[layer_idx] = (keys, values)
+        return key, value  # the pass's own keys; its attention reads `layer` instead
+
+    def layer(self, layer_idx: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each sequence's keys and values of this layer after the pass's update (read once)."""
+        return self._layers.pop(layer_idx)

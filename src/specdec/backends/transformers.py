@@ -16,10 +16,11 @@ from ..errors import SpecdecError
 from ..heads import check_output_transform, max_row_norm, output_transform
 from ..kernels import (Int8Linear, PackedLinear, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
                        int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable_linear)
-from ..rows import PREFIX, install_attention, refine_top_logits, row_exact
+from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from ..text import decode_ids, encode_text, eos_ids
 from ..trees import tree_attention
-from .cache import cache_length
+from . import Segment
+from .cache import SegmentedCache, cache_length
 
 
 class TransformersModel:
@@ -232,6 +233,63 @@ class TransformersModel:
             self.last_hidden = self.pass_hidden[-num_logits:]
             return self._logits(self.last_hidden)
 
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one pass (`BatchedBackend`): their rows go through every
+        linear layer together, and attention runs each row over its own sequence's cache and tree
+        (`rows.segmented`), so each sequence's logits are bit for bit what `forward` returns for it
+        alone, whatever shares the pass. Each cache grows by its segment's tokens.
+
+        segments: per sequence, its new ids [T_i], cache, num_logits, and optional tree (`Segment`).
+        Returns: per segment, logits [num_logits_i, V] fp32.
+        Needs row-exact passes (`exact_rows`: CPU); the linear kernels must give a row the same
+        result in calls of any row count from 2 on (bf16 and packed fp32 on the CPUs measured,
+        tests/test_batch.py).
+        """
+        if not self.exact_rows:
+            raise SpecdecError(f"batched passes are row-exact passes; {self.name} runs without them "
+                               "(load it with exact_rows=True, on the CPU)")
+        if not segments:
+            return []
+        self._check_no_sliding_window("batched passes", "run its sequences one at a time")
+        ids, positions, parts, start = [], [], [], 0
+        for segment in segments:
+            new = len(segment.input_ids)
+            if new < 1 or not 1 <= segment.num_logits <= new:
+                raise SpecdecError(f"a segment needs >= 1 new token and 1..{new} logits, got {new} and "
+                                   f"{segment.num_logits}")
+            cached = cache_length(segment.cache)
+            if segment.parents is None:
+                position = torch.arange(cached, cached + new, device=self.device).view(1, -1)
+                spans = [slice(0, cached + t + 1) for t in range(new)]
+            else:
+                tree = self._tree_inputs(segment.parents, segment.cache, new, segment.tree_start)
+                position, mask = tree["position_ids"], tree["attention_mask"]
+                spans = key_spans(mask, new, mask.shape[-1])
+            ids.append(torch.as_tensor(list(segment.input_ids), dtype=torch.long, device=self.device))
+            positions.append(position.view(-1))
+            parts.append((start, spans))
+            start += new
+        cache = SegmentedCache([s.cache for s in segments], [len(s.input_ids) for s in segments])
+        no_masks = {kind: None for kind in ("full_attention", "sliding_attention")}  # attention reads `parts`
+        with segmented(cache, parts):
+            hidden = self._decoder(input_ids=torch.cat(ids).view(1, -1), position_ids=torch.cat(positions).view(1, -1),
+                                   past_key_values=cache, use_cache=True, attention_mask=no_masks).last_hidden_state[0]
+            rows = torch.cat([hidden[first + len(s.input_ids) - s.num_logits:first + len(s.input_ids)]
+                              for (first, _), s in zip(parts, segments)])
+            logits = self._logits(rows)
+        self.last_hidden = self.pass_hidden = None  # per-sequence hidden states are not kept for a batch
+        return list(logits.split([s.num_logits for s in segments]))
+
+    def _check_no_sliding_window(self, what: str, instead: str) -> None:
+        """SpecdecError for a model with sliding-window layers: their keys would need a window in
+        each row's span (not built yet)."""
+        config = self.hf.config
+        if getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
+                                                        "sliding_attention" in (getattr(config, "layer_types", None) or ())):
+            raise SpecdecError(f"{what} are not supported for {self.name}: its sliding-window attention would need "
+                               f"a window in each row's keys; {instead}")
+
     def _tree_inputs(self, parents: Sequence[int], cache, new: int, tree_start: int | None) -> dict:
         """The 4D attention mask and position ids of a tree pass; SpecdecError where the model
         cannot take them."""
@@ -240,10 +298,7 @@ class TransformersModel:
         if implementation not in ("sdpa", "eager"):
             raise SpecdecError(f"token trees need sdpa or eager attention (a custom 4D mask), not "
                                f"{implementation!r}; load the model with attn_implementation='sdpa'")
-        if getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
-                                                        "sliding_attention" in (getattr(config, "layer_types", None) or ())):
-            raise SpecdecError(f"token trees are not supported for {self.name}: its sliding-window attention "
-                               "would need a window in the tree mask; use a chain drafter")
+        self._check_no_sliding_window("token trees", "use a chain drafter")
         cached = 0 if cache is None else cache_length(cache)
         past = cached if tree_start is None else tree_start
         if past + len(parents) != cached + new:
