@@ -1,5 +1,6 @@
 """specdec: lossless speculative decoding for Hugging Face language models."""
 
+from .engine import Engine, Request, generate_many
 from .errors import SpecdecError
 from .generate import (GenerationResult, GenerationStats, Step, autoregressive_generate, beam_search_generate,
                        speculative_generate)
@@ -15,7 +16,7 @@ from .schedules import TreeCost, make_schedule
 from .trees import Tree
 
 __all__ = [
-    "GREEDY", "GenerationResult", "GenerationStats", "Backend", "TransformersModel", "Sampler", "SpecdecError", "Step",
+    "GREEDY", "GenerationResult", "GenerationStats", "Backend", "TransformersModel", "Engine", "Request", "generate_many", "Sampler", "SpecdecError", "Step",
     "autoregressive_generate", "beam_search_generate", "check_pair", "load", "logits_to_probs", "sample", "speculative_generate",
     "verify_draft", "verify_greedy", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
     "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",

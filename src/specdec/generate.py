@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .backends import Backend
+from .backends import Backend, Segment
 from .backends.cache import cache_length, compact_cache, crop_cache
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import one_hot
@@ -141,22 +141,8 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
                             seed: int | None = None, on_step: StepCallback | None = None) -> GenerationResult:
     """Generate one token per target forward, with a KV cache: the baseline to beat."""
-    prompt, limit, limit_reason, eos = _validate(prompt_ids, [model], max_new_tokens, eos_token_ids)
-    generator = _generator(seed, model.device)
-    out = _Output(limit, limit_reason, eos, on_step)
-    cache = model.new_cache()
-    out.start_clock()
-    with _timed(out.stats, "target_seconds"):
-        pending = model.prefill(prompt, cache)
-    while not out.done:
-        with _timed(out.stats, "target_seconds"):
-            logits = model.forward(pending, cache, num_logits=1)
-        out.stats.target_forwards += 1
-        token = int(_target_token(logits[-1], sampler, generator))
-        out.add(Step([], 0, token, []))
-        pending = [token]
-    out.stats.greedy = sampler.is_greedy
-    return out.finish()
+    return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
+                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step))
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
@@ -192,107 +178,167 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     `max_new_tokens` and the context limit. Generation stops at any id in `eos_token_ids`
     (default: the target's), also when one arrives inside an accepted draft.
     """
-    if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):  # a model
-        drafter = ModelDrafter(drafter)
-    trees = hasattr(drafter, "propose_tree")
-    reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
-    if trees and not getattr(target, "tree_masks", True):
-        raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
-                           "use a chain method, or --dtype auto (transformers' weights) for trees")
-    if trees and lenience != 1:
-        raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
-    drafter.check_target(target)
-    if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
-        raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
-    if schedule is None:
-        schedule = Fixed(gamma)
-    models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
-    prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
-    # Two random streams: what the drafter draws never shifts the verification's draws.
-    generator = _generator(seed, target.device)
-    draft_generator = _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
-    out = _Output(limit, limit_reason, eos, on_step)
-    sequence = list(prompt)
-    target_cache = target.new_cache()
-    drafter.start(prompt)
-    schedule.reset()
-    stats = out.stats
-    out.start_clock()
-    with _timed(stats, "target_seconds"):
-        target.prefill(sequence, target_cache)  # the same call as the AR baseline's: identical cache entries
-    if reads_hidden:
-        with _timed(stats, "drafter_seconds"):
-            drafter.observe(target.pass_hidden)
+    return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
+                        eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
+                        schedule=schedule, lenience=lenience, debug=debug))
 
-    if first_target:
-        with _timed(stats, "target_seconds"):
-            logits = target.forward(sequence[cache_length(target_cache):], target_cache, num_logits=1)
-        stats.target_forwards += 1
-        sequence += out.add(Step([], 0, int(_target_token(logits[-1], sampler, generator)), []))
-        if reads_hidden:
-            with _timed(stats, "drafter_seconds"):
-                drafter.observe(target.pass_hidden)
 
-    while not out.done:
-        # 1. Draft, leaving room for the target's own token: never past the output limit.
-        #    A tree drafter proposes a token tree (trees.py) no deeper than the budget.
-        budget = min(schedule.budget(), out.remaining - 1)
-        step_start, passes = time.perf_counter(), drafter.forwards
+def run(decoding: "Decoding") -> GenerationResult:
+    """One sequence to its end, one target pass per step: what the engine does for many at once."""
+    decoding.prefill()
+    target = decoding.target
+    while not decoding.done:
+        segment = decoding.plan()
+        began = time.perf_counter()
+        logits = target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents)
+        decoding.commit(logits, time.perf_counter() - began)
+    return decoding.result()
+
+
+class Decoding:
+    """One sequence's decoding, a step at a time: `plan` drafts and says what the target's next pass
+    must score (a `Segment`), `commit` verifies what that pass returned, rolls the caches back and
+    emits. `run` drives one with `forward`; the engine drives many, their passes batched. With no
+    drafter it is autoregressive decoding (every pass scores the pending token alone).
+
+    Options as `speculative_generate`'s. Everything random comes from this sequence's own two
+    generators, in the same order whatever else shares its passes, so a seed pins its output.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter | None = None, *,
+                 gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
+                 eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
+                 on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
+                 debug: bool = False):
+        if drafter is not None and not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
+            drafter = ModelDrafter(drafter)  # a model
+        self.trees = hasattr(drafter, "propose_tree")
+        self.reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
+        if drafter is not None:
+            if self.trees and not getattr(target, "tree_masks", True):
+                raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
+                                   "use a chain method, or --dtype auto (transformers' weights) for trees")
+            if self.trees and lenience != 1:
+                raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
+            drafter.check_target(target)
+            if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
+                raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
+        self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
+        self.lenience, self.debug = lenience, debug
+        self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
+        models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
+        prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
+        # Two random streams: what the drafter draws never shifts the verification's draws.
+        self.generator = _generator(seed, target.device)
+        self.draft_generator = None if drafter is None else \
+            _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
+        self.out = _Output(limit, limit_reason, eos, on_step)
+        self.stats = self.out.stats
+        self.sequence = list(prompt)
+        self.cache = None
+        self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
+        self._draft = None
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    def prefill(self) -> None:
+        """Start: a cache for the target, the prompt fed (the same call as every loop's), the drafter told."""
+        self.cache = self.target.new_cache()
+        if self.drafter is not None:
+            self.drafter.start(self.sequence)
+            self.schedule.reset()
+        self.out.start_clock()
+        with _timed(self.stats, "target_seconds"):
+            self.target.prefill(self.sequence, self.cache)  # the same call as the AR baseline's: identical cache entries
+        if self.reads_hidden:
+            with _timed(self.stats, "drafter_seconds"):
+                self.drafter.observe(self.target.pass_hidden)
+
+    def plan(self) -> Segment:
+        """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's
+        own token, never past the output limit -> what the target's next pass scores: the tokens it
+        has not seen and the whole draft (a tree under its tree attention mask)."""
+        pending = self.sequence[cache_length(self.cache):]
+        if self._target_only:
+            self._draft = None
+            return Segment(pending, self.cache, 1)
+        drafter, stats = self.drafter, self.stats
+        budget = min(self.schedule.budget(), self.out.remaining - 1)
+        self._step_start, self._passes = time.perf_counter(), drafter.forwards
         if budget <= 0:
-            draft = Tree([], []) if trees else Draft([])
-        elif trees:
-            draft = drafter.propose_tree(sequence, budget, sampler, draft_generator)
+            draft = Tree([], []) if self.trees else Draft([])
+        elif self.trees:
+            draft = drafter.propose_tree(self.sequence, budget, self.sampler, self.draft_generator)
         else:
-            draft = drafter.propose(sequence, budget, sampler, draft_generator, schedule.keep_going)
-        drafted_at = time.perf_counter()
-        stats.drafter_seconds += drafted_at - step_start
-        stats.drafter_passes_per_step.append(drafter.forwards - passes)
-
-        # 2. Score: one target pass over the tokens it has not seen and the whole draft (a tree
-        #    under its tree attention mask).
-        pending = sequence[cache_length(target_cache):]
-        parents = input_parents(len(pending), draft.parents) if trees else None
-        with _timed(stats, "target_seconds"):
-            logits = target.forward(pending + draft.tokens, target_cache, num_logits=len(draft.tokens) + 1,
-                                    parents=parents)  # [γ+1, V]
-        stats.target_forwards += 1
+            draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
+        self._drafted_at = time.perf_counter()
+        stats.drafter_seconds += self._drafted_at - self._step_start
+        stats.drafter_passes_per_step.append(drafter.forwards - self._passes)
         stats.widths_per_step.append(len(pending) + len(draft.tokens))
+        self._draft, self._budget, self._pending = draft, budget, len(pending)
+        parents = input_parents(len(pending), draft.parents) if self.trees else None
+        return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
-        # 3. Verify: the acceptance rule lives in verify.py alone.
-        details = {} if debug else None
-        if trees:
-            path, next_token = _verify_tree(logits, draft, sampler, generator, details)
+    def commit(self, logits: torch.Tensor, pass_seconds: float) -> list[int]:
+        """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
+        verify.py alone), roll back what was rejected, emit -> the tokens emitted."""
+        stats, drafter, draft = self.stats, self.drafter, self._draft
+        stats.target_seconds += pass_seconds
+        stats.target_forwards += 1
+        if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
+            emitted = self.out.add(Step([], 0, int(_target_token(logits[-1], self.sampler, self.generator)), []))
+            self.sequence += emitted
+            self._target_only = drafter is None
+            if self.reads_hidden:
+                with _timed(stats, "drafter_seconds"):
+                    drafter.observe(self.target.pass_hidden)
+            return emitted
+        details = {} if self.debug else None
+        if self.trees:
+            path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details)
             num_accepted = len(path)
         else:
-            num_accepted, next_token = _verify(logits, draft, sampler, generator, lenience, details)
+            num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details)
 
-        # 4. Roll back: rejected positions leave both caches (a tree keeps its accepted path).
-        if trees:
-            compact_cache(target_cache, len(sequence), path)
+        # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
+        length = len(self.sequence)
+        if self.trees:
+            compact_cache(self.cache, length, path)
         else:
-            crop_cache(target_cache, len(sequence) + num_accepted)
+            crop_cache(self.cache, length + num_accepted)
         with _timed(stats, "drafter_seconds"):
-            if not trees:
-                drafter.rollback(len(sequence) + num_accepted)
-            elif budget > 0:  # no tree was proposed otherwise
-                drafter.keep_path(len(sequence), path)
-            if reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
-                accepted = path if trees else range(num_accepted)
-                drafter.observe(target.pass_hidden[list(range(len(pending))) + [len(pending) + i for i in accepted]])
-        schedule.update(len(draft.tokens), num_accepted)
+            if not self.trees:
+                drafter.rollback(length + num_accepted)
+            elif self._budget > 0:  # no tree was proposed otherwise
+                drafter.keep_path(length, path)
+            if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
+                accepted = path if self.trees else range(num_accepted)
+                drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
+                                                        [self._pending + i for i in accepted]])
+        self.schedule.update(len(draft.tokens), num_accepted)
         # greedy output is the same whatever the draft lengths, so timings may steer them; a seed
         # under sampling pins the output, and draft lengths decide which random draws are used
-        if seed is None or sampler.is_greedy:
-            timings = (drafted_at - step_start, drafter.forwards - passes, time.perf_counter() - drafted_at,
-                       len(pending) + len(draft.tokens), num_accepted + 1)
-            (drafter if trees else schedule).timing(*timings)
-        step = Step(draft.tokens, num_accepted, next_token, [], {**schedule.step_info(), **(details or {})})
-        if trees:
+        if self.seed is None or self.sampler.is_greedy:
+            timings = (self._drafted_at - self._step_start, drafter.forwards - self._passes,
+                       time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
+            (drafter if self.trees else self.schedule).timing(*timings)
+        step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})})
+        if self.trees:
             step.tree_parents, step.path = draft.parents, path
-        sequence += out.add(step)
-    stats.drafter_forwards = drafter.forwards
-    stats.lenience, stats.greedy = float(lenience), sampler.is_greedy
-    return out.finish()
+        emitted = self.out.add(step)
+        self.sequence += emitted
+        return emitted
+
+    def result(self) -> GenerationResult:
+        """The finished generation (its stats closed); the cache is let go."""
+        self.cache = None
+        self.stats.drafter_forwards = self.drafter.forwards if self.drafter is not None else 0
+        if self.drafter is not None:
+            self.stats.lenience = float(self.lenience)
+        self.stats.greedy = self.sampler.is_greedy
+        return self.out.finish()
 
 
 @contextlib.contextmanager

@@ -271,10 +271,11 @@ class TransformersModel:
             parts.append((start, spans))
             start += new
         cache = SegmentedCache([s.cache for s in segments], [len(s.input_ids) for s in segments])
-        no_masks = {kind: None for kind in ("full_attention", "sliding_attention")}  # attention reads `parts`
+        # a prepared 4D mask is passed through as it is; attention reads each row's keys from `parts`
+        unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         with segmented(cache, parts):
             hidden = self._decoder(input_ids=torch.cat(ids).view(1, -1), position_ids=torch.cat(positions).view(1, -1),
-                                   past_key_values=cache, use_cache=True, attention_mask=no_masks).last_hidden_state[0]
+                                   past_key_values=cache, use_cache=True, attention_mask=unused_mask).last_hidden_state[0]
             rows = torch.cat([hidden[first + len(s.input_ids) - s.num_logits:first + len(s.input_ids)]
                               for (first, _), s in zip(parts, segments)])
             logits = self._logits(rows)

@@ -1,0 +1,151 @@
+"""The engine: many sequences, one target pass per step. A sequence's output must not depend on what
+shares its passes: greedy output token-identical to that prompt's AR alone, a seeded sampled one to
+the same seed alone, at every batch size; and the batched sampled law is the target's."""
+
+import copy
+
+import pytest
+import torch
+
+from specdec import (Engine, Request, Sampler, SpecdecError, autoregressive_generate, generate_many,
+                     speculative_generate)
+from specdec.drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+
+from conftest import tiny_model
+from test_rows import _ids, qwen_like
+from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
+
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A bf16 row-exact target, a drafter that agrees with it (its copy) and one that mostly does not."""
+    target = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    same = copy.deepcopy(target)
+    other = qwen_like(torch.bfloat16, exact_rows=True, layers=1, seed=1)
+    return target, same, other
+
+
+def _prompts():
+    # mostly repetitive, so prompt lookup finds matches; different lengths
+    return [(_ids(6, VOCAB, i) * 3)[: 5 + 4 * i] for i in range(5)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 5])
+def test_greedy_outputs_equal_each_ar_alone_at_every_batch_size(pair, max_batch):
+    target, same, other = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in prompts]
+    drafters = [None, same, other, LookupDrafter, lambda: NgramDrafter(3), lambda: make_tree_drafter("sides", other)]
+    for drafter in drafters:
+        results = generate_many(prompts, target, drafter, max_batch=max_batch, max_new_tokens=12, eos_token_ids=[])
+        assert [r.tokens for r in results] == reference, drafter
+
+
+def test_requests_with_different_methods_share_passes(pair):
+    target, same, other = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+    engine = Engine(target, max_batch=5)
+    methods = [None, same, LookupDrafter, lambda: make_tree_drafter("mixed", other), other]
+    ids = [engine.add(Request(p, m, max_new_tokens=10, eos_token_ids=[])) for p, m in zip(prompts, methods)]
+    results = engine.run()
+    assert [results[i].tokens for i in ids] == reference
+    # the copy drafts what the target says: its sequence needed fewer passes than plain decoding
+    assert results[ids[1]].stats.target_forwards < results[ids[0]].stats.target_forwards
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "tree"])
+def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
+    target, _, other = pair
+    prompts, sampler = _prompts(), Sampler(temperature=1.0, top_k=50)
+    make = {"none": None, "model": other, "tree": lambda: make_tree_drafter("sides", other)}[drafter]
+    seeds = [11, 12, 13, 14, 15]
+    batched = generate_many(prompts, target, make, max_batch=3, seeds=seeds, sampler=sampler, max_new_tokens=10,
+                            eos_token_ids=[], gamma=3)
+    for prompt, seed, result in zip(prompts, seeds, batched):
+        if make is None:
+            alone = autoregressive_generate(prompt, target, sampler, max_new_tokens=10, eos_token_ids=[], seed=seed)
+        else:
+            drafter_alone = make() if drafter == "tree" else other
+            alone = speculative_generate(prompt, target, drafter_alone, gamma=3, sampler=sampler, max_new_tokens=10,
+                                         eos_token_ids=[], seed=seed)
+        assert result.tokens == alone.tokens
+
+
+def test_steps_stream_each_requests_tokens_and_admission_waits_at_max_batch(pair):
+    target, same, _ = pair
+    prompts = _prompts()
+    engine = Engine(target, max_batch=2)
+    ids = [engine.add(Request(p, same, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    streamed = {i: [] for i in ids}
+    first = engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 3 and set(first) == set(ids[:2])
+    for i, tokens in first.items():
+        streamed[i] += tokens
+    while engine.busy:
+        assert len(engine.running) <= 2
+        for i, tokens in engine.step().items():
+            streamed[i] += tokens
+    assert all(streamed[i] == engine.results[i].tokens for i in ids)
+
+
+def test_a_cancelled_request_frees_its_cache_and_the_others_go_on(pair):
+    target, _, other = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in prompts]
+    engine = Engine(target, max_batch=5)
+    ids = [engine.add(Request(p, other, max_new_tokens=12, eos_token_ids=[])) for p in prompts]
+    engine.step()
+    decoding = engine.running[ids[2]]
+    assert decoding.cache is not None
+    assert engine.cancel(ids[2]) and ids[2] not in engine.running and decoding.cache is None
+    assert not engine.cancel(ids[2])  # gone
+    results = engine.run()
+    assert ids[2] not in results
+    assert [results[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
+
+
+def test_a_finished_request_lets_its_cache_go(pair):
+    target, _, _ = pair
+    engine = Engine(target, max_batch=2)
+    short, long = engine.add(Request(_prompts()[0], max_new_tokens=2)), engine.add(Request(_prompts()[1], max_new_tokens=6))
+    engine.step()
+    engine.step()
+    assert short in engine.results and short not in engine.running and long in engine.running
+
+
+def test_batched_sampling_follows_the_target_law():
+    """Many unseeded-looking (distinct seeds) sampled sequences, 16 per pass, drafted by another
+    model: the joint law of their first four tokens is the target's (chi-square)."""
+    target = tiny_model(0, vocab=4, name="tiny-target", exact_rows=True)
+    drafter = tiny_model(1, vocab=4, layers=1, name="tiny-drafter")
+    prompt, length, runs = [2, 3, 1], 4, 600
+
+    class Reference:  # cache-free conditionals of the target
+        def next_probs(self, context, sampler):
+            return sampler.probs(target.forward(context, None, 1)[-1])
+
+    sampler = Sampler(1.0)
+    joint = exact_joint(Reference(), prompt, length, sampler)
+    results = generate_many([prompt], target, drafter, max_batch=16, samples=runs, seeds=list(range(runs)),
+                            sampler=sampler, max_new_tokens=length, eos_token_ids=[], gamma=3)
+    samples = [tuple(r.tokens) for r in results]
+    assert sum(s.num_accepted < len(s.draft_tokens) for r in results for s in r.steps) > runs  # rejections happened
+    assert chi_square_pvalue(samples, joint) > ALPHA
+
+
+def test_engine_errors_are_clear(pair):
+    target = pair[0]
+    with pytest.raises(SpecdecError, match="max_batch"):
+        Engine(target, max_batch=0)
+    with pytest.raises(SpecdecError, match="row-exact"):
+        Engine(tiny_model(0, exact_rows=False))
+    engine = Engine(target)
+    with pytest.raises(SpecdecError, match="empty prompt"):
+        engine.add(Request([]))
+    with pytest.raises(SpecdecError, match="samples"):
+        generate_many([[1]], target, samples=0)
+    with pytest.raises(SpecdecError, match="one per generated sequence"):
+        generate_many([[1], [2]], target, seeds=[1])
