@@ -293,3 +293,32 @@ def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
 def test_profile_errors_are_one_line(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_generate_prompts_file_gives_each_prompt_its_single_output(need_smollm2, tmp_path):
+    rows = [{"prompt": "def add(a, b):"}, {"prompt": "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,", "max_new_tokens": 6},
+            {"prompt": "Hello", "chat": True, "temperature": 0.8, "seed": 3}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--max-new-tokens", "10", "--json"]
+    result = runner.invoke(app, ["generate", "--prompts", str(path), "--batch-size", "2"] + common)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(lines) == 3 and all(line["batch_size"] == 2 for line in lines)
+    for row, line in zip(rows, lines):
+        extra = (["--chat"] if row.get("chat") else []) + (["--temperature", "0.8", "--seed", "3"] if "seed" in row else [])
+        alone = _json(["generate", row["prompt"]] + common[:-3] + ["--max-new-tokens", str(row.get("max_new_tokens", 10)),
+                                                                  "--json"] + extra)
+        assert line["tokens"] == alone["tokens"] and line["text"] == alone["text"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "holds no prompt"), ("not json\n", ":1: not a JSON object"), ('{"text": "x"}\n', "needs a non-empty string"),
+    ('{"prompt": "x", "colour": 1}\n', "unknown field(s) colour"), ('{"prompt": "x", "seed": "a"}\n', "'seed' must be"),
+    ('{"prompt": "x", "temperature": -1}\n', ":1: temperature must be"),
+])
+def test_generate_prompts_file_errors_name_the_line(tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    result = runner.invoke(app, ["generate", "--prompts", str(path)])
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

@@ -151,7 +151,12 @@ TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt text."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt text (or --prompts FILE)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="A JSONL file of prompts, one object per "
+                                                "line: 'prompt', and optionally 'chat', 'temperature', 'top_k', "
+                                                "'top_p', 'seed', 'max_new_tokens' (else the options'); generated "
+                                                "--batch-size at a time, one target pass per step for all."),
+    batch_size: int = typer.Option(8, "--batch-size", help="With --prompts: the most sequences decoded at once."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
                                 "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model; "
@@ -203,7 +208,15 @@ def generate(
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         if gamma < 1:
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
-        if not prompt.strip():
+        if prompts_file is not None:
+            if prompt is not None:
+                raise SpecdecError("give a prompt or --prompts FILE, not both")
+            rows = read_prompt_rows(prompts_file, sampler, max_new_tokens)  # before minutes of loading
+            if batch_size < 1:
+                raise SpecdecError(f"--batch-size must be >= 1, got {batch_size}")
+            if debug:
+                raise SpecdecError("--debug shows one generation's steps; drop it with --prompts")
+        elif prompt is None or not prompt.strip():
             raise SpecdecError("empty prompt")
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
         if tree != "off":
@@ -214,8 +227,34 @@ def generate(
         if method == Method.sd:
             _check_runs_on(dtype, f"--tree {tree}" if tree != "off" else self_spec and f"--drafter {drafter}")
             drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
+        if prompts_file is not None and batch_size > 1 and exact_rows is None:
+            exact_rows = True  # a sequence's output must not depend on what shares its passes
         target_model = _load(target, dtype, device, "target", exact_rows)
         drafter_used = None
+        if prompts_file is not None:
+            if self_spec:
+                raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
+                                   "passes do not keep yet; generate its prompts one at a time")
+            make_drafter = None
+            if method == Method.sd:
+                drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree == "lookup" else _load(
+                    drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+                if tree != "off":
+                    make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)  # noqa: E731
+                elif drafter == "ngram":
+                    make_drafter = lambda: NgramDrafter(ngram_n)  # noqa: E731
+                elif drafter == "lookup":
+                    make_drafter = LookupDrafter
+                else:
+                    make_drafter = drafter_model
+                seeded_plan = plan  # a seed under sampling pins the output: no measured costs (as alone)
+                if tree != "off":
+                    plan = seeded_plan = make_schedule("fixed", gamma_max)  # a tree's depth bound
+                elif schedule == "cost":
+                    plan = _cost_schedule(target_model, drafter_model, gamma_max)
+            plans = None if method == Method.ar else (plan, seeded_plan)
+            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat)
+            return
         if method == Method.sd:
             if self_spec:
                 drafter_used = self_drafter(self_spec, target_model, tree_nodes)
@@ -271,6 +310,86 @@ def generate(
         err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason} · "
                   f"weights: {target_model.weights}[/]",
                   highlight=False)
+
+
+def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
+    """The rows of a --prompts JSONL file, each with its sampler and limits resolved; a clear error
+    naming the line for anything else."""
+    from .samplers import Sampler
+
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SpecdecError(f"cannot read --prompts {path}: {exc.strerror or exc}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise SpecdecError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise SpecdecError(f"{path}:{number}: needs a non-empty string 'prompt'")
+        unknown = set(row) - {"prompt", "chat", "temperature", "top_k", "top_p", "seed", "max_new_tokens"}
+        if unknown:
+            raise SpecdecError(f"{path}:{number}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            row["sampler"] = Sampler(temperature=row.get("temperature", sampler.temperature),
+                                     top_k=row.get("top_k", sampler.top_k), top_p=row.get("top_p", sampler.top_p))
+        except (SpecdecError, TypeError) as exc:
+            raise SpecdecError(f"{path}:{number}: {exc}") from None
+        row["max_new_tokens"] = row.get("max_new_tokens", max_new_tokens)
+        seed = row.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise SpecdecError(f"{path}:{number}: 'seed' must be an integer")
+        rows.append(row)
+    if not rows:
+        raise SpecdecError(f"{path} holds no prompt")
+    return rows
+
+
+def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plans, method: str,
+                    as_json: bool, chat: bool) -> None:
+    """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
+    file's order (a JSON line per prompt with --json), then one summary line. plans: (schedule,
+    schedule for seeded sampled rows), each copied per row, or None for AR; a row gets what a
+    generation of its prompt alone would get, so its output is that generation's."""
+    import copy
+    import time
+
+    from .engine import Engine, Request
+
+    engine = Engine(target_model, batch_size)
+    ids = []
+    for row in rows:
+        plan = None
+        if plans is not None:
+            plan = plans[1] if row.get("seed") is not None and not row["sampler"].is_greedy else plans[0]
+        ids.append(engine.add(Request(
+            target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), make_drafter, sampler=row["sampler"],
+            max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
+            schedule=(lambda plan=plan: copy.deepcopy(plan)) if plan is not None else None)))
+    began = time.perf_counter()
+    with err.status(f"generating {len(rows)} prompts, {batch_size} at a time…"):
+        results = engine.run()
+    seconds = time.perf_counter() - began
+    out = Console()
+    for number, (row, request_id) in enumerate(zip(rows, ids), 1):
+        result = results[request_id]
+        text = target_model.decode(result.tokens)
+        if as_json:
+            print(json.dumps({"text": text, "tokens": result.tokens, "stats": result.stats.to_dict(),
+                              "stop_reason": result.stop_reason, "method": method, "target": target_model.name,
+                              "weights": {"target": target_model.weights}, "sampler": row["sampler"].describe(),
+                              "batch_size": batch_size}, ensure_ascii=False))
+        else:
+            out.rule(f"prompt {number}", style="dim")
+            out.print(text, highlight=False)
+    tokens = sum(len(r.tokens) for r in results.values())
+    err.print(f"[dim]{len(rows)} prompts · {tokens} tokens in {seconds:.2f} s · {tokens / seconds:.2f} tok/s "
+              f"in all · {engine.passes} target passes · batch {batch_size} · weights: {target_model.weights}[/]",
+              highlight=False)
 
 
 @app.command()
