@@ -322,3 +322,17 @@ def test_generate_prompts_file_errors_name_the_line(tmp_path, content, message):
     path.write_text(content)
     result = runner.invoke(app, ["generate", "--prompts", str(path)])
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["x"], "give a prompt or --prompts FILE, not both"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--debug"], "drop it with --prompts"),
+    (["--drafter", "self-skip"], "batched passes do not keep yet"),
+    (["--dtype", "gguf", "--method", "ar"], "holds one sequence per model"),
+])
+def test_generate_prompts_option_errors_come_before_loading(tmp_path, args, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    result = runner.invoke(app, ["generate", "--prompts", str(path), "--target", "no-such-model"] + args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

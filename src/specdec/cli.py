@@ -200,6 +200,7 @@ def generate(
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
     from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
     from .generate import autoregressive_generate, speculative_generate
+    from .models import resolve_device
     from .samplers import Sampler
     from .schedules import make_schedule
 
@@ -227,14 +228,18 @@ def generate(
         if method == Method.sd:
             _check_runs_on(dtype, f"--tree {tree}" if tree != "off" else self_spec and f"--drafter {drafter}")
             drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
-        if prompts_file is not None and batch_size > 1 and exact_rows is None:
-            exact_rows = True  # a sequence's output must not depend on what shares its passes
-        target_model = _load(target, dtype, device, "target", exact_rows)
-        drafter_used = None
-        if prompts_file is not None:
+        if prompts_file is not None:  # before minutes of loading
             if self_spec:
                 raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
                                    "passes do not keep yet; generate its prompts one at a time")
+            if dtype == "gguf" and batch_size > 1:
+                raise SpecdecError("llama.cpp's backend (--dtype gguf) holds one sequence per model; use "
+                                   "--batch-size 1, or --dtype auto to batch")
+            if batch_size > 1 and exact_rows is None and resolve_device(device).type == "cpu":
+                exact_rows = True  # a sequence's output must not depend on what shares its passes
+        target_model = _load(target, dtype, device, "target", exact_rows)
+        drafter_used = None
+        if prompts_file is not None:
             make_drafter = None
             if method == Method.sd:
                 drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree == "lookup" else _load(
