@@ -1,7 +1,11 @@
-"""The decoding loops: autoregressive (the baseline) and speculative (Leviathan et al., Algorithm 1).
+"""Decoding one sequence: autoregressive (the baseline) and speculative (Leviathan et al., Algorithm 1).
 
-Both caches always hold every token of the sequence except those not yet fed; after verification
-the rejected draft positions are cropped from both, so no accepted token is ever recomputed.
+`Decoding` is one sequence's state, a step at a time: schedule -> draft -> (one target pass) ->
+verify -> roll back. `run` makes the passes with `forward` (`autoregressive_generate`,
+`speculative_generate`); the engine (engine/) makes them for many sequences with one
+`forward_batch`. Both caches always hold every token of the sequence except those not yet fed;
+after verification the rejected draft positions are cropped from both, so no accepted token is
+ever recomputed.
 """
 
 from __future__ import annotations
