@@ -266,6 +266,8 @@ def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, lla
     assert sd["tokens"] == ar["tokens"] and len(ar["tokens"]) == 12
     assert sd["weights"]["target"] == ar["weights"]["target"] != "gguf"
     assert ar["weights"]["drafter"] is None
+    model_drafted = drafter[1] not in ("ngram", "lookup")  # a drafter model, or the target's own layers
+    assert (sd["weights"]["drafter"] is not None) == model_drafted and sd["weights"]["drafter"] != "gguf"
 
 
 def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):

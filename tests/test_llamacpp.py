@@ -153,6 +153,7 @@ def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
 
 
 @NEEDS_LLAMA
+@pytest.mark.real
 def test_llama_cpp_peers_in_a_bench_run(tmp_path):
     """One tiny bench with our AR on GGUF weights and llama.cpp's two peers (SmolLM2 drafting for itself)."""
     from specdec.bench.run import run_benchmark

@@ -57,6 +57,12 @@ def _check_runs_on(dtype: str, what: str | None) -> None:
                            "use --dtype auto (transformers' weights)")
 
 
+def _weights_of(drafter) -> str | None:
+    """The weights a drafter model runs (a model, or a drafter holding one); None for model-free ones."""
+    model = drafter if hasattr(drafter, "forward") else getattr(drafter, "model", None)
+    return getattr(model, "weights", None)
+
+
 def _cost_schedule(target_model, drafter_model, gamma_max: int):
     """The cost-aware schedule with this machine's pass costs (passcost.py: measured once, cached),
     so that where no draft can pay it drafts nothing from the first step."""
@@ -301,8 +307,7 @@ def generate(
         payload = {"text": target_model.decode(result.tokens), "tokens": result.tokens, "stats": stats,
                    "stop_reason": result.stop_reason, "method": method.value, "target": target_model.name,
                    "drafter": drafter_used.name if drafter_used is not None else None,
-                   "weights": {"target": target_model.weights,
-                               "drafter": getattr(getattr(drafter_used, "model", None), "weights", None)},
+                   "weights": {"target": target_model.weights, "drafter": _weights_of(drafter_used)},
                    "sampler": sampler.describe(), "schedule": plan.describe() if method == Method.sd else None,
                    "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info,
                               **({"parents": s.tree_parents, "path": s.path} if s.tree_parents is not None else {})}
