@@ -145,6 +145,8 @@ def test_engine_errors_are_clear(pair):
     engine = Engine(target)
     with pytest.raises(SpecdecError, match="empty prompt"):
         engine.add(Request([]))
+    with pytest.raises(SpecdecError, match="holds one sequence's state"):
+        engine.add(Request([1, 2], LookupDrafter()))  # one object shared by every request would mix their states
     with pytest.raises(SpecdecError, match="samples"):
         generate_many([[1]], target, samples=0)
     with pytest.raises(SpecdecError, match="one per generated sequence"):
