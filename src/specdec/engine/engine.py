@@ -125,7 +125,7 @@ class Engine:
 
     def _decoding(self, request: Request) -> Decoding:
         drafter = request.drafter
-        if hasattr(drafter, "propose") or hasattr(drafter, "propose_tree"):
+        if not isinstance(drafter, type) and (hasattr(drafter, "propose") or hasattr(drafter, "propose_tree")):
             raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
                                f"each (e.g. {type(drafter).__name__} itself, or a lambda), or a drafter model")
         if callable(drafter) and not hasattr(drafter, "forward"):
