@@ -47,6 +47,17 @@ def _alone(model, segment):
     return model.forward(segment.input_ids, segment.cache, segment.num_logits, segment.parents, segment.tree_start)
 
 
+def _each_alone(model, segments, caches):
+    """Each segment's logits from its own pass over a copy of its cache; then the segments hold
+    `caches` again, as they were, for the batched pass."""
+    alone = []
+    for segment, cache in zip(segments, caches):
+        segment.cache = copy.deepcopy(cache)
+        alone.append(_alone(model, segment))
+        segment.cache = cache
+    return alone
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_batched_rows_equal_each_sequence_alone_bit_for_bit(dtype):
     model = qwen_like(dtype, exact_rows=True)
@@ -54,11 +65,7 @@ def test_batched_rows_equal_each_sequence_alone_bit_for_bit(dtype):
     drafts = [_ids(4, VOCAB, 5), [], tuple(_ids(len(TREE), VOCAB, 6)), _ids(1, VOCAB, 7)]
     caches, pending = _prefilled(model, prompts)
     segments = _segments(pending, drafts)
-    alone = []
-    for segment, cache in zip(segments, caches):
-        segment.cache = copy.deepcopy(cache)
-        alone.append(_alone(model, segment))
-        segment.cache = cache
+    alone = _each_alone(model, segments, caches)
     batched = model.forward_batch(segments)
     assert [b.shape for b in batched] == [a.shape for a in alone]
     for b, a in zip(batched, alone):
@@ -73,11 +80,7 @@ def test_a_wide_batch_of_twelve_sequences_keeps_every_row(dtype):
     model = qwen_like(dtype, exact_rows=True, layers=1)
     caches, pending = _prefilled(model, [_ids(10 + 3 * i, VOCAB, i) for i in range(12)])
     segments = _segments(pending, [_ids(5, VOCAB, 100 + i) for i in range(12)])
-    alone = []
-    for segment, cache in zip(segments, caches):
-        segment.cache = copy.deepcopy(cache)
-        alone.append(_alone(model, segment))
-        segment.cache = cache
+    alone = _each_alone(model, segments, caches)
     assert all(torch.equal(b, a) for b, a in zip(model.forward_batch(segments), alone))
 
 
@@ -117,11 +120,7 @@ def test_the_batched_test_sees_a_sequence_reading_another_ones_keys(monkeypatch)
     model = qwen_like(torch.float32, exact_rows=True, layers=1)
     caches, pending = _prefilled(model, [_ids(12, VOCAB, 20), _ids(30, VOCAB, 21)])
     segments = _segments(pending, [_ids(2, VOCAB, 22), _ids(3, VOCAB, 23)])
-    alone = []
-    for segment, cache in zip(segments, caches):
-        segment.cache = copy.deepcopy(cache)
-        alone.append(_alone(model, segment))
-        segment.cache = cache
+    alone = _each_alone(model, segments, caches)
     real_layer = SegmentedCache.layer
 
     def swapped(self, layer_idx):
