@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specdec import registry
+from specdec import SpecdecError, registry
 from specdec.cli import app
 
 runner = CliRunner()
@@ -303,7 +303,8 @@ def test_generate_prompts_file_gives_each_prompt_its_single_output(need_smollm2,
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--max-new-tokens", "10", "--json"]
-    result = runner.invoke(app, ["generate", "--prompts", str(path), "--batch-size", "2"] + common)
+    result = runner.invoke(app, ["generate", "--prompts", str(path), "--batch-size", "2", "--kv-memory", "64MiB"]
+                           + common)
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert len(lines) == 3 and all(line["batch_size"] == 2 for line in lines)
@@ -312,6 +313,16 @@ def test_generate_prompts_file_gives_each_prompt_its_single_output(need_smollm2,
         alone = _json(["generate", row["prompt"]] + common[:-3] + ["--max-new-tokens", str(row.get("max_new_tokens", 10)),
                                                                   "--json"] + extra)
         assert line["tokens"] == alone["tokens"] and line["text"] == alone["text"]
+
+
+def test_sizes_parse_in_the_units_users_write():
+    from specdec.cli import parse_bytes
+
+    assert parse_bytes("2GiB", "--kv-memory") == 2 * 2**30 and parse_bytes("1.5 GB", "--kv-memory") == 1.5e9
+    assert parse_bytes("512mib", "--kv-memory") == 512 * 2**20 and parse_bytes("1000", "--kv-memory") == 1000
+    with pytest.raises(SpecdecError, match="--kv-memory takes a size"):
+        parse_bytes("2 parsecs", "--kv-memory")
+    assert runner.invoke(app, ["generate", "x", "--kv-memory", "1GiB"]).output.count("use it with --prompts") == 1
 
 
 @pytest.mark.parametrize("content,message", [
@@ -332,6 +343,8 @@ def test_generate_prompts_file_errors_name_the_line(tmp_path, content, message):
     (["--debug"], "drop it with --prompts"),
     (["--drafter", "self-skip"], "batched passes do not keep yet"),
     (["--dtype", "gguf", "--method", "ar"], "holds one sequence per model"),
+    (["--kv-memory", "lots"], "--kv-memory takes a size such as 2GiB"),
+    (["--kv-memory", "0MiB"], "--kv-memory takes a size"),
 ])
 def test_generate_prompts_option_errors_come_before_loading(tmp_path, args, message):
     path = tmp_path / "prompts.jsonl"

@@ -120,7 +120,7 @@ def test_batched_sampling_follows_the_target_law():
     """Many unseeded-looking (distinct seeds) sampled sequences, 16 per pass, drafted by another
     model: the joint law of their first four tokens is the target's (chi-square)."""
     target = tiny_model(0, vocab=4, name="tiny-target", exact_rows=True)
-    drafter = tiny_model(1, vocab=4, layers=1, name="tiny-drafter")
+    drafter = tiny_model(1, vocab=4, layers=1, name="tiny-drafter", exact_rows=True)  # its passes batched too
     prompt, length, runs = [2, 3, 1], 4, 600
 
     class Reference:  # cache-free conditionals of the target
@@ -134,6 +134,74 @@ def test_batched_sampling_follows_the_target_law():
     samples = [tuple(r.tokens) for r in results]
     assert sum(s.num_accepted < len(s.draft_tokens) for r in results for s in r.steps) > runs  # rejections happened
     assert chi_square_pvalue(samples, joint) > ALPHA
+
+
+def test_sequences_sharing_a_drafter_model_draft_in_one_pass_per_round(pair):
+    """The drafter model's passes are batched across sequences (lock step), and every output is
+    still its AR alone; under a seed each sampled output is still its run alone."""
+    target, _, other = pair
+    prompts = _prompts()
+    widths = []
+    batched = other.forward_batch
+
+    def counting(segments):
+        widths.append(len(segments))
+        return batched(segments)
+
+    other.forward_batch = counting
+    try:
+        reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+        results = generate_many(prompts, target, other, max_batch=5, max_new_tokens=10, eos_token_ids=[], gamma=3)
+        assert [r.tokens for r in results] == reference
+        assert widths and max(widths) == 5
+    finally:
+        del other.forward_batch
+
+
+def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output(pair):
+    """An int8 drafter rounds a row otherwise in a wide pass than alone: greedy and unseeded
+    sequences still share its passes (their outputs do not hang on draft values), a seeded sampled
+    one drafts alone, and equals the same seed's run alone."""
+    from specdec import TransformersModel
+    from specdec.kernels import int8_supported
+
+    target, _, other = pair
+    if not int8_supported(torch.device("cpu")):
+        pytest.skip("no int8 kernel on this CPU")
+    int8 = TransformersModel(copy.deepcopy(other.hf), None, "int8-drafter", role="drafter", exact_rows=True, int8=True)
+    assert not int8.rows_invariant and other.rows_invariant
+    prompts, sampler, seeds = _prompts(), Sampler(temperature=1.0, top_k=50), [21, 22, 23, 24, 25]
+    widths = []
+    batched = int8.forward_batch
+    int8.forward_batch = lambda segments: widths.append(len(segments)) or batched(segments)
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+    greedy = generate_many(prompts, target, int8, max_batch=5, max_new_tokens=10, eos_token_ids=[], gamma=3)
+    assert [r.tokens for r in greedy] == reference and max(widths) == 5
+    widths.clear()
+    seeded = generate_many(prompts, target, int8, max_batch=5, seeds=seeds, sampler=sampler, max_new_tokens=10,
+                           eos_token_ids=[], gamma=3)
+    assert not widths  # each seeded sequence drafted alone
+    for prompt, seed, result in zip(prompts, seeds, seeded):
+        alone = speculative_generate(prompt, target, int8, gamma=3, sampler=sampler, max_new_tokens=10,
+                                     eos_token_ids=[], seed=seed)
+        assert result.tokens == alone.tokens
+
+
+def test_admission_waits_at_the_kv_memory_budget(pair):
+    target, same, _ = pair
+    prompts = _prompts()
+    per_token = target.kv_bytes_per_token + same.kv_bytes_per_token
+    room = (len(prompts[-1]) + 8 + 64) * per_token  # the longest prompt's need, drafts included
+    engine = Engine(target, max_batch=5, kv_memory=2 * room)
+    ids = [engine.add(Request(p, same, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.running))
+        assert sum(engine.reserved.values()) <= 2 * room
+    assert most == 2 and set(engine.results) == set(ids)  # every request ran, none failed
+    with pytest.raises(SpecdecError, match="more than the whole budget"):
+        Engine(target, kv_memory=room // 2).add(Request(prompts[-1], same, max_new_tokens=8))
 
 
 def test_engine_errors_are_clear(pair):

@@ -218,3 +218,22 @@ def test_our_one_query_passes_pack_heads_and_transformers_own_do_not(monkeypatch
         model.hf(input_ids=torch.tensor([[3, 4]]), past_key_values=cache, use_cache=True)
         model.hf(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
     assert not calls
+
+
+def test_a_row_exact_pass_calls_each_gemm_with_two_to_32_rows():
+    """The row counts at which every CPU measured computes a row the same whatever else the call
+    holds (bf16 on an AMX Xeon changes from 33 rows on): a wide row-exact pass is cut to them, a
+    lone row padded to two, and the rows come back in order."""
+    from specdec.kernels import ROW_CHUNK, row_exact_calls
+
+    for rows in (1, 2, 31, 32, 33, 64, 65, 97):
+        sizes = []
+
+        def linear(flat):
+            sizes.append(len(flat))
+            return flat * 2
+
+        flat = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3)
+        assert torch.equal(row_exact_calls(linear, flat), flat * 2)
+        assert all(2 <= n <= ROW_CHUNK for n in sizes), (rows, sizes)
+        assert sum(sizes) == rows + (rows == 1)

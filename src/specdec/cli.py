@@ -77,6 +77,19 @@ def _cost_schedule(target_model, drafter_model, gamma_max: int):
     return make_schedule("cost", gamma_max=gamma_max, pass_costs=costs)
 
 
+def _chain_drafter_rows(tree: str, device: str, exact_rows: bool | None) -> bool | None:
+    """A chain drafter model's `exact_rows` on the CPU: on (unless --batched-rows), alone and in a
+    batch alike, so that the engine can batch its passes across sequences and a seeded sampled
+    prompt drafts the same in both. Its passes are a prompt (fed plainly either way) and then 1-2
+    tokens, where row-exact attention is one one-query call a row, as a decode step makes; a tree drafter keeps the
+    default (its depth passes would pay a call per row)."""
+    from .models import resolve_device
+
+    if tree != "off" or exact_rows is False or resolve_device(device).type != "cpu":
+        return None
+    return True
+
+
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
           vocab: int | None = None, vocab_corpus: str | None = None):
     from .models import load
@@ -163,6 +176,8 @@ def generate(
                                                 "'top_p', 'seed', 'max_new_tokens' (else the options'); generated "
                                                 "--batch-size at a time, one target pass per step for all."),
     batch_size: int = typer.Option(8, "--batch-size", help="With --prompts: the most sequences decoded at once."),
+    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="With --prompts: a budget for the running "
+                                            "sequences' KV caches (e.g. 2GiB, 512MiB); prompts beyond it wait."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
                                 "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model; "
@@ -223,6 +238,9 @@ def generate(
                 raise SpecdecError(f"--batch-size must be >= 1, got {batch_size}")
             if debug:
                 raise SpecdecError("--debug shows one generation's steps; drop it with --prompts")
+            kv_budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
+        elif kv_memory is not None:
+            raise SpecdecError("--kv-memory bounds a batch: use it with --prompts")
         elif prompt is None or not prompt.strip():
             raise SpecdecError("empty prompt")
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
@@ -249,7 +267,8 @@ def generate(
             make_drafter = None
             if method == Method.sd:
                 drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree == "lookup" else _load(
-                    drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+                    drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
+                    vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 if tree != "off":
                     make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)  # noqa: E731
                 elif drafter == "ngram":
@@ -264,7 +283,7 @@ def generate(
                 elif schedule == "cost":
                     plan = _cost_schedule(target_model, drafter_model, gamma_max)
             plans = None if method == Method.ar else (plan, seeded_plan)
-            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat)
+            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat, kv_budget)
             return
         if method == Method.sd:
             if self_spec:
@@ -281,8 +300,8 @@ def generate(
             elif drafter == "lookup":
                 drafter_used = LookupDrafter()
             else:
-                drafter_used = _load(drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab,
-                                     vocab_corpus=drafter_vocab_corpus)
+                drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
+                                     vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
             if schedule == "cost" and tree == "off" and not self_spec and (seed is None or sampler.is_greedy):
                 plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else drafter_used,
                                       gamma_max)
@@ -320,6 +339,20 @@ def generate(
         err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason} · "
                   f"weights: {target_model.weights}[/]",
                   highlight=False)
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes; SpecdecError naming `option` otherwise."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1:
+        raise SpecdecError(f"{option} takes a size such as 2GiB, 512MiB or 1.5GB, got {text!r}")
+    return int(float(match.group(1)) * UNITS[unit])
 
 
 def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
@@ -360,7 +393,7 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
 
 
 def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plans, method: str,
-                    as_json: bool, chat: bool) -> None:
+                    as_json: bool, chat: bool, kv_memory: int | None = None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
     file's order (a JSON line per prompt with --json), then one summary line. plans: (schedule,
     schedule for seeded sampled rows), each copied per row, or None for AR; a row gets what a
@@ -370,7 +403,7 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
 
     from .engine import Engine, Request
 
-    engine = Engine(target_model, batch_size)
+    engine = Engine(target_model, batch_size, kv_memory)
     ids = []
     for row in rows:
         plan = None
@@ -564,12 +597,19 @@ def bench(
     limit: int = typer.Option(20, help="Prompts per dataset (per task for datasets with tasks)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
                                         "translation, summarization, qa, math_reasoning, rag)."),
-    methods: str = typer.Option("ar,sd-cost,hf", help="Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
+    methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
+                                "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
                                 "medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec "
-                                "(llama.cpp, the peers extra)."),
+                                "(llama.cpp, the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
+                                "(ours, through the engine), hf-cb (transformers' continuous batching), hf-padded "
+                                "(its generate on padded batches)."),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Comma-separated levels, e.g. 1,2,4,8: "
+                                              "each method serves all prompts with that many in flight (the engine's "
+                                              "batch), reporting total and per-sequence tok/s, TTFT and TPOT p50/p99 "
+                                              "and outputs identical to level 1 (one --temperature)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
     gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
@@ -622,6 +662,22 @@ def bench(
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle,
                             skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
+        if concurrency is not None:
+            from .bench.concurrency import check_levels, check_load_methods, run_load_benchmark
+
+            try:
+                levels = [int(c) for c in _csv(concurrency)]
+            except ValueError:
+                raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {concurrency!r}") from None
+            check_levels(levels)
+            chosen = _csv(methods or "ar,sd-cost,lookup,tree-mixed,hf-cb,hf-padded")
+            check_load_methods(chosen)
+            if len(temperatures) != 1 or dtype != "auto" or samples != 1 or plot:
+                raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample and no --plot")
+            run_load_benchmark(_csv(dataset), limit, chosen, levels, target, drafter, settings, temperatures[0], seed,
+                               markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype)
+            return
+        methods = methods or "ar,sd-cost,hf"
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
@@ -659,7 +715,6 @@ def measure(
 
     from .bench.datasets import load_prompts
     from .bench.measure import measure_markdown, measure_plot, run_measure
-    from .bench.run import CHAT_DATASETS
     from .samplers import Sampler
 
     try:
@@ -681,7 +736,7 @@ def measure(
         target_model = _load(target, dtype, device, "target")
         drafter_model = _load(drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab,
                               vocab_corpus=drafter_vocab_corpus)
-        ids = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
+        ids = [target_model.encode(p.text, chat=p.chat) for p in prompts]
         result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
                              sizes)
     except SpecdecError as exc:

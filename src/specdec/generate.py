@@ -13,17 +13,17 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
 from .backends import Backend, Segment
 from .backends.cache import cache_length, compact_cache, crop_cache
 from .drafters import Draft, Drafter, ModelDrafter
-from .drafters.base import one_hot
+from .drafters.base import drive, one_hot
 from .errors import SpecdecError
 from .samplers import GREEDY, Sampler, greedy_tokens, sample
-from .schedules import Fixed, Schedule
+from .schedules import CostAware, Fixed, Schedule
 from .trees import Tree, input_parents
 from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
 
@@ -264,6 +264,33 @@ class Decoding:
         """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's
         own token, never past the output limit -> what the target's next pass scores: the tokens it
         has not seen and the whole draft (a tree under its tree attention mask)."""
+        return drive(self.planning(), self.drafter.model.forward if self.batches_drafts else None)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a seed pins this sequence's sampled output, so that any change in its drafts (their
+        lengths, or a drafter's logits rounded otherwise) would change it."""
+        return self.seed is not None and not self.sampler.is_greedy
+
+    @property
+    def steerable(self) -> CostAware | None:
+        """The cost-aware policy sizing this sequence's drafts, where the engine may impose the
+        batch's costs on it: only when draft lengths cannot change the output (greedy, or sampled
+        without a seed; the rule that keeps timings out of seeded runs)."""
+        if self.drafter is None or self.pinned:
+            return None
+        policy = getattr(self.drafter, "policy", None) if self.trees else self.schedule
+        return policy if isinstance(policy, CostAware) else None
+
+    @property
+    def batches_drafts(self) -> bool:
+        """Whether this sequence's drafter passes can be left to the caller (`planning`): a drafter
+        model's chains, whose passes the engine batches with other sequences' on the same model."""
+        return not self.trees and hasattr(self.drafter, "proposal")
+
+    def planning(self) -> Generator[Segment, torch.Tensor, Segment]:
+        """`plan`, with the drafter model's passes left to the caller: yields each drafter pass
+        (a `Segment` on `drafter.model`), is sent its logits, returns the target's `Segment`."""
         pending = self.sequence[cache_length(self.cache):]
         if self._target_only:
             self._draft = None
@@ -275,6 +302,9 @@ class Decoding:
             draft = Tree([], []) if self.trees else Draft([])
         elif self.trees:
             draft = drafter.propose_tree(self.sequence, budget, self.sampler, self.draft_generator)
+        elif self.batches_drafts:
+            draft = yield from drafter.proposal(self.sequence, budget, self.sampler, self.draft_generator,
+                                                self.schedule.keep_going)
         else:
             draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
         self._drafted_at = time.perf_counter()

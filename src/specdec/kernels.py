@@ -66,9 +66,9 @@ class PackedLinear(nn.Module):
     dense_rows > 0 keeps the original (e.g. bf16) weight too and uses it for inputs of at most
     that many rows; longer inputs go through the packed fp32 copy and come back in x's dtype.
 
-    In a row-exact pass (rows.py) a 1-row input is computed as the first row of a 2-row one:
-    oneDNN takes another path for one row, and only from 2 rows on is each row's result
-    independent of how many rows the call holds.
+    In a row-exact pass (rows.py) the rows go in calls of 2..ROW_CHUNK (`row_exact_calls`):
+    oneDNN takes another path for one row, and only from 2 rows on (up to 32 measured) is each
+    row's result independent of how many rows the call holds.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_rows: int = 0):
@@ -89,10 +89,14 @@ class PackedLinear(nn.Module):
         if rows <= self.dense_rows:
             return nn.functional.linear(x, self.dense_weight, self.dense_bias)
         flat = x.reshape(rows, self.in_features).float()
-        if rows == 1 and row_exact_active():
-            flat = torch.cat([flat, torch.zeros_like(flat)])
-        y = torch._C._nn.mkldnn_linear(flat.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
-        return y[:rows].view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if row_exact_active():
+            y = row_exact_calls(self._packed, flat)
+        else:
+            y = self._packed(flat)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._C._nn.mkldnn_linear(flat.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dense_rows={self.dense_rows}"
@@ -193,14 +197,36 @@ class TwoRowLinear(nn.Linear):
         return row_stable_linear(x, self.weight, self.bias)
 
 
+# The most rows one GEMM call takes in a row-exact pass. bf16 `F.linear` on an AMX Xeon (torch
+# 2.13, oneDNN) gives every row the same result in calls of 2..32 rows and another from 33 on (at
+# 1536x8960, 896x4864 and every Qwen shape probed); the EPYC agreed over 2..160 rows, packed fp32
+# over 2..32. A wider row-exact pass (a batch's) is cut into calls of at most this many rows.
+ROW_CHUNK = 32
+
+
+def row_exact_calls(linear, flat: torch.Tensor) -> torch.Tensor:
+    """`linear(rows)` over flat [n, K] in calls of 2..ROW_CHUNK rows, the row count at which every
+    CPU measured computes a row the same whatever else the call holds: a 1-row input (or a last
+    chunk of one row) is computed as the first row of a 2-row call -> [n, N]."""
+    if len(flat) > ROW_CHUNK:
+        cuts = list(range(0, len(flat), ROW_CHUNK))
+        if len(flat) - cuts[-1] == 1:
+            cuts[-1] -= 1  # a last chunk of 2 rows, not 1
+        bounds = cuts[1:] + [len(flat)]
+        return torch.cat([row_exact_calls(linear, flat[a:b]) for a, b in zip(cuts, bounds)])
+    if len(flat) == 1:
+        return linear(torch.cat([flat, torch.zeros_like(flat)]))[:1]
+    return linear(flat)
+
+
 def row_stable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, but inside a row-exact pass a 1-row x [..., K] is computed as
-    the first row of a 2-row call (see TwoRowLinear)."""
-    if x.numel() != x.shape[-1] or not row_exact_active():
+    """`F.linear(x, weight, bias)`, but inside a row-exact pass computed in calls of 2..ROW_CHUNK
+    rows (`row_exact_calls`; see TwoRowLinear)."""
+    rows = x.numel() // x.shape[-1]
+    if not row_exact_active() or 2 <= rows <= ROW_CHUNK:
         return nn.functional.linear(x, weight, bias)
-    flat = x.reshape(1, -1)
-    y = nn.functional.linear(torch.cat([flat, torch.zeros_like(flat)]), weight, bias)
-    return y[:1].view(*x.shape[:-1], weight.shape[0])
+    y = row_exact_calls(lambda flat: nn.functional.linear(flat, weight, bias), x.reshape(rows, -1))
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def pad_single_rows(module: nn.Module) -> int:

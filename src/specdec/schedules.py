@@ -341,13 +341,27 @@ class CostAware(Schedule):
         # draft or not; a plain probe costs more where drafting wins, so it waits longer
         self.kinds = FasterOf(self.warmup, self.probe, self.decay, {True: 4 * self.probe, False: self.probe})
         self.timed_steps = 0
+        self.imposed: bool | None = None  # the engine's decision for this step (`impose`), if any
 
     def budget(self) -> int:
         return self.gamma if self.should_draft() else 0
 
     def should_draft(self) -> bool:
         """Whether this step should draft at all (see the class docstring)."""
+        if self.imposed is not None:
+            return not self.never_pays and self.imposed
         return not self.never_pays and self.kinds.choose()
+
+    def impose(self, draft: bool, costs: tuple[float, float, float, float] | None) -> None:
+        """For this step, the engine's batch-level decision and costs (engine/policy.py) replace
+        what this generation measured alone (its timings are of passes it shared): whether to
+        draft, and (R, t_d, t_v, t_1) as `measured` holds them, or None for the starting thresholds."""
+        self.imposed = draft
+        if costs is None:
+            self.threshold, self.measured = self.prior, None
+        else:
+            rate, per_pass, slope, _ = costs
+            self.threshold, self.measured = min(0.99, rate * (per_pass + slope)), costs
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:

@@ -184,6 +184,21 @@ class TransformersModel:
         return int(getattr(self.hf.config, "max_position_embeddings", 0) or 1 << 30)
 
     @property
+    def rows_invariant(self) -> bool:
+        """Whether every row of a pass, batched ones included, is bit for bit the row a one-token pass
+        computes: row-exact attention and no layer that switches kernels by row count (the int8
+        short path, a bf16 short path over packed fp32, a frequent-token head)."""
+        return self.exact_rows and self.kernels in ("stock", "onednn-packed") and self._draft_head is None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached position takes: keys and values of every layer (the engine's budget)."""
+        config = self.hf.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * config.num_hidden_layers * heads * head_dim * self.dtype.itemsize
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """All ids that end a generation: the generation config's and the tokenizer's EOS."""
         return eos_ids([getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer])
@@ -242,9 +257,10 @@ class TransformersModel:
 
         segments: per sequence, its new ids [T_i], cache, num_logits, and optional tree (`Segment`).
         Returns: per segment, logits [num_logits_i, V] fp32.
-        Needs row-exact passes (`exact_rows`: CPU); the linear kernels must give a row the same
-        result in calls of any row count from 2 on (bf16 and packed fp32 on the CPUs measured,
-        tests/test_batch.py).
+        Needs row-exact passes (`exact_rows`: CPU, attention a row at a time over its own cache);
+        the rows equal each sequence's own pass bit for bit where the model is `rows_invariant`
+        (bf16 and packed fp32 linears, cut to calls of 2..32 rows: tests/test_batch.py). Otherwise
+        (an int8 drafter) each sequence's rows are its own but rounded as the batch's width has it.
         """
         if not self.exact_rows:
             raise SpecdecError(f"batched passes are row-exact passes; {self.name} runs without them "

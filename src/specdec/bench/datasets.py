@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import SpecdecError
 
 SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
+CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template by default
 
 
 @dataclass
@@ -17,6 +18,7 @@ class Prompt:
     dataset: str
     task: str  # spec-bench's task (mt_bench, translation, ...); the dataset's name elsewhere
     index: int  # position in the dataset
+    chat: bool = False  # wrap in the target's chat template (a JSONL row's 'chat'; spec-bench's default)
 
 
 def spec_bench_path() -> Path:
@@ -51,7 +53,10 @@ def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
             text = row["turns"][0]  # the first turn: later ones need the model's own earlier answer
         else:
             raise SpecdecError(f"{path}:{number}: row has neither 'prompt' nor 'turns'")
-        prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts)))
+        chat = row.get("chat", dataset in CHAT_DATASETS)
+        if not isinstance(chat, bool):
+            raise SpecdecError(f"{path}:{number}: 'chat' must be true or false, got {chat!r}")
+        prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts), chat))
     return prompts
 
 

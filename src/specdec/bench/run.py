@@ -30,7 +30,6 @@ from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, ch
                       merge_samples, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
-CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template
 SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
 
 
@@ -275,7 +274,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
         costs = settings.pass_costs
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
-    encoded = [target_model.encode(p.text, chat=p.dataset in CHAT_DATASETS) for p in prompts]
+    encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:
         raise SpecdecError(f"prompts {too_long[:5]} leave no room for {settings.max_new_tokens} new tokens")

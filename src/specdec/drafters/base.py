@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Generator, Protocol, Sequence
 
 import torch
 
@@ -46,6 +46,24 @@ class Drafter(Protocol):
 
     def rollback(self, length: int) -> None:
         """Only `context[:length]` of the last proposal's context + draft was kept."""
+
+
+# A proposal that leaves its model passes to the caller: it yields each pass it needs (a
+# backends.Segment on the drafter model) and is sent that pass's logits; it returns its Draft.
+# The engine runs many sequences' proposals in lock step, one batched drafter pass per round.
+Proposal = Generator["Segment", torch.Tensor, "Draft"]
+
+
+def drive(proposal: Generator, forward: Callable) -> object:
+    """Run a generator of passes (`Proposal`, `Decoding.planning`) to its end, each pass made by
+    `forward(input_ids, cache, num_logits, parents=, tree_start=)` -> what it returns."""
+    try:
+        segment = next(proposal)
+        while True:
+            segment = proposal.send(forward(segment.input_ids, segment.cache, segment.num_logits,
+                                            parents=segment.parents, tree_start=segment.tree_start))
+    except StopIteration as stop:
+        return stop.value
 
 
 def one_hot(tokens: Sequence[int], vocab_size: int, device: torch.device | None = None) -> torch.Tensor:

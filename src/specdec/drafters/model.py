@@ -6,11 +6,11 @@ from typing import Sequence
 
 import torch
 
-from ..backends import Backend
+from ..backends import Backend, Segment
 from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..samplers import Sampler, greedy_tokens, sample
 from ..text import check_pair
-from .base import Draft, KeepGoing
+from .base import Draft, KeepGoing, Proposal, drive
 
 
 class ModelDrafter:
@@ -40,16 +40,26 @@ class ModelDrafter:
     def start(self, prompt: Sequence[int]) -> None:
         self.cache = self.model.new_cache()
         self.forwards = 0
+        if getattr(self.model, "exact_rows", False):
+            # a row-exact pass over a whole prompt attends a row at a time: feed it once, plainly, as
+            # the target's prompt is fed, and leave the last token to the first draft's pass
+            self.model.prefill(self._inputs(prompt), self.cache)
 
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
+        return drive(self.proposal(context, max_tokens, sampler, generator, keep_going), self.model.forward)
+
+    def proposal(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
+                 keep_going: KeepGoing) -> Proposal:
+        """`propose`, its passes left to the caller (`base.Proposal`): the engine batches them
+        across sequences."""
         tokens: list[int] = []
         probs = []
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
         pending = self._inputs(context[cache_length(self.cache):])
         while len(tokens) < max_tokens:
-            logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
+            logits = (yield Segment(pending, self.cache, 1))[-1]
             self.forwards += 1
             logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
             over_target = self._over_target_vocabulary(logits)

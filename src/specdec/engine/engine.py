@@ -19,6 +19,7 @@ from ..errors import SpecdecError
 from ..generate import Decoding, GenerationResult
 from ..samplers import GREEDY, Sampler
 from ..schedules import Schedule
+from .policy import BatchCosts
 
 @dataclass
 class Request:
@@ -48,29 +49,48 @@ class Engine:
         the running sequences share each pass; otherwise each sequence gets its own pass in turn
         (max_batch must then be 1 for a backend with one live sequence, llama.cpp's).
     max_batch: the most sequences running at once; later requests wait, in order.
+    kv_memory: a budget in bytes for the KV caches of running sequences (None: no budget). Each
+        request is admitted with room for its whole generation (prompt + max_new_tokens + the
+        widest draft, in the target's cache and its drafter model's); requests beyond the budget
+        wait, and one that could never fit is refused when added.
+    steer: size the drafts of cost-aware requests from the batch's measured costs (`BatchCosts`);
+        False leaves each to its own schedule as alone.
     """
 
-    def __init__(self, target: Backend, max_batch: int = 8):
+    def __init__(self, target: Backend, max_batch: int = 8, kv_memory: int | None = None, steer: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecdecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         batched = hasattr(target, "forward_batch")
-        if batched and not getattr(target, "exact_rows", False):
-            raise SpecdecError(f"{target.name} runs without row-exact passes, so a sequence's output would depend "
-                               "on what shares its passes; load it with exact_rows=True (on the CPU)")
+        if batched and not getattr(target, "rows_invariant", getattr(target, "exact_rows", False)):
+            raise SpecdecError(f"{target.name} runs without row-exact passes (or with int8 layers), so a sequence's "
+                               "output would depend on what shares its passes; load it with exact_rows=True "
+                               "(on the CPU)")
         if not batched and max_batch > 1 and getattr(target, "kernels", "") == "llama.cpp":
             raise SpecdecError("llama.cpp's backend holds one sequence per model here; use max_batch=1")
-        self.target, self.max_batch, self._batched = target, max_batch, batched
+        if kv_memory is not None:
+            if not isinstance(kv_memory, int) or kv_memory < 1:
+                raise SpecdecError(f"kv_memory must be a number of bytes >= 1, got {kv_memory!r}")
+            if not hasattr(target, "kv_bytes_per_token"):
+                raise SpecdecError(f"a KV memory budget needs the cache size per token, which {target.name}'s "
+                                   "backend does not give; bound the batch with max_batch")
+        self.target, self.max_batch, self.kv_memory, self._batched = target, max_batch, kv_memory, batched
+        self.costs = BatchCosts() if steer else None
         self._ids = itertools.count()
         self.waiting: list[Request] = []
         self.running: dict[int, Decoding] = {}
         self.results: dict[int, GenerationResult] = {}
+        self.reserved: dict[int, int] = {}  # KV bytes held by each running request
         self.passes = 0  # target passes made (one per step with running sequences)
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Its options are checked now (a clear error), its
         memory is taken when it is admitted."""
+        decoding = self._decoding(request)  # validates the options; the real one is built at admission
+        if self.kv_memory is not None and _kv_need(request, decoding) > self.kv_memory:
+            raise SpecdecError(f"this request needs {_kv_need(request, decoding) / 2**20:.1f} MiB of KV cache, more "
+                               f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
+                               "lower max_new_tokens")
         request.id = next(self._ids)
-        self._decoding(request)  # validates the options; the real one is built at admission
         self.waiting.append(request)
         return request.id
 
@@ -83,6 +103,9 @@ class Engine:
         decoding = self.running.pop(request_id, None)
         if decoding is not None:
             decoding.cache = None
+            if decoding.drafter is not None and hasattr(decoding.drafter, "cache"):
+                decoding.drafter.cache = None
+            self.reserved.pop(request_id, None)
             return True
         return False
 
@@ -92,29 +115,33 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Admit, draft, one target pass, verify, roll back -> the tokens each request emitted."""
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting.pop(0)
-            decoding = self._decoding(request)
-            decoding.prefill()
-            self.running[request.id] = decoding
+        self._admit()
         if not self.running:
             return {}
         ids = list(self.running)
-        segments = [self.running[i].plan() for i in ids]
+        decodings = [self.running[i] for i in ids]
+        speculate = self._steer(decodings)
+        forwards = sum(_forwards(d) for d in decodings)
         began = time.perf_counter()
+        segments = self._plan(decodings)
+        drafted = time.perf_counter()
         if self._batched:
             logits = self.target.forward_batch(segments)
         else:
             logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
-        seconds = time.perf_counter() - began
+        seconds = time.perf_counter() - drafted
         self.passes += 1
         emitted = {}
-        for request_id, rows in zip(ids, logits):
-            decoding = self.running[request_id]
+        for request_id, decoding, rows in zip(ids, decodings, logits):
             emitted[request_id] = decoding.commit(rows, seconds)
             if decoding.done:
                 self.results[request_id] = decoding.result()  # frees its cache
                 del self.running[request_id]
+                self.reserved.pop(request_id, None)
+        if self.costs is not None and speculate is not None:
+            self.costs.record(len(ids), speculate, sum(map(len, emitted.values())), drafted - began,
+                              sum(_forwards(d) for d in decodings) - forwards, seconds,
+                              sum(len(s.input_ids) for s in segments))
         return emitted
 
     def run(self) -> dict[int, GenerationResult]:
@@ -122,6 +149,65 @@ class Engine:
         while self.busy:
             self.step()
         return self.results
+
+    def _admit(self) -> None:
+        """Waiting requests in order, while the batch and the memory budget have room: each one's
+        prompt pass now."""
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            decoding = self._decoding(request)
+            need = _kv_need(request, decoding) if self.kv_memory is not None else 0
+            if self.kv_memory is not None and sum(self.reserved.values()) + need > self.kv_memory:
+                break  # it waits for memory; later requests wait behind it (first come, first served)
+            self.waiting.pop(0)
+            decoding.prefill()
+            self.running[request.id] = decoding
+            self.reserved[request.id] = need
+
+    def _steer(self, decodings: list[Decoding]) -> bool | None:
+        """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
+        whose output draft lengths cannot change -> the decision (None: no such sequence)."""
+        steered = [d.steerable for d in decodings if d.steerable is not None]
+        if self.costs is None or not steered:
+            return None
+        speculate = self.costs.speculate(len(decodings))
+        for policy in steered:
+            self.costs.steer(policy, len(decodings), speculate)
+        return speculate
+
+    def _plan(self, decodings: list[Decoding]) -> list[Segment]:
+        """Every sequence's `planning` run in lock step: the drafter passes of each round that share
+        a drafter model go through it in one batched pass (bit for bit each sequence's own pass,
+        where that model has row-exact passes), the others one at a time -> the target segments."""
+        plans = [d.planning() for d in decodings]
+        segments: list[Segment | None] = [None] * len(plans)
+        asks: dict[int, Segment] = {}
+
+        def advance(i: int, logits) -> None:
+            try:
+                asks[i] = plans[i].send(logits)
+            except StopIteration as stop:
+                segments[i] = stop.value
+
+        for i in range(len(plans)):
+            advance(i, None)
+        while asks:
+            current, groups = dict(asks), {}
+            asks.clear()
+            for i in current:
+                model = decodings[i].drafter.model
+                groups.setdefault(id(model), (model, []))[1].append(i)
+            for model, members in groups.values():
+                shared = [i for i in members if _shares_drafter_passes(model, decodings[i])]
+                if len(shared) > 1:
+                    for i, logits in zip(shared, model.forward_batch([current[i] for i in shared])):
+                        advance(i, logits)
+                for i in members:
+                    if len(shared) <= 1 or i not in shared:
+                        s = current[i]
+                        advance(i, model.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents,
+                                                 tree_start=s.tree_start))
+        return segments
 
     def _decoding(self, request: Request) -> Decoding:
         drafter = request.drafter
@@ -138,12 +224,40 @@ class Engine:
                         schedule=request.schedule() if request.schedule else None)
 
 
+DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
+
+
+def _kv_need(request: Request, decoding: Decoding) -> int:
+    """Bytes of KV cache a request can reach: its prompt, its output and the widest draft, in the
+    target's cache and in its drafter model's (if it has one)."""
+    positions = len(decoding.sequence) + decoding.out.limit + (DRAFT_ROOM if decoding.drafter is not None else 0)
+    models = [decoding.target] + [m for m in [getattr(decoding.drafter, "model", None)] if m is not None]
+    return positions * sum(getattr(m, "kv_bytes_per_token", 0) for m in models)
+
+
+def _shares_drafter_passes(model, decoding: Decoding) -> bool:
+    """Whether this sequence's drafter passes may join other sequences' on `model`: the model must
+    batch with each sequence's own attention (`forward_batch`, row-exact), and where its rows round
+    otherwise in a wider pass (an int8 drafter) the sequence's output must not hang on its drafts'
+    exact values: a greedy output never does, an unseeded sampled one keeps the target's law (its
+    q is what its token was drawn from), a seeded one would change."""
+    if not hasattr(model, "forward_batch") or not getattr(model, "exact_rows", False):
+        return False
+    return getattr(model, "rows_invariant", False) or not decoding.pinned
+
+
+def _forwards(decoding: Decoding) -> int:
+    return decoding.drafter.forwards if decoding.drafter is not None else 0
+
+
 def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=None, max_batch: int = 8,
-                  samples: int = 1, seeds: Sequence[int | None] | None = None, **options) -> list[GenerationResult]:
+                  samples: int = 1, seeds: Sequence[int | None] | None = None, kv_memory: int | None = None,
+                  **options) -> list[GenerationResult]:
     """Generate for every prompt (`samples` each, in order), up to `max_batch` sequences at once.
 
     drafter: as `Request.drafter` (a model, a factory of drafters, or None).
     seeds: one per generated sequence (len(prompts) * samples), or None.
+    kv_memory: the engine's KV budget in bytes (`Engine`), or None.
     options: the rest of `Request`'s fields (sampler, max_new_tokens, eos_token_ids, gamma, schedule).
     Returns the results in the order of the prompts (each prompt's samples together).
     """
@@ -152,7 +266,7 @@ def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=Non
     count = len(prompts) * samples
     if seeds is not None and len(seeds) != count:
         raise SpecdecError(f"seeds: one per generated sequence ({count}), got {len(seeds)}")
-    engine = Engine(target, max_batch)
+    engine = Engine(target, max_batch, kv_memory)
     ids = [engine.add(Request(prompt, drafter, seed=None if seeds is None else seeds[i * samples + k], **options))
            for i, prompt in enumerate(prompts) for k in range(samples)]
     results = engine.run()

@@ -1,0 +1,356 @@
+"""The bench at concurrency levels: every prompt of a run through one engine (`max_batch` = the
+level: a new request starts as soon as one ends, as a server under that many clients), method by
+method, against transformers' batching on the same model objects.
+
+Per method and level: total output tokens per second (all requests' tokens over the level's wall
+time), per-sequence tokens per second, time to first token and time per output token (p50, p99),
+tokens per target pass, and how many outputs are identical to the reference (greedy: the
+prompt's AR run alone, `ar` at level 1, one sequence per pass; sampled with seeds: the same
+method's run at level 1, each sequence alone). Levels run in turn; within each level the methods
+run in a counterbalanced order (`method_orders`), each over the whole prompt set.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters import LookupDrafter, make_tree_drafter
+from ..engine import Engine, Request
+from ..errors import SpecdecError
+from ..samplers import Sampler
+from ..schedules import make_schedule
+from .methods import Settings
+
+METHODS = {
+    "ar": "ours: the engine, plain decoding, one row a sequence per pass",
+    "sd-cost": "ours: the engine, drafter model, draft lengths from the batch's measured costs",
+    "lookup": "ours: the engine, prompt lookup, fixed γ",
+    "tree-mixed": "ours: the engine, the default token tree (drafter chain with sides plus lookup branches)",
+    "hf-cb": "transformers' continuous batching (generate_batch, paged attention), plain decoding",
+    "hf-padded": "transformers' generate on left-padded batches of `level` prompts, plain decoding",
+}
+CHAINS = {"sd-cost"}  # methods whose drafter model runs chains: it gets row-exact passes, batched across sequences
+TREES = {"tree-mixed"}
+
+
+@dataclass
+class LoadRecord:
+    """One request's outcome at one level."""
+
+    method: str
+    level: int
+    prompt: int  # index into the run's prompts
+    tokens: list[int]
+    seconds: float | None  # from its admission to its last token (None: not said)
+    first_token_seconds: float | None  # from its admission (None: not said)
+    target_forwards: int | None = None
+    drafted: int = 0
+    accepted: int = 0
+    tpot: float | None = None  # where the method times its tokens itself (transformers' timestamps)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.tpot is not None:
+            return self.tpot
+        if self.seconds is None or self.first_token_seconds is None or len(self.tokens) < 2:
+            return None
+        return (self.seconds - self.first_token_seconds) / (len(self.tokens) - 1)
+
+
+@dataclass
+class LevelRun:
+    method: str
+    level: int
+    wall_seconds: float
+    records: list[LoadRecord] = field(default_factory=list)
+    target_passes: int | None = None
+
+
+def check_load_methods(methods: list[str]) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpecdecError(f"with --concurrency, methods are {', '.join(METHODS)}; got {', '.join(unknown) or 'none'}")
+
+
+def check_levels(levels: list[int]) -> None:
+    if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
+        raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {levels!r}")
+
+
+def request(method: str, ids: list[int], drafters: dict, settings: Settings, sampler: Sampler,
+            seed: int | None) -> Request:
+    """Our method's request for a prompt (`drafters`: "chain" and "tree" drafter models)."""
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
+    if method == "ar":
+        return Request(ids, None, **common)
+    if method == "lookup":
+        return Request(ids, LookupDrafter, gamma=settings.gamma, **common)
+    if method == "tree-mixed":
+        tree = drafters["tree"]
+        return Request(ids, lambda: make_tree_drafter("mixed", tree, settings.tree_nodes, settings.tree_scheme),
+                       gamma=settings.gamma_max, **common)
+    pinned = seed is not None and not sampler.is_greedy  # a seed pins the output only without timings (as alone)
+    costs = None if pinned else settings.pass_costs
+    return Request(ids, drafters["chain"], schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max,
+                                                                          pass_costs=costs), **common)
+
+
+def run_ours(method: str, level: int, prompts: list[list[int]], target, drafters: dict, settings: Settings,
+             sampler: Sampler, seeds: list[int | None]) -> LevelRun:
+    engine = Engine(target, max_batch=level)
+    ids = [engine.add(request(method, p, drafters, settings, sampler, s)) for p, s in zip(prompts, seeds)]
+    began = time.perf_counter()
+    results = engine.run()
+    run = LevelRun(method, level, time.perf_counter() - began, target_passes=engine.passes)
+    for index, request_id in enumerate(ids):
+        r = results[request_id]
+        run.records.append(LoadRecord(method, level, index, r.tokens, r.stats.wall_seconds, r.stats.first_token_seconds,
+                                      r.stats.target_forwards, r.stats.drafted, r.stats.accepted))
+    return run
+
+
+def _sampling(sampler: Sampler) -> dict:
+    if sampler.is_greedy:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(do_sample=True, temperature=sampler.temperature, top_k=sampler.top_k or None, top_p=sampler.top_p)
+
+
+class _StockAttention:
+    """transformers' continuous batching takes its own attention implementations only: ours (the
+    row-exact one, which outside our passes is transformers' sdpa) is named back while it runs."""
+
+    def __init__(self, model):
+        self.config = model.hf.config
+
+    def __enter__(self):
+        self.saved = self.config._attn_implementation
+        self.config._attn_implementation = "sdpa"
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.saved
+
+
+def run_hf_cb(level: int, prompts: list[list[int]], target, settings: Settings, sampler: Sampler,
+              seed: int | None) -> LevelRun:
+    """transformers' `generate_batch`: at most `level` requests per batch, a paged cache sized for them."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    eos = target.eos_token_ids
+    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
+                              pad_token_id=eos[0] if eos else 0, **_sampling(sampler))
+    page = 64
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens
+    batching = ContinuousBatchingConfig(max_requests_per_batch=level, page_size=page,
+                                        num_blocks=level * (-(-longest // page) + 1) + 2)
+    if seed is not None:
+        torch.manual_seed(seed)
+    began = time.perf_counter()
+    with _StockAttention(target), torch.inference_mode():
+        outputs = target.hf.generate_batch(prompts, generation_config=config, continuous_batching_config=batching,
+                                           record_timestamps=True, progress_bar=False, warmup=False)
+    run = LevelRun("hf-cb", level, time.perf_counter() - began)
+    by_prompt = sorted(outputs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+    for index, out in enumerate(by_prompt):
+        stamps = out.timestamps or []
+        # transformers does not say when a queued request was admitted: its first token is timed
+        # from the run's start, which holds the queue's wait; its time per token is its own
+        tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+        run.records.append(LoadRecord("hf-cb", level, index, list(out.generated_tokens), None, None, tpot=tpot))
+    return run
+
+
+def run_hf_padded(level: int, prompts: list[list[int]], target, settings: Settings, sampler: Sampler,
+                  seed: int | None) -> LevelRun:
+    """transformers' `generate` on left-padded batches of `level` prompts, in order: a batch ends
+    when its longest generation does."""
+    eos = target.eos_token_ids
+    pad = eos[0] if eos else 0
+    run = LevelRun("hf-padded", level, 0.0)
+    began = time.perf_counter()
+    for start in range(0, len(prompts), level):
+        group = prompts[start:start + level]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=target.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=target.device)
+        if seed is not None:
+            torch.manual_seed(seed + start)
+        batch_began = time.perf_counter()
+        with torch.inference_mode():
+            out = target.hf.generate(ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens, num_beams=1,
+                                     eos_token_id=eos, pad_token_id=pad, **_sampling(sampler))
+        seconds = time.perf_counter() - batch_began
+        for k, row in enumerate(out[:, width:].tolist()):
+            tokens = []
+            for token in row:
+                tokens.append(token)
+                if token in eos:
+                    break
+            run.records.append(LoadRecord("hf-padded", level, start + k, tokens, seconds, None))
+    run.wall_seconds = time.perf_counter() - began
+    return run
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between order statistics; None for no values."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    position = (len(values) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> dict:
+    """A level run's figures; `reference`: the outputs to compare with, by prompt (None: none)."""
+    records = run.records
+    tokens = sum(len(r.tokens) for r in records)
+    ttft = [r.first_token_seconds for r in records]
+    tpot = [r.time_per_output_token for r in records]
+    per_sequence = [len(r.tokens) / r.seconds for r in records if r.seconds]
+    forwards = [r.target_forwards for r in records if r.target_forwards]
+    out = {"method": run.method, "concurrency": run.level, "requests": len(records), "output_tokens": tokens,
+           "wall_seconds": run.wall_seconds, "output_tokens_per_second": tokens / run.wall_seconds,
+           "per_sequence_tokens_per_second": statistics.median(per_sequence) if per_sequence else None,
+           "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+           "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+           "target_passes": run.target_passes,
+           "tokens_per_target_forward": tokens / sum(forwards) if forwards and len(forwards) == len(records) else None,
+           "acceptance_rate": (sum(r.accepted for r in records) / sum(r.drafted for r in records)
+                               if any(r.drafted for r in records) else None)}
+    if reference is not None:
+        out["identical"] = sum(reference.get(r.prompt) == r.tokens for r in records)
+    return out
+
+
+def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafters: dict,
+               settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
+               progress=None) -> tuple[list[dict], list[LevelRun]]:
+    """Every method at every level over all `prompts` -> (summaries, runs). Where level 1 is among
+    `levels`, greedy outputs are compared with `ar` at level 1, sampled ones with the same
+    method's level-1 run (seeds: seed + prompt index)."""
+    seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
+    runs: list[LevelRun] = []
+    alone: dict[str, dict[int, list[int]]] = {}
+    levels = sorted(set(levels))
+    for level in levels:
+        for method in next(orders):
+            gc.collect()  # the previous method's garbage is not collected on this one's clock
+            if method == "hf-cb":
+                run = run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
+            elif method == "hf-padded":
+                run = run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
+            else:
+                run = run_ours(method, level, prompts, target, drafters, settings, sampler, seeds)
+            runs.append(run)
+            if level == 1:  # one sequence per pass: each prompt alone
+                alone[method] = {r.prompt: r.tokens for r in run.records}
+            tokens = sum(len(r.tokens) for r in run.records)
+            say(f"concurrency {level} {method}: {tokens} tokens in {run.wall_seconds:.1f} s, "
+                f"{tokens / run.wall_seconds:.2f} tok/s in all")
+            if progress is not None:
+                progress()
+    summaries = []
+    for run in runs:
+        reference = alone.get("ar") if sampler.is_greedy else alone.get(run.method)
+        summaries.append(summarize_level(run, reference))
+    return summaries, runs
+
+
+def render_levels(summaries: list[dict]) -> str:
+    """The markdown table: a row per method and level, with its ratio to `ar` at that level."""
+    ar = {s["concurrency"]: s["output_tokens_per_second"] for s in summaries if s["method"] == "ar"}
+    lines = ["| concurrency | method | output tok/s | × ar | per-sequence tok/s | TTFT p50 / p99 (s) | "
+             "TPOT p50 / p99 (ms) | tokens / target pass | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value, scale=1.0, digits=2):
+        return "–" if value is None else f"{value * scale:.{digits}f}"
+
+    for s in sorted(summaries, key=lambda s: (s["concurrency"], s["method"])):
+        ratio = s["output_tokens_per_second"] / ar[s["concurrency"]] if s["concurrency"] in ar else None
+        identical = f'{s["identical"]}/{s["requests"]}' if "identical" in s else "–"
+        lines.append(f'| {s["concurrency"]} | {s["method"]} | {s["output_tokens_per_second"]:.2f} | {number(ratio)} | '
+                     f'{number(s["per_sequence_tokens_per_second"])} | {number(s["ttft_p50"])} / {number(s["ttft_p99"])} | '
+                     f'{number(s["tpot_p50"], 1e3, 0)} / {number(s["tpot_p99"], 1e3, 0)} | '
+                     f'{number(s["tokens_per_target_forward"])} | {identical} |')
+    return "\n".join(lines) + "\n"
+
+
+def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str], levels: list[int], target: str,
+                       drafter: str, settings: Settings, temperature: float = 0.0, seed: int = 0,
+                       markdown: str | None = None, json_path: str | None = None, argv: list[str] | None = None,
+                       console=None, device: str = "auto", drafter_dtype: str = "auto") -> dict:
+    """`specdec bench --concurrency`: every method at every level over the prompts of `datasets`
+    (one temperature), on one target and drafter; report and return {"info", "levels"}."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..models import load
+    from ..passcost import pass_costs
+    from ..text import check_pair
+    from .datasets import load_prompts, parse_dataset
+    from .run import machine_description, method_orders
+
+    check_load_methods(methods)
+    check_levels(levels)
+    console = console or Console(stderr=True)
+
+    def say(message: str) -> None:
+        console.print(f"[dim]{message}[/]", highlight=False)
+
+    prompts = []
+    for spec in datasets:
+        name, count, _ = parse_dataset(spec, limit, [temperature])
+        prompts += load_prompts(name, count)
+    # batched passes must be row-exact on the CPU (the engine refuses the target otherwise)
+    target_model = load(target, device=device, role="target", exact_rows=True, say=say)
+    drafters = {}
+    if CHAINS & set(methods):  # row-exact attention: the engine batches its passes across sequences
+        drafters["chain"] = load(drafter, dtype=drafter_dtype, device=device, role="drafter", exact_rows=True, say=say)
+        check_pair(target_model, drafters["chain"])
+        settings.pass_costs = pass_costs(target_model, drafters["chain"], say)
+    if TREES & set(methods):  # the tree drafter alone, as single-sequence runs have it
+        drafters["tree"] = load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say)
+    encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
+    sampler = Sampler(temperature=temperature)
+    say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")
+
+    warm = Settings(**{**vars(settings), "max_new_tokens": 8})
+    orders = method_orders(methods, seed)
+    run_levels([ids[:32] for ids in encoded[:2]], [2], methods, target_model, drafters, warm, sampler, seed,
+               method_orders(methods, seed))  # warm-up: first calls pay for allocations
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods))
+        summaries, _ = run_levels(encoded, levels, methods, target_model, drafters, settings, sampler, seed, orders,
+                                  say, lambda: progress.advance(bar))
+    info = {"datasets": datasets, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
+            "levels": sorted(set(levels)), "methods": methods, "temperature": temperature, "seed": seed,
+            "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
+            "target_dtype": target_model.weights, "drafter": drafter if drafters else None,
+            "drafter_dtype": next(iter(drafters.values())).weights if drafters else None,
+            "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None,
+            "method_descriptions": {m: METHODS[m] for m in methods}}
+    result = {"info": info, "levels": summaries}
+    table = render_levels(summaries)
+    console.print(table, highlight=False)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(f"# Concurrency levels\n\n`{info['command']}`\n\n{info['machine']}\n\n{table}")
+        console.print(f"wrote {markdown}")
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        console.print(f"wrote {json_path}")
+    return result

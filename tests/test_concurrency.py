@@ -1,0 +1,82 @@
+"""The bench's concurrency levels (bench/concurrency.py): every method at every level over one
+prompt set, identity with level 1, and the figures' arithmetic."""
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specdec.bench.concurrency import (LevelRun, LoadRecord, percentile, render_levels, run_levels,
+                                       summarize_level)
+from specdec.bench.datasets import load_prompts
+from specdec.bench.methods import Settings
+from specdec.bench.run import method_orders
+from specdec.cli import app
+from specdec.samplers import Sampler
+
+from test_rows import _ids, qwen_like
+
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    return target, {"chain": copy.deepcopy(target), "tree": qwen_like(torch.bfloat16, layers=1, seed=1)}
+
+
+def test_every_level_keeps_every_greedy_output_of_ours_identical_to_ar_alone(models):
+    target, drafters = models
+    prompts = [(_ids(5, VOCAB, i) * 3)[:6 + 3 * i] for i in range(5)]
+    methods = ["ar", "sd-cost", "lookup", "tree-mixed", "hf-cb", "hf-padded"]
+    summaries, runs = run_levels(prompts, [1, 2, 4], methods, target, drafters, Settings(max_new_tokens=8),
+                                 Sampler(), 0, method_orders(methods))
+    assert len(summaries) == 18 and all(s["requests"] == 5 for s in summaries)
+    for s in summaries:
+        if s["method"] in ("ar", "sd-cost", "lookup", "tree-mixed"):
+            assert s["identical"] == 5, s
+        assert s["output_tokens"] == 40  # no EOS in a random model's ids here: max_new_tokens each
+    # level 4 ran at most 4 sequences a pass: fewer passes than level 1 for plain decoding
+    passes = {(r.method, r.level): r.target_passes for r in runs}
+    assert passes["ar", 4] < passes["ar", 1]
+    assert "| 4 | sd-cost |" in render_levels(summaries)
+
+
+def test_seeded_sampled_outputs_at_every_level_equal_level_one(models):
+    target, drafters = models
+    prompts = [_ids(4 + i, VOCAB, 10 + i) for i in range(4)]
+    methods = ["ar", "sd-cost", "tree-mixed"]
+    summaries, _ = run_levels(prompts, [1, 3], methods, target, drafters, Settings(max_new_tokens=6),
+                              Sampler(temperature=1.0), 7, method_orders(methods))
+    assert all(s["identical"] == 4 for s in summaries)
+
+
+def test_level_figures():
+    records = [LoadRecord("ar", 2, 0, [1, 2, 3], 1.0, 0.2), LoadRecord("ar", 2, 1, [4, 5], 0.5, 0.1),
+               LoadRecord("ar", 2, 2, [6], 0.4, 0.4)]
+    s = summarize_level(LevelRun("ar", 2, 2.0, records), {0: [1, 2, 3], 1: [4, 0], 2: [6]})
+    assert s["output_tokens_per_second"] == 3.0 and s["identical"] == 2
+    assert s["ttft_p50"] == 0.2 and abs(s["tpot_p50"] - 0.4) < 1e-12  # (1.0-0.2)/2 and (0.5-0.1)/1
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([None], 50) is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--concurrency", "0"], "integers >= 1"), (["--concurrency", "a"], "integers >= 1"),
+    (["--concurrency", "1", "--methods", "ar,sd"], "with --concurrency, methods are"),
+    (["--concurrency", "1", "--temperature", "0,1"], "one --temperature"),
+])
+def test_concurrency_options_are_checked_before_loading(args, message):
+    result = CliRunner().invoke(app, ["bench", "--target", "no-such-model"] + args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_jsonl_datasets_rows_may_ask_for_the_chat_template(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "chat": True}) + "\n" + json.dumps({"prompt": "def f():"}) + "\n")
+    assert [p.chat for p in load_prompts(str(path))] == [True, False]
+    path.write_text(json.dumps({"prompt": "hi", "chat": "yes"}) + "\n")
+    with pytest.raises(Exception, match="'chat' must be true or false"):
+        load_prompts(str(path))
