@@ -188,9 +188,10 @@ class TwoRowLinear(nn.Linear):
 
     CPU GEMMs may take another path for one row than for several: on an AVX512-BF16 EPYC (no AMX)
     a 1-row bf16 `F.linear` differed from the same row in any 2..160-row call, which all agreed
-    with each other whatever the row's position (docs/kernels.md); on AMX all row counts agreed.
-    Padding the 1-row case makes a decode step and a verification pass meet on the multi-row path
-    on both, at the price of one extra row (bf16 GEMMs of 1-2 rows cost about the same).
+    with each other whatever the row's position (docs/kernels.md); on an AMX Xeon rows agree over
+    2..32-row calls. Padding the 1-row case and cutting wide calls (`row_exact_calls`) makes a
+    decode step and a verification pass meet on the same path on both, at the price of one extra
+    row (bf16 GEMMs of 1-2 rows cost about the same).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

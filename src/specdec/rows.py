@@ -7,11 +7,12 @@ their blocking, their summation order, even their algorithm by the number of row
 flip (bf16 top-2 gaps of 0.01-0.04 were seen flipping on a Xeon). Measured with torch 2.13 (probe
 in tests/test_rows.py, `row_gap`):
 
-- linear layers: bf16 `F.linear` gave bitwise-equal rows for any row count on AVX2 and AMX, but
-  on an AVX512-BF16 EPYC (no AMX) a 1-row call differed from every 2..160-row call (which agreed
-  with each other, whatever the row's position); oneDNN-packed fp32 likewise gives equal rows for
-  2..32 rows and another result for 1. So a row-exact pass never makes a 1-row GEMM call: it
-  computes 1-row inputs as 2-row ones (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
+- linear layers: on an AVX512-BF16 EPYC (no AMX) a 1-row bf16 `F.linear` call differed from
+  every 2..160-row call (which agreed with each other, whatever the row's position); on an AMX
+  Xeon bf16 rows agree over 2..32-row calls and round otherwise from 33 rows on (2026-11-25, every
+  Qwen shape probed); oneDNN-packed fp32 gives equal rows for 2..32 rows and another result for 1.
+  So a row-exact pass makes GEMM calls of 2..32 rows only (`kernels.row_exact_calls`): 1-row
+  inputs as 2-row ones, wider ones cut (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
   head in `TransformersModel._logits`);
 - attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see, a
   multi-row pass runs another kernel path with a causal mask; fp32 rows differed by ~3e-7, bf16
