@@ -151,3 +151,10 @@ def test_the_transformers_backend_is_a_batched_backend():
     from specdec.backends.transformers import TransformersModel
 
     assert protocol_gaps(TransformersModel, BatchedBackend) == []
+
+
+def test_the_profile_times_the_engines_batched_pass():
+    from specdec.passcost import batch_pass_seconds
+
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    assert batch_pass_seconds(model, 3, 4, context=16, repeats=2) > 0

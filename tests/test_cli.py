@@ -291,6 +291,8 @@ def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
     (["profile", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["profile", "--tree", "forest"], "unknown tree"),
     (["profile", "--tree", "mixed", "--dtype", "gguf"], "cannot run on --dtype gguf"),
+    (["profile", "--batches", "0"], "--batches must be comma-separated integers >= 1"),
+    (["profile", "--batches", "2", "--dtype", "gguf"], "runs on --dtype auto weights"),
 ])
 def test_profile_errors_are_one_line(args, message):
     result = runner.invoke(app, args)

@@ -187,6 +187,27 @@ def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output
         assert result.tokens == alone.tokens
 
 
+def test_a_long_prompt_is_fed_a_chunk_a_step_while_the_others_decode(pair, monkeypatch):
+    import specdec.generate
+
+    monkeypatch.setattr(specdec.generate, "PREFILL_CHUNK", 8)
+    target, same, _ = pair
+    short, long = _ids(5, VOCAB, 40), _ids(41, VOCAB, 41)
+    reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in (short, long)]
+    engine = Engine(target, max_batch=2)
+    first = engine.add(Request(short, None, max_new_tokens=12, eos_token_ids=[]))  # a token a step
+    engine.step()
+    second = engine.add(Request(long, same, max_new_tokens=12, eos_token_ids=[]))
+    chunks = 0
+    while second not in engine.running:
+        emitted = engine.step()
+        chunks += 1
+        assert emitted.get(first), "the running sequence stalled while a prompt was fed"
+    assert chunks == 5  # 40 tokens before the last, 8 a step
+    results = engine.run()
+    assert [results[first].tokens, results[second].tokens] == reference
+
+
 def test_admission_waits_at_the_kv_memory_budget(pair):
     target, same, _ = pair
     prompts = _prompts()

@@ -826,6 +826,8 @@ def profile(
     tree: str = typer.Option("off", help=TREE_HELP + " off: a chain under the cost schedule."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens of the profiled generation."),
     widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
+    batches_text: str = typer.Option("", "--batches", help="Also time the engine's batched pass over this many "
+                                     "sequences (comma-separated, e.g. 1,2,4,8), 1 and 4 rows each."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
@@ -846,17 +848,29 @@ def profile(
     except ValueError:
         _fail(f"--widths must be comma-separated integers rising from 1, got {widths_text!r}")
     try:
+        batches = [int(b) for b in _csv(batches_text)] if batches_text else []
+        if any(b < 1 for b in batches):
+            raise ValueError
+    except ValueError:
+        _fail(f"--batches must be comma-separated integers >= 1, got {batches_text!r}")
+    try:
         if max_new_tokens < 1:
             raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if tree != "off":
             check_tree_options(tree, 64, "without-replacement")
             _check_runs_on(dtype, f"--tree {tree}")
         model_free = drafter in MODEL_FREE_DRAFTERS
+        if batches and dtype == "gguf":
+            raise SpecdecError("--batches times the engine's batched pass, which runs on --dtype auto weights")
         target_model = _load(target, dtype, device, "target")
+        if batches and not getattr(target_model, "rows_invariant", False):
+            raise SpecdecError(f"--batches needs row-exact passes for {target_model.name} (the engine's); "
+                               "on this machine that is --dtype bf16 on the CPU")
         drafter_model = None if model_free or tree == "lookup" else _load(
             drafter, _drafter_weights(dtype, drafter, drafter_dtype, False), device, "drafter")
         with err.status("timing passes…"):
-            passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [])
+            passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [],
+                                  batches=batches)
         if tree != "off":
             drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
         else:
@@ -883,6 +897,15 @@ def profile(
         cells = [str(width), f"{ms:.1f}", f"{ms / one:.2f}", added]
         table.add_row(*cells, *([f"{passes.target_tree_ms[width]:.1f}"] if passes.target_tree_ms else []))
     out.print(table)
+    if passes.batch_ms:
+        batched = Table(title="the engine's batched pass: sequences × rows each, after 128 cached tokens each",
+                        title_justify="left")
+        for column in ("sequences", "rows each", "pass (ms)", "× 1 row", "ms per row"):
+            batched.add_column(column, justify="right")
+        for key, ms in passes.batch_ms.items():
+            b, r = (int(x) for x in key.split("x"))
+            batched.add_row(str(b), str(r), f"{ms:.1f}", f"{ms / one:.2f}", f"{ms / (b * r):.1f}")
+        out.print(batched)
     if passes.drafter_ms:
         out.print(f"drafter {drafter_model.name} ({drafter_model.weights}, {drafter_model.kernels}): " + ", ".join(
             f"{t} token{'s' if t > 1 else ''} {ms:.1f} ms" for t, ms in passes.drafter_ms.items()), highlight=False)

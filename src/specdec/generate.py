@@ -139,6 +139,7 @@ class GenerationResult:
 
 StepCallback = Callable[[Step], None]
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
+PREFILL_CHUNK = 256  # prompt tokens fed per prefill call (`Decoding.prefill_step`)
 
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
@@ -248,17 +249,41 @@ class Decoding:
         return self.out.done
 
     def prefill(self) -> None:
-        """Start: a cache for the target, the prompt fed (the same call as every loop's), the drafter told."""
+        """Start: a cache for the target, the prompt fed (in the same chunks as every loop's), the drafter told."""
+        self.begin()
+        while not self.prefill_step():
+            pass
+
+    def begin(self) -> None:
+        """A cache for the target, the drafter told of the prompt, the clock started; the prompt
+        is then fed by `prefill_step`."""
         self.cache = self.target.new_cache()
         if self.drafter is not None:
             self.drafter.start(self.sequence)
             self.schedule.reset()
         self.out.start_clock()
+        self.prefilled = False
+
+    def prefill_step(self) -> bool:
+        """Feed the prompt's next chunk of PREFILL_CHUNK tokens (the engine feeds one a step, so a
+        long prompt does not stall the running sequences for its whole length) -> whether the
+        prompt is in. Chunk bounds are fixed multiples of PREFILL_CHUNK, alone and in a batch,
+        so the cache entries are the same calls' either way. A self-drafting drafter reads every
+        prompt position's hidden state from one call: its prompt goes whole."""
+        chunked = getattr(self.target, "exact_rows", False) and hasattr(self.target, "forward_batch") and \
+            not self.reads_hidden
         with _timed(self.stats, "target_seconds"):
-            self.target.prefill(self.sequence, self.cache)  # the same call as the AR baseline's: identical cache entries
-        if self.reads_hidden:
+            if chunked:
+                end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
+                self.target.prefill(self.sequence[:end + 1], self.cache)
+                self.prefilled = end >= len(self.sequence) - 1
+            else:
+                self.target.prefill(self.sequence, self.cache)  # the same call as the AR baseline's
+                self.prefilled = True
+        if self.prefilled and self.reads_hidden:
             with _timed(self.stats, "drafter_seconds"):
                 self.drafter.observe(self.target.pass_hidden)
+        return self.prefilled
 
     def plan(self) -> Segment:
         """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's

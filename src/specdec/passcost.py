@@ -83,6 +83,27 @@ def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPE
     return statistics.median(times[1:])
 
 
+def batch_pass_seconds(model, batch: int, rows: int, context: int = CONTEXT, repeats: int = REPEATS) -> float:
+    """Median seconds of one batched pass (`forward_batch`) over `batch` sequences, `rows` new
+    tokens each, after `context` cached ones each (the caches cropped back after each pass)."""
+    from .backends import Segment
+
+    sequences = [[(100 + 7 * i + 13 * b) % model.vocab_size for i in range(context + 1 + rows)] for b in range(batch)]
+    caches = []
+    for ids in sequences:
+        caches.append(model.new_cache())
+        model.forward(model.prefill(ids[:context + 1], caches[-1]), caches[-1], 1)
+    segments = [Segment(ids[context + 1:], cache, rows) for ids, cache in zip(sequences, caches)]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        model.forward_batch(segments)
+        times.append(time.perf_counter() - start)
+        for cache in caches:
+            crop_cache(cache, context + 1)
+    return statistics.median(times[1:])
+
+
 def _key(model) -> str:
     weights = getattr(model, "weights", None) or str(model.dtype).removeprefix("torch.")
     versions = [torch.__version__]

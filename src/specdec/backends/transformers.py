@@ -334,14 +334,17 @@ class TransformersModel:
         call, and the first token (or first draft) is scored by a row-exact pass like every later
         one: the prompt needs no row-exact attention (a call per prompt token per layer). Without
         `exact_rows` nothing is fed here and the whole prompt is left to the first scoring pass.
-        The fed positions' final hidden states are kept in `pass_hidden` ([0, H] when none).
+        Where `cache` already holds the prompt's first tokens, only the rest is fed (a prompt
+        prefilled in chunks, `Decoding.prefill_step`). The fed positions' final hidden states are
+        kept in `pass_hidden` ([0, H] when none).
         """
         prompt = list(prompt)
         self.pass_hidden = torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device)
         if not self.exact_rows:
             return prompt
-        if len(prompt) > 1:
-            ids = torch.as_tensor(prompt[:-1], dtype=torch.long, device=self.device).view(1, -1)
+        fed = cache_length(cache)  # a prompt fed in chunks (`Decoding.prefill_step`): what the cache lacks
+        if len(prompt) - 1 > fed:
+            ids = torch.as_tensor(prompt[fed:-1], dtype=torch.long, device=self.device).view(1, -1)
             with row_exact(False):
                 self.pass_hidden = self._decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
         return prompt[-1:]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import datetime
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..backends import Backend
 from ..generate import GenerationStats
-from ..passcost import machine
+from ..passcost import batch_pass_seconds, machine
 from .forward_cost import forward_ms
 
 
@@ -26,17 +26,22 @@ class PassProfile:
     target_ms: dict[int, float]  # chain passes: the last committed token plus width - 1 drafts
     target_tree_ms: dict[int, float]  # the same widths under a tree mask (what a tree step pays)
     drafter_ms: dict[int, float]  # the drafter model's passes (empty for a model-free drafter)
+    batch_ms: dict[str, float] = field(default_factory=dict)  # "BxR": B sequences' batched pass, R rows each
 
 
 def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], drafter_tokens: list[int],
-                 repeats: int = 5) -> PassProfile:
-    """Time the target over each width (chain, and tree where the backend takes tree masks) and the
-    drafter over each token count, each after a 128-token cache."""
+                 repeats: int = 5, batches: list[int] = (), batch_rows: tuple[int, ...] = (1, 4)) -> PassProfile:
+    """Time the target over each width (chain, and tree where the backend takes tree masks), the
+    drafter over each token count, and the target's batched pass over each of `batches` sequences
+    with each of `batch_rows` rows a sequence (what the engine's steps pay), each after a 128-token
+    cache per sequence."""
     trees = getattr(target, "tree_masks", False)
     return PassProfile(
         target_ms={w: forward_ms(target, w, repeats=repeats) for w in widths},
         target_tree_ms={w: forward_ms(target, w, repeats=repeats, tree=True) for w in widths} if trees else {},
         drafter_ms={t: forward_ms(drafter, t, repeats=repeats) for t in drafter_tokens} if drafter else {},
+        batch_ms={f"{b}x{r}": 1e3 * batch_pass_seconds(target, b, r, repeats=repeats)
+                  for b in batches for r in batch_rows},
     )
 
 

@@ -1,8 +1,9 @@
 """The step-wise engine: add requests, `step`, read each request's tokens as they are committed.
 
-One step: admit waiting requests up to `max_batch` (each one's prompt pass), let every running
-sequence draft (`Decoding.plan`), score all of their new tokens in one target pass, verify and
-roll back each sequence on its own (`Decoding.commit`), and free what finished. A sequence's
+One step: admit waiting requests up to `max_batch`, feed one chunk of an admitted prompt, let
+every running sequence draft (`Decoding.planning`, the drafter model's passes batched across
+sequences), score all of their new tokens in one target pass, verify and roll back each sequence
+on its own (`Decoding.commit`), and free what finished. A sequence's
 output does not depend on what shares its passes: its rows are computed bit for bit as its own
 pass computes them (`forward_batch`), and everything random comes from its own generators.
 """
@@ -16,6 +17,8 @@ from typing import Callable, Sequence
 
 from ..backends import Backend, Segment
 from ..errors import SpecdecError
+from .. import generate
+from ..backends.cache import cache_length
 from ..generate import Decoding, GenerationResult
 from ..samplers import GREEDY, Sampler
 from ..schedules import Schedule
@@ -77,6 +80,7 @@ class Engine:
         self.costs = BatchCosts() if steer else None
         self._ids = itertools.count()
         self.waiting: list[Request] = []
+        self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
         self.results: dict[int, GenerationResult] = {}
         self.reserved: dict[int, int] = {}  # KV bytes held by each running request
@@ -100,7 +104,7 @@ class Engine:
             if request.id == request_id:
                 del self.waiting[i]
                 return True
-        decoding = self.running.pop(request_id, None)
+        decoding = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
         if decoding is not None:
             decoding.cache = None
             if decoding.drafter is not None and hasattr(decoding.drafter, "cache"):
@@ -111,11 +115,13 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def step(self) -> dict[int, list[int]]:
-        """Admit, draft, one target pass, verify, roll back -> the tokens each request emitted."""
+        """Admit, feed one prompt chunk, draft, one target pass, verify, roll back -> the tokens each
+        request emitted."""
         self._admit()
+        self._prefill()
         if not self.running:
             return {}
         ids = list(self.running)
@@ -152,17 +158,31 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests in order, while the batch and the memory budget have room: each one's
-        prompt pass now."""
-        while self.waiting and len(self.running) < self.max_batch:
+        cache made and its drafter started; its prompt is fed by `_prefill`."""
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             request = self.waiting[0]
             decoding = self._decoding(request)
             need = _kv_need(request, decoding) if self.kv_memory is not None else 0
             if self.kv_memory is not None and sum(self.reserved.values()) + need > self.kv_memory:
                 break  # it waits for memory; later requests wait behind it (first come, first served)
             self.waiting.pop(0)
-            decoding.prefill()
-            self.running[request.id] = decoding
+            decoding.begin()
+            self.prefilling[request.id] = decoding
             self.reserved[request.id] = need
+
+    def _prefill(self) -> None:
+        """Prompt chunks (`Decoding.prefill_step`), first come first served, until a chunk's worth
+        of tokens (PREFILL_CHUNK) is fed this step: a long prompt delays the running sequences by
+        about one chunk's pass a step, not by its whole length. A prompt that is in joins this
+        step's pass."""
+        fed = 0
+        for request_id, decoding in list(self.prefilling.items()):
+            if fed >= generate.PREFILL_CHUNK:
+                break
+            before = cache_length(decoding.cache)
+            if decoding.prefill_step():
+                self.running[request_id] = self.prefilling.pop(request_id)
+            fed += max(1, cache_length(decoding.cache) - before)
 
     def _steer(self, decodings: list[Decoding]) -> bool | None:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
