@@ -265,9 +265,9 @@ class Decoding:
         self.prefilled = False
 
     def prefill_step(self) -> bool:
-        """Feed the prompt's next chunk of PREFILL_CHUNK tokens (the engine feeds one a step, so a
-        long prompt does not stall the running sequences for its whole length) -> whether the
-        prompt is in. Chunk bounds are fixed multiples of PREFILL_CHUNK, alone and in a batch,
+        """Feed the prompt's next chunk of PREFILL_CHUNK tokens (the engine feeds about a chunk's
+        worth a step, so a long prompt does not stall the running sequences for its whole length)
+        -> whether the prompt is in. Chunk bounds are fixed multiples of PREFILL_CHUNK, alone and in a batch,
         so the cache entries are the same calls' either way. A self-drafting drafter reads every
         prompt position's hidden state from one call: its prompt goes whole."""
         chunked = getattr(self.target, "exact_rows", False) and hasattr(self.target, "forward_batch") and \

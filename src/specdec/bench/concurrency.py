@@ -29,7 +29,7 @@ from .methods import Settings
 METHODS = {
     "ar": "ours: the engine, plain decoding, one row a sequence per pass",
     "sd-cost": "ours: the engine, drafter model, draft lengths from the batch's measured costs",
-    "lookup": "ours: the engine, prompt lookup, fixed γ",
+    "lookup": "ours: the engine, prompt lookup, draft lengths from the batch's measured costs",
     "tree-mixed": "ours: the engine, the default token tree (drafter chain with sides plus lookup branches)",
     "hf-cb": "transformers' continuous batching (generate_batch, paged attention), plain decoding",
     "hf-padded": "transformers' generate on left-padded batches of `level` prompts, plain decoding",
@@ -88,13 +88,14 @@ def request(method: str, ids: list[int], drafters: dict, settings: Settings, sam
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
     if method == "ar":
         return Request(ids, None, **common)
-    if method == "lookup":
-        return Request(ids, LookupDrafter, gamma=settings.gamma, **common)
+    pinned = seed is not None and not sampler.is_greedy  # a seed pins the output only without timings (as alone)
+    if method == "lookup":  # under load its rows stop being free too: sized by cost, so it can back off
+        return Request(ids, LookupDrafter, schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max),
+                       **common)
     if method == "tree-mixed":
         tree = drafters["tree"]
         return Request(ids, lambda: make_tree_drafter("mixed", tree, settings.tree_nodes, settings.tree_scheme),
                        gamma=settings.gamma_max, **common)
-    pinned = seed is not None and not sampler.is_greedy  # a seed pins the output only without timings (as alone)
     costs = None if pinned else settings.pass_costs
     return Request(ids, drafters["chain"], schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max,
                                                                           pass_costs=costs), **common)

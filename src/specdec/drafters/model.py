@@ -40,10 +40,6 @@ class ModelDrafter:
     def start(self, prompt: Sequence[int]) -> None:
         self.cache = self.model.new_cache()
         self.forwards = 0
-        if getattr(self.model, "exact_rows", False):
-            # a row-exact pass over a whole prompt attends a row at a time: feed it once, plainly, as
-            # the target's prompt is fed, and leave the last token to the first draft's pass
-            self.model.prefill(self._inputs(prompt), self.cache)
 
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
@@ -55,6 +51,11 @@ class ModelDrafter:
         across sequences."""
         tokens: list[int] = []
         probs = []
+        if getattr(self.model, "exact_rows", False) and len(context) - cache_length(self.cache) > 2:
+            # the prompt, or the tokens of steps that drafted nothing: a row-exact pass over them
+            # would attend a row at a time, so they are fed plainly, as the target's prompt is, and
+            # only when a draft is asked for (a sequence the engine never lets draft never pays it)
+            self.model.prefill(self._inputs(context), self.cache)
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
         pending = self._inputs(context[cache_length(self.cache):])

@@ -1,7 +1,7 @@
 """The step-wise engine: add requests, `step`, read each request's tokens as they are committed.
 
-One step: admit waiting requests up to `max_batch`, feed one chunk of an admitted prompt, let
-every running sequence draft (`Decoding.planning`, the drafter model's passes batched across
+One step: admit waiting requests up to `max_batch`, feed about a chunk's worth of admitted prompts,
+let every running sequence draft (`Decoding.planning`, the drafter model's passes batched across
 sequences), score all of their new tokens in one target pass, verify and roll back each sequence
 on its own (`Decoding.commit`), and free what finished. A sequence's
 output does not depend on what shares its passes: its rows are computed bit for bit as its own
@@ -83,15 +83,16 @@ class Engine:
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
         self.results: dict[int, GenerationResult] = {}
-        self.reserved: dict[int, int] = {}  # KV bytes held by each running request
+        self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
         self.passes = 0  # target passes made (one per step with running sequences)
 
     def add(self, request: Request) -> int:
         """Queue a request; returns its id. Its options are checked now (a clear error), its
         memory is taken when it is admitted."""
         decoding = self._decoding(request)  # validates the options; the real one is built at admission
-        if self.kv_memory is not None and _kv_need(request, decoding) > self.kv_memory:
-            raise SpecdecError(f"this request needs {_kv_need(request, decoding) / 2**20:.1f} MiB of KV cache, more "
+        need = _kv_need(request, decoding) if self.kv_memory is not None else 0
+        if need > (self.kv_memory or 0) > 0:
+            raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
                                f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
                                "lower max_new_tokens")
         request.id = next(self._ids)
@@ -118,7 +119,7 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     def step(self) -> dict[int, list[int]]:
-        """Admit, feed one prompt chunk, draft, one target pass, verify, roll back -> the tokens each
+        """Admit, feed prompt chunks, draft, one target pass, verify, roll back -> the tokens each
         request emitted."""
         self._admit()
         self._prefill()

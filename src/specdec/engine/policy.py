@@ -27,7 +27,7 @@ class BatchCosts:
     `decay` a step so the costs follow the batch's current width).
     """
 
-    def __init__(self, warmup: int = 3, probe: int = 8, decay: float = 0.9):
+    def __init__(self, warmup: int = 1, probe: int = 8, decay: float = 0.9):
         self.warmup, self.probe, self.decay = warmup, probe, decay
         self.kinds: dict[int, FasterOf] = {}  # batch size -> drafting steps vs plain steps
         self._fit = [0.0] * 5  # decayed n, Σw, Σw², Σt, Σw·t over (pass width, target seconds)
@@ -69,6 +69,9 @@ class BatchCosts:
 
     def _kinds(self, batch: int) -> FasterOf:
         if batch not in self.kinds:
-            self.kinds[batch] = FasterOf(self.warmup, self.probe, self.decay,
-                                         {True: 4 * self.probe, False: self.probe})
+            kinds = FasterOf(self.warmup, self.probe, self.decay, {True: self.probe, False: 2 * self.probe})
+            if self.kinds:  # start from the nearest batch size's record: no warm-up of its own to pay
+                nearest = self.kinds[min(self.kinds, key=lambda b: (abs(b - batch), b))]
+                kinds.sums = {kind: list(sums) for kind, sums in nearest.sums.items()}
+            self.kinds[batch] = kinds
         return self.kinds[batch]
