@@ -58,3 +58,11 @@ def test_only_sequences_whose_output_cannot_depend_on_draft_lengths_are_steered(
     assert steer(sampler=Sampler(0.8), seed=3) is None  # a seed pins the output only without timings
     assert Decoding([1, 2, 3], target, drafter, gamma=3).steerable is None  # a fixed γ is what was asked
     assert Decoding([1, 2, 3], target, None).steerable is None
+
+
+def test_a_new_batch_size_starts_from_the_nearest_ones_record():
+    """Sequences end and join all the time: a batch size seen for the first time takes the nearest
+    one's measurements instead of paying drafting steps to warm up again."""
+    costs = BatchCosts()
+    _simulate(costs, 8, lambda width: 0.05 * width, drafted_tokens=2.0, steps=40)  # plain wins at 8
+    assert costs.speculate(7) is False and costs.kinds[7].steps(True) == costs.kinds[8].steps(True)
