@@ -293,6 +293,8 @@ def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
     (["profile", "--tree", "mixed", "--dtype", "gguf"], "cannot run on --dtype gguf"),
     (["profile", "--batches", "0"], "--batches must be comma-separated integers >= 1"),
     (["profile", "--batches", "2", "--dtype", "gguf"], "runs on --dtype auto weights"),
+    (["profile", "--kv-storage", "0,256"], "--kv-storage must be comma-separated integers >= 1"),
+    (["profile", "--kv-storage", "256", "--dtype", "gguf"], "--kv-storage times the engine's batched pass"),
 ])
 def test_profile_errors_are_one_line(args, message):
     result = runner.invoke(app, args)

@@ -222,11 +222,15 @@ def test_the_real_cache_test_catches_a_crop_that_removes_the_wrong_positions(mon
     (a slicing slip in a cache backend) leaves a cache of the right length and silently wrong
     contents; the joint test above rejects it."""
 
+    @torch.inference_mode()
     def drop_oldest(cache, length):
         remove = cache.get_seq_length() - length
         if remove > 0:
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[..., remove:, :], layer.values[..., remove:, :]
+            for layer in cache.layers:  # in place: a slab layer writes its next pass after `length`
+                kept = layer.keys[..., remove:, :].clone(), layer.values[..., remove:, :].clone()
+                layer.crop(-remove)
+                layer.keys.copy_(kept[0])
+                layer.values.copy_(kept[1])
 
     target, drafter = _real_pair()
     drafter = ModelDrafter(drafter)

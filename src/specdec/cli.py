@@ -672,10 +672,13 @@ def bench(
             check_levels(levels)
             chosen = _csv(methods or "ar,sd-cost,lookup,tree-mixed,hf-cb,hf-padded")
             check_load_methods(chosen)
-            if len(temperatures) != 1 or dtype != "auto" or samples != 1 or plot:
-                raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample and no --plot")
+            if len(temperatures) != 1 or dtype != "auto" or samples != 1 or plot or exact_rows is False or \
+                    drafter_vocab is not None or drafter_vocab_corpus is not None:
+                raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample, and none of "
+                                   "--plot, --batched-rows, --drafter-vocab, --drafter-vocab-corpus")
             run_load_benchmark(_csv(dataset), limit, chosen, levels, target, drafter, settings, temperatures[0], seed,
-                               markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype)
+                               markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype,
+                               tasks=_csv(tasks) if tasks else None)
             return
         methods = methods or "ar,sd-cost,hf"
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
@@ -828,6 +831,9 @@ def profile(
     widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
     batches_text: str = typer.Option("", "--batches", help="Also time the engine's batched pass over this many "
                                      "sequences (comma-separated, e.g. 1,2,4,8), 1 and 4 rows each."),
+    kv_text: str = typer.Option("", "--kv-storage", help="Also time KV cache storage (transformers' "
+                                "concatenation, paged blocks, our slabs) at these cached lengths, e.g. 256,2048: "
+                                "a step's cache work, and the batched pass of 8 sequences × 4 rows."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
@@ -836,6 +842,7 @@ def profile(
     """Where a generation's time goes on this machine, and what one more row of a target pass costs."""
     from rich.table import Table
 
+    from .bench.kvstorage import kv_storage_profile
     from .bench.profile import pass_profile, profile_record, time_split
     from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
     from .generate import speculative_generate
@@ -854,23 +861,34 @@ def profile(
     except ValueError:
         _fail(f"--batches must be comma-separated integers >= 1, got {batches_text!r}")
     try:
+        kv_contexts = [int(c) for c in _csv(kv_text)] if kv_text else []
+        if any(c < 1 for c in kv_contexts):
+            raise ValueError
+    except ValueError:
+        _fail(f"--kv-storage must be comma-separated integers >= 1 (cached lengths), got {kv_text!r}")
+    try:
         if max_new_tokens < 1:
             raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if tree != "off":
             check_tree_options(tree, 64, "without-replacement")
             _check_runs_on(dtype, f"--tree {tree}")
         model_free = drafter in MODEL_FREE_DRAFTERS
-        if batches and dtype == "gguf":
-            raise SpecdecError("--batches times the engine's batched pass, which runs on --dtype auto weights")
+        batched = "--batches" if batches else "--kv-storage" if kv_contexts else None
+        if batched and dtype == "gguf":
+            raise SpecdecError(f"{batched} times the engine's batched pass, which runs on --dtype auto weights")
         target_model = _load(target, dtype, device, "target")
-        if batches and not getattr(target_model, "rows_invariant", False):
-            raise SpecdecError(f"--batches needs row-exact passes for {target_model.name} (the engine's); "
+        if batched and not getattr(target_model, "rows_invariant", False):
+            raise SpecdecError(f"{batched} needs row-exact passes for {target_model.name} (the engine's); "
                                "on this machine that is --dtype bf16 on the CPU")
         drafter_model = None if model_free or tree == "lookup" else _load(
             drafter, _drafter_weights(dtype, drafter, drafter_dtype, False), device, "drafter")
         with err.status("timing passes…"):
             passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [],
                                   batches=batches)
+        kv = None
+        if kv_contexts:
+            with err.status("timing KV cache storage…"):
+                kv = kv_storage_profile(target_model, kv_contexts)
         if tree != "off":
             drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
         else:
@@ -906,6 +924,17 @@ def profile(
             b, r = (int(x) for x in key.split("x"))
             batched.add_row(str(b), str(r), f"{ms:.1f}", f"{ms / one:.2f}", f"{ms / (b * r):.1f}")
         out.print(batched)
+    if kv:
+        storage = Table(title=f"KV storage: one step's cache work per sequence ({kv['rows']} rows in and rolled "
+                              f"back, all layers), and the batched pass of {kv['batch']} sequences × {kv['rows']} rows",
+                        title_justify="left")
+        for column in ("cached", "step: concatenated (ms)", "paged (ms)", "slab (ms)", "pass: concatenated (ms)",
+                       "slab (ms)"):
+            storage.add_column(column, justify="right")
+        for context in kv_contexts:
+            storage.add_row(str(context), *(f"{kv['step_ms'][s][context]:.2f}" for s in ("dynamic", "paged", "slab")),
+                            *(f"{kv['pass_ms'][s][context]:.1f}" for s in ("dynamic", "slab")))
+        out.print(storage)
     if passes.drafter_ms:
         out.print(f"drafter {drafter_model.name} ({drafter_model.weights}, {drafter_model.kernels}): " + ", ".join(
             f"{t} token{'s' if t > 1 else ''} {ms:.1f} ms" for t, ms in passes.drafter_ms.items()), highlight=False)
@@ -920,7 +949,8 @@ def profile(
         split.add_row(part, str(count), f"{seconds:.2f}", f"{share:.0%}", f"{1e3 * seconds / count:.1f}" if count else "")
     out.print(split)
     if json_path:
-        json_path.write_text(json.dumps(profile_record(passes, stats, method, target_model, drafter_model), indent=1))
+        json_path.write_text(json.dumps(profile_record(passes, stats, method, target_model, drafter_model, kv),
+                                        indent=1))
         err.print(f"[dim]wrote {json_path}[/]", highlight=False)
 
 

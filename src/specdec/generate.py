@@ -18,7 +18,7 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from .backends import Backend, Segment
-from .backends.cache import cache_length, compact_cache, crop_cache
+from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import drive, one_hot
 from .errors import SpecdecError
@@ -140,6 +140,7 @@ class GenerationResult:
 StepCallback = Callable[[Step], None]
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
 PREFILL_CHUNK = 256  # prompt tokens fed per prefill call (`Decoding.prefill_step`)
+DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
 
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
@@ -240,6 +241,8 @@ class Decoding:
         self.out = _Output(limit, limit_reason, eos, on_step)
         self.stats = self.out.stats
         self.sequence = list(prompt)
+        # cache positions the sequence can reach: its prompt, its output and the widest draft
+        self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
@@ -258,8 +261,10 @@ class Decoding:
         """A cache for the target, the drafter told of the prompt, the clock started; the prompt
         is then fed by `prefill_step`."""
         self.cache = self.target.new_cache()
+        reserve_cache(self.cache, self.positions)
         if self.drafter is not None:
             self.drafter.start(self.sequence)
+            reserve_cache(getattr(self.drafter, "cache", None), self.positions)  # a drafter model's
             self.schedule.reset()
         self.out.start_clock()
         self.prefilled = False

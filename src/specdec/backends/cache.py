@@ -1,5 +1,6 @@
-"""Rolling a KV cache back: what stays of a pass after verification. Works on transformers'
-`DynamicCache` (sliding-window layers included) and on any cache with `get_seq_length` and `crop`
+"""KV caches that roll back: what stays of a pass after verification. Works on transformers'
+`DynamicCache` (sliding-window layers included), on its layers stored in slabs (slab.py, what
+`TransformersModel.new_cache` makes) and on any cache with `get_seq_length` and `crop`
 (llama.cpp's, backends/llamacpp.py).
 """
 
@@ -10,6 +11,14 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
+
+
+def reserve_cache(cache, positions: int) -> None:
+    """Tell a slab cache how many positions its sequence may reach, so each slab is allocated
+    once at that size (the engine knows a request's bound); other caches ignore it."""
+    for layer in getattr(cache, "layers", ()):
+        if hasattr(layer, "reserve"):
+            layer.reserve = positions
 
 
 def cache_length(cache) -> int:

@@ -209,11 +209,12 @@ class TransformersModel:
         Sliding-window layers (Mistral, Gemma 2/3) drop keys older than their window as they go,
         after which they cannot be cropped; with past recording on (as in transformers' assisted
         generation) they keep a pass's keys until the next `crop` trims them back to the window.
-        `cache_length` counts every position of the sequence either way.
+        `cache_length` counts every position of the sequence either way. Full-attention layers
+        keep their keys in slabs (slab.py): a pass copies only its own keys in.
         """
-        from transformers import DynamicCache
+        from .slab import slab_cache
 
-        cache = DynamicCache(config=self.hf.config)
+        cache = slab_cache(self.hf.config)
         cache.activate_past_recording()
         return cache
 

@@ -289,7 +289,8 @@ def render_levels(summaries: list[dict]) -> str:
 def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str], levels: list[int], target: str,
                        drafter: str, settings: Settings, temperature: float = 0.0, seed: int = 0,
                        markdown: str | None = None, json_path: str | None = None, argv: list[str] | None = None,
-                       console=None, device: str = "auto", drafter_dtype: str = "auto") -> dict:
+                       console=None, device: str = "auto", drafter_dtype: str = "auto",
+                       tasks: list[str] | None = None) -> dict:
     """`specdec bench --concurrency`: every method at every level over the prompts of `datasets`
     (one temperature), on one target and drafter; report and return {"info", "levels"}."""
     from rich.console import Console
@@ -311,7 +312,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     prompts = []
     for spec in datasets:
         name, count, _ = parse_dataset(spec, limit, [temperature])
-        prompts += load_prompts(name, count)
+        prompts += load_prompts(name, count, tasks if name != "humaneval" else None)
     # batched passes must be row-exact on the CPU (the engine refuses the target otherwise)
     target_model = load(target, device=device, role="target", exact_rows=True, say=say)
     drafters = {}
@@ -334,7 +335,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods))
         summaries, _ = run_levels(encoded, levels, methods, target_model, drafters, settings, sampler, seed, orders,
                                   say, lambda: progress.advance(bar))
-    info = {"datasets": datasets, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
+    info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
             "levels": sorted(set(levels)), "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
             "target_dtype": target_model.weights, "drafter": drafter if drafters else None,

@@ -54,11 +54,11 @@ def time_split(stats: GenerationStats) -> list[tuple[str, int, float]]:
 
 
 def profile_record(passes: PassProfile, stats: GenerationStats, method: str, target: Backend,
-                   drafter: Backend | None) -> dict:
+                   drafter: Backend | None, kv_storage: dict | None = None) -> dict:
     """Everything `specdec profile` printed, for --json, with the machine and date it was measured on."""
     return {"machine": machine(target), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "command": " ".join(["specdec", *sys.argv[1:]]),
             "method": method, "target": target.name, "target_weights": target.weights,
             "target_kernels": target.kernels, "drafter": drafter.name if drafter else None,
             "drafter_weights": drafter.weights if drafter else None, "passes": asdict(passes),
-            "generation": stats.to_dict()}
+            "generation": stats.to_dict(), **({"kv_storage": kv_storage} if kv_storage else {})}

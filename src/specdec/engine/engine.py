@@ -245,15 +245,11 @@ class Engine:
                         schedule=request.schedule() if request.schedule else None)
 
 
-DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
-
-
 def _kv_need(request: Request, decoding: Decoding) -> int:
     """Bytes of KV cache a request can reach: its prompt, its output and the widest draft, in the
     target's cache and in its drafter model's (if it has one)."""
-    positions = len(decoding.sequence) + decoding.out.limit + (DRAFT_ROOM if decoding.drafter is not None else 0)
     models = [decoding.target] + [m for m in [getattr(decoding.drafter, "model", None)] if m is not None]
-    return positions * sum(getattr(m, "kv_bytes_per_token", 0) for m in models)
+    return decoding.positions * sum(getattr(m, "kv_bytes_per_token", 0) for m in models)
 
 
 def _shares_drafter_passes(model, decoding: Decoding) -> bool:
