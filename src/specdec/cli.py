@@ -954,6 +954,108 @@ def profile(
         err.print(f"[dim]wrote {json_path}[/]", highlight=False)
 
 
+@app.command()
+def serve(
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), or 'none'."),
+    method: str = typer.Option("default", help="Requests' speculation unless they say: default (the drafter "
+                               "model's chain, cost-aware), chain, lookup, tree (mixed tree on the drafter) or ar."),
+    gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree."),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (method tree)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Most sequences decoded at once."),
+    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="A budget for the running sequences' KV "
+                                            "caches (e.g. 2GiB); requests beyond it wait."),
+    max_waiting: int = typer.Option(64, "--max-waiting", help="Most requests queued; beyond it, 429."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Output bound of a chat request that sets none."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Longest prompt taken "
+                                                    "(default: the model's context)."),
+    max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may run (then 504)."),
+    grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
+    dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
+                              "(transformers' weights; the batched engine runs them)."),
+    drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics) on the batched engine."""
+    from .server.schema import METHODS, Speculation
+    from .server.service import Limits
+
+    try:
+        if method not in METHODS:
+            raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+        if dtype == "gguf":
+            raise SpecdecError("the server runs the batched engine on transformers' weights; use --dtype auto "
+                               "(llama.cpp's backend holds one sequence)")
+        for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
+                                 ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
+                                 ("--max-tokens", max_tokens, 1), ("--port", port, 0)):
+            if value < low:
+                raise SpecdecError(f"{name} must be >= {low}, got {value}")
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise SpecdecError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
+        if request_timeout <= 0 or grace < 0:
+            raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
+        no_drafter = drafter in ("none", "")
+        if no_drafter and method in ("default", "chain", "tree"):
+            raise SpecdecError(f"--method {method} drafts with a drafter model; give --drafter, or use "
+                               "--method lookup or ar")
+        if drafter in MODEL_FREE_DRAFTERS:
+            raise SpecdecError(f"--drafter takes a model; {drafter} is a method here (--method lookup)")
+        budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
+        limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
+                        max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
+                        max_waiting=max_waiting)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    import uvicorn
+
+    from .server.app import create_app
+    from .server.service import Service
+
+    def load() -> Service:
+        from .models import load as load_model, resolve_device
+        from .passcost import pass_costs
+
+        say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+        cpu = resolve_device(device).type == "cpu"
+        target_model = load_model(target, dtype=dtype, device=device, role="target", exact_rows=True if cpu else None,
+                                  say=say)
+        drafter_model = None if no_drafter else load_model(
+            drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
+            exact_rows=_chain_drafter_rows("off", device, None), say=say)
+        costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
+        speculation = Speculation(None if method == "ar" else method, gamma_max, tree_nodes)
+        service = Service(target_model, drafter_model, default=speculation, limits=limits, costs=costs,
+                          lookup_costs=pass_costs(target_model, None, say))
+        err.print(f"serving {service.name} on http://{host}:{port}/v1 (speculation: {method}, max batch "
+                  f"{max_batch})", highlight=False)
+        return service
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]listening on {host}: reachable beyond this machine"
+                  f"{'' if api_key else ' and without --api-key'}[/]")
+    def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGINT)
+
+    server = create_app(load, max_batch, budget, api_key, on_load_error=stop)
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
+        signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0
+    uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    error = server.state.specdec["error"]
+    if error is not None:
+        _fail(str(error) if isinstance(error, SpecdecError) else f"loading failed: {error!r}")
+
+
 def main() -> None:
     app()
 

@@ -83,6 +83,7 @@ class Engine:
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
         self.results: dict[int, GenerationResult] = {}
+        self.failed: dict[int, SpecdecError] = {}  # requests that ended on an error of their own
         self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
         self.passes = 0  # target passes made (one per step with running sequences)
 
@@ -105,6 +106,10 @@ class Engine:
             if request.id == request_id:
                 del self.waiting[i]
                 return True
+        return self._drop(request_id)
+
+    def _drop(self, request_id: int) -> bool:
+        """Free an admitted request's caches and memory at once -> whether it was admitted."""
         decoding = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
         if decoding is not None:
             decoding.cache = None
@@ -140,7 +145,12 @@ class Engine:
         self.passes += 1
         emitted = {}
         for request_id, decoding, rows in zip(ids, decodings, logits):
-            emitted[request_id] = decoding.commit(rows, seconds)
+            try:
+                emitted[request_id] = decoding.commit(rows, seconds)
+            except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
+                self.failed[request_id] = error
+                self._drop(request_id)
+                continue
             if decoding.done:
                 self.results[request_id] = decoding.result()  # frees its cache
                 del self.running[request_id]
@@ -152,9 +162,12 @@ class Engine:
         return emitted
 
     def run(self) -> dict[int, GenerationResult]:
-        """Step until every request has ended -> results by request id."""
+        """Step until every request has ended -> results by request id; a request's own error
+        (`failed`) is raised once the others have ended."""
         while self.busy:
             self.step()
+        if self.failed:
+            raise next(iter(self.failed.values()))
         return self.results
 
     def _admit(self) -> None:

@@ -1,0 +1,339 @@
+"""`specdec serve`: OpenAI's completions and chat completions API over the engine.
+
+Each request is checked (`schema`), turned into the engine's requests (`service`), and fed to the
+engine's thread (`worker`); its tokens come back as they are committed, are detokenized
+incrementally, cut at stop strings, and streamed as server-sent events or returned whole. A
+client that disconnects cancels its sequences; a request's own error ends it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from typing import Callable
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..errors import SpecdecError
+from ..generate import GenerationResult
+from .metrics import Metrics, speculation_usage
+from .schema import BadRequest, Job, parse_body, parse_job
+from .service import Service
+from .worker import QueueFull, Worker
+
+POLL = 0.25  # seconds between checks for a vanished client while a request runs
+
+
+class _Choice:
+    """One choice's stream, filled from the engine's thread: ("tokens", ids), ("done", result) or
+    ("failed", error) items on an asyncio queue of the server's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.first: float | None = None
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def tokens(self, ids: list[int]) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self._put(("tokens", ids))
+
+    def done(self, result: GenerationResult) -> None:
+        self._put(("done", result))
+
+    def failed(self, error: Exception) -> None:
+        self._put(("failed", error))
+
+
+class _Text:
+    """Token ids to text as they come: text that may still change (an incomplete UTF-8 sequence)
+    or may begin a stop string is held back until it cannot."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops, self.ids, self.sent = decode, stops, [], 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        """The next piece of text to send; after a stop string, `stopped` and nothing more."""
+        self.ids += ids
+        text = self.decode(self.ids)
+        cut = min((i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        elif final:
+            end = len(text)
+        else:
+            end = len(text) - self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":  # a character still incomplete
+                end -= 1
+        piece = text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
+
+
+def _error(error: BadRequest) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _sse(payload: dict | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | None = None,
+               api_key: str | None = None, on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
+    """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
+    and gives the service; the engine's worker starts then and stops at shutdown. A load that
+    fails goes to `on_load_error` (the CLI stops the server), and /health says why.
+    `app.state.specdec` holds "service", "worker" and "error"."""
+    state: dict = {"service": None, "worker": None, "error": None}
+    metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
+                      running=lambda: state["worker"].running if state["worker"] else 0)
+
+    def start() -> None:
+        try:
+            from ..engine import Engine
+
+            service = load()
+            worker = Worker(Engine(service.target, max_batch, kv_memory), service.limits.max_waiting)
+            worker.start()
+            state["service"], state["worker"] = service, worker
+        except Exception as error:  # reported by /health and every request
+            state["error"] = error
+            if on_load_error is not None:
+                on_load_error(error)
+
+    async def lifespan(app):
+        threading.Thread(target=start, name="specdec-load", daemon=True).start()
+        yield
+        if state["worker"] is not None:
+            state["worker"].stop(timeout=10)
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.specdec = state
+
+    def ready() -> Service:
+        if state["error"] is not None:
+            raise BadRequest(f"the model failed to load: {state['error']}", status=503, type="server_error")
+        if state["service"] is None:
+            raise BadRequest("the model is loading; retry shortly", status=503, type="server_error")
+        return state["service"]
+
+    def authorize(request: HttpRequest) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise BadRequest("invalid or missing API key (Authorization: Bearer KEY)", status=401,
+                             type="authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        try:
+            ready()
+        except BadRequest as error:
+            return _error(error)
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest):
+        try:
+            authorize(request)
+            service = ready()
+        except BadRequest as error:
+            return _error(error)
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": 0,
+                                            "owned_by": "specdec", "max_model_len": service.target.max_context}]}
+
+    async def complete(request: HttpRequest, chat: bool):
+        arrival = time.perf_counter()
+        try:
+            authorize(request)
+            service = ready()
+            body = parse_body(await request.body(), service.limits.max_body)
+            job = parse_job(body, chat, service.name, service.default)
+            prompt_ids = service.prompt_ids(job)
+            engine_requests = service.requests(job, prompt_ids, service.max_new_tokens(job, len(prompt_ids)))
+        except BadRequest as error:
+            metrics.requests.labels(status="rejected").inc()
+            return _error(error)
+        loop = asyncio.get_running_loop()
+        choices = [_Choice(loop) for _ in engine_requests]
+        worker: Worker = state["worker"]
+        try:
+            for engine_request, choice in zip(engine_requests, choices):
+                worker.submit(engine_request, choice)
+        except QueueFull as full:
+            for choice in choices:
+                worker.cancel(choice)
+            metrics.requests.labels(status="rejected").inc()
+            return _error(BadRequest(f"the server is busy: {full}; retry later", status=429, type="server_error",
+                                     code="queue_full"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
+            if isinstance(body.get("stream_options"), dict) else False
+        run = _Run(service, job, chat, prompt_ids, choices, worker, metrics, arrival, request)
+        if job.stream:
+            return StreamingResponse(run.events(include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await run.whole()
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+        return await complete(request, chat=True)
+
+    return app
+
+
+class _Run:
+    """One request's choices in flight: gathered whole, or streamed as events."""
+
+    def __init__(self, service: Service, job: Job, chat: bool, prompt_ids: list[int], choices: list[_Choice],
+                 worker: Worker, metrics: Metrics, arrival: float, request: HttpRequest):
+        self.service, self.job, self.chat, self.prompt_ids = service, job, chat, prompt_ids
+        self.choices, self.worker, self.metrics, self.arrival, self.request = choices, worker, metrics, arrival, request
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        decode = service.target.decode
+        self.texts = [_Text(decode, job.stop) for _ in choices]
+        self.results: list[GenerationResult | None] = [None] * len(choices)
+        self.reasons: list[str | None] = [None] * len(choices)
+        self.status = "ok"
+
+    async def _items(self):
+        """(choice index, text piece, finish reason or None) as the engine commits tokens; cancels
+        every choice left if the client goes away or the request runs out of time."""
+        pending = {asyncio.ensure_future(c.queue.get()): i for i, c in enumerate(self.choices)}
+        deadline = self.arrival + self.service.limits.request_timeout
+        checked = time.perf_counter()
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
+                if time.perf_counter() - checked >= POLL:  # tokens may flow all the while
+                    checked = time.perf_counter()
+                    if await self.request.is_disconnected():
+                        self.status = "cancelled"
+                        return
+                    if checked > deadline:
+                        self.status = "timeout"
+                        raise BadRequest(f"the request ran past this server's limit of "
+                                         f"{self.service.limits.request_timeout:g} s", status=504,
+                                         type="server_error", code="timeout")
+                for future in done:
+                    i = pending.pop(future)
+                    kind, value = future.result()
+                    text = self.texts[i]
+                    if kind == "failed":
+                        self.status = "error"
+                        status = 400 if isinstance(value, SpecdecError) else 500
+                        raise BadRequest(f"generation failed: {value}", status=status,
+                                         type="invalid_request_error" if status == 400 else "server_error")
+                    if kind == "tokens":
+                        piece = text.add(value)
+                        if text.stopped:
+                            self.worker.cancel(self.choices[i])
+                            self.reasons[i] = "stop"
+                            self._settle(i, None)
+                            yield i, piece, "stop"
+                            continue
+                        pending[asyncio.ensure_future(self.choices[i].queue.get())] = i
+                        if piece:
+                            yield i, piece, None
+                    else:  # done
+                        piece = text.add([], final=True)
+                        self.reasons[i] = "length" if value.stop_reason in ("max_new_tokens", "context") else "stop"
+                        self._settle(i, value)
+                        yield i, piece, self.reasons[i]
+        finally:
+            for future in pending:
+                future.cancel()
+            for i, choice in enumerate(self.choices):
+                if self.reasons[i] is None:
+                    self.worker.cancel(choice)
+
+    def _settle(self, i: int, result: GenerationResult | None) -> None:
+        """A choice ended (result None: cut at a stop string; its tokens so far count)."""
+        if result is None:
+            from ..generate import GenerationStats
+
+            result = GenerationResult(self.texts[i].ids, [], GenerationStats(), "stop")
+        self.results[i] = result
+        end = time.perf_counter()
+        self.metrics.finished(result, len(self.prompt_ids), self.arrival, self.choices[i].first or end, end)
+
+    def usage(self) -> dict:
+        done = [r for r in self.results if r is not None]
+        completion = sum(len(r.tokens) for r in done)
+        passes = sum(r.stats.target_forwards for r in done)
+        spec = [speculation_usage(r) for r in done]
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion,
+                "speculative": {"method": self.job.speculation.method or "off",
+                                "drafted_tokens": sum(s["draft_tokens"] for s in spec),
+                                "accepted_tokens": sum(s["accepted_tokens"] for s in spec),
+                                "target_passes": passes,
+                                "tokens_per_target_pass": round(completion / passes, 3) if passes else None}}
+
+    def _choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        if delta:
+            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.service.name,
+                "choices": choices}
+
+    async def whole(self):
+        pieces = [[] for _ in self.choices]
+        try:
+            async for i, piece, _ in self._items():
+                pieces[i].append(piece)
+        except BadRequest as error:
+            self.metrics.requests.labels(status=self.status).inc()
+            return _error(error)
+        self.metrics.requests.labels(status=self.status).inc()
+        if self.status != "ok":
+            return Response(status_code=499)
+        body = self._envelope([self._choice(i, "".join(p), self.reasons[i]) for i, p in enumerate(pieces)], False)
+        body["usage"] = self.usage()
+        return body
+
+    async def events(self, include_usage: bool):
+        try:
+            if self.chat:
+                yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}
+                                           for i in range(len(self.choices))], True))
+            async for i, piece, reason in self._items():
+                yield _sse(self._envelope([self._choice(i, piece, reason, delta=True)], True))
+            if include_usage:
+                yield _sse({**self._envelope([], True), "usage": self.usage()})
+            yield _sse("[DONE]")
+        except BadRequest as error:  # the status line is sent: the error goes as an event
+            yield _sse(error.body())
+            yield _sse("[DONE]")
+        finally:  # also when the client went away (the generator is closed)
+            if self.status == "ok" and any(r is None for r in self.reasons):
+                self.status = "cancelled"
+            self.metrics.requests.labels(status=self.status).inc()

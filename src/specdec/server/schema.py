@@ -1,0 +1,170 @@
+"""OpenAI request bodies to what the engine takes, checked field by field: a bad field is a
+`BadRequest` naming it (the server answers 400 with an OpenAI-style error body), never a stack
+trace and never a silently ignored option. Pure functions, no model: tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_N = 16  # choices per request
+METHODS = ("default", "ar", "chain", "lookup", "tree")
+
+
+class BadRequest(Exception):
+    """A client error: HTTP `status`, OpenAI's error `type`, the offending `param` and a `code`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Speculation:
+    """The request's `speculative` block: which method drafts (None: plain decoding) and its limits."""
+
+    method: str | None = "default"
+    gamma_max: int | None = None
+    tree_nodes: int | None = None
+
+
+@dataclass
+class Job:
+    """A checked request: a prompt (text or ids) or chat messages, and how to generate."""
+
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    n: int
+    stream: bool
+    speculation: Speculation = field(default_factory=Speculation)
+
+
+def parse_body(raw: bytes, limit: int) -> dict:
+    """The JSON object of a request body, at most `limit` bytes."""
+    if len(raw) > limit:
+        raise BadRequest(f"the request body is {len(raw)} bytes, over this server's limit of {limit}",
+                         status=413, code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if value < low or (low_open and value == low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise BadRequest(f"{name} must be in {bounds}, got {value!r}", name)
+    return value
+
+
+def _speculation(value, default: Speculation) -> Speculation:
+    if value is None:
+        return default
+    if value is False:
+        return Speculation(method=None)
+    if value is True:
+        return default
+    if not isinstance(value, dict):
+        raise BadRequest(f"speculative must be false or an object with method, gamma_max, tree_nodes; got {value!r}",
+                         "speculative")
+    unknown = set(value) - {"method", "gamma_max", "tree_nodes"}
+    if unknown:
+        raise BadRequest(f"speculative takes method, gamma_max and tree_nodes, not {sorted(unknown)}", "speculative")
+    method = value.get("method", default.method or "default")
+    if method not in METHODS:
+        raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)}; got {method!r}",
+                         "speculative.method")
+    gamma = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
+    nodes = _number(value, "tree_nodes", default.tree_nodes, 1, 256, integer=True)
+    return Speculation(None if method == "ar" else method, gamma, nodes)
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got {value!r}",
+                         "stop")
+    return stops
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") or \
+                not isinstance(message.get("content"), str):
+            raise BadRequest(f"messages[{i}] must be an object with role system, user or assistant and a string "
+                             f"content, got {message!r}", f"messages[{i}]")
+        out.append({"role": message["role"], "content": message["content"]})
+    if not any(m["content"] for m in out):
+        raise BadRequest("messages are all empty", "messages")
+    return out
+
+
+def _prompt(value) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise BadRequest("prompt is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in value):
+        return list(value)
+    raise BadRequest("prompt must be a non-empty string, a list of one, or a list of token ids "
+                     f"(several prompts per request are not taken), got {value!r}"[:300], "prompt")
+
+
+def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> Job:
+    """Check a /v1/completions (chat=False) or /v1/chat/completions body -> a `Job`."""
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+                         status=404, code="model_not_found")
+    allowed = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,)}
+    for name, values in allowed.items():
+        if not any(body.get(name) is v or body.get(name) == v and type(body.get(name)) is type(v) for v in values):
+            raise BadRequest(f"{name} is not supported by this server yet", name, code="unsupported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    return Job(
+        prompt=None if chat else _prompt(body.get("prompt")),
+        messages=_messages(body.get("messages")) if chat else None,
+        max_tokens=_number(body, limit, None if chat else 16, 1, 2 ** 31, integer=True),
+        temperature=_number(body, "temperature", 1.0, 0, 2),
+        top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
+        top_k=_number(body, "top_k", 0, -1, 2 ** 31, integer=True),
+        seed=_number(body, "seed", None, -2 ** 63, 2 ** 63 - 1, integer=True),
+        stop=_stop(body.get("stop")),
+        n=_number(body, "n", 1, 1, MAX_N, integer=True),
+        stream=stream,
+        speculation=_speculation(body.get("speculative"), default),
+    )

@@ -1,0 +1,112 @@
+"""What the server serves: the loaded models, how a checked request (`schema.Job`) becomes the
+engine's requests, and the limits. Nothing a request says can load a model or name a file: the
+models are the ones given on the command line, and a request picks only among their methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import Request
+from ..samplers import Sampler
+from .schema import BadRequest, Job, Speculation
+
+
+@dataclass
+class Limits:
+    """max_tokens: the output bound of a chat request that names none; max_prompt_tokens: the
+    longest prompt taken (None: the model's context); max_body: request body bytes;
+    request_timeout: seconds a request may run before it is cancelled (504)."""
+
+    max_tokens: int = 256
+    max_prompt_tokens: int | None = None
+    max_body: int = 1 << 20
+    request_timeout: float = 600.0
+    max_waiting: int = 64
+
+
+class Service:
+    """A target, an optional drafter model, and the default speculation of requests.
+
+    costs: the pass costs (`passcost.pass_costs`) of (target, drafter model) and of (target,
+    model-free drafter), measured once at start, for the cost-aware schedule.
+    """
+
+    def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
+                 limits: Limits | None = None, costs=None, lookup_costs=None):
+        self.target, self.drafter, self.name = target, drafter, name or target.name
+        self.default = default or Speculation("default" if drafter is not None else None)
+        if self.default.method in ("default", "chain", "tree") and drafter is None:
+            raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
+        self.limits = limits or Limits()
+        self.costs, self.lookup_costs = costs, lookup_costs
+
+    def prompt_ids(self, job: Job) -> list[int]:
+        """The job's prompt as token ids (chat messages through the model's chat template)."""
+        tokenizer = self.target.tokenizer
+        if job.messages is not None:
+            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                raise BadRequest(f"{self.name} has no chat template; use /v1/completions", "messages")
+            ids = tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        elif isinstance(job.prompt, str):
+            if tokenizer is None:
+                raise BadRequest(f"{self.name} has no tokenizer; send the prompt as token ids", "prompt")
+            ids = self.target.encode(job.prompt)
+        else:
+            ids = job.prompt
+            vocab = self.target.vocab_size
+            if max(ids) >= vocab:
+                raise BadRequest(f"prompt token id {max(ids)} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        if not ids:
+            raise BadRequest("the prompt encodes to no tokens", "prompt")
+        return ids
+
+    def max_new_tokens(self, job: Job, prompt_length: int) -> int:
+        """The job's output bound, checked against the context: a prompt or max_tokens that does
+        not fit is a 400 naming it, never a silently shorter answer."""
+        context = self.target.max_context
+        most_prompt = min(context - 1, self.limits.max_prompt_tokens or context)
+        if prompt_length > most_prompt:
+            raise BadRequest(f"the prompt is {prompt_length} tokens; this server takes at most {most_prompt}",
+                             "messages" if job.messages is not None else "prompt", code="context_length_exceeded")
+        room = context - prompt_length
+        if job.max_tokens is None:
+            return min(self.limits.max_tokens, room)
+        if job.max_tokens > room:
+            raise BadRequest(f"max_tokens is {job.max_tokens}, but the context of {context} tokens leaves "
+                             f"{room} after the prompt's {prompt_length}", "max_tokens",
+                             code="context_length_exceeded")
+        return job.max_tokens
+
+    def requests(self, job: Job, prompt_ids: list[int], max_new_tokens: int) -> list[Request]:
+        """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
+        sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p)
+        return [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
+                              None if job.seed is None else job.seed + i) for i in range(job.n)]
+
+    def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
+                 seed: int | None) -> Request:
+        from ..drafters import LookupDrafter, make_tree_drafter
+        from ..schedules import make_schedule
+
+        method = speculation.method
+        common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
+        if method is None:
+            return Request(prompt_ids, None, **common)
+        gamma = speculation.gamma_max or self.default.gamma_max or 20
+        if method in ("default", "chain", "tree") and self.drafter is None:
+            raise BadRequest(f"speculative.method {method!r} needs a drafter model, and this server has none; "
+                             "use lookup or false", "speculative.method")
+        if method == "tree":
+            nodes = speculation.tree_nodes or self.default.tree_nodes or 64
+            return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes), **common,
+                           schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
+        if speculation.tree_nodes is not None:
+            raise BadRequest("speculative.tree_nodes applies to method tree", "speculative.tree_nodes")
+        # a seed under sampling pins the output: its draft lengths must not come from timings
+        pinned = seed is not None and not sampler.is_greedy
+        costs = None if pinned else (self.lookup_costs if method == "lookup" else self.costs)
+        return Request(prompt_ids, LookupDrafter if method == "lookup" else self.drafter, **common,
+                       schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs))
+

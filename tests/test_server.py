@@ -1,0 +1,443 @@
+"""`specdec serve` on loopback, driven by the real `openai` client and httpx: responses equal the
+target's AR run alone (also 8 streams at once), metrics add up to the responses' usage, bad input
+is a 4xx naming the field and the next request succeeds, a vanished client frees its sequence,
+a request's own error ends it alone. Tiny random models (token-id prompts); real weights at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from specdec.cli import app as cli
+from specdec.generate import Decoding, autoregressive_generate
+from specdec.errors import SpecdecError
+from specdec.server.app import create_app
+from specdec.server.schema import BadRequest, Speculation, parse_job
+from specdec.server.service import Limits, Service
+from specdec.server.worker import QueueFull, Worker
+
+from conftest import tiny_model
+
+NAME = "tiny"
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12], [3], [2, 4, 6, 8], [9, 9, 9], [15, 0, 1], [4, 4]]
+
+
+@contextlib.contextmanager
+def serving(load, wait: bool = True, **options):
+    """A live server on 127.0.0.1 (a free port) in this process -> (base URL, app); stopped after."""
+    app = create_app(load, **options)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        while wait and httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.05)
+        yield url, app
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    return tiny_model(0, exact_rows=True, name=NAME), tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    target, drafter = tiny_pair
+    with serving(lambda: Service(target, drafter, limits=Limits(max_tokens=24)), max_batch=4) as (url, app):
+        yield url, app
+
+
+def _client(url: str, **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=options.pop("api_key", "unused"), max_retries=0,
+                         timeout=60, **options)
+
+
+def _alone(target, prompt: list[int], tokens: int) -> str:
+    return target.decode(autoregressive_generate(prompt, target, max_new_tokens=tokens).tokens)
+
+
+def _metrics(url: str) -> dict:
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def _metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.parametrize("speculative", [False, None, {"method": "lookup"}, {"method": "tree", "tree_nodes": 8}],
+                         ids=["ar", "default", "lookup", "tree"])
+def test_greedy_completions_equal_the_targets_run_alone(server, tiny_pair, speculative):
+    url, _ = server
+    client = _client(url)
+    extra = {} if speculative is None else {"speculative": speculative}
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, extra_body=extra)
+    assert whole.choices[0].text == _alone(tiny_pair[0], PROMPTS[0], 20)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 20
+    assert whole.usage.prompt_tokens == 4
+    spec = whole.usage.model_extra["speculative"]
+    assert spec["method"] == ("off" if speculative is False else (speculative or {}).get("method", "default"))
+    if speculative is False:
+        assert spec["drafted_tokens"] == 0
+    elif speculative is None or speculative["method"] == "tree":  # lookup finds nothing in a random prompt
+        assert spec["drafted_tokens"] > 0
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True, extra_body=extra)]
+    assert "".join(pieces) == whole.choices[0].text and len(pieces) > 1
+
+
+def test_eight_streams_at_once_each_equal_its_prompt_alone(server, tiny_pair):
+    url, app = server
+    client = _client(url)
+
+    def stream(prompt):
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(stream, PROMPTS))
+    assert texts == [_alone(tiny_pair[0], p, 16) for p in PROMPTS]
+
+
+def test_seeded_sampled_choices_repeat_and_n_gives_seed_plus_i(server):
+    url, _ = server
+    client = _client(url)
+    one = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=7, n=2)
+    again = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=8)
+    assert [c.index for c in one.choices] == [0, 1] and one.usage.completion_tokens == 24
+    assert one.choices[1].text == again.choices[0].text  # choice i runs seed + i
+
+
+def test_chat_without_a_template_is_a_clear_400_and_models_lists_the_target(server):
+    url, _ = server
+    client = _client(url)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_stop_strings_cut_the_text_and_end_the_choice(server, tiny_pair):
+    url, _ = server
+    full = _alone(tiny_pair[0], PROMPTS[2], 20)
+    stop = full.split(" ")[5]  # the sixth token's text
+    cut = full[:full.find(stop)]
+    client = _client(url)
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert streamed == cut
+
+
+def test_metrics_parse_and_add_up_to_the_responses_usage(server):
+    url, _ = server
+    before = _metrics(url)
+    client = _client(url)
+    usages = [client.completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0).usage for p in PROMPTS[:3]]
+    after = _metrics(url)
+
+    def grew(name, **labels):
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert grew("specdec:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("specdec:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    spec = [u.model_extra["speculative"] for u in usages]
+    assert grew("specdec:spec_decode_num_draft_tokens_total") == sum(s["drafted_tokens"] for s in spec) > 0
+    accepted = grew("specdec:spec_decode_num_accepted_tokens_total")
+    assert accepted == sum(s["accepted_tokens"] for s in spec)
+    positions = sum(v - _metric(before, name, **dict(labels)) for (name, labels), v in after.items()
+                    if name == "specdec:spec_decode_num_accepted_tokens_per_pos_total")
+    assert positions == accepted
+    assert grew("specdec:requests_total", status="ok") == 3
+    assert grew("specdec:time_to_first_token_seconds_count") == 3
+    assert _metric(after, "specdec:num_requests_running") == 0
+
+
+BAD = [
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    ({"prompt": [1], "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ({"prompt": [1], "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": ""}, 400, "prompt", "empty"),
+    ({"prompt": []}, 400, "prompt", "non-empty"),
+    ({"prompt": [1] * 300}, 400, "prompt", "at most 255"),
+    ({"prompt": [99]}, 400, "prompt", "outside the vocabulary"),
+    ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens", "must be in"),
+    ({"prompt": [1] * 200, "max_tokens": 100}, 400, "max_tokens", "leaves 56"),
+    ({"prompt": [1], "temperature": -0.5}, 400, "temperature", "must be in"),
+    ({"prompt": [1], "top_p": 0}, 400, "top_p", "must be in (0"),
+    ({"prompt": [1], "top_p": 1.5}, 400, "top_p", "must be in (0"),
+    ({"prompt": [1], "n": 0}, 400, "n", "must be in"),
+    ({"prompt": [1], "stop": [""]}, 400, "stop", "non-empty string"),
+    ({"prompt": [1], "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": [1], "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"prompt": [1], "speculative": {"method": "magic"}}, 400, "speculative.method", "one of"),
+    ({"prompt": [1], "speculative": {"path": "/etc/passwd"}}, 400, "speculative", "takes method"),
+    ({"prompt": [1], "speculative": "model.gguf"}, 400, "speculative", "must be false or an object"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, message", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_succeeds(server, body, status, param, message):
+    url, _ = server
+    content = body if isinstance(body, bytes) else httpx.Request("POST", url, json={"model": NAME, **body}).content
+    response = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"]
+    ok = _client(url).completions.create(model=NAME, prompt=[1, 2], max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_chat_bodies_are_checked_too():
+    default = Speculation()
+    for messages, needle in [([], "non-empty list"), ([{"role": "wizard", "content": "x"}], "messages[0]"),
+                             ([{"role": "user", "content": 3}], "messages[0]"), ([{"role": "user", "content": ""}],
+                                                                                 "all empty")]:
+        with pytest.raises(BadRequest, match=needle.replace("[", r"\[")):
+            parse_job({"messages": messages}, True, NAME, default)
+    job = parse_job({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "speculative": False},
+                    True, NAME, default)
+    assert job.max_tokens == 5 and job.speculation.method is None
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_that_disconnects_frees_its_sequence(server, tiny_pair, monkeypatch, stream):
+    """Steps slowed to 20 ms: 250 tokens would take 5 s; the client leaves after its first token
+    (streaming) or 0.5 s (waiting whole), and the sequence must be gone long before 5 s."""
+    url, app = server
+    worker, target = app.state.specdec["worker"], tiny_pair[0]
+    forward_batch = target.forward_batch
+
+    def slow(segments):
+        time.sleep(0.02)
+        return forward_batch(segments)
+
+    monkeypatch.setattr(target, "forward_batch", slow)
+    before = _metrics(url)
+    body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 250, "temperature": 0, "stream": stream}
+    left = time.monotonic()
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token came: leave
+        left = time.monotonic()
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+    while worker.running or worker.engine.busy:
+        assert time.monotonic() - left < 2, "the sequence of a vanished client was not freed"
+        time.sleep(0.02)
+    after = _metrics(url)
+    assert _metric(after, "specdec:requests_total", status="cancelled") - \
+        _metric(before, "specdec:requests_total", status="cancelled") == 1
+    assert _metric(after, "specdec:generation_tokens_total") == _metric(before, "specdec:generation_tokens_total")
+
+
+def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
+    url, _ = server
+    commit = Decoding.commit
+
+    def failing(self, logits, seconds):
+        if self.sequence[:2] == [13, 14]:
+            raise SpecdecError("model produced NaN logits")
+        return commit(self, logits, seconds)
+
+    monkeypatch.setattr(Decoding, "commit", failing)
+    client = _client(url)
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(client.completions.create, model=NAME, prompt=[13, 14, 1], max_tokens=40, temperature=0)
+        good = pool.submit(client.completions.create, model=NAME, prompt=[1, 2, 3], max_tokens=40, temperature=0)
+        with pytest.raises(openai.BadRequestError, match="NaN logits"):
+            bad.result()
+        assert good.result().usage.completion_tokens == 40
+
+
+def test_the_api_key_is_required_when_set(tiny_pair):
+    with serving(lambda: Service(tiny_pair[0], None), api_key="sekret") as (url, _):
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            _client(url, api_key="wrong").completions.create(model=NAME, prompt=[1], max_tokens=2)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        ok = _client(url, api_key="sekret").completions.create(model=NAME, prompt=[1], max_tokens=2, temperature=0)
+        assert ok.usage.completion_tokens == 2 and httpx.get(url + "/health").status_code == 200
+
+
+def test_health_is_503_while_loading_and_requests_are_told_to_retry(tiny_pair):
+    release = threading.Event()
+
+    def load():
+        assert release.wait(20)
+        return Service(tiny_pair[0], None)
+
+    with serving(load, wait=False) as (url, _):
+        assert httpx.get(url + "/health").status_code == 503
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_full_queue_is_429_with_retry_after(tiny_pair, monkeypatch):
+    from specdec.engine import Engine, Request
+
+    worker = Worker(Engine(tiny_pair[0], 1), max_waiting=2)  # not started: nothing leaves the queue
+    sinks = [object(), object()]
+    for sink in sinks:
+        worker.submit(Request([1, 2]), sink)
+    with pytest.raises(QueueFull):
+        worker.submit(Request([1, 2]), object())
+
+    def full(self, request, sink):
+        raise QueueFull("2 requests are waiting, this server's limit")
+
+    monkeypatch.setattr(Worker, "submit", full)
+    with serving(lambda: Service(tiny_pair[0], None)) as (url, _):
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"
+
+
+@pytest.mark.real
+def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
+    """The default pair (bf16 row-exact target, int8 drafter): 8 clients stream chat completions
+    at once, half under the default method and half drafting trees; each text is the target's AR
+    output alone, and the speculation of the whole run shows in /metrics."""
+    from specdec.models import load
+    from specdec import registry
+
+    target = load(registry.DEFAULT_TARGET, device="cpu", exact_rows=True)
+    drafter = load(registry.DEFAULT_DRAFTER, device="cpu", role="drafter", exact_rows=True)
+    questions = ["Write a Python function that reverses a string.", "What is a binary search?",
+                 "Sort a list of tuples by the second item.", "Explain recursion in one sentence.",
+                 "def fibonacci(n):", "Name three HTTP methods.", "How do I read a file in Python?",
+                 "What does git rebase do?"]
+    with serving(lambda: Service(target, drafter), max_batch=8) as (url, _):
+        client = _client(url)
+
+        def ask(number):  # odd ones draft trees, which draft whatever the batch (the default backs off under load)
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=target.name, messages=[{"role": "user", "content": questions[number]}], max_tokens=40,
+                temperature=0, stream=True, extra_body={"speculative": {"method": "tree"}} if number % 2 else {}))
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(ask, range(len(questions))))
+        drafted = _metric(_metrics(url), "specdec:spec_decode_num_draft_tokens_total")
+    alone = [target.decode(autoregressive_generate(target.encode(q, chat=True), target, max_new_tokens=40).tokens)
+             for q in questions]
+    assert texts == alone and drafted > 0
+
+
+@pytest.mark.real
+def test_real_server_process_exits_0_on_sigterm_after_finishing_in_flight_requests(smollm2):
+    """`specdec serve` as users start it: loopback, /health 503 then 200, a streamed request in
+    flight when SIGTERM comes finishes, and the process exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--target", "smollm2-135m", "--drafter",
+                                "none", "--method", "ar", "--port", str(port), "--grace", "20"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if \
+                process.poll() is not None else "not ready in 120 s"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        pieces = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and not pieces:
+                    os.kill(process.pid, signal.SIGTERM)  # in flight: the rest must still come
+                if line:
+                    pieces.append(line)
+        assert pieces[-1] == "data: [DONE]" and sum(p.startswith("data: {") for p in pieces) >= 2
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair, monkeypatch):
+    target = tiny_pair[0]
+    forward_batch = target.forward_batch
+
+    def slow(segments):
+        time.sleep(0.02)
+        return forward_batch(segments)
+
+    monkeypatch.setattr(target, "forward_batch", slow)
+    limits = Limits(request_timeout=0.5, max_body=300)
+    with serving(lambda: Service(target, None, limits=limits)) as (url, app):
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 200, "temperature": 0})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1] * 200, "max_tokens": 2})
+        assert response.status_code == 413 and "limit of 300" in response.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        worker = app.state.specdec["worker"]
+        assert not worker.engine.running and not worker.engine.waiting
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "magic"], "--method must be one of"),
+    (["--drafter", "none"], "--method default drafts with a drafter model"),
+    (["--drafter", "lookup"], "lookup is a method here"),
+    (["--dtype", "gguf"], "transformers' weights"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--kv-memory", "lots"], "--kv-memory"),
+    (["--max-body", "-1"], "--max-body"),
+])
+def test_serve_options_are_checked_before_loading(args, message):
+    result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "specdec", "serve", "--target", str(tmp_path / "missing"),
+                           "--drafter", "none", "--method", "ar", "--port", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error:") and "missing" in done.stderr
