@@ -36,7 +36,7 @@ test: setup
 
 # the fast tier: every test that needs no real model (CONTRIBUTING.md), under 3 minutes on 2 cores
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not real"
+	$(BIN)/python -m pytest -q -m "not real and not soak"
 
 # the docs' links, anchors, cited files, make targets and commands (plain Markdown; tests/test_docs.py)
 docs-check: $(STAMP)

@@ -107,6 +107,28 @@ def test_a_cancelled_request_frees_its_cache_and_the_others_go_on(pair):
     assert [results[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
 
 
+def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(pair, monkeypatch):
+    from specdec.generate import Decoding
+
+    target, _, other = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
+    commit = Decoding.commit
+
+    def failing(self, logits, seconds):  # the third prompt's sequence fails on its second step
+        if self.sequence[:len(prompts[2])] == prompts[2] and self.stats.target_forwards >= 1:
+            raise SpecdecError("model produced NaN logits")
+        return commit(self, logits, seconds)
+
+    monkeypatch.setattr(Decoding, "commit", failing)
+    engine = Engine(target, max_batch=5)
+    ids = [engine.add(Request(p, other, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    with pytest.raises(SpecdecError, match="NaN"):
+        engine.run()
+    assert list(engine.failed) == [ids[2]] and not engine.running and not engine.reserved
+    assert [engine.results[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
+
+
 def test_a_finished_request_lets_its_cache_go(pair):
     target, _, _ = pair
     engine = Engine(target, max_batch=2)

@@ -1056,6 +1056,80 @@ def serve(
         _fail(str(error) if isinstance(error, SpecdecError) else f"loading failed: {error!r}")
 
 
+@app.command("bench-serve")
+def bench_serve_command(
+    url: str = typer.Option("http://127.0.0.1:8000", help="The server's base URL (any OpenAI-compatible server)."),
+    concurrency: str = typer.Option("1,4,8,16", help="Requests in flight at each level, comma-separated."),
+    requests: int = typer.Option(32, help="Requests sent at each level (prompts in turn)."),
+    dataset: str = typer.Option("humaneval:16,spec-bench:1", help="Prompts: humaneval, spec-bench (chat) or a "
+                                "JSONL file, each NAME[:LIMIT], comma-separated."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Output tokens asked of each request."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature sent (0: greedy)."),
+    model: Optional[str] = typer.Option(None, help="The model name sent (default: the server's first, /v1/models)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Sent as 'Authorization: Bearer KEY'."),
+    timeout: float = typer.Option(600.0, help="Seconds one request may take before it counts as failed."),
+    extra: Optional[str] = typer.Option(None, help="A JSON object merged into every request body, e.g. "
+                                        '\'{"speculative": false}\'.'),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the table to this file."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+):
+    """Load a running server level by level and report what `vllm bench serve` reports: throughput,
+    TTFT, TPOT, ITL and end-to-end latency percentiles, and acceptance from its /metrics."""
+    import datetime
+
+    import httpx
+
+    from .bench.concurrency import check_levels
+    from .bench.datasets import load_prompts, parse_dataset
+    from .bench.run import machine_description
+    from .bench.serve import bench_serve, render
+
+    try:
+        try:
+            levels = [int(c) for c in _csv(concurrency)]
+        except ValueError:
+            raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {concurrency!r}") from None
+        check_levels(levels)
+        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0:
+            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0 and --temperature >= 0")
+        try:
+            more = json.loads(extra) if extra else {}
+        except ValueError as exc:
+            raise SpecdecError(f"--extra is not JSON: {exc}") from None
+        if not isinstance(more, dict):
+            raise SpecdecError("--extra must be a JSON object")
+        prompts = []
+        for spec in _csv(dataset):
+            name, count, _ = parse_dataset(spec, None, [temperature])
+            prompts += [(p.text, p.chat) for p in load_prompts(name, count)]
+        base = url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            listed = httpx.get(base + "/v1/models", headers=headers, timeout=30)
+        except httpx.HTTPError as exc:
+            raise SpecdecError(f"no server answers at {base}: {exc}") from None
+        if listed.status_code != 200:
+            raise SpecdecError(f"{base}/v1/models answered HTTP {listed.status_code}: {listed.text[:200]}")
+        model = model or listed.json()["data"][0]["id"]
+    except SpecdecError as exc:
+        _fail(str(exc))
+    settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, **more}
+    summaries = bench_serve(base, prompts, levels, requests, settings, api_key, timeout,
+                            say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    table = render(summaries)
+    Console().print(table, highlight=False)
+    info = {"url": base, "model": model, "levels": levels, "requests": requests, "dataset": dataset,
+            "prompts": len(prompts), "settings": settings, "machine": machine_description(),
+            "date": datetime.date.today().isoformat(), "command": "specdec " + " ".join(sys.argv[1:])}
+    if markdown:
+        markdown.write_text(f"# bench-serve\n\n`{info['command']}`\n\n{info['machine']}, {info['date']}, "
+                            f"model {model}\n\n{table}\n")
+        err.print(f"[dim]wrote {markdown}[/]", highlight=False)
+    if json_path:
+        json_path.write_text(json.dumps({"info": info, "levels": summaries}, indent=1))
+        err.print(f"[dim]wrote {json_path}[/]", highlight=False)
+
+
 def main() -> None:
     app()
 

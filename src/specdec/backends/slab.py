@@ -16,7 +16,7 @@ class SlabLayer(DynamicLayer):
     transformers' `DynamicLayer` concatenates every pass's keys onto a new tensor, copying the
     whole cache each pass (and each of a drafter's passes). Here a pass copies only its own keys;
     rollback (`crop`) narrows the views; a slab full for a pass moves to one twice as large, so a
-    sequence's slab moves O(log length) times. docs/engine.md ("KV memory") has the measurement
+    sequence's slab moves O(log length) times. docs/engine.md ("KV storage: slabs") has the measurement
     that chose slabs over paged blocks.
     """
 

@@ -91,10 +91,12 @@ def _sse(payload: dict | str) -> bytes:
 
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | None = None,
-               api_key: str | None = None, on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
+               api_key: str | None = None, on_load_error: Callable[[Exception], None] | None = None,
+               steer: bool = True) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. A load that
-    fails goes to `on_load_error` (the CLI stops the server), and /health says why.
+    fails goes to `on_load_error` (the CLI stops the server), and /health says why. steer: the
+    engine sizes drafts from the batch's measured costs (`Engine`; False: each request's own schedule).
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -105,7 +107,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             from ..engine import Engine
 
             service = load()
-            worker = Worker(Engine(service.target, max_batch, kv_memory), service.limits.max_waiting)
+            worker = Worker(Engine(service.target, max_batch, kv_memory, steer), service.limits.max_waiting)
             worker.start()
             state["service"], state["worker"] = service, worker
         except Exception as error:  # reported by /health and every request

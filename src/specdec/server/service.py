@@ -30,16 +30,18 @@ class Service:
 
     costs: the pass costs (`passcost.pass_costs`) of (target, drafter model) and of (target,
     model-free drafter), measured once at start, for the cost-aware schedule.
+    assumed: costs taken as given instead of timed (`schedules.AssumedCosts`): drafts and trees
+    sized as on a machine with those costs, the same on every run (tests).
     """
 
     def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
-                 limits: Limits | None = None, costs=None, lookup_costs=None):
+                 limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
         if self.default.method in ("default", "chain", "tree") and drafter is None:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
-        self.costs, self.lookup_costs = costs, lookup_costs
+        self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
 
     def prompt_ids(self, job: Job) -> list[int]:
         """The job's prompt as token ids (chat messages through the model's chat template)."""
@@ -100,7 +102,8 @@ class Service:
                              "use lookup or false", "speculative.method")
         if method == "tree":
             nodes = speculation.tree_nodes or self.default.tree_nodes or 64
-            return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes), **common,
+            return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
+                           **common,
                            schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
         if speculation.tree_nodes is not None:
             raise BadRequest("speculative.tree_nodes applies to method tree", "speculative.tree_nodes")
@@ -108,5 +111,6 @@ class Service:
         pinned = seed is not None and not sampler.is_greedy
         costs = None if pinned else (self.lookup_costs if method == "lookup" else self.costs)
         return Request(prompt_ids, LookupDrafter if method == "lookup" else self.drafter, **common,
-                       schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs))
+                       schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs,
+                                                      assumed=self.assumed))
 

@@ -1,0 +1,184 @@
+"""`specdec bench-serve`: load on any OpenAI-compatible server, with the figures `vllm bench serve`
+reports: completed and failed requests, request and output token throughput, time to first token,
+time per output token, inter-token latency and end-to-end latency (mean, p50, p90, p99), and the
+speculation the server's `/metrics` counted over the run (vLLM's `spec_decode_*` counters, ours
+under `specdec:`). The same tool measures the peers, so their figures come from one client.
+
+Every level sends a bounded number of requests, each with a timeout: a run stops by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SpecdecError
+from .concurrency import percentile
+
+FIGURES = ("ttft", "tpot", "itl", "e2e")
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (seconds on the client's clock)."""
+
+    ok: bool
+    start: float
+    end: float
+    first: float | None = None  # the first chunk with text
+    chunks: list[float] = field(default_factory=list)  # arrival of every chunk with text
+    tokens: int = 0  # output tokens (the server's usage, else chunks with text)
+    error: str | None = None
+
+
+def spec_counters(metrics_text: str) -> dict[str, float]:
+    """{"drafts", "draft_tokens", "accepted_tokens"} summed over a Prometheus text's
+    `*spec_decode_num_*_total` samples, whatever their prefix (vllm:, specdec:, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    names = {"spec_decode_num_drafts_total": "drafts", "spec_decode_num_draft_tokens_total": "draft_tokens",
+             "spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            for suffix, key in names.items():
+                if sample.name.split(":")[-1] == suffix:
+                    totals[key] += sample.value
+    return totals
+
+
+def summarize(records: list[Record], duration: float) -> dict:
+    """The level's figures from its records (ms for latencies)."""
+    done = [r for r in records if r.ok]
+    tokens = sum(r.tokens for r in done)
+    series = {
+        "ttft": [r.first - r.start for r in done if r.first is not None],
+        "tpot": [(r.end - r.first) / (r.tokens - 1) for r in done if r.first is not None and r.tokens > 1],
+        "itl": [b - a for r in done for a, b in zip(r.chunks, r.chunks[1:])],
+        "e2e": [r.end - r.start for r in done],
+    }
+    out = {"completed": len(done), "failed": len(records) - len(done), "duration_s": duration,
+           "request_throughput": len(done) / duration if duration else 0.0,
+           "output_throughput": tokens / duration if duration else 0.0, "output_tokens": tokens}
+    for name, values in series.items():
+        out[f"{name}_ms"] = {"mean": 1e3 * sum(values) / len(values) if values else None,
+                             **{f"p{q}": (1e3 * v if (v := percentile(values, q)) is not None else None)
+                                for q in (50, 90, 99)}}
+    errors = [r.error for r in records if r.error]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+async def _one(client, url: str, body: dict, chat: bool, timeout: float) -> Record:
+    record = Record(ok=False, start=time.perf_counter(), end=0.0)
+    try:
+        await asyncio.wait_for(_stream(client, url, body, chat, record), timeout)
+    except Exception as error:  # a timeout, httpx's transport errors, a server that hung up, bad JSON
+        record.ok, record.error = False, f"{type(error).__name__}: {error}"[:200]
+    finally:
+        record.end = time.perf_counter()
+    return record
+
+
+async def _stream(client, url: str, body: dict, chat: bool, record: Record) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                record.error = str(event["error"])[:200]
+                return
+            if event.get("usage"):
+                record.tokens = event["usage"].get("completion_tokens") or record.tokens
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    now = time.perf_counter()
+                    record.first = record.first or now
+                    record.chunks.append(now)
+    record.ok = True
+    record.tokens = record.tokens or len(record.chunks)
+
+
+async def run_level(base_url: str, prompts: list[tuple[str, bool]], concurrency: int, requests: int,
+                    settings: dict, api_key: str | None = None, timeout: float = 600.0) -> tuple[list[Record], float]:
+    """`requests` requests (prompts in turn), at most `concurrency` in flight -> (records, seconds)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(timeout)) as client:
+        async def send(i: int) -> Record:
+            text, chat = prompts[i % len(prompts)]
+            body = {**settings, "stream": True, "stream_options": {"include_usage": True}}
+            body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            async with gate:
+                return await _one(client, base_url + path, body, chat, timeout)
+
+        began = time.perf_counter()
+        records = await asyncio.gather(*(send(i) for i in range(requests)))
+        return list(records), time.perf_counter() - began
+
+
+def _metrics(base_url: str, api_key: str | None) -> str | None:
+    import httpx
+
+    try:
+        response = httpx.get(base_url + "/metrics", timeout=10,
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        return response.text if response.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int], requests: int, settings: dict,
+                api_key: str | None = None, timeout: float = 600.0, say=lambda message: None) -> list[dict]:
+    """Every level in turn -> one summary per level (with the speculation /metrics counted)."""
+    if not prompts:
+        raise SpecdecError("bench-serve needs at least one prompt")
+    summaries = []
+    for level in levels:
+        before = _metrics(base_url, api_key)
+        records, seconds = asyncio.run(run_level(base_url, prompts, level, requests, settings, api_key, timeout))
+        after = _metrics(base_url, api_key)
+        summary = {"concurrency": level, **summarize(records, seconds)}
+        if before is not None and after is not None:
+            start, end = spec_counters(before), spec_counters(after)
+            grown = {k: end[k] - start[k] for k in end}
+            summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
+                                      if grown["draft_tokens"] else None}
+        summaries.append(summary)
+        say(f"concurrency {level}: {summary['completed']} completed, {summary['failed']} failed, "
+            f"{summary['output_throughput']:.2f} output tok/s")
+    return summaries
+
+
+def render(summaries: list[dict]) -> str:
+    """A markdown table of the levels."""
+    def ms(figure: dict, q: str) -> str:
+        value = figure[q]
+        return "–" if value is None else f"{value:.0f}"
+
+    lines = ["| concurrency | completed | failed | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
+             "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | acceptance |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        spec = s.get("speculation") or {}
+        rate = spec.get("acceptance_rate")
+        lines.append(
+            f"| {s['concurrency']} | {s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
+            f"{s['output_throughput']:.2f} | {ms(s['ttft_ms'], 'p50')} / {ms(s['ttft_ms'], 'p90')} / "
+            f"{ms(s['ttft_ms'], 'p99')} | {ms(s['tpot_ms'], 'p50')} / {ms(s['tpot_ms'], 'p99')} | "
+            f"{ms(s['itl_ms'], 'p50')} / {ms(s['itl_ms'], 'p99')} | {ms(s['e2e_ms'], 'p50')} / "
+            f"{ms(s['e2e_ms'], 'p99')} | {'–' if rate is None else f'{rate:.2f}'} |")
+    return "\n".join(lines)
+
