@@ -461,6 +461,10 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
         assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_ms"]["p99"] >= summary["e2e_ms"]["p50"]
         assert summary["speculation"]["draft_tokens"] > 0 and 0 <= summary["speculation"]["acceptance_rate"] <= 1
     assert render(summaries).count("\n") == 3
+    both = bench_serve(url, prompts, [2], 4, {"model": NAME, "max_tokens": 8, "temperature": 0},
+                       variants={"chain": {}, "ar": {"speculative": False}})
+    assert [s["variant"] for s in both] == ["chain", "ar"] and both[1]["speculation"]["draft_tokens"] == 0
+    assert both[0]["speculation"]["draft_tokens"] > 0 and "| 2 | ar |" in render(both)
     failing = bench_serve(url, prompts, [2], 4, {"model": NAME, "max_tokens": 1000, "temperature": 0})[0]
     assert failing["completed"] == 0 and failing["failed"] == 4 and "HTTP 400" in failing["first_error"]
 
@@ -468,6 +472,7 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
 @pytest.mark.parametrize("args, message", [
     (["--concurrency", "0"], "integers >= 1"), (["--requests", "0"], "--requests and --max-tokens"),
     (["--extra", "{bad"], "--extra is not JSON"), (["--url", "http://127.0.0.1:9"], "no server answers"),
+    (["--variants", "[1]"], "--variants must be a JSON object"),
 ])
 def test_bench_serve_options_are_one_line_errors(args, message):
     result = CliRunner().invoke(cli, ["bench-serve", "--dataset", "humaneval:1"] + args)

@@ -1070,6 +1070,9 @@ def bench_serve_command(
     timeout: float = typer.Option(600.0, help="Seconds one request may take before it counts as failed."),
     extra: Optional[str] = typer.Option(None, help="A JSON object merged into every request body, e.g. "
                                         '\'{"speculative": false}\'.'),
+    variants: Optional[str] = typer.Option(None, help="A JSON object: name -> fields merged into the requests; "
+                                           "at each level every variant runs in turn, e.g. "
+                                           '\'{"default": {}, "ar": {"speculative": false}}\'.'),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the table to this file."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ):
@@ -1098,6 +1101,13 @@ def bench_serve_command(
             raise SpecdecError(f"--extra is not JSON: {exc}") from None
         if not isinstance(more, dict):
             raise SpecdecError("--extra must be a JSON object")
+        try:
+            named = json.loads(variants) if variants else None
+        except ValueError as exc:
+            raise SpecdecError(f"--variants is not JSON: {exc}") from None
+        if named is not None and (not isinstance(named, dict) or not named or
+                                  not all(isinstance(v, dict) for v in named.values())):
+            raise SpecdecError("--variants must be a JSON object of name -> object of request fields")
         prompts = []
         for spec in _csv(dataset):
             name, count, _ = parse_dataset(spec, None, [temperature])
@@ -1115,11 +1125,11 @@ def bench_serve_command(
         _fail(str(exc))
     settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, **more}
     summaries = bench_serve(base, prompts, levels, requests, settings, api_key, timeout,
-                            say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+                            say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named)
     table = render(summaries)
     Console().print(table, highlight=False)
     info = {"url": base, "model": model, "levels": levels, "requests": requests, "dataset": dataset,
-            "prompts": len(prompts), "settings": settings, "machine": machine_description(),
+            "prompts": len(prompts), "settings": settings, "variants": named, "machine": machine_description(),
             "date": datetime.date.today().isoformat(), "command": "specdec " + " ".join(sys.argv[1:])}
     if markdown:
         markdown.write_text(f"# bench-serve\n\n`{info['command']}`\n\n{info['machine']}, {info['date']}, "

@@ -141,24 +141,30 @@ def _metrics(base_url: str, api_key: str | None) -> str | None:
 
 
 def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int], requests: int, settings: dict,
-                api_key: str | None = None, timeout: float = 600.0, say=lambda message: None) -> list[dict]:
-    """Every level in turn -> one summary per level (with the speculation /metrics counted)."""
+                api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
+                variants: dict[str, dict] | None = None) -> list[dict]:
+    """Every level in turn, and at each level every variant in turn (a name -> fields merged into
+    the request bodies, e.g. {"ar": {"speculative": False}}; None: the settings alone) -> one
+    summary per level and variant, with the speculation /metrics counted meanwhile."""
     if not prompts:
         raise SpecdecError("bench-serve needs at least one prompt")
     summaries = []
     for level in levels:
-        before = _metrics(base_url, api_key)
-        records, seconds = asyncio.run(run_level(base_url, prompts, level, requests, settings, api_key, timeout))
-        after = _metrics(base_url, api_key)
-        summary = {"concurrency": level, **summarize(records, seconds)}
-        if before is not None and after is not None:
-            start, end = spec_counters(before), spec_counters(after)
-            grown = {k: end[k] - start[k] for k in end}
-            summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
-                                      if grown["draft_tokens"] else None}
-        summaries.append(summary)
-        say(f"concurrency {level}: {summary['completed']} completed, {summary['failed']} failed, "
-            f"{summary['output_throughput']:.2f} output tok/s")
+        for name, extra in (variants or {None: {}}).items():
+            before = _metrics(base_url, api_key)
+            records, seconds = asyncio.run(run_level(base_url, prompts, level, requests, {**settings, **extra},
+                                                     api_key, timeout))
+            after = _metrics(base_url, api_key)
+            summary = {"concurrency": level, **({"variant": name} if name is not None else {}),
+                       **summarize(records, seconds)}
+            if before is not None and after is not None:
+                start, end = spec_counters(before), spec_counters(after)
+                grown = {k: end[k] - start[k] for k in end}
+                summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
+                                          if grown["draft_tokens"] else None}
+            summaries.append(summary)
+            say(f"concurrency {level}{f' {name}' if name else ''}: {summary['completed']} completed, "
+                f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s")
     return summaries
 
 
@@ -168,14 +174,16 @@ def render(summaries: list[dict]) -> str:
         value = figure[q]
         return "–" if value is None else f"{value:.0f}"
 
-    lines = ["| concurrency | completed | failed | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
-             "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | acceptance |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    named = any("variant" in s for s in summaries)
+    lines = ["| concurrency | " + ("variant | " if named else "") + "completed | failed | req/s | output tok/s | "
+             "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | acceptance |",
+             "|---|" + ("---|" if named else "") + "---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         spec = s.get("speculation") or {}
         rate = spec.get("acceptance_rate")
+        variant = f"{s.get('variant')} | " if named else ""
         lines.append(
-            f"| {s['concurrency']} | {s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
+            f"| {s['concurrency']} | {variant}{s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
             f"{s['output_throughput']:.2f} | {ms(s['ttft_ms'], 'p50')} / {ms(s['ttft_ms'], 'p90')} / "
             f"{ms(s['ttft_ms'], 'p99')} | {ms(s['tpot_ms'], 'p50')} / {ms(s['tpot_ms'], 'p99')} | "
             f"{ms(s['itl_ms'], 'p50')} / {ms(s['itl_ms'], 'p99')} | {ms(s['e2e_ms'], 'p50')} / "
