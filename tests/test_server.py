@@ -216,6 +216,19 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_succeeds(serve
     assert ok.usage.completion_tokens == 3
 
 
+def test_a_servers_default_speculation_applies_to_requests_that_name_none(tiny_pair):
+    """As `specdec serve` sets it (every default field given): a plain request takes it, a request
+    may change the method, and tree_nodes is refused only where a request names it off a tree."""
+    target, drafter = tiny_pair
+    service = Service(target, drafter, default=Speculation("default", 20, 64))
+    for body, method in [({}, "default"), ({"speculative": {"method": "tree"}}, "tree"),
+                         ({"speculative": {"method": "lookup", "gamma_max": 3}}, "lookup")]:
+        job = parse_job({"prompt": [1, 2], **body}, False, NAME, service.default)
+        assert job.speculation.method == method and len(service.requests(job, [1, 2], 4)) == 1
+    with pytest.raises(BadRequest, match="applies to method tree"):
+        parse_job({"prompt": [1], "speculative": {"method": "chain", "tree_nodes": 8}}, False, NAME, service.default)
+
+
 def test_chat_bodies_are_checked_too():
     default = Speculation()
     for messages, needle in [([], "non-empty list"), ([{"role": "wizard", "content": "x"}], "messages[0]"),

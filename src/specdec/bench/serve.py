@@ -164,7 +164,8 @@ def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int
                                           if grown["draft_tokens"] else None}
             summaries.append(summary)
             say(f"concurrency {level}{f' {name}' if name else ''}: {summary['completed']} completed, "
-                f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s")
+                f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s" +
+                (f" (first error: {summary['first_error']})" if summary.get("first_error") else ""))
     return summaries
 
 

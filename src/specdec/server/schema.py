@@ -96,6 +96,8 @@ def _speculation(value, default: Speculation) -> Speculation:
     if method not in METHODS:
         raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)}; got {method!r}",
                          "speculative.method")
+    if "tree_nodes" in value and method != "tree":
+        raise BadRequest("speculative.tree_nodes applies to method tree", "speculative.tree_nodes")
     gamma = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
     nodes = _number(value, "tree_nodes", default.tree_nodes, 1, 256, integer=True)
     return Speculation(None if method == "ar" else method, gamma, nodes)

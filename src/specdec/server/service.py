@@ -105,8 +105,6 @@ class Service:
             return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
                            **common,
                            schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
-        if speculation.tree_nodes is not None:
-            raise BadRequest("speculative.tree_nodes applies to method tree", "speculative.tree_nodes")
         # a seed under sampling pins the output: its draft lengths must not come from timings
         pinned = seed is not None and not sampler.is_greedy
         costs = None if pinned else (self.lookup_costs if method == "lookup" else self.costs)
