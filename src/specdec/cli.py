@@ -1118,9 +1118,11 @@ def bench_serve_command(
             listed = httpx.get(base + "/v1/models", headers=headers, timeout=30)
         except httpx.HTTPError as exc:
             raise SpecdecError(f"no server answers at {base}: {exc}") from None
-        if listed.status_code != 200:
-            raise SpecdecError(f"{base}/v1/models answered HTTP {listed.status_code}: {listed.text[:200]}")
-        model = model or listed.json()["data"][0]["id"]
+        if model is None:  # some servers list models only from a hub cache: --model names it instead
+            if listed.status_code != 200:
+                raise SpecdecError(f"{base}/v1/models answered HTTP {listed.status_code} ({listed.text[:200]}); "
+                                   "name the model with --model")
+            model = listed.json()["data"][0]["id"]
     except SpecdecError as exc:
         _fail(str(exc))
     settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, **more}
