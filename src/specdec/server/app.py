@@ -166,6 +166,10 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         try:
             authorize(request)
             service = ready()
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
+                raise BadRequest(f"the request body is {declared} bytes, over this server's limit of "
+                                 f"{service.limits.max_body}", status=413, code="body_too_large")
             body = parse_body(await request.body(), service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
             prompt_ids = service.prompt_ids(job)

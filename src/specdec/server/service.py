@@ -49,7 +49,11 @@ class Service:
         if job.messages is not None:
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 raise BadRequest(f"{self.name} has no chat template; use /v1/completions", "messages")
-            ids = tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+            try:
+                ids = tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+            except Exception as error:  # the template's own rules (e.g. roles that must alternate)
+                raise BadRequest(f"the chat template of {self.name} refused these messages: {error}",
+                                 "messages") from None
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         elif isinstance(job.prompt, str):
             if tokenizer is None:
