@@ -344,6 +344,17 @@ def generate(
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+def _positive_ints(text: str, option: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] ('' -> []); a one-line error naming `option` otherwise."""
+    try:
+        values = [int(v) for v in _csv(text)] if text else []
+        if any(v < 1 for v in values):
+            raise ValueError
+    except ValueError:
+        _fail(f"{option} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
 def parse_bytes(text: str, option: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes; SpecdecError naming `option` otherwise."""
     import re
@@ -854,18 +865,8 @@ def profile(
             raise ValueError
     except ValueError:
         _fail(f"--widths must be comma-separated integers rising from 1, got {widths_text!r}")
-    try:
-        batches = [int(b) for b in _csv(batches_text)] if batches_text else []
-        if any(b < 1 for b in batches):
-            raise ValueError
-    except ValueError:
-        _fail(f"--batches must be comma-separated integers >= 1, got {batches_text!r}")
-    try:
-        kv_contexts = [int(c) for c in _csv(kv_text)] if kv_text else []
-        if any(c < 1 for c in kv_contexts):
-            raise ValueError
-    except ValueError:
-        _fail(f"--kv-storage must be comma-separated integers >= 1 (cached lengths), got {kv_text!r}")
+    batches = _positive_ints(batches_text, "--batches")
+    kv_contexts = _positive_ints(kv_text, "--kv-storage")
     try:
         if max_new_tokens < 1:
             raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -1039,15 +1040,13 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
-    def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
-        import os
-        import signal
+    import os
+    import signal
 
+    def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
         os.kill(os.getpid(), signal.SIGINT)
 
     server = create_app(load, max_batch, budget, api_key, on_load_error=stop)
-    import signal
-
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0
     uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)

@@ -141,6 +141,7 @@ StepCallback = Callable[[Step], None]
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
 PREFILL_CHUNK = 256  # prompt tokens fed per prefill call (`Decoding.prefill_step`)
 DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
+RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequence's slabs double as it grows
 
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
@@ -261,10 +262,11 @@ class Decoding:
         """A cache for the target, the drafter told of the prompt, the clock started; the prompt
         is then fed by `prefill_step`."""
         self.cache = self.target.new_cache()
-        reserve_cache(self.cache, self.positions)
+        reserve = min(self.positions, RESERVE_MAX)  # a huge max_new_tokens must not claim its memory up front
+        reserve_cache(self.cache, reserve)
         if self.drafter is not None:
             self.drafter.start(self.sequence)
-            reserve_cache(getattr(self.drafter, "cache", None), self.positions)  # a drafter model's
+            reserve_cache(getattr(self.drafter, "cache", None), reserve)  # a drafter model's
             self.schedule.reset()
         self.out.start_clock()
         self.prefilled = False
