@@ -156,6 +156,31 @@ def test_stop_strings_cut_the_text_and_end_the_choice(server, tiny_pair):
     assert streamed == cut
 
 
+@pytest.mark.parametrize("speculative", [False, None, {"method": "tree", "tree_nodes": 8}],
+                         ids=["ar", "default", "tree"])
+def test_logprobs_are_the_targets_alone_whole_and_streamed(server, tiny_pair, speculative):
+    """Each token's log-probability and its top 2 equal those of the target's AR run alone, in
+    OpenAI's completions layout; streamed chunks carry the same entries, each with its text."""
+    url, _ = server
+    target = tiny_pair[0]
+    alone = autoregressive_generate(PROMPTS[2], target, max_new_tokens=12, logprobs=2)
+    client = _client(url)
+    extra = {} if speculative is None else {"speculative": speculative}
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=2,
+                                      extra_body=extra).choices[0]
+    logprobs = whole.logprobs
+    assert logprobs.token_logprobs == [e.logprob for e in alone.logprobs]
+    assert logprobs.tokens == [target.decode([e.token], skip_special_tokens=False) for e in alone.logprobs]
+    assert logprobs.text_offset == [len(target.decode(alone.tokens[:k])) for k in range(12)]
+    assert [list(top.values()) for top in logprobs.top_logprobs] == [[v for _, v in e.top] for e in alone.logprobs]
+    chunks = [c.choices[0] for c in client.completions.create(
+        model=NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=2, stream=True, extra_body=extra)]
+    assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == logprobs.token_logprobs
+    assert sum((c.logprobs.text_offset for c in chunks if c.logprobs), []) == logprobs.text_offset
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_metrics_parse_and_add_up_to_the_responses_usage(server):
     url, _ = server
     before = _metrics(url)
@@ -197,7 +222,8 @@ BAD = [
     ({"prompt": [1], "n": 0}, 400, "n", "must be in"),
     ({"prompt": [1], "stop": [""]}, 400, "stop", "non-empty string"),
     ({"prompt": [1], "stream": "yes"}, 400, "stream", "true or false"),
-    ({"prompt": [1], "logprobs": 2}, 400, "logprobs", "not supported"),
+    ({"prompt": [1], "logprobs": 21}, 400, "logprobs", "must be in"),
+    ({"prompt": [1], "echo": True}, 400, "echo", "not supported"),
     ({"prompt": [1], "speculative": {"method": "magic"}}, 400, "speculative.method", "one of"),
     ({"prompt": [1], "speculative": {"path": "/etc/passwd"}}, 400, "speculative", "takes method"),
     ({"prompt": [1], "speculative": "model.gguf"}, 400, "speculative", "must be false or an object"),
@@ -239,6 +265,14 @@ def test_chat_bodies_are_checked_too():
     job = parse_job({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "speculative": False},
                     True, NAME, default)
     assert job.max_tokens == 5 and job.speculation.method is None
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for extra, needle in [({"top_logprobs": 2}, "needs logprobs: true"), ({"logprobs": 3}, "true or false"),
+                          ({"logprobs": True, "top_logprobs": 21}, "must be in")]:
+        with pytest.raises(BadRequest, match=needle):
+            parse_job({**chat, **extra}, True, NAME, default)
+    assert parse_job({**chat, "logprobs": True}, True, NAME, default).logprobs == 0
+    assert parse_job({**chat, "logprobs": True, "top_logprobs": 5}, True, NAME, default).logprobs == 5
+    assert parse_job({**chat, "logprobs": False}, True, NAME, default).logprobs is None
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -368,9 +402,20 @@ def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(ask, range(len(questions))))
         drafted = _metric(_metrics(url), "specdec:spec_decode_num_draft_tokens_total")
+        scored = client.chat.completions.create(
+            model=target.name, messages=[{"role": "user", "content": questions[0]}], max_tokens=40, temperature=0,
+            logprobs=True, top_logprobs=3, extra_body={"speculative": {"method": "tree"}}).choices[0]
     alone = [target.decode(autoregressive_generate(target.encode(q, chat=True), target, max_new_tokens=40).tokens)
              for q in questions]
     assert texts == alone and drafted > 0
+    # chat's logprobs layout: each token of the tree-drafted answer as the AR run alone scores it
+    reference = autoregressive_generate(target.encode(questions[0], chat=True), target, max_new_tokens=40, logprobs=3)
+    content = scored.logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in reference.logprobs]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [[v for _, v in e.top] for e in reference.logprobs]
+    assert "".join(c.token for c, e in zip(content, reference.logprobs)
+                   if e.token not in target.eos_token_ids) == scored.message.content
+    assert all(c.bytes == list(c.token.encode()) for c in content)
 
 
 @pytest.mark.real

@@ -22,6 +22,7 @@ from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cac
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import drive, one_hot
 from .errors import SpecdecError
+from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
 from .samplers import GREEDY, Sampler, greedy_tokens, sample
 from .schedules import CostAware, Fixed, Schedule
 from .trees import Tree, input_parents
@@ -135,6 +136,7 @@ class GenerationResult:
     steps: list[Step]
     stats: GenerationStats
     stop_reason: str  # "eos", "max_new_tokens" or "context"
+    logprobs: list[TokenLogprob] | None = None  # one per token, where asked for (`Decoding(logprobs=)`)
 
 
 StepCallback = Callable[[Step], None]
@@ -146,10 +148,12 @@ RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequenc
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
-                            seed: int | None = None, on_step: StepCallback | None = None) -> GenerationResult:
-    """Generate one token per target forward, with a KV cache: the baseline to beat."""
+                            seed: int | None = None, on_step: StepCallback | None = None,
+                            logprobs: int | None = None) -> GenerationResult:
+    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs: as
+    `speculative_generate`'s."""
     return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
-                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step))
+                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs))
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
@@ -157,7 +161,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
                          schedule: Schedule | None = None, lenience: float = 1.0,
-                         debug: bool = False) -> GenerationResult:
+                         debug: bool = False, logprobs: int | None = None) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -178,6 +182,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
         starting thresholds; greedy runs are timed either way, their output does not depend on it).
     debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
         ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
+    logprobs: None, or k >= 0: the result's `logprobs` holds, for every emitted token, the target's
+        log-probability of it and its k most likely tokens there (logprobs.py: the model's own
+        distribution at temperature 1, the same whatever was drafted).
 
     The output follows the target's distribution under `sampler` exactly (token for token the
     target's greedy output when the sampler is greedy). `first_target=True` makes the first token
@@ -187,7 +194,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     """
     return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
-                        schedule=schedule, lenience=lenience, debug=debug))
+                        schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs))
 
 
 def run(decoding: "Decoding") -> GenerationResult:
@@ -216,7 +223,9 @@ class Decoding:
                  gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
-                 debug: bool = False):
+                 debug: bool = False, logprobs: int | None = None):
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
             drafter = ModelDrafter(drafter)  # a model
         self.trees = hasattr(drafter, "propose_tree")
@@ -240,6 +249,8 @@ class Decoding:
         self.draft_generator = None if drafter is None else \
             _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
         self.out = _Output(limit, limit_reason, eos, on_step)
+        self.logprobs = logprobs  # None, or the top tokens each emitted token's log-probability comes with
+        self.out.logprobs = None if logprobs is None else []
         self.stats = self.out.stats
         self.sequence = list(prompt)
         # cache positions the sequence can reach: its prompt, its output and the widest draft
@@ -355,6 +366,7 @@ class Decoding:
         stats.target_forwards += 1
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
             emitted = self.out.add(Step([], 0, int(_target_token(logits[-1], self.sampler, self.generator)), []))
+            self._record_logprobs(logits, [len(logits) - 1], emitted)
             self.sequence += emitted
             self._target_only = drafter is None
             if self.reads_hidden:
@@ -394,8 +406,13 @@ class Decoding:
         if self.trees:
             step.tree_parents, step.path = draft.parents, path
         emitted = self.out.add(step)
+        self._record_logprobs(logits, emitted_rows(num_accepted, path if self.trees else None), emitted)
         self.sequence += emitted
         return emitted
+
+    def _record_logprobs(self, logits: torch.Tensor, rows: list[int], emitted: list[int]) -> None:
+        if self.logprobs is not None:
+            self.out.logprobs += collect_logprobs(logits, rows, emitted, self.logprobs)
 
     def result(self) -> GenerationResult:
         """The finished generation (its stats closed); the cache is let go."""
@@ -467,6 +484,7 @@ class _Output:
 
     def __init__(self, limit: int, limit_reason: str, eos: set[int], on_step: StepCallback | None):
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None  # one per token where asked for (`Decoding`)
         self.steps: list[Step] = []
         self.stats = GenerationStats()
         self.limit, self.limit_reason, self.eos, self.on_step = limit, limit_reason, eos, on_step
@@ -528,7 +546,8 @@ class _Output:
         flush = getattr(self.on_step, "flush", None)
         if callable(flush):
             flush()
-        return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason)
+        return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason,
+                                self.logprobs)
 
 
 def _validate(prompt_ids: Sequence[int], models: list[Backend], max_new_tokens: int,

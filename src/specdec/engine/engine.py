@@ -42,6 +42,7 @@ class Request:
     seed: int | None = None
     gamma: int = 5
     schedule: Callable[[], Schedule] | None = None
+    logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
     id: int = field(default=-1, compare=False)
 
 
@@ -107,6 +108,15 @@ class Engine:
                 del self.waiting[i]
                 return True
         return self._drop(request_id)
+
+    def logprobs(self, request_id: int) -> list | None:
+        """The `TokenLogprob`s of a request's tokens so far, where it asked for them (None
+        otherwise, or for a request not admitted): running, or ended and not yet collected."""
+        decoding = self.running.get(request_id)
+        if decoding is not None:
+            return decoding.out.logprobs
+        result = self.results.get(request_id)
+        return None if result is None else result.logprobs
 
     def _drop(self, request_id: int) -> bool:
         """Free an admitted request's caches and memory at once -> whether it was admitted."""
@@ -255,7 +265,7 @@ class Engine:
                                "batched passes do not keep yet; run them with speculative_generate")
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                        schedule=request.schedule() if request.schedule else None)
+                        schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs)
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:

@@ -30,8 +30,8 @@ POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
 
 class _Choice:
-    """One choice's stream, filled from the engine's thread: ("tokens", ids), ("done", result) or
-    ("failed", error) items on an asyncio queue of the server's loop."""
+    """One choice's stream, filled from the engine's thread: ("tokens", (ids, logprobs)), ("done",
+    result) or ("failed", error) items on an asyncio queue of the server's loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
@@ -40,10 +40,10 @@ class _Choice:
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def tokens(self, ids: list[int]) -> None:
+    def tokens(self, ids: list[int], logprobs: list | None = None) -> None:
         if self.first is None:
             self.first = time.perf_counter()
-        self._put(("tokens", ids))
+        self._put(("tokens", (ids, logprobs)))
 
     def done(self, result: GenerationResult) -> None:
         self._put(("done", result))
@@ -54,17 +54,25 @@ class _Choice:
 
 class _Text:
     """Token ids to text as they come: text that may still change (an incomplete UTF-8 sequence)
-    or may begin a stop string is held back until it cannot."""
+    or may begin a stop string is held back until it cannot. With `offsets`, also where each
+    token's text ends (`ends`), to say which tokens a piece of text carries (`released`)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], offsets: bool = False):
         self.decode, self.stops, self.ids, self.sent = decode, stops, [], 0
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.stopped = False
+        self.ends: list[int] | None = [] if offsets else None
+        self.final = False
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """The next piece of text to send; after a stop string, `stopped` and nothing more."""
         self.ids += ids
+        self.final = final
         text = self.decode(self.ids)
+        if self.ends is not None:
+            last = len(self.ids) - 1
+            self.ends += [len(text) if k == last else len(self.decode(self.ids[:k + 1]))
+                          for k in range(len(self.ends), len(self.ids))]
         cut = min((i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
@@ -79,6 +87,15 @@ class _Text:
         piece = text[self.sent:max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece
+
+    def released(self) -> int:
+        """How many tokens the text sent so far carries: those whose text it holds whole; at a stop
+        string, those whose text begins before it; once final, all."""
+        if self.final:
+            return len(self.ids)
+        if self.stopped:
+            return sum(1 for start in [0] + self.ends[:-1] if start < self.sent)
+        return sum(1 for end in self.ends if end <= self.sent)
 
 
 def _error(error: BadRequest) -> JSONResponse:
@@ -218,7 +235,9 @@ class _Run:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         decode = service.target.decode
-        self.texts = [_Text(decode, job.stop) for _ in choices]
+        self.texts = [_Text(decode, job.stop, offsets=job.logprobs is not None) for _ in choices]
+        self.logprobs: list[list] = [[] for _ in choices]  # TokenLogprobs received, per choice
+        self.reported = [0] * len(choices)  # of them, how many a response has carried
         self.results: list[GenerationResult | None] = [None] * len(choices)
         self.reasons: list[str | None] = [None] * len(choices)
         self.status = "ok"
@@ -252,7 +271,9 @@ class _Run:
                         raise BadRequest(f"generation failed: {value}", status=status,
                                          type="invalid_request_error" if status == 400 else "server_error")
                     if kind == "tokens":
-                        piece = text.add(value)
+                        ids, logprobs = value
+                        self.logprobs[i] += logprobs or []
+                        piece = text.add(ids)
                         if text.stopped:
                             self.worker.cancel(self.choices[i])
                             self.reasons[i] = "stop"
@@ -298,12 +319,35 @@ class _Run:
                                 "tokens_per_target_pass": round(completion / passes, 3) if passes else None}}
 
     def _choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict:
+        logprobs = self._logprobs(i)
         if not self.chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if delta:
-            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
+
+    def _logprobs(self, i: int) -> dict | None:
+        """The `logprobs` of choice i's tokens that its text sent so far carries and no earlier
+        response did, in OpenAI's chat or completions layout (None where not asked for)."""
+        if self.job.logprobs is None:
+            return None
+        text = self.texts[i]
+        first, last = self.reported[i], min(text.released(), len(self.logprobs[i]))
+        self.reported[i] = max(first, last)
+        entries = self.logprobs[i][first:last]
+        name = self.service.token_text
+        if self.chat:
+            def item(token: int, logprob: float) -> dict:
+                piece = name(token)
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                                for e in entries]}
+        starts = [0] + text.ends[:-1]
+        return {"tokens": [name(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{name(t): v for t, v in e.top} for e in entries],
+                "text_offset": [starts[k] for k in range(first, first + len(entries))]}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
 METHODS = ("default", "ar", "chain", "lookup", "tree")
 
 
@@ -50,6 +51,7 @@ class Job:
     n: int
     stream: bool
     speculation: Speculation = field(default_factory=Speculation)
+    logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
 
 
 def parse_body(raw: bytes, limit: int) -> dict:
@@ -148,7 +150,7 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
     if model is not None and model != model_name:
         raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                          status=404, code="model_not_found")
-    allowed = {"logprobs": (None, False), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
+    allowed = {"best_of": (None, 1), "echo": (None, False),
                "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,)}
     for name, values in allowed.items():
         if not any(body.get(name) is v or body.get(name) == v and type(body.get(name)) is type(v) for v in values):
@@ -169,4 +171,18 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         n=_number(body, "n", 1, 1, MAX_N, integer=True),
         stream=stream,
         speculation=_speculation(body.get("speculative"), default),
+        logprobs=_logprobs(body, chat),
     )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: `logprobs` true/false and `top_logprobs` 0..20 (only with logprobs); completions:
+    `logprobs` 0..20, the alternatives per token -> None (off) or the alternatives per token."""
+    if not chat:
+        return _number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest(f"logprobs must be true or false, got {wanted!r}", "logprobs")
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True) if wanted else None

@@ -42,6 +42,15 @@ class Service:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token: int) -> str:
+        """One token's text as `logprobs` shows it (special tokens by name; a token that is part
+        of a character shows as U+FFFD)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.target.decode([token], skip_special_tokens=False)
+        return text
 
     def prompt_ids(self, job: Job) -> list[int]:
         """The job's prompt as token ids (chat messages through the model's chat template)."""
@@ -88,8 +97,11 @@ class Service:
     def requests(self, job: Job, prompt_ids: list[int], max_new_tokens: int) -> list[Request]:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
         sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p)
-        return [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                              None if job.seed is None else job.seed + i) for i in range(job.n)]
+        requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
+                                  None if job.seed is None else job.seed + i) for i in range(job.n)]
+        for request in requests:
+            request.logprobs = job.logprobs
+        return requests
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
                  seed: int | None) -> Request:

@@ -23,7 +23,8 @@ class QueueFull(Exception):
 class Sink(Protocol):
     """Where one request's output goes; called from the engine's thread."""
 
-    def tokens(self, ids: list[int]) -> None: ...
+    def tokens(self, ids: list[int], logprobs: list | None) -> None:
+        """The tokens a step committed, and their `TokenLogprob`s where the request asked."""
 
     def done(self, result: GenerationResult) -> None: ...
 
@@ -132,7 +133,8 @@ class Worker:
             for request_id, ids in emitted.items():
                 sink = self._sinks.get(request_id)
                 if sink is not None and ids:
-                    sink.tokens(ids)
+                    logprobs = self.engine.logprobs(request_id)
+                    sink.tokens(ids, None if logprobs is None else logprobs[len(logprobs) - len(ids):])
             for request_id in [r for r in self.engine.results if r in self._sinks]:
                 sink = self._sinks.pop(request_id)
                 self._ids.pop(id(sink), None)
