@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers demo test test-fast docs-check bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -26,6 +26,22 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='-mno-amx-
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/pip install -q --disable-pip-version-check --no-binary llama-cpp-python -e ".[dev,peers]"
+
+# llama.cpp's own server (`llama-server`), from the very llama.cpp source `peers` builds (the
+# llama-cpp-python sdist's vendor/llama.cpp), same flags, no web UI; the peer of `specdec serve`
+# on the GGUF files (docs/benchmarks/server/README.md). ~10 min on 2 cores.
+LLAMA_PY_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_SERVER := .peers/build/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): $(STAMP) pyproject.toml
+	rm -rf .peers/src && mkdir -p .peers/src
+	$(BIN)/pip download -q --disable-pip-version-check --no-binary :all: --no-deps \
+		llama-cpp-python==$(LLAMA_PY_VERSION) -d .peers/src
+	tar xzf .peers/src/llama_cpp_python-$(LLAMA_PY_VERSION).tar.gz -C .peers/src
+	cmake -S .peers/src/llama_cpp_python-$(LLAMA_PY_VERSION)/vendor/llama.cpp -B .peers/build \
+		-DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+	cmake --build .peers/build --target llama-server -j $$(nproc)
 
 demo: setup
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128

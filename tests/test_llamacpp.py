@@ -171,3 +171,32 @@ def test_llama_cpp_peers_in_a_bench_run(tmp_path):
         assert len(records) == 2 and all(0 < r["new_tokens"] <= 16 for r in records)
         assert "median_speedup_vs_ar" in summary[method]
     assert "median_speedup_vs_llama-cpp" in summary["ar"]
+
+
+@NEEDS_LLAMA
+def test_the_server_serves_gguf_weights_one_sequence_at_a_time(gguf_pair):
+    """`specdec serve --dtype gguf`: the engine takes one llama.cpp sequence at a time; clients
+    that ask at once each get the target's AR output alone (the default chain and plain decoding)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.generate import autoregressive_generate
+    from specdec.schedules import AssumedCosts
+    from specdec.server.service import Service
+    from test_server import _client, serving
+
+    target, drafter = gguf_pair
+    prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\ndef walk(path):"]
+    assumed = AssumedCosts(drafter=0.2, slope=0.0)  # drafts sized as given: drafting happens on any machine
+    with serving(lambda: Service(target, drafter, assumed=assumed), max_batch=1) as (url, _):
+        client = _client(url)
+
+        def ask(number):
+            return client.completions.create(model=target.name, prompt=prompts[number % 3], max_tokens=24,
+                                             temperature=0, extra_body={} if number < 3 else {"speculative": False})
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, range(6)))
+    alone = [target.decode(autoregressive_generate(target.encode(p), target, max_new_tokens=24).tokens)
+             for p in prompts]
+    assert [r.choices[0].text for r in replies] == alone * 2
+    assert sum(r.usage.model_extra["speculative"]["drafted_tokens"] for r in replies[:3]) > 0

@@ -66,3 +66,78 @@ def test_a_new_batch_size_starts_from_the_nearest_ones_record():
     costs = BatchCosts()
     _simulate(costs, 8, lambda width: 0.05 * width, drafted_tokens=2.0, steps=40)  # plain wins at 8
     assert costs.speculate(7) is False and costs.kinds[7].steps(True) == costs.kinds[8].steps(True)
+
+
+def _catching_up(costs: BatchCosts, batch: int, pass_seconds, drafted_tokens: float, per_token: float,
+                 steps: int = 200, prompt: int = 300) -> tuple[list[bool], float]:
+    """As `_simulate`, but each sequence's drafter falls a token behind at every plain step and
+    catches up (at `per_token` seconds a token) when it next drafts, and every 10 steps a sequence
+    ends and a new one joins whose drafter has not seen its `prompt` tokens yet -> (decisions,
+    catch-up seconds paid after the first drafting step)."""
+    behind, chosen, paid = [prompt] * batch, [], []
+    for step in range(steps):
+        if step % 10 == 9:
+            behind[step // 10 % batch] = prompt
+        speculate = costs.speculate(batch, lag=sum(behind), remaining=1000)
+        width = batch * (4 if speculate else 1)
+        tokens = round(batch * (drafted_tokens if speculate else 1))
+        caught_up = sum(behind) if speculate else 0
+        catch_up = caught_up * per_token
+        if speculate:
+            paid.append(catch_up)
+        costs.record(batch, speculate, tokens, (0.01 * batch + catch_up) if speculate else 0.0,
+                     3 * batch if speculate else 0, pass_seconds(width), width, caught_up, catch_up)
+        behind = [1] * batch if speculate else [b + 1 for b in behind]
+        chosen.append(speculate)
+    return chosen, sum(paid[1:])
+
+
+def test_a_losing_probe_waits_until_its_drafters_catch_up_is_cheap_against_the_plain_time():
+    """Plain steps win at 8, and new sequences keep joining. A probe of drafting makes every
+    drafter catch up on the prompt or the plain tokens it has not seen: where that costs under a
+    tenth of the plain time since the last drafting step, probes come as they would anyway; where
+    it costs more (long new prompts), they wait, and what is paid stays under that tenth."""
+    dear = lambda width: 0.05 * width  # noqa: E731
+    for prompt, cheap_enough in [(50, True), (300, False)]:
+        free, free_paid = _catching_up(BatchCosts(probe_share=float("inf")), 8, dear, 2.0, 0.002, prompt=prompt)
+        costs = BatchCosts()
+        gated, paid = _catching_up(costs, 8, dear, 2.0, 0.002, prompt=prompt)
+        assert sum(free[1:]) > 0
+        if cheap_enough:
+            assert gated == free and costs.deferred == 0
+        else:
+            assert sum(gated[1:]) < sum(free[1:]) and costs.deferred > 0
+            assert paid <= 0.1 * sum(dear(8) for drafted in gated if not drafted) and paid < free_paid
+    # where drafting wins, catching up never stops it: the drafters' lag stays one token
+    cheap, _ = _catching_up(BatchCosts(), 8, lambda width: 0.2 + 0.001 * width, 2.0, 0.002, prompt=300)
+    assert sum(cheap[20:]) > 0.8 * len(cheap[20:])
+
+
+def test_catching_up_is_charged_to_the_switch_not_to_the_drafting_rate():
+    costs = BatchCosts()
+    costs.record(4, True, 12, 1.0, 12, 0.5, 16, caught_up=400, catch_up_seconds=0.9)
+    assert costs.kinds[4].rate(True) == 12 / 0.6
+    assert costs.catch_up_seconds(100) == 100 * 0.9 / 400
+    costs.record(4, False, 4, 0.0, 0, 0.2, 4)
+    assert costs.plain_seconds == 0.2
+    # drafting is the faster kind (20 tok/s against 20 tok/s plain... made faster): resuming pays
+    # only when the tokens left can repay the catch-up
+    costs.record(4, False, 4, 0.0, 0, 0.3, 4)
+    assert costs.kinds[4].rate(True) > costs.kinds[4].rate(False)
+    assert costs.speculate(4, lag=10, remaining=1000) is True
+    assert costs.speculate(4, lag=10_000, remaining=10) is False and costs.deferred == 1
+
+
+def test_a_step_of_first_tokens_only_decides_nothing():
+    """The first token of each sequence comes from the target alone: such a step cannot draft,
+    so it must not be timed as a drafting step (it would make drafting look as cheap as plain)."""
+    from specdec import Engine, Request
+
+    target, drafter = tiny_model(0, exact_rows=True), tiny_model(1, layers=1, exact_rows=True)
+    engine = Engine(target, max_batch=2)
+    for prompt in ([1, 2, 3], [4, 5]):
+        engine.add(Request(prompt, drafter, max_new_tokens=8, eos_token_ids=[], schedule=CostAware))
+    engine.step()
+    assert engine.costs.kinds == {}
+    engine.step()
+    assert list(engine.costs.kinds) == [2] and engine.costs.kinds[2].steps(True) == 1

@@ -977,21 +977,23 @@ def serve(
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may run (then 504)."),
     grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
-                              "(transformers' weights; the batched engine runs them)."),
+                              "(transformers' weights; the batched engine runs them), or gguf (llama.cpp's "
+                              "backend: one sequence at a time, chains only)."),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
+    from .models import GGUF_WEIGHTS
     from .server.schema import METHODS, Speculation
     from .server.service import Limits
 
     try:
         if method not in METHODS:
             raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        if dtype == "gguf":
-            raise SpecdecError("the server runs the batched engine on transformers' weights; use --dtype auto "
-                               "(llama.cpp's backend holds one sequence)")
+        if dtype in GGUF_WEIGHTS and method == "tree":
+            raise SpecdecError("token trees need transformers' weights; on --dtype gguf use --method default, "
+                               "chain, lookup or ar")
         for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
                                  ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
                                  ("--max-tokens", max_tokens, 1), ("--port", port, 0)):
@@ -1046,6 +1048,10 @@ def serve(
     def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
         os.kill(os.getpid(), signal.SIGINT)
 
+    if dtype in GGUF_WEIGHTS and max_batch > 1:  # llama.cpp's backend holds one live sequence per model
+        err.print(f"[yellow]--dtype gguf: llama.cpp's backend decodes one sequence at a time, so requests are "
+                  f"served one after another (max batch 1, not {max_batch}); --dtype auto batches them[/]")
+        max_batch = 1
     server = create_app(load, max_batch, budget, api_key, on_load_error=stop)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0

@@ -326,6 +326,12 @@ class Decoding:
         return policy if isinstance(policy, CostAware) else None
 
     @property
+    def drafts_next(self) -> bool:
+        """Whether the next step may draft (not the first token, scored from the prompt alone, nor
+        plain decoding)."""
+        return not self._target_only
+
+    @property
     def batches_drafts(self) -> bool:
         """Whether this sequence's drafter passes can be left to the caller (`planning`): a drafter
         model's chains, whose passes the engine batches with other sequences' on the same model."""

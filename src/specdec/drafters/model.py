@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -26,6 +27,7 @@ class ModelDrafter:
         self.name = model.name
         self.forwards = 0
         self.cache = None
+        self.caught_up = [0, 0.0]  # tokens fed to catch up with the context (prompt, plain steps), seconds
         self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
         embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
         self._embedded = embeddings.num_embeddings if embeddings is not None else None
@@ -41,6 +43,11 @@ class ModelDrafter:
         self.cache = self.model.new_cache()
         self.forwards = 0
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of `context` this drafter's cache lacks: what its next proposal feeds before it
+        drafts (the prompt at first, then the tokens of steps that drafted nothing)."""
+        return len(context) - (cache_length(self.cache) if self.cache is not None else 0)
+
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
         return drive(self.proposal(context, max_tokens, sampler, generator, keep_going), self.model.forward)
@@ -55,7 +62,9 @@ class ModelDrafter:
             # the prompt, or the tokens of steps that drafted nothing: a row-exact pass over them
             # would attend a row at a time, so they are fed plainly, as the target's prompt is, and
             # only when a draft is asked for (a sequence the engine never lets draft never pays it)
+            began, behind = time.perf_counter(), self.lag(context)
             self.model.prefill(self._inputs(context), self.cache)
+            self.caught_up = [self.caught_up[0] + behind, self.caught_up[1] + time.perf_counter() - began]
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
         pending = self._inputs(context[cache_length(self.cache):])

@@ -144,6 +144,7 @@ class Engine:
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings)
         forwards = sum(_forwards(d) for d in decodings)
+        caught_up = _caught_up(decodings)
         began = time.perf_counter()
         segments = self._plan(decodings)
         drafted = time.perf_counter()
@@ -166,9 +167,10 @@ class Engine:
                 del self.running[request_id]
                 self.reserved.pop(request_id, None)
         if self.costs is not None and speculate is not None:
+            rows, catch_up_seconds = (now - then for now, then in zip(_caught_up(decodings), caught_up))
             self.costs.record(len(ids), speculate, sum(map(len, emitted.values())), drafted - began,
                               sum(_forwards(d) for d in decodings) - forwards, seconds,
-                              sum(len(s.input_ids) for s in segments))
+                              sum(len(s.input_ids) for s in segments), rows, catch_up_seconds)
         return emitted
 
     def run(self) -> dict[int, GenerationResult]:
@@ -210,11 +212,14 @@ class Engine:
 
     def _steer(self, decodings: list[Decoding]) -> bool | None:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
-        whose output draft lengths cannot change -> the decision (None: no such sequence)."""
-        steered = [d.steerable for d in decodings if d.steerable is not None]
-        if self.costs is None or not steered:
+        whose output draft lengths cannot change and that may draft this step -> the decision
+        (None: no such sequence)."""
+        steered = [d.steerable for d in decodings if d.steerable is not None and d.drafts_next]
+        if self.costs is None or not steered:  # (a step of first tokens only would time plain passes as drafting)
             return None
-        speculate = self.costs.speculate(len(decodings))
+        lagging = [d for d in decodings if d.steerable is not None and d.drafts_next and hasattr(d.drafter, "lag")]
+        speculate = self.costs.speculate(len(decodings), sum(d.drafter.lag(d.sequence) for d in lagging),
+                                         sum(d.out.remaining for d in lagging))
         for policy in steered:
             self.costs.steer(policy, len(decodings), speculate)
         return speculate
@@ -288,6 +293,13 @@ def _shares_drafter_passes(model, decoding: Decoding) -> bool:
 
 def _forwards(decoding: Decoding) -> int:
     return decoding.drafter.forwards if decoding.drafter is not None else 0
+
+
+def _caught_up(decodings: list[Decoding]) -> tuple[int, float]:
+    """Tokens the drafter models of `decodings` have fed to catch up with their contexts, and the
+    seconds it took, so far (`ModelDrafter.caught_up`)."""
+    sums = [getattr(d.drafter, "caught_up", (0, 0.0)) for d in decodings]
+    return sum(s[0] for s in sums), sum(s[1] for s in sums)
 
 
 def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=None, max_batch: int = 8,

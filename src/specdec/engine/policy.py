@@ -9,6 +9,14 @@ grows faster than the pass's cost, so the bar rises and drafts shrink; where no 
 measured comparison of steps that drafted with steps that did not (`FasterOf`, kept per batch
 size) stops drafting altogether. All of it is learned from the engine's own steps.
 
+A drafter model that sat out plain steps must first catch up on their tokens (and on its
+sequence's prompt, the first time), a pass over all of them: under load, where plain steps win,
+a probe of drafting pays that for every sequence in the batch, seconds on a CPU. So catch-up is
+timed apart (steps that drafted are rated without it) and charged to the switch: drafting that
+has been faster resumes when its catch-up, at the measured seconds per token, costs less than it
+would save over the batch's remaining tokens; a probe of drafting that has been losing waits
+until its catch-up costs at most `probe_share` of the plain steps' time since drafting last ran.
+
 Only sequences whose output cannot depend on draft lengths are steered (greedy ones, and sampled
 ones without a seed): a seeded sampled sequence drafts as it would alone, so that its output is
 the same seed's run alone.
@@ -25,23 +33,57 @@ class BatchCosts:
     warmup, probe, decay: as `CostAware`'s (the first `warmup` steps at a batch size draft, one
     plain step follows as a baseline, then the faster kind, probed now and then; sums decay by
     `decay` a step so the costs follow the batch's current width).
+    probe_share: the most a losing probe's drafter catch-up may cost, as a share of the plain
+    steps' time since the last drafting step.
     """
 
-    def __init__(self, warmup: int = 1, probe: int = 8, decay: float = 0.9):
-        self.warmup, self.probe, self.decay = warmup, probe, decay
+    def __init__(self, warmup: int = 1, probe: int = 8, decay: float = 0.9, probe_share: float = 0.1):
+        self.warmup, self.probe, self.decay, self.probe_share = warmup, probe, decay, probe_share
         self.kinds: dict[int, FasterOf] = {}  # batch size -> drafting steps vs plain steps
         self._fit = [0.0] * 5  # decayed n, Σw, Σw², Σt, Σw·t over (pass width, target seconds)
         self._draft = [0.0, 0.0]  # decayed drafter rows, drafting seconds
+        self._catch_up = [0, 0.0]  # tokens drafters caught up on, seconds
+        self.plain_seconds = 0.0  # spent in plain steps since the last drafting step
+        self.deferred = 0  # steps that would have drafted but for their catch-up's cost
+        self._put_off: set[int] = set()  # batch sizes whose switch to drafting waits for its catch-up
 
-    def speculate(self, batch: int) -> bool:
-        """Whether this step's steered sequences should draft, at `batch` running sequences."""
-        return self._kinds(batch).choose()
+    def speculate(self, batch: int, lag: int = 0, remaining: int = 0) -> bool:
+        """Whether this step's steered sequences should draft, at `batch` running sequences whose
+        drafters lack `lag` tokens of their contexts in all, with `remaining` tokens left to make."""
+        kinds = self._kinds(batch)
+        # a switch to drafting put off for its catch-up is due as soon as it is cheap enough
+        draft = batch in self._put_off or kinds.choose()
+        cost = self.catch_up_seconds(lag)
+        if not draft or cost == 0 or kinds.steps(False) == 0:
+            self._put_off.discard(batch)
+            return draft
+        drafting, plain = kinds.rate(True), kinds.rate(False)
+        if drafting < plain:  # a probe
+            worth = self.probe_share * self.plain_seconds
+        else:
+            worth = remaining * (1 / plain - 1 / drafting) if plain > 0 else float("inf")
+        if cost > worth:
+            self._put_off.add(batch)
+            self.deferred += 1
+            return False
+        self._put_off.discard(batch)
+        return True
+
+    def catch_up_seconds(self, lag: int) -> float:
+        """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (0
+        until measured: the first probes run)."""
+        tokens, seconds = self._catch_up
+        return lag * seconds / tokens if tokens else 0.0
 
     def record(self, batch: int, drafted: bool, tokens: int, draft_seconds: float, drafter_rows: int,
-               target_seconds: float, width: int) -> None:
+               target_seconds: float, width: int, caught_up: int = 0, catch_up_seconds: float = 0.0) -> None:
         """One step: `batch` sequences, whether they were let draft, the tokens they committed,
-        the drafting time over `drafter_rows` drafter rows, and the target pass over `width` rows."""
-        self._kinds(batch).record(drafted, tokens, draft_seconds + target_seconds)
+        the drafting time over `drafter_rows` drafter rows (of it, `catch_up_seconds` spent feeding
+        drafters `caught_up` tokens they lacked), and the target pass over `width` rows."""
+        self._kinds(batch).record(drafted, tokens, draft_seconds - catch_up_seconds + target_seconds)
+        self.plain_seconds = 0.0 if drafted else self.plain_seconds + draft_seconds + target_seconds
+        if caught_up:
+            self._catch_up = [self._catch_up[0] + caught_up, self._catch_up[1] + catch_up_seconds]
         sums = self._fit
         for i, value in enumerate((1.0, width, width * width, target_seconds, width * target_seconds)):
             sums[i] = sums[i] * self.decay + value
