@@ -135,6 +135,21 @@ def test_seeded_sampled_choices_repeat_and_n_gives_seed_plus_i(server):
     assert one.choices[1].text == again.choices[0].text  # choice i runs seed + i
 
 
+def test_several_prompts_give_n_choices_each_in_order(server, tiny_pair):
+    """OpenAI's completions layout: choice k answers prompt k // n; usage counts every prompt."""
+    url, _ = server
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+    reply = _client(url).completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [_alone(tiny_pair[0], p, 8) for p in prompts for _ in range(2)]
+    assert reply.usage.prompt_tokens == sum(map(len, prompts)) and reply.usage.completion_tokens == 48
+    streamed = {}
+    for chunk in _client(url).completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0,
+                                                 stream=True):
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert [streamed[k] for k in range(3)] == [_alone(tiny_pair[0], p, 8) for p in prompts]
+
+
 def test_chat_without_a_template_is_a_clear_400_and_models_lists_the_target(server):
     url, _ = server
     client = _client(url)
@@ -221,6 +236,9 @@ BAD = [
     ({"prompt": [1], "top_p": 1.5}, 400, "top_p", "must be in (0"),
     ({"prompt": [1], "n": 0}, 400, "n", "must be in"),
     ({"prompt": [1], "stop": [""]}, 400, "stop", "non-empty string"),
+    ({"prompt": [[1]] * 17}, 400, "prompt", "at most 16 prompts"),
+    ({"prompt": [[1], []]}, 400, "prompt", "list of several"),
+    ({"prompt": [[1]] * 8, "n": 9}, 400, "n", "at most 64 choices"),
     ({"prompt": [1], "stream": "yes"}, 400, "stream", "true or false"),
     ({"prompt": [1], "logprobs": 21}, 400, "logprobs", "must be in"),
     ({"prompt": [1], "echo": True}, 400, "echo", "not supported"),

@@ -113,7 +113,9 @@ async def run_level(base_url: str, prompts: list[tuple[str, bool]], concurrency:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # a fresh connection per request: reusing one a server closes after a streamed response (llama-server
+    # did, now and then) fails the next request with "Server disconnected" before it is sent
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(timeout)) as client:
         async def send(i: int) -> Record:

@@ -167,10 +167,10 @@ class Engine:
                 del self.running[request_id]
                 self.reserved.pop(request_id, None)
         if self.costs is not None and speculate is not None:
-            rows, catch_up_seconds = (now - then for now, then in zip(_caught_up(decodings), caught_up))
+            fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(decodings), caught_up))
             self.costs.record(len(ids), speculate, sum(map(len, emitted.values())), drafted - began,
                               sum(_forwards(d) for d in decodings) - forwards, seconds,
-                              sum(len(s.input_ids) for s in segments), rows, catch_up_seconds)
+                              sum(len(s.input_ids) for s in segments), fed, catch_up_seconds)
         return emitted
 
     def run(self) -> dict[int, GenerationResult]:

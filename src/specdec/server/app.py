@@ -189,8 +189,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                                  f"{service.limits.max_body}", status=413, code="body_too_large")
             body = parse_body(await request.body(), service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
-            prompt_ids = service.prompt_ids(job)
-            engine_requests = service.requests(job, prompt_ids, service.max_new_tokens(job, len(prompt_ids)))
+            prompts = service.prompt_ids(job)
+            engine_requests = [r for ids in prompts  # choice k: prompt k // n, its choice k % n
+                               for r in service.requests(job, ids, service.max_new_tokens(job, len(ids)))]
         except BadRequest as error:
             metrics.requests.labels(status="rejected").inc()
             return _error(error)
@@ -208,7 +209,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                                      code="queue_full"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
             if isinstance(body.get("stream_options"), dict) else False
-        run = _Run(service, job, chat, prompt_ids, choices, worker, metrics, arrival, request)
+        run = _Run(service, job, chat, prompts, choices, worker, metrics, arrival, request)
         if job.stream:
             return StreamingResponse(run.events(include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -228,9 +229,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 class _Run:
     """One request's choices in flight: gathered whole, or streamed as events."""
 
-    def __init__(self, service: Service, job: Job, chat: bool, prompt_ids: list[int], choices: list[_Choice],
+    def __init__(self, service: Service, job: Job, chat: bool, prompts: list[list[int]], choices: list[_Choice],
                  worker: Worker, metrics: Metrics, arrival: float, request: HttpRequest):
-        self.service, self.job, self.chat, self.prompt_ids = service, job, chat, prompt_ids
+        self.service, self.job, self.chat, self.prompts = service, job, chat, prompts
         self.choices, self.worker, self.metrics, self.arrival, self.request = choices, worker, metrics, arrival, request
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -303,15 +304,16 @@ class _Run:
             result = GenerationResult(self.texts[i].ids, [], GenerationStats(), "stop")
         self.results[i] = result
         end = time.perf_counter()
-        self.metrics.finished(result, len(self.prompt_ids), self.arrival, self.choices[i].first or end, end)
+        self.metrics.finished(result, len(self.prompts[i // self.job.n]), self.arrival, self.choices[i].first or end,
+                              end)
 
     def usage(self) -> dict:
         done = [r for r in self.results if r is not None]
         completion = sum(len(r.tokens) for r in done)
         passes = sum(r.stats.target_forwards for r in done)
         spec = [speculation_usage(r) for r in done]
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-                "total_tokens": len(self.prompt_ids) + completion,
+        prompt = sum(map(len, self.prompts))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "speculative": {"method": self.job.speculation.method or "off",
                                 "drafted_tokens": sum(s["draft_tokens"] for s in spec),
                                 "accepted_tokens": sum(s["accepted_tokens"] for s in spec),

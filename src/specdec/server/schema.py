@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 16  # prompts per completions request
+MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
 METHODS = ("default", "ar", "chain", "lookup", "tree")
 
@@ -38,9 +40,9 @@ class Speculation:
 
 @dataclass
 class Job:
-    """A checked request: a prompt (text or ids) or chat messages, and how to generate."""
+    """A checked request: prompts (each text or ids) or chat messages, and how to generate."""
 
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]] | None
     messages: list[dict] | None
     max_tokens: int | None
     temperature: float
@@ -130,18 +132,25 @@ def _messages(value) -> list[dict]:
     return out
 
 
-def _prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise BadRequest("prompt is empty", "prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                 for t in value):
-        return list(value)
-    raise BadRequest("prompt must be a non-empty string, a list of one, or a list of token ids "
-                     f"(several prompts per request are not taken), got {value!r}"[:300], "prompt")
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                            for t in value)
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """completions' `prompt`: a string, a list of token ids, or a list of several of either."""
+    single = isinstance(value, str) or _token_ids(value)
+    prompts = [value] if single else value
+    if not isinstance(prompts, list) or not prompts or \
+            not all(isinstance(p, str) or _token_ids(p) for p in prompts):
+        raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of several of either, "
+                         f"got {value!r}"[:300], "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"a request takes at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
+    for i, prompt in enumerate(prompts):
+        if prompt == "":
+            raise BadRequest("prompt is empty" if single else f"prompt[{i}] is empty", "prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
 def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> Job:
@@ -159,8 +168,8 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    return Job(
-        prompt=None if chat else _prompt(body.get("prompt")),
+    job = Job(
+        prompts=None if chat else _prompts(body.get("prompt")),
         messages=_messages(body.get("messages")) if chat else None,
         max_tokens=_number(body, limit, None if chat else 16, 1, 2 ** 31, integer=True),
         temperature=_number(body, "temperature", 1.0, 0, 2),
@@ -173,6 +182,10 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         speculation=_speculation(body.get("speculative"), default),
         logprobs=_logprobs(body, chat),
     )
+    if job.n * len(job.prompts or [None]) > MAX_CHOICES:
+        raise BadRequest(f"prompts × n is {job.n * len(job.prompts)}; a request takes at most {MAX_CHOICES} choices",
+                         "n")
+    return job
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

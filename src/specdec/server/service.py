@@ -52,24 +52,29 @@ class Service:
             text = self._token_texts[token] = self.target.decode([token], skip_special_tokens=False)
         return text
 
-    def prompt_ids(self, job: Job) -> list[int]:
-        """The job's prompt as token ids (chat messages through the model's chat template)."""
-        tokenizer = self.target.tokenizer
+    def prompt_ids(self, job: Job) -> list[list[int]]:
+        """The job's prompts as token ids (chat messages through the model's chat template: one)."""
         if job.messages is not None:
+            return [self._prompt_ids(job.messages, None)]
+        return [self._prompt_ids(None, prompt) for prompt in job.prompts]
+
+    def _prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if messages is not None:
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 raise BadRequest(f"{self.name} has no chat template; use /v1/completions", "messages")
             try:
-                ids = tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except Exception as error:  # the template's own rules (e.g. roles that must alternate)
                 raise BadRequest(f"the chat template of {self.name} refused these messages: {error}",
                                  "messages") from None
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        elif isinstance(job.prompt, str):
+        elif isinstance(prompt, str):
             if tokenizer is None:
                 raise BadRequest(f"{self.name} has no tokenizer; send the prompt as token ids", "prompt")
-            ids = self.target.encode(job.prompt)
+            ids = self.target.encode(prompt)
         else:
-            ids = job.prompt
+            ids = prompt
             vocab = self.target.vocab_size
             if max(ids) >= vocab:
                 raise BadRequest(f"prompt token id {max(ids)} is outside the vocabulary (0..{vocab - 1})", "prompt")
