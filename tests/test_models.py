@@ -82,6 +82,31 @@ def test_real_model_loads_with_tokenizer_and_eos(smollm2):
     assert smollm2.kernels == "onednn-packed"
 
 
+def test_end_of_text_tokens_of_a_tokenizer_end_a_generation_too():
+    """A config naming only <|im_end|> still stops at the vocabulary's <|endoftext|> (special)."""
+    from types import SimpleNamespace
+
+    from specdec.text import eos_ids
+
+    special = lambda content: SimpleNamespace(content=content, special=True)  # noqa: E731
+    tokenizer = SimpleNamespace(eos_token_id=7, added_tokens_decoder={
+        3: special("<|endoftext|>"), 7: special("<|im_end|>"), 9: special("<|fim_prefix|>"),
+        11: SimpleNamespace(content="<|eot_id|>", special=False)})
+    assert eos_ids([SimpleNamespace(eos_token_id=[7]), None, tokenizer]) == [7, 3]
+
+
+def test_real_default_target_ends_a_completion_at_end_of_text(default_pair):
+    """HumanEval/7 on the default target: greedy writes the one-line body, then <|endoftext|>
+    (after which it would run on into fill-in-the-middle text); the generation ends there."""
+    from specdec.bench.datasets import load_prompts
+
+    target = default_pair[0]
+    prompt = load_prompts("humaneval", 8)[7].text
+    result = autoregressive_generate(target.encode(prompt), target, max_new_tokens=64)
+    assert result.stop_reason == "eos" and result.tokens[-1] == 151643 and len(result.tokens) < 20
+    assert target.decode(result.tokens).strip() == "return [s for s in strings if substring in s]"
+
+
 def test_vocabulary_mismatch_names_both_models():
     a, b = tiny_model(0, vocab=64, name="alpha"), tiny_model(1, vocab=80, name="beta")
     with pytest.raises(SpecdecError, match=r"target alpha has 64 ids, drafter beta has 80"):

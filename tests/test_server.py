@@ -196,6 +196,24 @@ def test_logprobs_are_the_targets_alone_whole_and_streamed(server, tiny_pair, sp
     assert plain.choices[0].logprobs is None
 
 
+def test_text_pieces_carry_the_tokens_whose_text_they_hold():
+    """Which tokens' logprobs go with a piece of text: those whose text it holds whole (a token
+    that ends in a held-back stop-string prefix waits); at a stop string, those that begin before
+    it; at the end, all."""
+    from specdec.server.app import _Text
+
+    words = {0: "ab", 1: "c", 2: "de", 3: "f", 4: "END", 5: "g"}
+    text = _Text(lambda ids: "".join(words[i] for i in ids), stops=["cd"], offsets=True)
+    assert text.add([0]) == "a" and text.released() == 0  # the last character is held (a stop may begin there)
+    assert text.add([1]) == "b" and text.released() == 1  # "ab" sent: token 0 whole; "c" held
+    assert text.ends == [2, 3]
+    assert text.add([2]) == "" and text.stopped and text.sent == 2  # "abcde": "cd" at 2
+    assert text.released() == 1  # token 1 ("c") begins the stop string: it is not sent
+    whole = _Text(lambda ids: "".join(words[i] for i in ids), stops=[], offsets=True)
+    assert whole.add([0, 3]) == "abf" and whole.released() == 2
+    assert whole.add([4], final=True) == "END" and whole.released() == 3
+
+
 def test_metrics_parse_and_add_up_to_the_responses_usage(server):
     url, _ = server
     before = _metrics(url)

@@ -42,12 +42,26 @@ def decode_ids(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) 
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+# Special tokens that end a text or a turn, wherever a vocabulary holds them as special tokens. A
+# config may name one EOS while the model ends its texts with another: the embedded
+# Qwen2.5-Coder-Instruct configs (converted from their GGUF) name <|im_end|>, and a plain
+# completion ends in <|endoftext|>, after which the model runs on into fill-in-the-middle text
+# (the original release lists both; llama.cpp stops at every end-of-generation token).
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "<eos>")
+
+
 def eos_ids(sources) -> list[int]:
-    """The EOS ids that `sources` (generation config, model config, tokenizer; None skipped) name."""
+    """The EOS ids that `sources` (generation config, model config, tokenizer; None skipped) name,
+    and a tokenizer's special tokens among END_TOKENS."""
     ids: list[int] = []
     for source in sources:
         value = getattr(source, "eos_token_id", None) if source is not None else None
-        for v in value if isinstance(value, (list, tuple)) else [value]:
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        added = getattr(source, "added_tokens_decoder", None)  # a tokenizer
+        if isinstance(added, dict):
+            values += [i for i, token in sorted(added.items()) if getattr(token, "special", False)
+                       and getattr(token, "content", None) in END_TOKENS]
+        for v in values:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
     return ids
