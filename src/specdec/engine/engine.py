@@ -144,7 +144,7 @@ class Engine:
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings)
         forwards = sum(_forwards(d) for d in decodings)
-        caught_up = _caught_up(decodings)
+        caught_up = _caught_up(decodings) if speculate is not None else None
         began = time.perf_counter()
         segments = self._plan(decodings)
         drafted = time.perf_counter()
@@ -214,14 +214,17 @@ class Engine:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
         whose output draft lengths cannot change and that may draft this step -> the decision
         (None: no such sequence)."""
-        steered = [d.steerable for d in decodings if d.steerable is not None and d.drafts_next]
-        if self.costs is None or not steered:  # (a step of first tokens only would time plain passes as drafting)
+        if self.costs is None:
             return None
-        lagging = [d for d in decodings if d.steerable is not None and d.drafts_next and hasattr(d.drafter, "lag")]
+        # a step of first tokens only would time plain passes as drafting: it decides nothing
+        steered = [d for d in decodings if d.steerable is not None and d.drafts_next]
+        if not steered:
+            return None
+        lagging = [d for d in steered if hasattr(d.drafter, "lag")]
         speculate = self.costs.speculate(len(decodings), sum(d.drafter.lag(d.sequence) for d in lagging),
                                          sum(d.out.remaining for d in lagging))
-        for policy in steered:
-            self.costs.steer(policy, len(decodings), speculate)
+        for decoding in steered:
+            self.costs.steer(decoding.steerable, len(decodings), speculate)
         return speculate
 
     def _plan(self, decodings: list[Decoding]) -> list[Segment]:
