@@ -80,8 +80,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     the GGUF file's own quantized weights on llama.cpp (backends/llamacpp.py; registry models
     and .gguf files; needs the `peers` extra).
     role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, `use_int8`,
-    docs/kernels.md) and whether logits must be exact fp32. kernels: "auto" or "stock";
-    exact_rows: None (auto), True or False (see TransformersModel).
+    docs/kernels.md) and whether logits must be exact fp32. kernels: "auto" or "stock" (for GGUF
+    weights "auto" or "plain"); exact_rows: None (auto), True or False (see TransformersModel).
     vocab: (drafters) how many of the most frequent ids the output head scores (vocab.py): None
     for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
     vocab_corpus: a text file to count frequencies in (default: Python's standard library).
@@ -95,7 +95,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
     check_vocab_options(vocab, vocab_corpus)
     if dtype in GGUF_WEIGHTS:
-        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows)
+        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)
@@ -152,16 +152,20 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
 
 
 GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"
+GGUF_KERNELS = ("auto", "plain")  # ggml's repacked weights, or its stock per-row kernels
 
 
 def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
-               say: Callable[[str], None], exact_rows: bool | None = None):
-    """A registry model's GGUF file, or a .gguf path, on the llama.cpp backend (backends/llamacpp.py)."""
+               say: Callable[[str], None], exact_rows: bool | None = None, kernels: str = "auto"):
+    """A registry model's GGUF file, or a .gguf path, on the llama.cpp backend (backends/llamacpp.py).
+    kernels: "auto" (ggml's repacked weights) or "plain" (not repacked: `LlamaCppModel.repack`)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from .backends.llamacpp import LlamaCppModel, import_llama_cpp
 
     import_llama_cpp()  # before anything loads: a missing extra is the first thing to say
+    if kernels not in GGUF_KERNELS:
+        raise SpecdecError(f"kernels for GGUF weights are {' or '.join(GGUF_KERNELS)}, not {kernels!r}")
     if str(device) not in ("auto", "cpu"):
         raise SpecdecError(f"GGUF weights run on llama.cpp's CPU build here, not on {device}; use --device cpu "
                            "or --dtype bf16")
@@ -195,7 +199,7 @@ def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
     say(f"loading {name} (its GGUF weights on llama.cpp)")
     start = time.perf_counter()
     model = LlamaCppModel(gguf_path, tokenizer, name=name, role=role, eos_token_ids=eos or None,
-                          exact_rows=exact_rows)
+                          exact_rows=exact_rows, repack=kernels == "auto")
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return model
 

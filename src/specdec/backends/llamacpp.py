@@ -126,6 +126,9 @@ class LlamaCppModel:
     role: "target" or "drafter". A target's scored rows are row-exact (`exact_rows`, module doc).
     threads: CPU threads for llama.cpp (default: the cores this process may use).
     exact_rows: score at most ROWS_PER_CALL tokens per call (default: for a target).
+    repack: let ggml repack Q4_K / Q4_0 / IQ4_NL weights for its AVX2/AVX512 kernels (default);
+    off, every quantized matmul runs ggml's stock per-row dot products (and its tiled K-quant
+    matmul from 8 rows). docs/kernels.md measures both.
     """
 
     kernels = "llama.cpp"
@@ -135,7 +138,7 @@ class LlamaCppModel:
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
                  eos_token_ids: Sequence[int] | None = None, threads: int | None = None,
-                 context: int | None = None, exact_rows: bool | None = None):
+                 context: int | None = None, exact_rows: bool | None = None, repack: bool = True):
         if role not in ("target", "drafter"):
             raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
         path = Path(path)
@@ -149,7 +152,8 @@ class LlamaCppModel:
         self.exact_rows = role == "target" if exact_rows is None else bool(exact_rows)
         self.threads = threads or default_threads()
         model_params = lib.llama_model_default_params()
-        model_params.use_extra_bufts = True  # repacked weights: the fastest 1-token passes
+        self.repack = bool(repack)
+        model_params.use_extra_bufts = self.repack  # repacked weights: the fastest 1-token passes
         self._model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise SpecdecError(f"llama.cpp could not load {path} (not a GGUF model it supports?)")

@@ -11,8 +11,11 @@ import statistics
 import time
 from typing import Iterator
 
+import torch
+
 from ..backends import Backend
 from ..models import load
+from ..backends.cache import crop_cache
 from ..passcost import pass_seconds
 from ..trees import input_parents
 
@@ -28,6 +31,22 @@ def forward_ms(model: Backend, tokens: int, context: int = 128, repeats: int = 5
     `tree`, the last token committed plus a (tokens - 1)-node tree under the tree mask."""
     parents = input_parents(1, tree_of_width(tokens - 1)) if tree and tokens > 1 else None
     return 1e3 * pass_seconds(model, tokens, context, repeats, parents)
+
+
+def rows_as_alone(model: Backend, sizes, context: int = 128) -> list[int]:
+    """The widths among `sizes` whose pass gives each row bit for bit what a 1-token pass at its
+    position gives (what greedy identity with AR needs of a target), after `context` cached tokens."""
+    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + max(sizes))]
+    cache = model.new_cache()
+    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
+    tail = ids[context + 1:]
+    alone = torch.cat([model.forward([token], cache, 1) for token in tail])
+    exact = []
+    for width in sizes:
+        crop_cache(cache, context + 1)
+        if torch.equal(model.forward(tail[:width], cache, width), alone[:width]):
+            exact.append(width)
+    return exact
 
 
 def prefill_ms(model: Backend, tokens: int = 128) -> float:
@@ -59,9 +78,11 @@ def forward_cost_table(name: str, configs: list[tuple[str, str, str]], sizes=(1,
         for mode in modes:
             med = {t: statistics.median(v) for t, v in ms[mode].items()}
             model.exact_rows = mode
-            cells = " | ".join(f"{med[t] / med[1]:.2f}x" for t in sizes[1:])
+            exact = set(rows_as_alone(model, sizes))
+            cells = " | ".join(f"{med[t] / med[1]:.2f}x" + ("" if t in exact else " ≠") for t in sizes[1:])
             rows = "exact" if mode else "batched"
-            yield (f"| {name} | {dtype} | {role} | {model.kernels} | {rows} | {med[1]:.0f} | {cells} | "
+            kernel_name = model.kernels if dtype != "gguf" else f"{model.kernels} {kernels}"
+            yield (f"| {name} | {dtype} | {role} | {kernel_name} | {rows} | {med[1]:.0f} | {cells} | "
                    f"{prefill_ms(model):.0f} |")
         del model
         gc.collect()  # free one model's weights before loading the next
