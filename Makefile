@@ -50,9 +50,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# the fast tier: every test that needs no real model (CONTRIBUTING.md), under 3 minutes on 2 cores
+# the fast tier: every test that needs no real model and takes under ~2 s (CONTRIBUTING.md), under 3 minutes on 2 cores
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not real and not soak"
+	$(BIN)/python -m pytest -q -m "not real and not soak and not slow"
 
 # the docs' links, anchors, cited files, make targets and commands (plain Markdown; tests/test_docs.py)
 docs-check: $(STAMP)

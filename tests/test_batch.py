@@ -59,6 +59,7 @@ def _each_alone(model, segments, caches):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.slow
 def test_batched_rows_equal_each_sequence_alone_bit_for_bit(dtype):
     model = qwen_like(dtype, exact_rows=True)
     prompts = [_ids(23, VOCAB, 1), _ids(5, VOCAB, 2), _ids(40, VOCAB, 3), _ids(11, VOCAB, 4)]

@@ -119,6 +119,7 @@ def test_greedy_output_with_a_cheap_drafter_is_the_targets(int8):
 
 
 @needs_int8
+@pytest.mark.slow
 def test_sampling_with_an_int8_restricted_drafter_keeps_the_targets_law():
     target = tiny_model(0, vocab=4, name="tiny-target")
     drafter = _drafter(1, vocab=4, int8=True)

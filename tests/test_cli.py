@@ -71,7 +71,7 @@ def test_models_lists_the_registry():
         assert name in result.output
 
 
-@pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "lookup", "--gamma", "3"],
+@pytest.mark.parametrize("extra", [["--drafter", "ngram"], ["--drafter", "lookup", "--gamma", "3"], ["--drafter", "suffix"],
                                    ["--drafter", "smollm2-135m", "--schedule", "egag", "--gamma-max", "6"],
                                    ["--drafter", "smollm2-135m", "--schedule", "confidence", "--confidence", "0.6"]])
 def test_generate_with_other_drafters_and_schedules_equals_ar(need_smollm2, extra):

@@ -27,6 +27,7 @@ def models():
     return target, {"chain": copy.deepcopy(target), "tree": qwen_like(torch.bfloat16, layers=1, seed=1)}
 
 
+@pytest.mark.slow
 def test_every_level_keeps_every_greedy_output_of_ours_identical_to_ar_alone(models):
     target, drafters = models
     prompts = [(_ids(5, VOCAB, i) * 3)[:6 + 3 * i] for i in range(5)]
@@ -44,6 +45,7 @@ def test_every_level_keeps_every_greedy_output_of_ours_identical_to_ar_alone(mod
     assert "| 4 | sd-cost |" in render_levels(summaries)
 
 
+@pytest.mark.slow
 def test_seeded_sampled_outputs_at_every_level_equal_level_one(models):
     target, drafters = models
     prompts = [_ids(4 + i, VOCAB, 10 + i) for i in range(4)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, speculative_generate
-from specdec.drafters import LookupDrafter, NgramDrafter
+from specdec.drafters import LookupDrafter, NgramDrafter, SuffixDrafter
 from specdec.drafters.lookup import find_continuation, find_continuations
 from specdec.drafters.ngram import count_ngrams
 from specdec.schedules import EGAG, Confidence, CostAware, Heuristic, make_schedule, normalized_entropy
@@ -227,6 +227,7 @@ VARIANTS = {
     "egag": lambda d: dict(drafter=d, schedule=make_schedule("egag", gamma_min=1, gamma_max=6, beta=0.3)),
     "cost": lambda d: dict(drafter=d, schedule=make_schedule("cost", gamma_max=6)),
     "lookup-cost": lambda d: dict(drafter=LookupDrafter(), schedule=make_schedule("cost", gamma_max=6)),
+    "suffix-cost": lambda d: dict(drafter=SuffixDrafter(), schedule=make_schedule("cost", gamma_max=6)),
 }
 
 
@@ -249,6 +250,7 @@ def test_every_drafter_and_schedule_is_greedy_identical_on_real_smollm2(smollm2,
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_every_drafter_and_schedule_is_exact_under_sampling(variant):
     """Joint law of the first 3 tokens (chi-square at 1e-4), vocabulary 5: n-grams and lookups recur."""
     target, drafter = TableModel(vocab=5, seed=0), TableModel(vocab=5, seed=1)

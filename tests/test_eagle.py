@@ -38,6 +38,7 @@ def _quiet(message):
 # ---------------------------------------------------------------- training and checkpoints
 
 
+@pytest.mark.slow
 def test_training_reduces_the_held_out_loss_and_records_provenance(tmp_path):
     target = tiny_model(1, vocab=32, max_positions=2048)
     config = EagleTrainConfig(tokens=1200, vocab=32, seq_len=64, epochs=6, batch=2, lr=3e-3)
@@ -54,6 +55,7 @@ def test_training_reduces_the_held_out_loss_and_records_provenance(tmp_path):
     assert info["heldout_top1"][0] > 0.2
 
 
+@pytest.mark.slow
 def test_a_stopped_eagle_training_resumes_to_the_same_layer(tmp_path, monkeypatch):
     target = tiny_model(1, vocab=32, max_positions=2048)
     corpus = _own_text(target, 700)
@@ -117,6 +119,7 @@ def test_a_damaged_or_other_kind_checkpoint_is_a_clear_error(tmp_path, damage):
         load_eagle(folder)
 
 
+@pytest.mark.slow
 def test_cli_trains_an_eagle_drafter_and_refuses_bad_options_before_loading(tmp_path):
     for args, message in ((["generate", "x", "--drafter", f"eagle:{tmp_path}"], "eagle.json is missing"),
                           (["train-heads", "--out", str(tmp_path), "--kind", "hydra"], "medusa or eagle"),
@@ -183,6 +186,7 @@ def test_greedy_eagle_decoding_equals_greedy_ar_on_tiny_models(exact_rows):
     assert accepted > 0 and off_main_chain > 0
 
 
+@pytest.mark.slow
 def test_sampled_eagle_generation_matches_the_target_joint_distribution():
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4):
     the trees are deterministic given the features, so the one-hot law keeps them exact."""

@@ -33,6 +33,7 @@ def _prompts():
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 5])
+@pytest.mark.slow
 def test_greedy_outputs_equal_each_ar_alone_at_every_batch_size(pair, max_batch):
     target, same, other = pair
     prompts = _prompts()
@@ -138,6 +139,7 @@ def test_a_finished_request_lets_its_cache_go(pair):
     assert short in engine.results and short not in engine.running and long in engine.running
 
 
+@pytest.mark.slow
 def test_batched_sampling_follows_the_target_law():
     """Many unseeded-looking (distinct seeds) sampled sequences, 16 per pass, drafted by another
     model: the joint law of their first four tokens is the target's (chi-square)."""

@@ -155,18 +155,19 @@ def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
 @NEEDS_LLAMA
 @pytest.mark.real
 def test_llama_cpp_peers_in_a_bench_run(tmp_path):
-    """One tiny bench with our AR on GGUF weights and llama.cpp's two peers (SmolLM2 drafting for itself)."""
+    """One tiny bench with ours on GGUF weights and llama.cpp's three peers (SmolLM2 drafting for itself)."""
     from specdec.bench.run import run_benchmark
     from specdec.bench.methods import Settings
 
     _installed_or_skip("smollm2-135m")
-    result = run_benchmark(["humaneval:1:0+1"], None, ["ar", "sd", "llama-cpp", "llama-cpp-spec"], "smollm2-135m",
+    result = run_benchmark(["humaneval:1:0+1"], None, ["ar", "sd", "suffix", "llama-cpp", "llama-cpp-spec",
+                                                       "llama-cpp-lookup"], "smollm2-135m",
                            "smollm2-135m", Settings(max_new_tokens=16, gamma=3), dtype="gguf", drafter_dtype="gguf",
                            json_path=str(tmp_path / "bench.json"))
     summary = result["summary"]
     assert result["info"]["target_dtype"] == "gguf" and result["info"]["llama_cpp"]
-    assert summary["sd"]["identical_to_ar"] == 1  # ours on the same backend: exact
-    for method in ("llama-cpp", "llama-cpp-spec"):
+    assert summary["sd"]["identical_to_ar"] == summary["suffix"]["identical_to_ar"] == 1  # ours: exact
+    for method in ("llama-cpp", "llama-cpp-spec", "llama-cpp-lookup"):
         records = [r for r in result["records"] if r["method"] == method]
         assert len(records) == 2 and all(0 < r["new_tokens"] <= 16 for r in records)
         assert "median_speedup_vs_ar" in summary[method]

@@ -149,6 +149,7 @@ def _real_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(registry.converted_dir(name))
 
 
+@pytest.mark.slow
 def test_gemma3_plain_text_starts_with_one_bos():
     tokenizer = _real_tokenizer("gemma3-270m")
     model = _with_tokenizer(tokenizer)
@@ -260,6 +261,7 @@ class _Reference:
 
 
 @pytest.mark.parametrize("which", ["wide", "narrow"])
+@pytest.mark.slow
 def test_padded_drafter_sampling_matches_the_target_joint_distribution(padded_models, which):
     target, wide, narrow = padded_models
     drafter = wide if which == "wide" else narrow

@@ -187,6 +187,7 @@ def test_concurrent_installs_convert_once_and_both_succeed(fake, monkeypatch):
     assert _leftovers(fake) == []
 
 
+@pytest.mark.slow
 def test_sigterm_during_install_removes_its_temporary_files(tmp_path):
     home, started = tmp_path / "home", tmp_path / "started"
     script = FAKES + textwrap.dedent(f'''

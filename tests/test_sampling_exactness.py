@@ -13,7 +13,7 @@ from scipy.stats import chi2
 
 import specdec.generate as generate_module
 from specdec import Sampler, TransformersModel, sample, speculative_generate
-from specdec.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter
+from specdec.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 
 from conftest import TableModel, tiny_model
 
@@ -56,6 +56,7 @@ CASES = [(Sampler(1.0), 2, False), (Sampler(0.7, top_k=3), 1, True), (Sampler(1.
 
 
 @pytest.mark.parametrize("sampler,gamma,first_target", CASES, ids=lambda c: getattr(c, "describe", lambda: c)())
+@pytest.mark.slow
 def test_speculative_sampling_matches_the_target_joint_distribution(sampler, gamma, first_target):
     target = TableModel(vocab=5, seed=0)
     drafter = TableModel(vocab=5, seed=1)  # a different model: many rejections
@@ -71,6 +72,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(sampler, gam
     assert chi_square_pvalue(samples, joint) > ALPHA
 
 
+@pytest.mark.slow
 def test_the_joint_test_catches_a_biased_loop(monkeypatch):
     """Power check: resampling from p after a rejection (a known bug elsewhere) is detected."""
     import specdec.generate as generate
@@ -112,10 +114,11 @@ def _near_model_drafter(target: TableModel) -> TableModel:
 
 
 DEEP_DRAFTERS = {"model": _near_model_drafter, "ngram": lambda target: NgramDrafter(3),
-                 "lookup": lambda target: LookupDrafter()}
+                 "lookup": lambda target: LookupDrafter(), "suffix": lambda target: SuffixDrafter(factor=4.0)}
 
 
 @pytest.mark.parametrize("drafter", DEEP_DRAFTERS)
+@pytest.mark.slow
 def test_deep_rejections_and_bonus_tokens_keep_the_joint_law(drafter):
     target, sampler, length = _cyclic_target(), Sampler(1.0), 5
     joint = exact_joint(target, DEEP_PROMPT, length, sampler)
@@ -159,6 +162,7 @@ class _MisreportingDrafter:
         return Draft(tokens, torch.stack(reported))
 
 
+@pytest.mark.slow
 def test_the_joint_test_catches_a_drafter_that_reports_another_q():
     """Power check: a drafter that samples from a tempered q but reports the untempered q (the
     rule then corrects for the wrong q) is detected; the same drafter reporting honestly passes."""
@@ -208,6 +212,7 @@ def _real_samples(target: TransformersModel, drafter: ModelDrafter, runs: int) -
     return samples, rejections
 
 
+@pytest.mark.slow
 def test_on_a_tiny_transformer_with_real_kv_caches():
     target, drafter = _real_pair()
     joint = _real_joint(target, Sampler(1.0))
@@ -217,6 +222,7 @@ def test_on_a_tiny_transformer_with_real_kv_caches():
     assert chi_square_pvalue(samples, joint) > ALPHA
 
 
+@pytest.mark.slow
 def test_the_real_cache_test_catches_a_crop_that_removes_the_wrong_positions(monkeypatch):
     """Power check: a crop that keeps the right number of positions but drops the oldest ones
     (a slicing slip in a cache backend) leaves a cache of the right length and silently wrong

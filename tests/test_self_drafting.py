@@ -52,6 +52,7 @@ def _off_main_chain(result) -> int:
 # ---------------------------------------------------------------- training and checkpoints
 
 
+@pytest.mark.slow
 def test_training_reduces_the_held_out_loss_and_records_provenance(tmp_path):
     target = tiny_model(1, vocab=32, max_positions=2048)
     config = TrainConfig(num_heads=2, tokens=1200, vocab=32, seq_len=64, epochs=4, batch=32, lr=3e-3)
@@ -69,6 +70,7 @@ def test_training_reduces_the_held_out_loss_and_records_provenance(tmp_path):
         assert torch.equal(a, b.float())
 
 
+@pytest.mark.slow
 def test_a_stopped_training_resumes_to_the_same_heads(tmp_path, monkeypatch):
     target = tiny_model(1, vocab=32, max_positions=2048)
     corpus = _own_text(target, 700)
@@ -136,6 +138,7 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
         load_heads(folder)
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_heads_before_loading_any_model(tmp_path):
     for args, message in ((["generate", "x", "--drafter", f"medusa:{tmp_path}"], "medusa.json is missing"),
                           (["train-heads", "--out", str(tmp_path), "--heads", "0"], "--heads must be >= 1"),
@@ -212,6 +215,7 @@ class _Reference:
         return sampler.probs(self.model.forward(list(context), None, 1)[-1])
 
 
+@pytest.mark.slow
 def test_sampled_medusa_generation_matches_the_target_joint_distribution():
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
     Medusa trees are deterministic given the hidden state: the one-hot law keeps them exact."""
@@ -324,6 +328,7 @@ class _ClaimsSampled(MedusaDrafter):
         return Tree(tree.tokens, tree.parents, rows, tree.values, "iid")
 
 
+@pytest.mark.slow
 def test_the_joint_test_catches_trees_verified_with_the_wrong_law():
     from test_sampling_exactness import exact_joint
 
@@ -378,6 +383,7 @@ def test_backends_without_hidden_states_or_layers_are_refused():
         LayerSkipModel(gguf, [1])
 
 
+@pytest.mark.slow
 def test_both_self_drafters_are_greedy_identical_on_a_row_exact_bf16_target():
     """The path native-bf16 CPUs take (`auto` gives them bf16 targets with row-exact passes), forced
     here whatever the CPU: heads and head rows in bf16, tree passes row-exact."""

@@ -92,8 +92,9 @@ def _metric(values: dict, name: str, **labels) -> float:
     return values.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-@pytest.mark.parametrize("speculative", [False, None, {"method": "lookup"}, {"method": "tree", "tree_nodes": 8}],
-                         ids=["ar", "default", "lookup", "tree"])
+@pytest.mark.parametrize("speculative", [False, None, {"method": "lookup"}, {"method": "suffix"},
+                                         {"method": "tree", "tree_nodes": 8}],
+                         ids=["ar", "default", "lookup", "suffix", "tree"])
 def test_greedy_completions_equal_the_targets_run_alone(server, tiny_pair, speculative):
     url, _ = server
     client = _client(url)
@@ -111,6 +112,18 @@ def test_greedy_completions_equal_the_targets_run_alone(server, tiny_pair, specu
     pieces = [chunk.choices[0].text for chunk in client.completions.create(
         model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True, extra_body=extra)]
     assert "".join(pieces) == whole.choices[0].text and len(pieces) > 1
+
+
+def test_suffix_requests_draft_from_earlier_outputs(server, tiny_pair):
+    """The suffix method's cache is the server's: a prompt asked again drafts its answer from the
+    first answer (a random prompt's own text has little to copy), and the answer stays the same."""
+    url, _ = server
+    client = _client(url)
+    answers = [client.completions.create(model=NAME, prompt=PROMPTS[5], max_tokens=20, temperature=0,
+                                         extra_body={"speculative": {"method": "suffix"}}) for _ in range(2)]
+    assert answers[0].choices[0].text == answers[1].choices[0].text == _alone(tiny_pair[0], PROMPTS[5], 20)
+    first, again = (a.usage.model_extra["speculative"] for a in answers)
+    assert again["accepted_tokens"] > first["accepted_tokens"] and again["target_passes"] < 20
 
 
 def test_eight_streams_at_once_each_equal_its_prompt_alone(server, tiny_pair):
@@ -522,17 +535,19 @@ def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair,
 @pytest.mark.parametrize("args, message", [
     (["--method", "magic"], "--method must be one of"),
     (["--drafter", "none"], "--method default drafts with a drafter model"),
-    (["--drafter", "lookup"], "lookup is a method here"),
+    (["--drafter", "lookup"], "lookup is not one"),
     (["--dtype", "gguf", "--method", "tree"], "token trees need transformers' weights"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--kv-memory", "lots"], "--kv-memory"),
     (["--max-body", "-1"], "--max-body"),
+    (["--suffix-cache-tokens", "-5"], "--suffix-cache-tokens must be >= 0"),
 ])
 def test_serve_options_are_checked_before_loading(args, message):
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path):
     import subprocess
     import sys
@@ -544,6 +559,7 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("error:") and "missing" in done.stderr
 
 
+@pytest.mark.slow
 def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(server):
     from specdec.bench.serve import bench_serve, render
 

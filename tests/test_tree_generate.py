@@ -160,6 +160,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
 # the lookup trie is deterministic: its sampled exactness is that of the mixed tree's lookup nodes
 @pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed",
                                   "mixed-alternating", "mixed-short-chains"])
+@pytest.mark.slow
 def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
     It caught a mixed tree that ranked lookup nodes before the model's sampled sides (p ~ 1e-27)."""

@@ -198,6 +198,7 @@ SCHEMES = {"deterministic": "deterministic", "mixed": MIXED, "without-replacemen
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.slow
 def test_tree_output_law_equals_target(scheme):
     drafted = SCHEMES[scheme]
     pvalues, last, _ = _run(drafted, drafted if isinstance(drafted, str) else list(drafted))

@@ -115,7 +115,7 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
                    "multi-row kernels).")
 
 
-MODEL_FREE_DRAFTERS = ("ngram", "lookup")
+MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix")
 
 
 def self_drafter_spec(spec: str):
@@ -180,7 +180,8 @@ def generate(
                                             "sequences' KV caches (e.g. 2GiB, 512MiB); prompts beyond it wait."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
-                                "or 'ngram' (NASD, built online) or 'lookup' (prompt lookup), which need no model; "
+                                "or 'ngram' (NASD, built online), 'lookup' (prompt lookup) or 'suffix' (suffix "
+                                "drafting; with --prompts over earlier outputs too), which need no model; "
                                 "or the target drafting for itself: 'medusa:DIR' or 'eagle:DIR' (from `specdec "
                                 "train-heads`; token trees) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
@@ -219,7 +220,7 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
+    from .drafters import LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter, check_tree_options, make_tree_drafter
     from .generate import autoregressive_generate, speculative_generate
     from .models import resolve_device
     from .samplers import Sampler
@@ -275,6 +276,9 @@ def generate(
                     make_drafter = lambda: NgramDrafter(ngram_n)  # noqa: E731
                 elif drafter == "lookup":
                     make_drafter = LookupDrafter
+                elif drafter == "suffix":
+                    shared = SuffixCache()  # the outputs of earlier prompts, as SuffixDecoding's global tree
+                    make_drafter = lambda: SuffixDrafter(shared)  # noqa: E731
                 else:
                     make_drafter = drafter_model
                 seeded_plan = plan  # a seed under sampling pins the output: no measured costs (as alone)
@@ -299,6 +303,8 @@ def generate(
                 drafter_used = NgramDrafter(ngram_n)
             elif drafter == "lookup":
                 drafter_used = LookupDrafter()
+            elif drafter == "suffix":
+                drafter_used = SuffixDrafter()
             else:
                 drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
                                      vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
@@ -610,11 +616,11 @@ def bench(
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
-                                "ngram, lookup, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
+                                "ngram, lookup, suffix, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
                                 "medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
-                                "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec "
-                                "(llama.cpp, the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
+                                "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec, "
+                                "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
                                 "(ours, through the engine), hf-cb (transformers' continuous batching), hf-padded "
                                 "(its generate on padded batches)."),
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Comma-separated levels, e.g. 1,2,4,8: "
@@ -809,7 +815,8 @@ def forward_cost(
     sizes_text: Optional[str] = typer.Option(None, "--sizes", help="Comma-separated pass widths, starting at 1 "
                                              "(default: 1,2,4,6,9,16; with --tree 1,2,4,8,16,32,64)."),
 ):
-    """Measure how a forward pass's cost grows with the tokens scored at once (markdown table)."""
+    """Measure how a forward pass's cost grows with the tokens scored at once (markdown table; ≠
+    marks a width whose rows differ from 1-token passes, so a target cannot verify with it exactly)."""
     from .bench.forward_cost import forward_cost_table
 
     sizes = (1, 2, 4, 8, 16, 32, 64) if tree else (1, 2, 4, 6, 9, 16)
@@ -836,7 +843,7 @@ def forward_cost(
 def profile(
     prompt: str = typer.Argument("def quicksort(arr):", help="The prompt of the profiled generation."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup / suffix."),
     tree: str = typer.Option("off", help=TREE_HELP + " off: a chain under the cost schedule."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens of the profiled generation."),
     widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
@@ -855,7 +862,7 @@ def profile(
 
     from .bench.kvstorage import kv_storage_profile
     from .bench.profile import pass_profile, profile_record, time_split
-    from .drafters import LookupDrafter, NgramDrafter, check_tree_options, make_tree_drafter
+    from .drafters import LookupDrafter, NgramDrafter, SuffixDrafter, check_tree_options, make_tree_drafter
     from .generate import speculative_generate
     from .schedules import make_schedule
 
@@ -893,7 +900,7 @@ def profile(
         if tree != "off":
             drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
         else:
-            drafter_used = drafter_model or (NgramDrafter() if drafter == "ngram" else LookupDrafter())
+            drafter_used = drafter_model or {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(drafter, LookupDrafter)()
             plan, method = _cost_schedule(target_model, drafter_model, 20), "sd-cost"
         with err.status(f"generating {max_new_tokens} tokens ({method})…"):
             result = speculative_generate(target_model.encode(prompt), target_model, drafter_used,
@@ -960,7 +967,8 @@ def serve(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), or 'none'."),
     method: str = typer.Option("default", help="Requests' speculation unless they say: default (the drafter "
-                               "model's chain, cost-aware), chain, lookup, tree (mixed tree on the drafter) or ar."),
+                               "model's chain, cost-aware), chain, lookup, suffix (suffix drafting over the "
+                               "request's text and earlier outputs), tree (mixed tree on the drafter) or ar."),
     gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree."),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (method tree)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
@@ -976,6 +984,9 @@ def serve(
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may run (then 504)."),
     grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
+    suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
+                                            "outputs the suffix method drafts from, shared by all requests "
+                                            "(0: none)."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
                               "(transformers' weights; the batched engine runs them), or gguf (llama.cpp's "
                               "backend: one sequence at a time, chains only)."),
@@ -993,7 +1004,7 @@ def serve(
             raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
         if dtype in GGUF_WEIGHTS and method == "tree":
             raise SpecdecError("token trees need transformers' weights; on --dtype gguf use --method default, "
-                               "chain, lookup or ar")
+                               "chain, lookup, suffix or ar")
         for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
                                  ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
                                  ("--max-tokens", max_tokens, 1), ("--port", port, 0)):
@@ -1006,9 +1017,12 @@ def serve(
         no_drafter = drafter in ("none", "")
         if no_drafter and method in ("default", "chain", "tree"):
             raise SpecdecError(f"--method {method} drafts with a drafter model; give --drafter, or use "
-                               "--method lookup or ar")
+                               "--method lookup, suffix or ar")
         if drafter in MODEL_FREE_DRAFTERS:
-            raise SpecdecError(f"--drafter takes a model; {drafter} is a method here (--method lookup)")
+            raise SpecdecError(f"--drafter takes a model; {drafter} is not one (the model-free methods here: "
+                               "--method lookup or suffix)")
+        if suffix_cache_tokens < 0:
+            raise SpecdecError(f"--suffix-cache-tokens must be >= 0, got {suffix_cache_tokens}")
         budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
@@ -1034,7 +1048,7 @@ def serve(
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         speculation = Speculation(None if method == "ar" else method, gamma_max, tree_nodes)
         service = Service(target_model, drafter_model, default=speculation, limits=limits, costs=costs,
-                          lookup_costs=pass_costs(target_model, None, say))
+                          lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens)
         err.print(f"serving {service.name} on http://{host}:{port}/v1 (speculation: {method}, max batch "
                   f"{max_batch})", highlight=False)
         return service

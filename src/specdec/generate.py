@@ -378,6 +378,7 @@ class Decoding:
             if self.reads_hidden:
                 with _timed(stats, "drafter_seconds"):
                     drafter.observe(self.target.pass_hidden)
+            self._finish()
             return emitted
         details = {} if self.debug else None
         if self.trees:
@@ -414,7 +415,13 @@ class Decoding:
         emitted = self.out.add(step)
         self._record_logprobs(logits, emitted_rows(num_accepted, path if self.trees else None), emitted)
         self.sequence += emitted
+        self._finish()
         return emitted
+
+    def _finish(self) -> None:
+        """A drafter that learns across generations (`SuffixDrafter.finish`) sees the finished sequence."""
+        if self.done and hasattr(self.drafter, "finish"):
+            self.drafter.finish(self.sequence)
 
     def _record_logprobs(self, logits: torch.Tensor, rows: list[int], emitted: list[int]) -> None:
         if self.logprobs is not None:

@@ -41,7 +41,8 @@ class Schedule:
         return self.gamma
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
-        """After `drafted` tokens, whose last came from `logits` [V] (None: no distribution)."""
+        """After `drafted` tokens, whose last came from `logits` [V] (a float: the drafter's own
+        estimate of its chance; None: no estimate)."""
         return True
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -109,8 +110,10 @@ class Confidence(Schedule):
         return f"confidence τ={self.threshold:g}, γ_max={self.gamma}"
 
 
-def top_probability(logits: torch.Tensor) -> float:
-    """max softmax(logits): logits [V]."""
+def top_probability(logits: torch.Tensor | float) -> float:
+    """max softmax(logits): logits [V]; a float is a drafter's own estimate of the chance (`KeepGoing`)."""
+    if isinstance(logits, float):
+        return logits
     return float(logits.float().softmax(-1).max())
 
 
@@ -143,7 +146,7 @@ class EGAG(Schedule):
 
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         if drafted == 1:
-            h = 0.0 if logits is None else normalized_entropy(logits)
+            h = normalized_entropy(logits) if isinstance(logits, torch.Tensor) else 0.0
             self.ema = h if self.ema is None or self.beta == 0 else self.beta * self.ema + (1 - self.beta) * h
             self.h_norm = self.ema
             self.step_gamma = min(self.gamma_max, max(self.gamma_min, round((1 - self.ema) * self.gamma_max)))

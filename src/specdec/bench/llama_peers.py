@@ -3,8 +3,10 @@ llama-cpp-python's own `Llama` API on the very GGUF files our models come from.
 
 `llama-cpp`: `Llama.generate`, one token per pass (ggml's repacked kernels, its defaults).
 `llama-cpp-spec`: `Llama(draft_model=...)`, llama-cpp-python's speculative loop (it evaluates the
-pending token plus the draft in one batch and keeps the prefix its sampler agrees with). The
-package ships only a prompt-lookup draft model, so the drafter model is wrapped here the way
+pending token plus the draft in one batch and keeps the prefix its sampler agrees with).
+`llama-cpp-lookup`: the same loop with the package's own prompt-lookup draft model
+(`LlamaPromptLookupDecoding`, its defaults: 2-token n-grams, 10 tokens copied).
+The package ships no model drafter, so the drafter model is wrapped here the way
 llama.cpp's own speculative example drafts: greedy, at most 16 tokens, stopping below a top
 probability of 0.75 (`common_params_speculative`'s defaults). That loop keeps logits for every
 position (`logits_all`), prompt included, as llama-cpp-python requires for speculation; it is
@@ -69,27 +71,34 @@ class _GreedyDrafter:
 
 
 class LlamaPeers:
-    """llama.cpp's plain and speculative decoding for a target (and drafter) GGUF."""
+    """llama.cpp's plain and speculative decoding for a target (and drafter) GGUF. drafter: the
+    drafter model of `llama-cpp-spec` (None: no such method); lookup: whether `llama-cpp-lookup`
+    runs. The speculative methods share one `Llama` that keeps every position's logits."""
 
-    def __init__(self, target: str, drafter: str | None, threads: int | None = None):
+    def __init__(self, target: str, drafter: str | None, threads: int | None = None, lookup: bool = False):
         llama_cpp = import_llama_cpp()
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
         threads = threads or default_threads()
         common = dict(n_ctx=CONTEXT, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
         self.paths = {"target": str(gguf_path(target))}
         self.plain = llama_cpp.Llama(model_path=self.paths["target"], **common)
-        self.spec = None
+        self.drafts = {"llama-cpp-lookup": LlamaPromptLookupDecoding()} if lookup else {}
         if drafter is not None:
             self.paths["drafter"] = str(gguf_path(drafter))
-            draft_llm = llama_cpp.Llama(model_path=self.paths["drafter"], **common)
-            self.spec = llama_cpp.Llama(model_path=self.paths["target"], draft_model=_GreedyDrafter(draft_llm),
-                                        logits_all=True, **common)
+            self.drafts["llama-cpp-spec"] = _GreedyDrafter(llama_cpp.Llama(model_path=self.paths["drafter"], **common))
+        self.spec = llama_cpp.Llama(model_path=self.paths["target"], logits_all=True, **common) if self.drafts else None
 
     def generate(self, method: str, ids: list[int], max_new_tokens: int, sampler: Sampler,
                  eos_token_ids: list[int], seed: int | None) -> tuple[list[int], float, float | None]:
         """(tokens, wall seconds, seconds to the first token) for `method` on prompt `ids`."""
-        llm = self.plain if method == "llama-cpp" else self.spec
-        if llm is None:
-            raise SpecdecError("llama-cpp-spec needs a drafter model")
+        if method == "llama-cpp":
+            llm = self.plain
+        elif method in self.drafts:
+            llm = self.spec
+            llm.draft_model = self.drafts[method]
+        else:
+            raise SpecdecError(f"{method} was not loaded (llama-cpp-spec needs a drafter model)")
         if len(ids) + max_new_tokens > CONTEXT:
             raise SpecdecError(f"{method}: a {len(ids)}-token prompt and {max_new_tokens} new tokens exceed "
                                f"its context of {CONTEXT}")

@@ -14,7 +14,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
-from ..drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+from ..drafters import LookupDrafter, NgramDrafter, SuffixDrafter, make_tree_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.layerskip import self_skip_drafter
 from ..drafters.medusa import MedusaDrafter
@@ -35,6 +35,7 @@ METHODS = {
     "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
     "ngram": "ours: NASD n-gram drafter built online, fixed γ",
     "lookup": "ours: prompt lookup drafter, fixed γ",
+    "suffix": "ours: suffix drafting (SuffixDecoding) over the prompt and output, cost-aware on model-free costs",
     "tree-sides": "ours: token tree, drafter chain plus side leaves, sized by measured cost",
     "tree-eagle2": "ours: token tree, EAGLE-2 dynamic tree with the drafter model",
     "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
@@ -56,6 +57,7 @@ METHODS = {
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
     "llama-cpp": "llama.cpp (llama-cpp-python) plain decoding on the target's GGUF",
     "llama-cpp-spec": "llama.cpp (llama-cpp-python) speculative decoding, drafter GGUF, greedy drafts ≤ 16, p_min 0.75",
+    "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
@@ -100,6 +102,7 @@ class Settings:
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
+    free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
 
@@ -210,11 +213,14 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                                  settings.tree_scheme, assumed=_assumed(method, settings))
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
-        drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter()}
+        drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),
+                    "suffix": lambda: SuffixDrafter()}
         schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
+        costs = {"sd-cost": settings.pass_costs, "suffix": settings.free_costs}.get(method)
+        if method == "suffix":
+            schedule_name = "cost"
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
-                                 settings.egag_beta, settings.confidence,
-                                 settings.pass_costs if method == "sd-cost" else None, _assumed(method, settings))
+                                 settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
                                       schedule=schedule, **common)
     s = result.stats

@@ -180,7 +180,8 @@ def load_peers(methods: list[str], target: str, drafter: str, target_model, draf
         from .llama_peers import LlamaPeers
 
         say("llama.cpp's peers: loading the GGUF files into llama-cpp-python")
-        peers.llama = LlamaPeers(target, drafter if "llama-cpp-spec" in methods else None)
+        peers.llama = LlamaPeers(target, drafter if "llama-cpp-spec" in methods else None,
+                                 lookup="llama-cpp-lookup" in methods)
     return peers
 
 
@@ -274,6 +275,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
         costs = settings.pass_costs
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
+    if "suffix" in methods:
+        settings.free_costs = pass_costs(target_model, None, say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:
@@ -324,7 +327,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "samples": samples,
-            "settings": {k: v for k, v in vars(settings).items() if k not in ("pass_costs", "assumed")},
+            "settings": {k: v for k, v in vars(settings).items() if k not in ("pass_costs", "free_costs", "assumed")},
             "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
             "assumed_costs": settings.assumed.to_dict() if settings.assumed else None,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,

@@ -19,10 +19,11 @@ from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .suffix import SuffixCache, SuffixDrafter, SuffixIndex
 from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter
 
 __all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
-           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "TREES",
+           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex", "TREES",
            "check_tree_options", "make_tree_drafter"]
 
 

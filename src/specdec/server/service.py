@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..samplers import Sampler
 from .schema import BadRequest, Job, Speculation
+
+
+MODEL_FREE = ("lookup", "suffix")  # methods that draft without a model: their costs are the target's alone
 
 
 @dataclass
@@ -32,16 +36,20 @@ class Service:
     model-free drafter), measured once at start, for the cost-aware schedule.
     assumed: costs taken as given instead of timed (`schedules.AssumedCosts`): drafts and trees
     sized as on a machine with those costs, the same on every run (tests).
+    suffix_cache_tokens: the most tokens of earlier outputs the `suffix` method drafts from
+    (`SuffixCache`, shared by all requests; 0: none, each request drafts from its own text).
     """
 
     def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
-                 limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None):
+                 limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None,
+                 suffix_cache_tokens: int = 100_000):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
         if self.default.method in ("default", "chain", "tree") and drafter is None:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
+        self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self._token_texts: dict[int, str] = {}
 
     def token_text(self, token: int) -> str:
@@ -110,7 +118,7 @@ class Service:
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
                  seed: int | None) -> Request:
-        from ..drafters import LookupDrafter, make_tree_drafter
+        from ..drafters import LookupDrafter, SuffixDrafter, make_tree_drafter
         from ..schedules import make_schedule
 
         method = speculation.method
@@ -120,7 +128,7 @@ class Service:
         gamma = speculation.gamma_max or self.default.gamma_max or 20
         if method in ("default", "chain", "tree") and self.drafter is None:
             raise BadRequest(f"speculative.method {method!r} needs a drafter model, and this server has none; "
-                             "use lookup or false", "speculative.method")
+                             "use lookup, suffix or false", "speculative.method")
         if method == "tree":
             nodes = speculation.tree_nodes or self.default.tree_nodes or 64
             return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
@@ -128,8 +136,9 @@ class Service:
                            schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
         # a seed under sampling pins the output: its draft lengths must not come from timings
         pinned = seed is not None and not sampler.is_greedy
-        costs = None if pinned else (self.lookup_costs if method == "lookup" else self.costs)
-        return Request(prompt_ids, LookupDrafter if method == "lookup" else self.drafter, **common,
+        costs = None if pinned else (self.lookup_costs if method in MODEL_FREE else self.costs)
+        drafter = {"lookup": LookupDrafter, "suffix": lambda: SuffixDrafter(self.suffix_cache)}.get(method, self.drafter)
+        return Request(prompt_ids, drafter, **common,
                        schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs,
                                                       assumed=self.assumed))
 

@@ -1,0 +1,140 @@
+"""Suffix drafting (drafters/suffix.py): the index's counts against a brute-force scan, the shared
+cache's eviction, what the drafter proposes and how it calibrates. Greedy identity and the sampled
+law run with every drafter in test_drafters.py and test_sampling_exactness.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec import GREEDY, SpecdecError, autoregressive_generate, speculative_generate
+from specdec.drafters import SuffixCache, SuffixDrafter, SuffixIndex
+from specdec.drafters.suffix import best_path
+from specdec.schedules import make_schedule
+
+from conftest import tiny_model
+
+
+def brute_counts(sequences: list[list[int]], context: list[int], length: int) -> dict[int, int]:
+    """What followed each occurrence of context's last `length` tokens, by a scan of every sequence
+    (the context's own end, which nothing follows yet, included: it adds nothing)."""
+    key, counts = context[len(context) - length:], {}
+    for seq in sequences:
+        for i in range(len(seq) - length):
+            if seq[i:i + length] == key:
+                counts[seq[i + length]] = counts.get(seq[i + length], 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_index_counts_what_followed_every_suffix_as_a_scan_does(seed):
+    rng = random.Random(seed)
+    sequences = [[rng.randrange(3) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
+    index = SuffixIndex(depth=6, window=1000)
+    for seq in sequences[:-1]:
+        index.add(seq)
+    for start in range(0, len(sequences[-1]), 5):  # the last sequence fed piece by piece, still open
+        index.extend(sequences[-1][start:start + 5])
+    for context in [sequences[-1]] + [[rng.randrange(3) for _ in range(8)] for _ in range(10)]:
+        for length in range(1, 7):
+            if length <= len(context):
+                assert index.counts(context, length) == brute_counts(sequences, context, length), (context, length)
+
+
+def test_matches_stop_at_the_depth_and_at_sequence_bounds():
+    index = SuffixIndex(depth=3)
+    index.add([1, 2, 3, 4, 5])
+    index.extend([9, 3, 4])
+    assert index.occurrences([2, 3, 4]) == [(4, 3)]  # the open sequence's own 4 is followed by nothing yet
+    assert index.occurrences([0, 1, 2, 3, 4]) == [(4, 3)]  # depth 3
+    index.close()
+    index.extend([4])
+    assert index.occurrences([7, 4]) == [(4, 1)]  # the second 4 ended its sequence: nothing followed it
+
+
+def test_the_oldest_sequences_are_dropped_beyond_max_tokens():
+    index = SuffixIndex(depth=4, max_tokens=10)
+    index.add([1, 2, 3])
+    index.add([4, 5, 6])
+    index.add([7, 8, 1, 2, 9])  # 4 + 4 + 6 held > 10: [1, 2, 3] goes
+    assert index.held == 10 and index.counts([1, 2], 2) == {9: 1}
+    index.add([0, 0, 0])  # and then [4, 5, 6]
+    assert index.held == 10 and index.counts([4], 1) == {} and index.counts([1, 2], 2) == {9: 1}
+    index.add([5])  # [7, 8, 1, 2, 9] goes: the dropped part now outweighs the rest and is compacted away
+    assert index.tokens == [0, 0, 0, -1, 5, -1] and index.floor == 0
+    assert index.counts([0], 1) == {0: 2} and index.counts([1, 2], 2) == {}
+
+
+def test_best_path_follows_the_most_frequent_token_while_the_product_of_ratios_holds():
+    index = SuffixIndex(depth=6)
+    for tail in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 7], [1, 5, 6, 0]):
+        index.add(tail)
+    starts = [q for q, _ in index.occurrences([1])]
+    tokens, ratios = best_path(index.tokens, starts, max_tokens=5, min_prob=0.1)
+    assert tokens == [2, 3, 4] and ratios == pytest.approx([3 / 4, 1.0, 2 / 3])  # then the separator: done
+    tokens, _ = best_path(index.tokens, starts, max_tokens=5, min_prob=0.6)  # 3/4 · 1 · 2/3 = 0.5 < 0.6
+    assert tokens == [2, 3]
+    assert best_path(index.tokens, starts, max_tokens=1, min_prob=0.1)[0] == [2]
+def test_the_drafter_copies_repeated_text_and_only_committed_tokens_are_counted():
+    drafter = SuffixDrafter(depth=8)
+    context = [5, 6, 7, 8, 9, 10, 1, 2, 5, 6, 7]
+    drafter.start(context[:4])
+    draft = drafter.propose(context, 10, GREEDY, torch.Generator(), lambda n, chance: True)
+    assert draft.tokens == [8, 9, 10] and draft.probs is None  # factor 1: at most the match's 3 tokens
+    drafter.rollback(len(context) + 1)  # the target kept 8, rejected 9
+    assert drafter.index.tokens == context  # the draft was not indexed: only committed tokens are
+    by_length = drafter.calibration[1]  # matches of 2-3 tokens
+    assert by_length.tries == 2 and by_length.hits == 1  # 8 tried and kept, 9 tried and rejected
+
+
+def test_the_draft_length_rule_sees_each_tokens_calibrated_chance():
+    drafter = SuffixDrafter(depth=8)
+    context = [5, 6, 7, 8, 9, 10, 11, 1, 5, 6, 7, 8]
+    drafter.start(context)
+    seen = []
+    draft = drafter.propose(context, 10, GREEDY, torch.Generator(), lambda n, chance: seen.append(chance) or n < 2)
+    assert draft.tokens == [9, 10] and seen == [1.0, 1.0]  # uncalibrated: the count ratio itself
+    for _ in range(30):  # drafts after 4-token matches keep failing at their first token
+        drafter.calibration[2].record(1.0, False)
+    assert drafter.chance(1.0, 4) == pytest.approx(4 / 34) and drafter.chance(1.0, 3) == 1.0
+    schedule = make_schedule("cost", gamma_max=10)
+    schedule.reset()
+    draft = drafter.propose(context, 10, GREEDY, torch.Generator(), schedule.keep_going)
+    assert draft.tokens == [9]  # the cost rule stopped after the first token's low chance
+
+
+def test_finished_outputs_feed_the_shared_cache_which_keeps_a_bounded_number_of_tokens():
+    cache = SuffixCache(max_tokens=12, depth=6)
+    first = SuffixDrafter(cache, depth=6)
+    first.start([1, 2])
+    first.finish([1, 2, 30, 31, 32, 33, 34])
+    assert cache.index.tokens == [30, 31, 32, 33, 34, -1]  # the output alone, not the prompt
+    second = SuffixDrafter(cache, depth=6)
+    second.start([9, 30, 31])
+    draft = second.propose([9, 30, 31], 10, GREEDY, torch.Generator(), lambda n, chance: True)
+    assert draft.tokens == [32, 33]  # from the earlier output; this request's own text has no match
+    cache.add(list(range(40, 48)))  # 6 + 9 tokens held > 12: the oldest output goes
+    assert cache.index.held == 9 and cache.index.counts([30], 1) == {}
+
+
+def test_greedy_identical_with_ar_and_a_cache_shared_across_generations():
+    target = tiny_model(0, vocab=32, layers=2, name="tiny-target")
+    cache = SuffixCache(depth=16)
+    prompts = [[3, 7, 9, 3, 7, 11], [3, 7, 9, 3, 7, 11], [5, 5, 6, 5, 5]]
+    drafted = 0
+    for prompt in prompts:
+        ar = autoregressive_generate(prompt, target, max_new_tokens=40, eos_token_ids=[])
+        sd = speculative_generate(prompt, target, SuffixDrafter(cache, depth=16), max_new_tokens=40,
+                                  eos_token_ids=[], schedule=make_schedule("cost", gamma_max=8))
+        assert sd.tokens == ar.tokens
+        drafted += sd.stats.drafted
+    assert drafted > 0 and len(cache.index.starts) == 3
+
+
+@pytest.mark.parametrize("bad", [dict(min_prob=0), dict(min_prob=1.5), dict(factor=0), dict(min_match=0),
+                                 dict(depth=0), dict(depth="4")])
+def test_bad_settings_are_refused_clearly(bad):
+    with pytest.raises(SpecdecError, match="suffix"):
+        SuffixDrafter(**bad)
