@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -74,6 +74,12 @@ bench-gguf: peers
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
 		--methods ar,sd-cost,llama-cpp,llama-cpp-spec --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/llama-2.md --json docs/benchmarks/llama-2.json --plot docs/benchmarks/llama-2.png
+
+# model-free drafters on the GGUF weights against llama.cpp's plain decoding and its prompt lookup (~25 min)
+bench-free: peers
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
+		--methods ar,lookup,suffix,llama-cpp,llama-cpp-lookup --max-new-tokens 128 \
+		--markdown docs/benchmarks/free-drafts.md --json docs/benchmarks/free-drafts.json --plot docs/benchmarks/free-drafts.png
 
 # draft-length schedules on the model drafter, and the three drafters at the same fixed γ, greedy
 # (so every output is also checked token for token against AR; ~100 min)

@@ -95,14 +95,17 @@ def test_the_draft_length_rule_sees_each_tokens_calibrated_chance():
     drafter.start(context)
     seen = []
     draft = drafter.propose(context, 10, GREEDY, torch.Generator(), lambda n, chance: seen.append(chance) or n < 2)
-    assert draft.tokens == [9, 10] and seen == [1.0, 1.0]  # uncalibrated: the count ratio itself
+    assert draft.tokens == [9, 10] and seen == [1.0, 1.0, 1.0]  # asked before the first token too; unscaled ratios
     for _ in range(30):  # drafts after 4-token matches keep failing at their first token
         drafter.calibration[2].record(1.0, False)
     assert drafter.chance(1.0, 4) == pytest.approx(4 / 34) and drafter.chance(1.0, 3) == 1.0
     schedule = make_schedule("cost", gamma_max=10)
     schedule.reset()
+    assert schedule.keep_going(0, 0.6) and not schedule.keep_going(0, 0.4)  # against its starting θ of 0.5
     draft = drafter.propose(context, 10, GREEDY, torch.Generator(), schedule.keep_going)
-    assert draft.tokens == [9]  # the cost rule stopped after the first token's low chance
+    assert draft.tokens == []  # the first token alone would not pay for its row
+    drafter.calibration[2].reset()
+    assert drafter.propose(context, 10, GREEDY, torch.Generator(), schedule.keep_going).tokens == [9, 10, 11, 1]
 
 
 def test_finished_outputs_feed_the_shared_cache_which_keeps_a_bounded_number_of_tokens():

@@ -366,7 +366,9 @@ class CostAware(Schedule):
             rate, per_pass, slope, _ = costs
             self.threshold, self.measured = min(0.99, rate * (per_pass + slope)), costs
 
-    def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
+    def keep_going(self, drafted: int, logits: torch.Tensor | float | None) -> bool:
+        if drafted == 0:  # before the first token: it alone must pay for its row
+            return logits is None or top_probability(logits) >= self.threshold
         if drafted == 1:
             self.survival = 1.0
         if logits is not None:

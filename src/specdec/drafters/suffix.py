@@ -269,6 +269,8 @@ class SuffixDrafter:
         self.index.extend(context[self._fed:])
         self._fed = len(context)
         tokens, ratios, match = self.candidates(context, max_tokens)
+        if tokens and not keep_going(0, self.chance(ratios[0], match)):
+            tokens, ratios = [], []
         for i in range(1, len(tokens)):
             if not keep_going(i, self.chance(ratios[i - 1], match)):
                 tokens, ratios = tokens[:i], ratios[:i]
