@@ -77,3 +77,14 @@ def test_a_cost_schedule_told_that_drafting_cannot_pay_drafts_nothing():
     worth = CostAware(20, pass_costs=PassCosts(BF16, 0.0368))
     sd = speculative_generate([1, 2], target, drafter, schedule=worth, max_new_tokens=20, eos_token_ids=[])
     assert sd.tokens == ar.tokens and sd.stats.drafted > 0
+
+
+def test_a_model_free_drafters_threshold_starts_at_the_profiles_price_of_a_row():
+    """Suffix drafting drafts now and then, so its widths may never vary enough to measure the
+    slope: the cost rule starts from the profile's (t(2) - t(1)) / t(1), not the 0.5 guess; a
+    model drafter's start is unchanged (its widths vary from the first steps)."""
+    free = CostAware(20, pass_costs=PassCosts(GGUF, 0.0))
+    assert free.threshold == pytest.approx((0.0567 - 0.0326) / 0.0326)
+    assert not free.keep_going(0, 0.7) and free.keep_going(0, 0.8)
+    assert CostAware(20, pass_costs=PassCosts(GGUF, 0.0187)).threshold == 0.5
+    assert CostAware(20).threshold == 0.5

@@ -316,7 +316,8 @@ class CostAware(Schedule):
     def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
                  decay: float = 0.9, pass_costs=None, assumed: AssumedCosts | None = None):
         """pass_costs: a `passcost.PassCosts` profile of this target and drafter on this machine, or
-        None. Where it shows that no draft would beat plain decoding by 10% even if accepted in full
+        None. For a model-free drafter θ starts at its price of one more row, (t(2) − t(1)) / t(1).
+        Where it shows that no draft would beat plain decoding by 10% even if accepted in full
         (`never_pays`), the schedule drafts nothing at all, so neither the drafting steps it would
         learn from nor the drafter's prompt pass are paid. (Keep it None under sampling with a seed: a profile
         is a timing, and a seed pins the output only where no timing steers the draft lengths.)
@@ -329,6 +330,12 @@ class CostAware(Schedule):
             raise SpecdecError(f"decay must be in (0, 1], got {decay!r}")
         super().__init__(gamma_max)
         self.prior, self.warmup, self.probe, self.decay = threshold, warmup, probe, decay
+        if pass_costs is not None and pass_costs.drafter == 0 and 2 in pass_costs.target and assumed is None:
+            # a model-free drafter drafts now and then, so its widths may never vary enough to
+            # fit the slope: θ starts at what the profile says one more row costs, R·t_v with R
+            # plain decoding's rate, instead of staying at the guess
+            one, two = pass_costs.target[1], pass_costs.target[2]
+            self.prior = min(0.99, max(0.01, (two - one) / one))
         self.pass_costs, self.assumed = pass_costs, assumed
         self.never_pays = pass_costs is not None and pass_costs.never_pays() and assumed is None
         self.reset()
