@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from specdec import GREEDY, SpecdecError, autoregressive_generate, speculative_generate
+from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, speculative_generate
 from specdec.drafters import SuffixCache, SuffixDrafter, SuffixIndex
 from specdec.drafters.suffix import best_path
 from specdec.schedules import make_schedule
@@ -134,6 +134,25 @@ def test_greedy_identical_with_ar_and_a_cache_shared_across_generations():
         assert sd.tokens == ar.tokens
         drafted += sd.stats.drafted
     assert drafted > 0 and len(cache.index.starts) == 3
+
+
+def test_a_seeded_sampled_generation_does_not_draft_from_other_generations():
+    """Under a seed, draft lengths decide which random draws a sampled generation uses, so its
+    output must not hang on what earlier generations left in the cache."""
+    target = tiny_model(0, vocab=32, layers=2, name="tiny-target")
+    prompt, sampler = [3, 7, 9, 3, 7, 11], Sampler(1.0)
+    outputs = []
+    for earlier in ([], [[7, 11, 2, 5, 8, 1] * 4, list(range(32)) * 2]):
+        cache = SuffixCache(depth=16)
+        for output in earlier:
+            cache.add(output)
+        outputs.append(speculative_generate(prompt, target, SuffixDrafter(cache, depth=16), sampler=sampler, seed=5,
+                                            max_new_tokens=30, eos_token_ids=[]).tokens)
+    assert outputs[0] == outputs[1]
+    assert len(cache.index.starts) == 3  # its own output joined the cache all the same
+    unseeded = SuffixDrafter(cache, depth=16)
+    unseeded.start(prompt)
+    assert unseeded.shared and unseeded.candidates([2, 5, 8], 5)[0] == [1, 7, 11]  # unpinned: the cache counts
 
 
 @pytest.mark.parametrize("bad", [dict(min_prob=0), dict(min_prob=1.5), dict(factor=0), dict(min_match=0),

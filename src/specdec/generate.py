@@ -277,6 +277,8 @@ class Decoding:
         reserve_cache(self.cache, reserve)
         if self.drafter is not None:
             self.drafter.start(self.sequence)
+            if self.pinned and hasattr(self.drafter, "pin"):
+                self.drafter.pin()  # drafts that hang on other generations would change a seeded output
             reserve_cache(getattr(self.drafter, "cache", None), reserve)  # a drafter model's
             self.schedule.reset()
         self.out.start_clock()

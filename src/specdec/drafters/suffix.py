@@ -231,12 +231,19 @@ class SuffixDrafter:
         pass
 
     def start(self, prompt: Sequence[int]) -> None:
+        self.shared = self.cache is not None  # whether this generation drafts from earlier outputs
         self.index = SuffixIndex(self.depth)
         self._fed = 0
         self._prompt = len(prompt)
         self._last: tuple[int, list[float], int] | None = None  # the last proposal: context length, ratios, match
         for calibration in self.calibration:
             calibration.reset()
+
+    def pin(self) -> None:
+        """This generation's drafts must not hang on other generations (a seed pins its sampled
+        output, and draft lengths decide which random draws it uses): it drafts from its own
+        text alone, though its output still joins the cache."""
+        self.shared = False
 
     def finish(self, sequence: Sequence[int]) -> None:
         """The generation ended with `sequence` (prompt + output): its output joins the shared cache."""
@@ -252,7 +259,7 @@ class SuffixDrafter:
         """The best-scoring draft over match lengths and indexes -> (tokens, count ratios, match
         length); ([], [], 0) if no suffix of the context occurred before."""
         best, best_score = ([], [], 0), 0.0
-        for index in [self.index] + ([self.cache.index] if self.cache is not None else []):
+        for index in [self.index] + ([self.cache.index] if self.shared else []):
             found = index.occurrences(context)
             for length in sorted({matched for _, matched in found if matched >= self.min_match}, reverse=True):
                 cap = min(max_tokens, max(1, int(self.factor * length)))
