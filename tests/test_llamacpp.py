@@ -159,14 +159,23 @@ def test_llama_cpp_peers_in_a_bench_run(tmp_path):
     from specdec.bench.run import run_benchmark
     from specdec.bench.methods import Settings
 
+    from specdec.cli import _tokenizer
+    from specdec.datastore import build_from_corpus
+
     _installed_or_skip("smollm2-135m")
-    result = run_benchmark(["humaneval:1:0+1"], None, ["ar", "sd", "suffix", "llama-cpp", "llama-cpp-spec",
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+                      "    for idx, elem in enumerate(numbers):\n        for idx2, elem2 in enumerate(numbers):\n")
+    tokenizer = _tokenizer("smollm2-135m")
+    build_from_corpus(str(corpus), tokenizer, len(tokenizer), tmp_path / "ds")
+    result = run_benchmark(["humaneval:1:0+1"], None, ["ar", "sd", "suffix", "retrieval", "llama-cpp", "llama-cpp-spec",
                                                        "llama-cpp-lookup"], "smollm2-135m",
-                           "smollm2-135m", Settings(max_new_tokens=16, gamma=3), dtype="gguf", drafter_dtype="gguf",
-                           json_path=str(tmp_path / "bench.json"))
+                           "smollm2-135m", Settings(max_new_tokens=16, gamma=3, datastore=str(tmp_path / "ds")),
+                           dtype="gguf", drafter_dtype="gguf", json_path=str(tmp_path / "bench.json"))
     summary = result["summary"]
     assert result["info"]["target_dtype"] == "gguf" and result["info"]["llama_cpp"]
-    assert summary["sd"]["identical_to_ar"] == summary["suffix"]["identical_to_ar"] == 1  # ours: exact
+    for ours in ("sd", "suffix", "retrieval"):  # exact on the same backend
+        assert summary[ours]["identical_to_ar"] == 1
     for method in ("llama-cpp", "llama-cpp-spec", "llama-cpp-lookup"):
         records = [r for r in result["records"] if r["method"] == method]
         assert len(records) == 2 and all(0 < r["new_tokens"] <= 16 for r in records)

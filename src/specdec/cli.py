@@ -115,7 +115,19 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
                    "multi-row kernels).")
 
 
-MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix")
+MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval")
+
+
+def open_datastore(drafter: str):
+    """The datastore a `retrieval:DIR` drafter names (opened before any model loads), else None."""
+    if drafter == "retrieval":
+        raise SpecdecError("the retrieval drafter needs a datastore: --drafter retrieval:DIR (build one with "
+                           "`specdec datastore build`)")
+    if not drafter.startswith("retrieval:"):
+        return None
+    from .datastore import Datastore
+
+    return Datastore(drafter.removeprefix("retrieval:"))
 
 
 def self_drafter_spec(spec: str):
@@ -180,8 +192,9 @@ def generate(
                                             "sequences' KV caches (e.g. 2GiB, 512MiB); prompts beyond it wait."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
-                                "or 'ngram' (NASD, built online), 'lookup' (prompt lookup) or 'suffix' (suffix "
-                                "drafting; with --prompts over earlier outputs too), which need no model; "
+                                "or 'ngram' (NASD, built online), 'lookup' (prompt lookup), 'suffix' (suffix "
+                                "drafting; with --prompts over earlier outputs too) or 'retrieval:DIR' (a "
+                                "datastore, `specdec datastore build`), which need no model; "
                                 "or the target drafting for itself: 'medusa:DIR' or 'eagle:DIR' (from `specdec "
                                 "train-heads`; token trees) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
     method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
@@ -228,6 +241,9 @@ def generate(
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
+        datastore = open_datastore(drafter)
+        if datastore is not None:
+            drafter = "retrieval"
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         if gamma < 1:
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
@@ -279,6 +295,8 @@ def generate(
                 elif drafter == "suffix":
                     shared = SuffixCache()  # the outputs of earlier prompts, as SuffixDecoding's global tree
                     make_drafter = lambda: SuffixDrafter(shared)  # noqa: E731
+                elif drafter == "retrieval":
+                    make_drafter = lambda: SuffixDrafter(datastore=datastore)  # noqa: E731
                 else:
                     make_drafter = drafter_model
                 seeded_plan = plan  # a seed under sampling pins the output: no measured costs (as alone)
@@ -305,6 +323,8 @@ def generate(
                 drafter_used = LookupDrafter()
             elif drafter == "suffix":
                 drafter_used = SuffixDrafter()
+            elif drafter == "retrieval":
+                drafter_used = SuffixDrafter(datastore=datastore)
             else:
                 drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
                                      vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
@@ -616,7 +636,7 @@ def bench(
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
-                                "ngram, lookup, suffix, tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
+                                "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
                                 "medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec, "
@@ -657,6 +677,8 @@ def bench(
                                     "sizing) assumes: scoring 16 drafted tokens costs this many one-token passes."),
     heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
     eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
+    datastore: Optional[str] = typer.Option(None, "--datastore", help="A datastore folder (the retrieval method; "
+                                            "`specdec datastore build`)."),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
                                               "method skips (default: chosen by its search at start)."),
 ):
@@ -677,7 +699,7 @@ def bench(
             raise SpecdecError(f"--flat-at16 must be >= 1 (a wide pass costs at least a 1-token one), got {flat_at16}")
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
-                            tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle,
+                            tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
                             skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
         if concurrency is not None:
             from .bench.concurrency import check_levels, check_load_methods, run_load_benchmark
@@ -801,6 +823,63 @@ def theory(
                   "on CPUs it costs more (docs/kernels.md)[/]")
     except SpecdecError as exc:
         _fail(str(exc))
+
+
+datastore_app = typer.Typer(no_args_is_help=True, help="Retrieval datastores (REST) for --drafter retrieval:DIR.")
+app.add_typer(datastore_app, name="datastore")
+
+
+@datastore_app.command("build")
+def datastore_build(
+    corpus: str = typer.Option(..., "--corpus", help="python-stdlib (this Python's standard library, whole "
+                               "files), or a text file."),
+    out: Path = typer.Option(..., "--out", help="Folder to write (tokens.npy, suffixes.npy, meta.json)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="The target whose tokenizer the datastore is for "
+                               "(registry name or Hugging Face directory)."),
+):
+    """Tokenize a corpus and write its suffix array: the datastore `--drafter retrieval:DIR` drafts from."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .datastore import CORPORA, build_from_corpus, corpus_documents
+
+    try:
+        if corpus not in CORPORA:
+            corpus_documents(corpus)  # a missing or empty file fails before the tokenizer loads
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise SpecdecError(f"--out {out} exists and is not an empty folder; name a new one")
+        tokenizer = _tokenizer(target)
+        began = time.perf_counter()
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=err) as progress:
+            task = progress.add_task("tokenizing", total=None)
+
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total,
+                                description="tokenizing" if done < total else "sorting suffixes")
+
+            meta = build_from_corpus(corpus, tokenizer, len(tokenizer), out, advance)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    size = sum(f.stat().st_size for f in out.iterdir())
+    err.print(f"wrote {out}: {meta['tokens']:,} tokens from {meta['documents']} documents ({meta['corpus']}), "
+              f"{size / 2**20:.0f} MiB, in {time.perf_counter() - began:.0f} s", highlight=False)
+
+
+def _tokenizer(target: str):
+    """A registry model's or a Hugging Face directory's tokenizer (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    path = Path(target).expanduser()
+    if target in registry.MODELS:
+        path = registry.require_installed(target)
+    elif not path.is_dir():
+        raise SpecdecError(f"--target must be a registry model or a Hugging Face directory, not {target}")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises its own types for folders without a tokenizer
+        raise SpecdecError(f"could not load the tokenizer of {target}: {exc}") from None
 
 
 @app.command("forward-cost")

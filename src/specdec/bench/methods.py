@@ -36,6 +36,7 @@ METHODS = {
     "ngram": "ours: NASD n-gram drafter built online, fixed γ",
     "lookup": "ours: prompt lookup drafter, fixed γ",
     "suffix": "ours: suffix drafting (SuffixDecoding) over the prompt and output, cost-aware on model-free costs",
+    "retrieval": "ours: suffix drafting over a retrieval datastore (REST; --datastore DIR) and the prompt and output",
     "tree-sides": "ours: token tree, drafter chain plus side leaves, sized by measured cost",
     "tree-eagle2": "ours: token tree, EAGLE-2 dynamic tree with the drafter model",
     "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
@@ -100,6 +101,7 @@ class Settings:
     tree_scheme: str = "without-replacement"
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
+    datastore: str | None = None  # a retrieval datastore's folder (the retrieval method)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
@@ -214,10 +216,12 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),
-                    "suffix": lambda: SuffixDrafter()}
+                    "suffix": lambda: SuffixDrafter(),
+                    "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
         schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
-        costs = {"sd-cost": settings.pass_costs, "suffix": settings.free_costs}.get(method)
-        if method == "suffix":
+        costs = {"sd-cost": settings.pass_costs, "suffix": settings.free_costs,
+                 "retrieval": settings.free_costs}.get(method)
+        if method in ("suffix", "retrieval"):
             schedule_name = "cost"
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
@@ -228,6 +232,20 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
                   widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step)
+
+
+_DATASTORES: dict[str, object] = {}  # by folder: opened once a run
+
+
+def open_datastore(settings: Settings):
+    """The retrieval method's datastore (`Settings.datastore`), opened once."""
+    from ..datastore import Datastore
+
+    if not settings.datastore:
+        raise SpecdecError("the retrieval method needs a datastore: --datastore DIR (`specdec datastore build`)")
+    if settings.datastore not in _DATASTORES:
+        _DATASTORES[settings.datastore] = Datastore(settings.datastore)
+    return _DATASTORES[settings.datastore]
 
 
 def _assumed(method: str, settings: Settings) -> AssumedCosts | None:

@@ -27,7 +27,7 @@ from ..schedules import AssumedCosts
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
-                      merge_samples, run_method, self_drafting)
+                      merge_samples, open_datastore, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
@@ -253,6 +253,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     def say(msg: str) -> None:
         console.print(f"[dim]{msg}[/]", highlight=False)
 
+    if "retrieval" in methods:
+        open_datastore(settings)  # a missing or damaged datastore fails before minutes of loading
     kinds = {checkpoint_kind(m) for m in methods} - {None}
     for kind in sorted(kinds):  # a missing or damaged checkpoint fails before minutes of loading
         self_drafting(settings, kind)
@@ -275,7 +277,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
         costs = settings.pass_costs
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
-    if "suffix" in methods:
+    if "suffix" in methods or "retrieval" in methods:
         settings.free_costs = pass_costs(target_model, None, say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]

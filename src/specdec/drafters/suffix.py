@@ -152,6 +152,7 @@ def best_path(tokens: Sequence[int], starts: Sequence[int], max_tokens: int,
         if not following:
             break
         token, count = following.most_common(1)[0]
+        token = int(token)  # a datastore's tokens are numpy scalars
         ratio = count / sum(following.values())
         if survival * ratio < min_prob:
             break
@@ -205,7 +206,9 @@ def _length_bin(length: int) -> int:
 
 class SuffixDrafter:
     """SuffixDecoding's chain drafter over this request's prompt and output, and over a shared
-    `SuffixCache` of earlier outputs (optional; `generate --prompts` and the server share one).
+    `SuffixCache` of earlier outputs (optional; `generate --prompts` and the server share one),
+    and over a retrieval datastore (optional: `datastore.Datastore`, REST's corpus; with it
+    alone as the extra index the drafter is `retrieval`).
 
     depth: the longest suffix matched; min_prob: stop once the draft's product of count ratios
     falls below it (SuffixDecoding's 0.1); factor: at most factor × match length tokens (its
@@ -213,7 +216,7 @@ class SuffixDrafter:
     """
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = 24, min_prob: float = 0.1,
-                 factor: float = 1.0, min_match: int = 1):
+                 factor: float = 1.0, min_match: int = 1, datastore=None):
         if not (isinstance(min_prob, (int, float)) and 0 < min_prob <= 1):
             raise SpecdecError(f"suffix drafting needs 0 < min_prob <= 1, got {min_prob!r}")
         if not (isinstance(factor, (int, float)) and factor > 0):
@@ -222,13 +225,15 @@ class SuffixDrafter:
             raise SpecdecError(f"suffix drafting needs min_match >= 1, got {min_match!r}")
         SuffixIndex(depth)  # checks depth
         self.cache, self.depth, self.min_prob, self.factor, self.min_match = cache, depth, min_prob, factor, min_match
-        self.name = "suffix" + ("+cache" if cache is not None else "")
+        self.datastore = datastore
+        self.name = ("retrieval" if datastore is not None else "suffix") + ("+cache" if cache is not None else "")
         self.forwards = 0
         self.calibration = [RatioScale() for _ in LENGTH_BINS]
         self.start([])
 
     def check_target(self, target) -> None:
-        pass
+        if self.datastore is not None:
+            self.datastore.check_tokenizer(getattr(target, "tokenizer", None), target.vocab_size)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.shared = self.cache is not None  # whether this generation drafts from earlier outputs
@@ -259,7 +264,8 @@ class SuffixDrafter:
         """The best-scoring draft over match lengths and indexes -> (tokens, count ratios, match
         length); ([], [], 0) if no suffix of the context occurred before."""
         best, best_score = ([], [], 0), 0.0
-        for index in [self.index] + ([self.cache.index] if self.shared else []):
+        indexes = [self.index] + ([self.cache.index] if self.shared else [])
+        for index in indexes + ([self.datastore] if self.datastore is not None else []):
             found = index.occurrences(context)
             for length in sorted({matched for _, matched in found if matched >= self.min_match}, reverse=True):
                 cap = min(max_tokens, max(1, int(self.factor * length)))
