@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -80,6 +80,14 @@ bench-free: peers
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
 		--methods ar,lookup,suffix,llama-cpp,llama-cpp-lookup --max-new-tokens 128 \
 		--markdown docs/benchmarks/free-drafts.md --json docs/benchmarks/free-drafts.json --plot docs/benchmarks/free-drafts.png
+
+# retrieval from the standard library's datastore, beside suffix drafting, on the GGUF weights (~20 min)
+datastores/python-stdlib/meta.json: $(STAMP)
+	$(BIN)/specdec datastore build --corpus python-stdlib --out datastores/python-stdlib
+bench-retrieval: peers datastores/python-stdlib/meta.json
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
+		--methods ar,suffix,retrieval,llama-cpp --datastore datastores/python-stdlib --max-new-tokens 128 \
+		--markdown docs/benchmarks/retrieval.md --json docs/benchmarks/retrieval.json --plot docs/benchmarks/retrieval.png
 
 # draft-length schedules on the model drafter, and the three drafters at the same fixed γ, greedy
 # (so every output is also checked token for token against AR; ~100 min)
