@@ -175,6 +175,8 @@ def test_the_cli_builds_a_datastore_and_generate_drafts_from_it(tmp_path):
     (["datastore", "build", "--corpus", "no-such-file.txt", "--out", "x"], "corpus not found"),
     (["generate", "x", "--drafter", "retrieval"], "needs a datastore"),
     (["generate", "x", "--drafter", "retrieval:no-such-folder"], "no meta.json"),
+    (["profile", "x", "--drafter", "retrieval"], "needs a datastore"),
+    (["serve", "--drafter", "retrieval:somewhere"], "not one"),
 ])
 def test_datastore_options_are_checked_before_loading(args, message):
     from typer.testing import CliRunner

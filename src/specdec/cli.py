@@ -922,7 +922,8 @@ def forward_cost(
 def profile(
     prompt: str = typer.Argument("def quicksort(arr):", help="The prompt of the profiled generation."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup / suffix."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup / suffix / "
+                                "retrieval:DIR."),
     tree: str = typer.Option("off", help=TREE_HELP + " off: a chain under the cost schedule."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens of the profiled generation."),
     widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
@@ -959,6 +960,9 @@ def profile(
         if tree != "off":
             check_tree_options(tree, 64, "without-replacement")
             _check_runs_on(dtype, f"--tree {tree}")
+        datastore = open_datastore(drafter)
+        if datastore is not None:
+            drafter = "retrieval"
         model_free = drafter in MODEL_FREE_DRAFTERS
         batched = "--batches" if batches else "--kv-storage" if kv_contexts else None
         if batched and dtype == "gguf":
@@ -979,7 +983,8 @@ def profile(
         if tree != "off":
             drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
         else:
-            drafter_used = drafter_model or {"ngram": NgramDrafter, "suffix": SuffixDrafter}.get(drafter, LookupDrafter)()
+            drafter_used = drafter_model or {"ngram": NgramDrafter, "suffix": SuffixDrafter, "lookup": LookupDrafter,
+                                             "retrieval": lambda: SuffixDrafter(datastore=datastore)}[drafter]()
             plan, method = _cost_schedule(target_model, drafter_model, 20), "sd-cost"
         with err.status(f"generating {max_new_tokens} tokens ({method})…"):
             result = speculative_generate(target_model.encode(prompt), target_model, drafter_used,
@@ -1097,7 +1102,7 @@ def serve(
         if no_drafter and method in ("default", "chain", "tree"):
             raise SpecdecError(f"--method {method} drafts with a drafter model; give --drafter, or use "
                                "--method lookup, suffix or ar")
-        if drafter in MODEL_FREE_DRAFTERS:
+        if drafter in MODEL_FREE_DRAFTERS or drafter.startswith("retrieval:"):
             raise SpecdecError(f"--drafter takes a model; {drafter} is not one (the model-free methods here: "
                                "--method lookup or suffix)")
         if suffix_cache_tokens < 0:
