@@ -74,6 +74,16 @@ class Vocabulary:
         return {word: i for i, word in enumerate(self.words)}
 
 
+def test_a_window_over_a_frequent_key_keeps_the_continuations_shares(tmp_path):
+    """Key (1, 2) is followed by 0 ten times and by 3 thirty times; the suffix array lists the 0s
+    first, so a window of 4 read from the range's start would draft 0."""
+    build([[1, 2, 0]] * 10 + [[1, 2, 3]] * 30, tmp_path / "ds", "test", 4, "test")
+    store = Datastore(tmp_path / "ds", window=4)
+    assert sorted(store.tokens[q] for q, _ in store.occurrences([1, 2])) == [0, 3, 3, 3]
+    store.check_tokenizer = lambda tokenizer, vocab_size: None
+    assert SuffixDrafter(datastore=store).candidates([1, 2], 1)[0] == [3]
+
+
 def test_damaged_and_foreign_datastores_are_refused_with_a_clear_error(tmp_path):
     ours, theirs = Vocabulary(["a", "b", "c", "d"]), Vocabulary(["a", "b", "c", "e"])
     build([[0, 1, 2, 3, 1, 2]], tmp_path / "ds", tokenizer_key(ours), 4, "test")

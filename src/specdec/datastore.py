@@ -19,18 +19,12 @@ import numpy as np
 
 from .drafters.suffix import SEPARATOR
 from .errors import SpecdecError
+from .vocab import tokenizer_key
 
 FORMAT = 1
 DEPTH = 16  # the longest key a search matches (REST: 16 tokens down to 2)
 MIN_MATCH = 2
 CORPORA = ("python-stdlib",)  # built-in corpora; otherwise a text file
-
-
-def tokenizer_key(tokenizer) -> str:
-    """A fingerprint of a tokenizer's vocabulary and rules (a datastore is only valid under it)."""
-    from .vocab import _tokenizer_key
-
-    return _tokenizer_key(tokenizer)
 
 
 def sort_suffixes(tokens: np.ndarray, depth: int) -> np.ndarray:
@@ -187,10 +181,13 @@ class Datastore:
 
     def occurrences(self, context: Sequence[int]) -> list[tuple[int, int]]:
         """(where the continuation starts, match length) for up to `window` occurrences of the
-        context's longest matching suffix."""
+        context's longest matching suffix: evenly spaced over its range, which is sorted by what
+        follows, so the sample keeps the continuations' shares (the range's first `window` would
+        hold the lowest token ids)."""
         length, low, high = self.longest_match(context)
         if not length:
             return []
         end = len(self.tokens)
-        starts = (int(p) + length for p in self.suffixes[low:min(high, low + self.window)])
+        picked = np.unique(np.linspace(low, high - 1, min(self.window, high - low)).astype(np.int64))
+        starts = (int(p) + length for p in self.suffixes[picked])
         return [(q, length) for q in starts if q < end]

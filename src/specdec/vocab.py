@@ -87,7 +87,8 @@ def rank_ids(counts: torch.Tensor) -> torch.Tensor:
     return ids[torch.sort(-counts, stable=True).indices]
 
 
-def _tokenizer_key(tokenizer) -> str:
+def tokenizer_key(tokenizer) -> str:
+    """A fingerprint of a tokenizer's vocabulary and rules."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -97,7 +98,7 @@ def token_counts(tokenizer, vocab_size: int, corpus: str | Path | None = None,
                  say: Callable[[str], None] = lambda msg: None) -> torch.Tensor:
     """counts [vocab_size] of the corpus under `tokenizer`, from specdec's cache when counted before."""
     texts, identity = corpus_texts(corpus)
-    path = registry.home() / "vocab" / f"{_tokenizer_key(tokenizer)}-{vocab_size}-{identity}.pt"
+    path = registry.home() / "vocab" / f"{tokenizer_key(tokenizer)}-{vocab_size}-{identity}.pt"
     if path.is_file():
         try:
             counts = torch.load(path, weights_only=True)
