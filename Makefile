@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -88,6 +88,14 @@ bench-retrieval: peers datastores/python-stdlib/meta.json
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
 		--methods ar,suffix,retrieval,llama-cpp --datastore datastores/python-stdlib --max-new-tokens 128 \
 		--markdown docs/benchmarks/retrieval.md --json docs/benchmarks/retrieval.json --plot docs/benchmarks/retrieval.png
+
+# suffix drafting on transformers' weights, chain and as the mixed tree's branches, against the
+# default tree and transformers' prompt lookup (~45 min on 2 cores)
+bench-suffix-trees: setup
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
+		--methods ar,suffix,tree-mixed,tree-mixed-suffix,hf-lookup --gamma 5 --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/suffix-trees.md --json docs/benchmarks/suffix-trees.json \
+		--plot docs/benchmarks/suffix-trees.png
 
 # draft-length schedules on the model drafter, and the three drafters at the same fixed γ, greedy
 # (so every output is also checked token for token against AR; ~100 min)

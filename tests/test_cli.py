@@ -255,6 +255,7 @@ def llama_cpp_installed(monkeypatch):
     ["--drafter", "smollm2-135m", "--schedule", "fixed", "--gamma", "3"], ["--drafter", "ngram"],
     ["--drafter", "lookup"], ["--drafter", "smollm2-135m", "--tree", "mixed"], ["--drafter", "lookup", "--tree", "lookup"],
     ["--drafter", "smollm2-135m", "--tree", "eagle2"], ["--drafter", "self-skip:10,20"],
+    ["--drafter", "lookup", "--tree", "suffix"], ["--drafter", "smollm2-135m", "--tree", "mixed-suffix"],
 ])
 def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, llama_cpp_installed, drafter):
     """With the `peers` extra installed, --dtype auto still means transformers' weights for every

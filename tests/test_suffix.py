@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, speculative_generate
-from specdec.drafters import SuffixCache, SuffixDrafter, SuffixIndex
-from specdec.drafters.suffix import best_path
+from specdec.drafters import SuffixCache, SuffixDrafter, SuffixIndex, SuffixTreeDrafter, make_tree_drafter
+from specdec.drafters.suffix import best_path, best_tree
+from specdec.trees import Tree
 from specdec.schedules import make_schedule
 
 from conftest import tiny_model
@@ -77,6 +78,88 @@ def test_best_path_follows_the_most_frequent_token_while_the_product_of_ratios_h
     tokens, _ = best_path(index.tokens, starts, max_tokens=5, min_prob=0.6)  # 3/4 · 1 · 2/3 = 0.5 < 0.6
     assert tokens == [2, 3]
     assert best_path(index.tokens, starts, max_tokens=1, min_prob=0.1)[0] == [2]
+def brute_tree(sequences: list[list[int]], key: list[int], max_depth: int,
+               min_prob: float) -> dict[tuple[int, ...], tuple[float, float]]:
+    """Every continuation string s of key whose product of count ratios is >= min_prob, by scans:
+    s -> (its last token's ratio, the product)."""
+    found = {}
+
+    def visit(path: list[int], product: float) -> None:
+        if len(path) >= max_depth:
+            return
+        counts = brute_counts(sequences, key + path, len(key) + len(path))
+        total = sum(counts.values())
+        for token, count in counts.items():
+            if product * count / total >= min_prob:
+                found[tuple(path + [token])] = (count / total, product * count / total)
+                visit(path + [token], product * count / total)
+
+    visit([], 1.0)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_best_tree_holds_the_most_probable_continuations_a_scan_finds(seed):
+    """SuffixDecoding's tree mode: the nodes are the `max_nodes` continuations of highest product
+    of count ratios (each node's ratio as counted by a scan), parents before children."""
+    rng = random.Random(seed)
+    sequences = [[rng.randrange(3) for _ in range(rng.randrange(10, 60))] for _ in range(3)]
+    index = SuffixIndex(depth=8, window=1000)
+    for seq in sequences:
+        index.add(seq)
+    for key in ([rng.randrange(3) for _ in range(rng.randrange(1, 4))] for _ in range(5)):
+        starts = [q for q, matched in index.occurrences(key) if matched >= len(key)]
+        expected = brute_tree(sequences, key, max_depth=4, min_prob=0.05)
+        for max_nodes in (1, 3, 10, 100):
+            nodes = best_tree(index.tokens, starts, max_nodes, max_depth=4, min_prob=0.05)
+            paths = []
+            for parent, token, ratio, product in nodes:
+                assert parent < len(paths)  # parents first
+                paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+                assert expected[paths[-1]] == pytest.approx((ratio, product)), (key, paths[-1])
+            best = sorted((product for _, product in expected.values()), reverse=True)[:max_nodes]
+            assert sorted((n[3] for n in nodes), reverse=True) == pytest.approx(best), (key, max_nodes)
+            assert [n[3] for n in nodes] == sorted((n[3] for n in nodes), reverse=True)  # best first
+
+
+def test_the_suffix_tree_is_valued_by_calibrated_ratios_and_learns_from_what_was_tried():
+    drafter = SuffixTreeDrafter(depth=8, factor=2.5)  # at most 5 nodes after a 2-token match
+    context = [1, 2, 3, 5, 1, 2, 4, 6, 1, 2, 3, 9, 1, 2]
+    drafter.start(context)
+    tree = drafter.propose_tree(context, 8, GREEDY, torch.Generator())
+    # after "1 2": 3 twice, 4 once; after "1 2 3": 9 and 5 (the latest first); after "1 2 4": 6
+    assert tree.tokens == [3, 9, 5, 4, 6] and tree.parents == [-1, 0, 0, -1, 3]
+    assert tree.values == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])  # scale 1 before any count
+    drafter.keep_path(len(context), [0])  # 3 kept, then neither 9 nor 5: 4, 9, 5 tried and rejected
+    counts = drafter.calibration[1]  # 2-token matches
+    assert (counts.tries, counts.hits, counts.expected) == (4, 1, pytest.approx(2 / 3 + 1 / 3 + 1 / 2 + 1 / 2))
+    assert drafter.chance(1.0, 2) == pytest.approx((1 + 4) / (2 + 4))
+    assert drafter.index.tokens == context  # only committed tokens were indexed
+
+
+@pytest.mark.slow
+def test_suffix_trees_share_a_cache_and_a_seed_pins_them_to_their_own_text():
+    cache = SuffixCache(depth=8)
+    cache.add([7, 8, 9, 10])
+    alone = make_tree_drafter("suffix", suffix_cache=cache)
+    alone.start([5, 7, 8])
+    assert alone.propose_tree([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == [9, 10]
+    alone.pin()
+    assert alone.propose_tree([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == []
+    target, drafter = tiny_model(0, vocab=32, layers=2), tiny_model(1, vocab=32, layers=1)
+    mixed = make_tree_drafter("mixed-suffix", drafter, suffix_cache=cache)
+    outputs = []
+    for earlier in ([], [[7, 11, 2, 5, 8, 1] * 4, list(range(32)) * 2]):
+        for output in earlier:
+            cache.add(output)
+        outputs.append(speculative_generate([3, 7, 9, 3, 7, 11], target, mixed, sampler=Sampler(1.0), seed=5,
+                                            max_new_tokens=30, eos_token_ids=[]).tokens)
+    assert outputs[0] == outputs[1]
+    assert len(cache.index.starts) == 5  # 1 + 2 added + the two outputs: finished outputs join the cache
+    mixed.start([2, 5, 8])
+    assert mixed.lookup.shared  # unpinned, the cache counts
+
+
 def test_the_drafter_copies_repeated_text_and_only_committed_tokens_are_counted():
     drafter = SuffixDrafter(depth=8)
     context = [5, 6, 7, 8, 9, 10, 1, 2, 5, 6, 7]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter
+from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 from specdec.drafters.nodes import Node
 from specdec.errors import SpecdecError
 from specdec.schedules import TreeCost
@@ -106,12 +106,19 @@ DRAFTERS = {
     "sides-pruned": lambda d: SidesDrafter(d, width=5, policy=TreeCost(threshold=0.02, node_threshold=0.2,
                                                                        max_nodes=3, warmup=10**9)),
     "lookup": lambda d: LookupTreeDrafter(policy=_wide()),
+    "suffix": lambda d: SuffixTreeDrafter(factor=4.0, policy=_wide()),
     "mixed": lambda d: MixedDrafter(d, width=2, policy=_wide()),
     "mixed-alternating": lambda d: _Alternating(d, width=2, policy=_wide()),
+    "mixed-suffix": lambda d: _mixed_suffix(d, _wide()),
+    "mixed-suffix-alternating": lambda d: _mixed_suffix(d, _wide(), _Alternating),
     # chains that stop early, so that lookup carries them on (`MixedDrafter._extend`)
     "mixed-short-chains": lambda d: MixedDrafter(d, width=2, policy=TreeCost(threshold=0.7, node_threshold=0.001,
                                                                              warmup=10**9)),
 }
+
+
+def _mixed_suffix(drafter, policy: TreeCost, made=MixedDrafter) -> MixedDrafter:
+    return made(drafter, width=2, policy=policy, lookup=SuffixTreeDrafter(factor=4.0, policy=policy))
 
 
 class _Turns:
@@ -142,7 +149,7 @@ class _Alternating(MixedDrafter):
         self.kinds = {n: turns for n in self.kinds}
 
 
-@pytest.mark.parametrize("kind", ["sides", "lookup", "mixed", "mixed-short-chains"])
+@pytest.mark.parametrize("kind", ["sides", "lookup", "suffix", "mixed", "mixed-short-chains", "mixed-suffix"])
 def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
     target, drafter = tiny_model(1, vocab=32), tiny_model(2, vocab=32, layers=1, logit_scale=0.3)
     off_main_chain = branched = 0
@@ -153,13 +160,14 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_tiny_models(kind):
         off_main_chain += sum(1 for s in result.steps if s.path and s.path != list(range(len(s.path))))
         branched += sum(1 for s in result.steps if s.tree_parents and len(set(s.tree_parents)) < len(s.tree_parents))
     assert branched > 0
-    if kind != "lookup":  # the lookup trie's branches are rarely right on a random model; mixed covers them
+    if kind not in ("lookup", "suffix"):  # their branches are rarely right on a random model; mixed covers them
         assert off_main_chain > 0  # acceptances off the main chain happened: the gather path ran
 
 
 # the lookup trie is deterministic: its sampled exactness is that of the mixed tree's lookup nodes
 @pytest.mark.parametrize("kind", ["sides", "sides-iid", "sides-deterministic", "sides-pruned", "mixed",
-                                  "mixed-alternating", "mixed-short-chains"])
+                                  "mixed-alternating", "mixed-short-chains", "mixed-suffix",
+                                  "mixed-suffix-alternating"])
 @pytest.mark.slow
 def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     """The joint law of the first 3 tokens against the enumerated target law (chi-square, 1e-4).
@@ -176,7 +184,7 @@ def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
         lookup_alone += sum(1 for s, passes in zip(out.steps, out.stats.drafter_passes_per_step)
                             if s.draft_tokens and not passes)
     assert chi_square_pvalue(samples, joint) > ALPHA
-    if kind == "mixed-alternating":
+    if kind.endswith("-alternating"):
         assert lookup_alone > runs // 2  # the steps this case is for did happen
     if kind != "lookup":
         assert off_main_chain > runs // 20
@@ -279,6 +287,12 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair,
     assert _off_main_chain(result) > 0
 
 
+def _matched(ngram: int) -> Node:
+    node = Node(0, 1.0, "deterministic")
+    node.ngram = ngram
+    return node
+
+
 def test_lookup_nodes_are_valued_by_lookups_own_acceptance():
     """In a mixed tree the lookup branches' value comes from how often verification accepted
     lookup's own nodes: a model chain accepted at every step must not lend lookup its rate (it did,
@@ -286,7 +300,7 @@ def test_lookup_nodes_are_valued_by_lookups_own_acceptance():
     lookup = LookupTreeDrafter()
     assert lookup.acceptance() == 0.5  # the prior
     # model chain 0-1-2 (lookup agreed on node 1), a lookup branch 3-4 at the root
-    lookup.remember(Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3]), {1: 2, 3: 1, 4: 1})
+    lookup.remember(Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3]), {i: _matched(n) for i, n in {1: 2, 3: 1, 4: 1}.items()})
     lookup.learn([0, 1])  # the chain's first two accepted: tried 0, 3 (root), 1 (after 0), 2 (after 1)
     assert (lookup.tries, lookup.hits) == (2, 1)  # node 1 accepted, node 3 rejected, node 4 never tried
     lookup.learn([0])  # nothing remembered since: nothing counted twice

@@ -175,7 +175,8 @@ def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
 
 TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
              "best tokens), eagle2 (EAGLE-2 dynamic tree), sequoia (Sequoia static shape), lookup (prompt-lookup "
-             "trie), mixed (drafter chain with sides plus lookup branches). Sized by measured cost.")
+             "trie), mixed (drafter chain with sides plus lookup branches), suffix (suffix drafting's tree, no drafter model), "
+             "mixed-suffix (mixed with suffix-tree branches). Sized by measured cost.")
 TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without-replacement (recursive rejection "
                     "sampling), iid (SpecInfer), deterministic (the next ranks). Exact either way; greedy ignores it.")
 
@@ -233,7 +234,8 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter, check_tree_options, make_tree_drafter
+    from .drafters import (MODEL_FREE_TREES, LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter,
+                           check_tree_options, make_tree_drafter)
     from .generate import autoregressive_generate, speculative_generate
     from .models import resolve_device
     from .samplers import Sampler
@@ -283,11 +285,13 @@ def generate(
         if prompts_file is not None:
             make_drafter = None
             if method == Method.sd:
-                drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree == "lookup" else _load(
+                drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree in MODEL_FREE_TREES else _load(
                     drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
                     vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 if tree != "off":
-                    make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)  # noqa: E731
+                    shared = SuffixCache()  # suffix trees draft from earlier prompts' outputs too
+                    make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme,  # noqa: E731
+                                                             suffix_cache=shared)
                 elif drafter == "ngram":
                     make_drafter = lambda: NgramDrafter(ngram_n)  # noqa: E731
                 elif drafter == "lookup":
@@ -313,7 +317,7 @@ def generate(
                 if self_spec[0] in ("medusa", "eagle"):
                     plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
             elif tree != "off":
-                drafter_model = None if tree == "lookup" else _load(
+                drafter_model = None if tree in MODEL_FREE_TREES else _load(
                     drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)
                 plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
@@ -637,7 +641,7 @@ def bench(
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "tree-suffix, tree-mixed-suffix, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec, "
                                 "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
@@ -942,7 +946,8 @@ def profile(
 
     from .bench.kvstorage import kv_storage_profile
     from .bench.profile import pass_profile, profile_record, time_split
-    from .drafters import LookupDrafter, NgramDrafter, SuffixDrafter, check_tree_options, make_tree_drafter
+    from .drafters import (MODEL_FREE_TREES, LookupDrafter, NgramDrafter, SuffixDrafter, check_tree_options,
+                           make_tree_drafter)
     from .generate import speculative_generate
     from .schedules import make_schedule
 
@@ -971,7 +976,7 @@ def profile(
         if batched and not getattr(target_model, "rows_invariant", False):
             raise SpecdecError(f"{batched} needs row-exact passes for {target_model.name} (the engine's); "
                                "on this machine that is --dtype bf16 on the CPU")
-        drafter_model = None if model_free or tree == "lookup" else _load(
+        drafter_model = None if model_free or tree in MODEL_FREE_TREES else _load(
             drafter, _drafter_weights(dtype, drafter, drafter_dtype, False), device, "drafter")
         with err.status("timing passes…"):
             passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [],

@@ -42,6 +42,8 @@ METHODS = {
     "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
     "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
+    "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
+    "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
     "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
     "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
@@ -62,7 +64,7 @@ METHODS = {
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
-                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "llama-cpp-spec", "sd-cost-flat",
+                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones

@@ -20,11 +20,11 @@ from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixCache, SuffixDrafter, SuffixIndex
-from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter
+from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 
 __all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
-           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex", "TREES",
-           "check_tree_options", "make_tree_drafter"]
+           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex",
+           "SuffixTreeDrafter", "MODEL_FREE_TREES", "TREES", "check_tree_options", "make_tree_drafter"]
 
 
 TREES = {
@@ -34,7 +34,10 @@ TREES = {
     "lookup": "prompt lookup trie over several earlier occurrences (no drafter model)",
     "mixed": "the drafter model's chain with sides plus prompt-lookup branches, or lookup alone where that "
              "is measured faster (the default tree)",
+    "suffix": "suffix drafting's tree mode (SuffixDecoding) over the prompt and output (no drafter model)",
+    "mixed-suffix": "the mixed tree with suffix-tree branches in place of prompt lookup's",
 }
+MODEL_FREE_TREES = {"lookup", "suffix"}  # trees that need no drafter model
 
 
 def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
@@ -49,19 +52,25 @@ def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
 
 def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 64,
                       scheme: str = "without-replacement", width: int | None = None,
-                      assumed: AssumedCosts | None = None):
+                      assumed: AssumedCosts | None = None, suffix_cache: SuffixCache | None = None):
     """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
-    or by `assumed` costs (sized for another machine, see `AssumedCosts`)."""
+    or by `assumed` costs (sized for another machine, see `AssumedCosts`). `suffix_cache`: earlier
+    outputs the suffix trees also draft from (shared by the drafters of one run or server)."""
     check_tree_options(kind, max_nodes, scheme)
     policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
     if kind == "lookup":
         return LookupTreeDrafter(policy=policy)
+    if kind == "suffix":
+        return SuffixTreeDrafter(suffix_cache, policy=policy)
     if model is None:
         raise SpecdecError(f"the '{kind}' tree needs a drafter model")
     if kind == "sides":
         return SidesDrafter(model, width or 3, scheme=scheme, policy=policy)
     if kind == "mixed":
         return MixedDrafter(model, width or 2, scheme=scheme, policy=policy)
+    if kind == "mixed-suffix":
+        return MixedDrafter(model, width or 2, scheme=scheme, policy=policy,
+                            lookup=SuffixTreeDrafter(suffix_cache, policy=policy))
     if kind == "eagle2":
         return Eagle2Drafter(model, width or 4, policy=policy)
     return SequoiaDrafter(model, policy=policy)

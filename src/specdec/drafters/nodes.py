@@ -12,7 +12,7 @@ from ..trees import Tree
 class Node:
     """A node of a tree under construction (trees are serialised depth first by `to_tree`)."""
 
-    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q", "ngram")
+    __slots__ = ("token", "value", "rank_value", "scheme", "children", "prob_row", "q", "ngram", "ratio")
 
     def __init__(self, token: int, value: float, scheme: str, prob_row: torch.Tensor | None = None,
                  rank_value: float | None = None, q: float | None = None):
@@ -23,6 +23,7 @@ class Node:
         self.rank_value = value if rank_value is None else rank_value
         self.children: list[Node] = []
         self.ngram = 0  # for a node lookup proposed: the longest suffix match that proposed it
+        self.ratio: float | None = None  # for a node suffix drafting proposed: its count ratio at its parent
 
     def child(self, token: int) -> "Node | None":
         return next((c for c in self.children if c.token == token), None)

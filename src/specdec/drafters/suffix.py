@@ -20,6 +20,7 @@ after a 6-token match is a different bet from one after a single token).
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, deque
 from typing import Sequence
 
@@ -163,6 +164,38 @@ def best_path(tokens: Sequence[int], starts: Sequence[int], max_tokens: int,
     return drafted, ratios
 
 
+def best_tree(tokens: Sequence[int], starts: Sequence[int], max_nodes: int, max_depth: int,
+              min_prob: float) -> list[tuple[int, int, float, float]]:
+    """SuffixDecoding's tree mode over the continuations of a string's occurrences (`starts`, as
+    for `best_path`): nodes added best first by their product of count ratios along the path,
+    while it is >= min_prob, at most `max_nodes` of them and `max_depth` deep -> the nodes as
+    (parent's place in the list, -1 for the root; token; count ratio; product), parents first.
+    Siblings tied in count keep the order of their latest occurrence."""
+    nodes: list[tuple[int, int, float, float]] = []
+    end, order = len(tokens), 0
+    candidates: list = []  # heap of (-product, arrival, parent, token, ratio, starts, depth)
+
+    def offer(parent: int, starts: Sequence[int], survival: float, depth: int) -> None:
+        nonlocal order
+        following = Counter(int(tokens[q]) for q in starts if q < end and tokens[q] != SEPARATOR)
+        total = sum(following.values())
+        for token, count in following.most_common():
+            product = survival * count / total
+            if product < min_prob:
+                break
+            after = [q + 1 for q in starts if q < end and tokens[q] == token]
+            heapq.heappush(candidates, (-product, order, parent, token, count / total, after, depth))
+            order += 1
+
+    offer(-1, starts, 1.0, 1)
+    while candidates and len(nodes) < max_nodes:
+        negative, _, parent, token, ratio, after, depth = heapq.heappop(candidates)
+        nodes.append((parent, token, ratio, -negative))
+        if depth < max_depth:
+            offer(len(nodes) - 1, after, -negative, depth + 1)
+    return nodes
+
+
 def _score(ratios: list[float]) -> float:
     """Expected accepted tokens of a chain whose tokens survive with these conditional chances."""
     total, survival = 0.0, 1.0
@@ -200,7 +233,7 @@ class RatioScale:
         return min(1.0, ratio * self.scale())
 
 
-def _length_bin(length: int) -> int:
+def length_bin(length: int) -> int:
     return sum(length >= edge for edge in LENGTH_BINS) - 1
 
 
@@ -258,14 +291,23 @@ class SuffixDrafter:
     def chance(self, ratio: float, match: int) -> float:
         """The calibrated chance that a token drafted with this count ratio after a `match`-token
         suffix match is accepted (its parent accepted)."""
-        return self.calibration[_length_bin(match)](ratio)
+        return self.calibration[length_bin(match)](ratio)
+
+    def indexes(self) -> list:
+        """What this generation drafts from: its own text, earlier outputs unless pinned, the datastore."""
+        return ([self.index] + ([self.cache.index] if self.shared else [])
+                + ([self.datastore] if self.datastore is not None else []))
+
+    def observe(self, context: Sequence[int]) -> None:
+        """Index the context's tokens not yet indexed (only committed tokens: rejected drafts never enter)."""
+        self.index.extend(context[self._fed:])
+        self._fed = len(context)
 
     def candidates(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], list[float], int]:
         """The best-scoring draft over match lengths and indexes -> (tokens, count ratios, match
         length); ([], [], 0) if no suffix of the context occurred before."""
         best, best_score = ([], [], 0), 0.0
-        indexes = [self.index] + ([self.cache.index] if self.shared else [])
-        for index in indexes + ([self.datastore] if self.datastore is not None else []):
+        for index in self.indexes():
             found = index.occurrences(context)
             for length in sorted({matched for _, matched in found if matched >= self.min_match}, reverse=True):
                 cap = min(max_tokens, max(1, int(self.factor * length)))
@@ -278,9 +320,7 @@ class SuffixDrafter:
 
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
-        # only committed tokens are indexed: rejected drafts never enter it
-        self.index.extend(context[self._fed:])
-        self._fed = len(context)
+        self.observe(context)
         tokens, ratios, match = self.candidates(context, max_tokens)
         if tokens and not keep_going(0, self.chance(ratios[0], match)):
             tokens, ratios = [], []
@@ -298,5 +338,5 @@ class SuffixDrafter:
         start, ratios, match = self._last
         accepted = length - start
         for i, ratio in enumerate(ratios[:accepted + 1]):
-            self.calibration[_length_bin(match)].record(ratio, i < accepted)
+            self.calibration[length_bin(match)].record(ratio, i < accepted)
         self._last = None

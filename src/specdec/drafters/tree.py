@@ -3,7 +3,8 @@
 - `SidesDrafter`: the model drafter's chain plus, at each chain position, the drafter's next
   best tokens as leaves, at no extra drafter pass (the "sides" of the chain).
 - `LookupTreeDrafter`: prompt lookup with several earlier occurrences merged into a trie.
-- `MixedDrafter`: a model-drafted chain with sides, and lookup branches, in the same pass.
+- `SuffixTreeDrafter`: suffix drafting's tree mode (SuffixDecoding), no drafter model.
+- `MixedDrafter`: a model-drafted chain with sides, and lookup (or suffix) branches, in the same pass.
 
 `drafters.make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
 A tree drafter has `propose_tree(context, max_depth, sampler, generator) -> Tree`,
@@ -26,6 +27,7 @@ from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_matches
 from .model import ModelDrafter
 from .nodes import Node, rank, to_tree
+from .suffix import LENGTH_BINS, SuffixCache, SuffixDrafter, best_tree, length_bin
 
 
 class SidesDrafter(ModelDrafter):
@@ -209,6 +211,7 @@ class LookupTreeDrafter(LookupDrafter):
         self.branches = branches
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self.name = f"lookup-tree-{min_ngram}..{max_ngram}x{branches}"
+        self.match_kinds = range(min_ngram, max_ngram + 1)  # what `grow` returns when it finds something
         self._drafted = False
         self.reset_counts()
 
@@ -233,9 +236,12 @@ class LookupTreeDrafter(LookupDrafter):
         tries, hits = self.by_ngram.get(ngram, (0, 0))
         return (hits + 2 * overall) / (tries + 2)
 
-    def remember(self, tree: Tree, proposed: dict[int, int]) -> None:
-        """The tree just proposed, and its nodes lookup proposed: index -> match length (for `learn`)."""
-        self._parents, self._proposed = tree.parents, proposed
+    def observe(self, context: Sequence[int]) -> None:
+        """Nothing to index: lookup scans the context itself."""
+
+    def remember(self, tree: Tree, proposed: dict[int, Node]) -> None:
+        """The tree just proposed, and its nodes lookup proposed: index -> node (for `learn`)."""
+        self._parents, self._proposed = tree.parents, {i: node.ngram for i, node in proposed.items()}
 
     def learn(self, path: list[int]) -> None:
         """Count the lookup nodes of the remembered tree that verification tried (`path`: accepted nodes)."""
@@ -255,7 +261,7 @@ class LookupTreeDrafter(LookupDrafter):
             self.grow(root, context, max_depth)
         tree, order = to_tree(root, self.select(root))
         self._drafted = bool(tree.tokens)
-        self.remember(tree, {i: node.ngram for i, node in enumerate(order)})
+        self.remember(tree, dict(enumerate(order)))
         return tree
 
     def grow(self, root: Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
@@ -282,21 +288,104 @@ class LookupTreeDrafter(LookupDrafter):
         return matches[0][0]
 
     def select(self, root: Node, budget: int | None = None) -> set[int]:
-        """Nodes by falling value while they pay, at most `budget` (default: the policy's
-        max_nodes); a node's value never exceeds its parent's, so the set is closed."""
-        candidates, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            for child in node.children:
-                candidates.append(child)
-                stack.append(child)
-        keep, threshold = set(), self.policy.node_threshold
-        budget = self.policy.max_nodes if budget is None else budget
-        for child in sorted(candidates, key=lambda c: -c.value):
-            if len(keep) >= budget or child.value < threshold:
-                break
-            keep.add(id(child))
-        return keep
+        """Nodes by falling value while they pay, at most `budget` (default: the policy's max_nodes)."""
+        return _paying(root, self.policy, budget)
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        self.learn(path)
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+
+
+class SuffixTreeDrafter(SuffixDrafter):
+    """Suffix drafting's tree mode (SuffixDecoding): from the earlier occurrences of the context's
+    suffix (in this request's text, earlier outputs, a datastore: `SuffixDrafter`'s indexes),
+    a tree of what followed them, grown best first by the product of count ratios (`best_tree`);
+    the best-scoring tree over match lengths and indexes is proposed.
+
+    Deterministic (one-hot at every node), so exact under any sampler. A node's value is its
+    parent's times its calibrated chance (`SuffixDrafter.chance`: its count ratio, scaled by what
+    verification accepted of the nodes tried after matches of that length in this generation);
+    nodes join while they pay for their verification width (`TreeCost`, drafting being free).
+    `MixedDrafter(model, lookup=SuffixTreeDrafter())` hangs these trees beside the model's chain.
+    """
+
+    def __init__(self, cache: SuffixCache | None = None, depth: int = 24, min_prob: float = 0.1,
+                 factor: float = 1.0, min_match: int = 1, datastore=None, max_nodes: int = 64,
+                 policy: TreeCost | None = None):
+        self.policy = policy or TreeCost(max_nodes=max_nodes)
+        super().__init__(cache, depth, min_prob, factor, min_match, datastore)
+        self.name += "-tree"
+        self.match_kinds = range(1, len(LENGTH_BINS) + 1)  # what `grow` returns: a match length's bin, from 1
+        self._drafted = False
+        self._parents: list[int] = []
+        self._proposed: dict[int, Node] = {}
+
+    def start(self, prompt: Sequence[int]) -> None:
+        super().start(prompt)
+        self.policy.reset()
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        for calibration in self.calibration:
+            calibration.reset()
+        self._drafted, self._parents, self._proposed = False, [], {}
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        self.observe(context)
+        root = Node(-1, 1.0, "deterministic")
+        if max_depth >= 1 and self.policy.should_draft():
+            self.grow(root, context, max_depth)
+        tree, order = to_tree(root, self.select(root))
+        self._drafted = bool(tree.tokens)
+        self.remember(tree, dict(enumerate(order)))
+        return tree
+
+    def grow(self, root: Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
+        """Hang the best suffix tree under `root` (which has no children yet), its values times
+        `weight` (the chance the target reaches `root`) -> the bin of its match length, from 1
+        (0: no suffix of the context occurred before). Indexes nothing: `observe` does."""
+        best, best_score = None, 0.0
+        for index in self.indexes():
+            found = index.occurrences(context)
+            for length in sorted({matched for _, matched in found if matched >= self.min_match}, reverse=True):
+                cap = min(self.policy.max_nodes, max(1, int(self.factor * length)))
+                nodes = best_tree(index.tokens, [q for q, matched in found if matched >= length], cap, max_depth,
+                                  self.min_prob)
+                score = sum(product for *_, product in nodes)
+                if score > best_score:
+                    best, best_score = (nodes, length), score
+        if best is None:
+            return 0
+        nodes, length = best
+        made: list[Node] = []
+        for parent, token, ratio, _ in nodes:
+            above = root if parent < 0 else made[parent]
+            node = Node(token, (weight if parent < 0 else above.value) * self.chance(ratio, length), "deterministic")
+            node.ngram, node.ratio = length, ratio
+            above.children.append(node)
+            made.append(node)
+        rank(root)
+        return length_bin(length) + 1
+
+    def select(self, root: Node, budget: int | None = None) -> set[int]:
+        """Nodes by falling value while they pay, at most `budget` (default: the policy's max_nodes)."""
+        return _paying(root, self.policy, budget)
+
+    def remember(self, tree: Tree, proposed: dict[int, Node]) -> None:
+        """The tree just proposed, and its nodes suffix drafting proposed: index -> node (for `learn`)."""
+        self._parents, self._proposed = tree.parents, proposed
+
+    def learn(self, path: list[int]) -> None:
+        """Count the remembered tree's suffix nodes that verification tried, by match length and ratio."""
+        for i, accepted in tried_nodes(self._parents, path):
+            node = self._proposed.get(i)
+            if node is not None and node.ratio is not None:
+                self.calibration[length_bin(node.ngram)].record(node.ratio, accepted)
+        self._parents, self._proposed = [], {}
 
     def keep_path(self, start: int, path: list[int]) -> None:
         self.learn(path)
@@ -340,19 +429,19 @@ class MixedDrafter(SidesDrafter):
         super().__init__(model, width, max_nodes, scheme, policy, sampled_value)
         self.lookup = lookup or LookupTreeDrafter(policy=self.policy)
         self.lookup.policy = self.policy
-        self.name = f"{model.name}+sides{width}+lookup"
+        self.name = f"{model.name}+sides{width}+" + ("suffix" if isinstance(self.lookup, SuffixDrafter) else "lookup")
         policy = self.policy
         # by the length of the step's longest suffix match; the first kind: steps with the model,
         # the other: lookup alone
         self.kinds = {n: FasterOf(policy.warmup, policy.probe, policy.decay, {True: policy.probe, False: policy.probe})
-                      for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1)}
+                      for n in self.lookup.match_kinds}
         self.chain_lookup = chain_lookup  # lookup also from the model chain's end (`_extend`)
         self.with_model: bool | None = None  # the last step's kind, where lookup found something (None: it did not)
         self.ngram = 0  # and its longest suffix match
 
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
-        self.lookup.reset_counts()
+        self.lookup.start(prompt)  # its counts (and a suffix drafter's indexes); the policy is shared
         for kinds in self.kinds.values():
             kinds.reset()
         self.with_model, self.ngram = None, 0
@@ -362,6 +451,7 @@ class MixedDrafter(SidesDrafter):
         root = Node(-1, 1.0, "deterministic")
         self._fed, self.with_model = [], None
         proposed: list[Node] = []  # the tree's nodes that lookup proposed
+        self.lookup.observe(context)
         if max_depth >= 1 and self.policy.should_draft():
             found = Node(-1, 1.0, "deterministic")
             self.ngram = self.lookup.grow(found, context, max_depth)
@@ -382,8 +472,23 @@ class MixedDrafter(SidesDrafter):
         tree, order = to_tree(root)
         self._remember(tree, order)
         ids = {id(node) for node in proposed}
-        self.lookup.remember(tree, {i: node.ngram for i, node in enumerate(order) if id(node) in ids})
+        self.lookup.remember(tree, {i: node for i, node in enumerate(order) if id(node) in ids})
         return tree
+
+    def check_target(self, target) -> None:
+        super().check_target(target)
+        if hasattr(self.lookup, "check_target"):
+            self.lookup.check_target(target)  # a datastore's tokenizer
+
+    def pin(self) -> None:
+        """A seeded sampled generation: the branches draft from its own text alone (`SuffixDrafter.pin`)."""
+        if hasattr(self.lookup, "pin"):
+            self.lookup.pin()
+
+    def finish(self, sequence: Sequence[int]) -> None:
+        """The generation ended: its output joins the branches' shared cache, if they keep one."""
+        if hasattr(self.lookup, "finish"):
+            self.lookup.finish(sequence)
 
     def _extend(self, chain: list[Node], context: Sequence[int], max_depth: int, budget: int,
                 proposed: list[Node]) -> None:
@@ -433,8 +538,28 @@ def _merge(into: Node, other: Node, proposed: list[Node]) -> None:
         else:
             same.value = max(same.value, child.value)
             same.ngram = max(same.ngram, child.ngram)
+            if same.ratio is None:
+                same.ratio = child.ratio  # a suffix node's count ratio, for its calibration
             proposed.append(same)
             _merge(same, child, proposed)
+
+
+def _paying(root: Node, policy: TreeCost, budget: int | None = None) -> set[int]:
+    """A model-free tree's nodes by falling value while they pay for their width, at most `budget`
+    (default: the policy's max_nodes); a node's value never exceeds its parent's, so the set is closed."""
+    candidates, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        for child in node.children:
+            candidates.append(child)
+            stack.append(child)
+    keep, threshold = set(), policy.node_threshold
+    budget = policy.max_nodes if budget is None else budget
+    for child in sorted(candidates, key=lambda c: -c.value):
+        if len(keep) >= budget or child.value < threshold:
+            break
+        keep.add(id(child))
+    return keep
 
 
 def _subtree(node: Node) -> list[Node]:
