@@ -210,6 +210,11 @@ def test_generate_with_a_tree_draws_it_and_reports_the_path(need_smollm2):
     (["generate", "x", "--tree", "forest"], "unknown tree"),
     (["generate", "x", "--tree", "sides", "--tree-scheme", "random"], "unknown sibling scheme"),
     (["generate", "x", "--tree", "lookup", "--tree-nodes", "0"], "tree nodes must be"),
+    (["generate", "x", "--tree", "mixed", "--typical"], "--typical applies to chain drafts only"),
+    (["generate", "x", "--typical", "--typical-epsilon", "0"], "typical acceptance needs 0 < epsilon <= 1"),
+    (["generate", "x", "--cascade", "ngram"], "unknown --cascade 'ngram'"),
+    (["generate", "x", "--cascade", "suffix", "--drafter", "lookup"], "--cascade drafts for a drafter model's chain"),
+    (["generate", "x", "--cascade", "suffix", "--tree", "mixed"], "--cascade drafts for a drafter model's chain"),
 ])
 def test_tree_option_errors_are_clear(need_smollm2, args, message):
     result = runner.invoke(app, args + ["--target", "smollm2-135m", "--dtype", "fp32"])
@@ -256,6 +261,7 @@ def llama_cpp_installed(monkeypatch):
     ["--drafter", "lookup"], ["--drafter", "smollm2-135m", "--tree", "mixed"], ["--drafter", "lookup", "--tree", "lookup"],
     ["--drafter", "smollm2-135m", "--tree", "eagle2"], ["--drafter", "self-skip:10,20"],
     ["--drafter", "lookup", "--tree", "suffix"], ["--drafter", "smollm2-135m", "--tree", "mixed-suffix"],
+    ["--drafter", "smollm2-135m", "--cascade", "suffix"], ["--drafter", "smollm2-135m", "--typical"],
 ])
 def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, llama_cpp_installed, drafter):
     """With the `peers` extra installed, --dtype auto still means transformers' weights for every

@@ -364,3 +364,24 @@ def test_beam_search_builds_its_tensors_on_the_models_device():
     finally:
         torch.set_default_device(previous)
     assert out.tokens == expected.tokens
+
+
+def test_typical_acceptance_is_greedy_exact_lossy_under_sampling_and_chains_only(tiny_pair):
+    from specdec import SpecdecError
+    from specdec.display import summary_line
+    from specdec.drafters import LookupTreeDrafter
+    from specdec.verify import Typical
+
+    target, drafter = tiny_pair
+    ar = autoregressive_generate([3, 4], target, max_new_tokens=16, eos_token_ids=[])
+    sd = speculative_generate([3, 4], target, drafter, gamma=3, max_new_tokens=16, eos_token_ids=[],
+                              typical=Typical())
+    assert sd.tokens == ar.tokens and not sd.stats.lossy  # greedy verification is by argmax either way
+    sampled = speculative_generate([3, 4], target, drafter, gamma=3, sampler=Sampler(1.0), max_new_tokens=16,
+                                   seed=0, eos_token_ids=[], typical=Typical(0.2, 0.5))
+    assert sampled.stats.lossy and sampled.stats.to_dict()["typical"] == "typical acceptance ε=0.2, δ=0.5"
+    assert summary_line(sampled.stats, "sd").startswith("LOSSY (typical acceptance ε=0.2, δ=0.5")
+    with pytest.raises(SpecdecError, match="chain drafts only"):
+        speculative_generate([3, 4], target, LookupTreeDrafter(), typical=Typical())
+    with pytest.raises(SpecdecError, match="not both"):
+        speculative_generate([3, 4], target, drafter, typical=Typical(), lenience=0.5)

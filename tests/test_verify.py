@@ -241,3 +241,50 @@ def test_lenience_never_emits_a_token_above_p_over_l_and_raises_acceptance():
     assert rates[0] < rates[1] < rates[2]
     with pytest.raises(SpecdecError, match="lenience"):
         verify_draft(p.expand(2, -1), q.expand(1, -1), torch.tensor([0]), lenience=0.0)
+
+
+# Typical acceptance (Medusa): LOSSY by design; its tests check that it does what it says, and
+# that the divergence from p which `theory.typical_first_token_law` predicts is what it makes.
+
+def test_typical_acceptance_keeps_the_prefix_above_each_positions_threshold():
+    from specdec.verify import Typical, typical_threshold, verify_typical
+
+    typical = Typical(epsilon=0.09, delta=0.3)
+    flat, peaked = torch.full((4,), 0.25), torch.tensor([0.97, 0.01, 0.01, 0.01])
+    # flat: H = log 4, 0.3/4 = 0.075 < ε; peaked: H ≈ 0.17, 0.3·e^-0.17 ≈ 0.25, capped at ε = 0.09
+    assert typical_threshold(torch.stack([flat, peaked]), typical).tolist() == pytest.approx([0.075, 0.09], abs=1e-6)
+    p = torch.stack([flat, peaked, flat])  # [γ+1 = 3, V]
+    accepted, _ = verify_typical(p, torch.tensor([2, 0]), typical)
+    assert int(accepted) == 2  # 0.25 > 0.075, 0.97 > 0.09
+    accepted, _ = verify_typical(p, torch.tensor([2, 1]), typical)
+    assert int(accepted) == 1  # 0.01 < 0.09
+    batch, _ = verify_typical(p.expand(2, -1, -1), torch.tensor([[1, 0], [3, 3]]), typical)
+    assert batch.tolist() == [2, 1]
+    with pytest.raises(SpecdecError, match="must be"):
+        verify_typical(p, torch.tensor([2, 0, 1]), typical)
+    for bad in (dict(epsilon=0), dict(delta=1.5), dict(epsilon=True)):
+        with pytest.raises(SpecdecError, match="typical acceptance needs"):
+            Typical(**bad)
+
+
+def test_typical_acceptance_makes_the_law_theory_predicts_and_not_p():
+    """Drafts from q, one position: the first emitted token follows typical_first_token_law
+    (chi-square), which differs from p here; the same test against p fails (power)."""
+    from specdec.theory import total_variation, typical_first_token_law
+    from specdec.verify import Typical, verify_typical
+
+    p, q = _dirichlet(2, 8, seed=3)[:1], _dirichlet(1, 8, seed=4)  # p: [1, V], q: [1, V]
+    p = torch.cat([p, p])  # [γ+1 = 2, V]
+    trials, g = 400_000, torch.Generator().manual_seed(0)
+    x = sample(q.expand(trials, -1), g)  # [trials]
+    accepted, nxt = verify_typical(p.expand(trials, -1, -1), x.unsqueeze(-1), Typical(), g)
+    first = torch.where(accepted > 0, x, nxt)
+    counts = torch.bincount(first, minlength=8).double()
+    predicted = typical_first_token_law(p[0], q[0]).double()
+    assert float(total_variation(predicted, p[0])) > 0.05  # typical acceptance does move the law here
+    for law, should_pass in ((predicted, True), (p[0].double(), False)):
+        expected = law * trials
+        stat = float(((counts - expected) ** 2 / expected.clamp_min(1e-12))[expected > 0].sum())
+        assert (chi2.sf(stat, int((expected > 0).sum()) - 1) > ALPHA) == should_pass
+    # exact verification makes p itself: r = p when the rule is min(1, p/q) (theory's baseline)
+    assert float(total_variation(typical_first_token_law(p[0], p[0], epsilon=1e-9, delta=1e-9), p[0])) < 1e-6

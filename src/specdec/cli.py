@@ -210,6 +210,12 @@ def generate(
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
     lenience: float = typer.Option(1.0, help="1 = exact; l in (0, 1) accepts more drafts and is LOSSY under "
                                    "sampling (no token above p/l)."),
+    typical: bool = typer.Option(False, "--typical", help="Medusa's typical acceptance: accept x where "
+                                 "p(x) > min(ε, δ·exp(-H(p))); LOSSY under sampling, greedy unchanged; chains only."),
+    typical_epsilon: float = typer.Option(0.09, "--typical-epsilon", help="ε of --typical."),
+    typical_delta: float = typer.Option(0.3, "--typical-delta", help="δ of --typical."),
+    cascade: str = typer.Option("off", "--cascade", help="off, suffix or lookup: a model-free stage guesses the "
+                                "drafter model's tokens, which it keeps where its own rule would draw them (exact)."),
     debug: bool = typer.Option(False, help="Print every step: drafts with q, p and the uniform draw, verdicts, "
                                "the target's token, γ and H_norm."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
@@ -234,12 +240,14 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import (MODEL_FREE_TREES, LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter,
+    from .drafters import (MODEL_FREE_TREES, CascadeDrafter, LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter,
                            check_tree_options, make_tree_drafter)
+    from .drafters.cascade import STAGES as CASCADE_STAGES
     from .generate import autoregressive_generate, speculative_generate
     from .models import resolve_device
     from .samplers import Sampler
     from .schedules import make_schedule
+    from .verify import Typical
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
@@ -271,7 +279,18 @@ def generate(
         if method == Method.sd:
             _check_runs_on(dtype, f"--tree {tree}" if tree != "off" else self_spec and f"--drafter {drafter}")
             drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
+        acceptance = Typical(typical_epsilon, typical_delta) if typical else None
+        if cascade != "off":
+            if cascade not in CASCADE_STAGES:
+                raise SpecdecError(f"unknown --cascade {cascade!r}; use off, {', '.join(CASCADE_STAGES)}")
+            if method != Method.sd or tree != "off" or self_spec or drafter in MODEL_FREE_DRAFTERS:
+                raise SpecdecError("--cascade drafts for a drafter model's chain; use it with --drafter MODEL "
+                                   "and no --tree")
+        if typical and tree != "off":
+            raise SpecdecError("--typical applies to chain drafts only; tree verification is exact")
         if prompts_file is not None:  # before minutes of loading
+            if lenience != 1 or typical:
+                raise SpecdecError("--lenience and --typical apply to one generation; drop them with --prompts")
             if self_spec:
                 raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
                                    "passes do not keep yet; generate its prompts one at a time")
@@ -301,6 +320,8 @@ def generate(
                     make_drafter = lambda: SuffixDrafter(shared)  # noqa: E731
                 elif drafter == "retrieval":
                     make_drafter = lambda: SuffixDrafter(datastore=datastore)  # noqa: E731
+                elif cascade != "off":
+                    make_drafter = lambda: CascadeDrafter(drafter_model, cascade)  # noqa: E731
                 else:
                     make_drafter = drafter_model
                 seeded_plan = plan  # a seed under sampling pins the output: no measured costs (as alone)
@@ -332,9 +353,11 @@ def generate(
             else:
                 drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
                                      vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+                if cascade != "off":
+                    drafter_used = CascadeDrafter(drafter_used, cascade)
             if schedule == "cost" and tree == "off" and not self_spec and (seed is None or sampler.is_greedy):
-                plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else drafter_used,
-                                      gamma_max)
+                plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else
+                                      getattr(drafter_used, "model", drafter_used), gamma_max)
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)
@@ -345,7 +368,8 @@ def generate(
         if method == Method.sd:
             result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
                                           max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
-                                          on_step=printer, schedule=plan, lenience=lenience, debug=debug)
+                                          on_step=printer, schedule=plan, lenience=lenience, debug=debug,
+                                          typical=acceptance)
         else:
             result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                              seed=seed, on_step=printer)
@@ -639,9 +663,9 @@ def bench(
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
                                         "translation, summarization, qa, math_reasoning, rag)."),
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
-                                "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-heuristic, sd-confidence, sd-egag, "
+                                "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "tree-suffix, tree-mixed-suffix, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "tree-suffix, tree-mixed-suffix, cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec, "
                                 "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "

@@ -82,7 +82,7 @@ class StepPrinter:
 def summary_line(stats: GenerationStats, method: str) -> str:
     parts = [f"{stats.new_tokens} tokens in {stats.wall_seconds:.2f} s", f"{stats.tokens_per_second:.2f} tok/s"]
     if stats.lossy:
-        parts.insert(0, f"LOSSY (lenience {stats.lenience:g}: not the target's distribution)")
+        parts.insert(0, f"LOSSY ({stats.lossy_reason}: not the target's distribution)")
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
     parts.append(f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens "

@@ -21,12 +21,14 @@ from .backends import Backend, Segment
 from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import drive, one_hot
+from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
 from .samplers import GREEDY, Sampler, greedy_tokens, sample
 from .schedules import CostAware, Fixed, Schedule
+from .text import pair_mode
 from .trees import Tree, input_parents
-from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
+from .verify import Typical, sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy, verify_typical
 
 
 @dataclass
@@ -88,13 +90,22 @@ class GenerationStats:
     target_seconds: float = 0.0  # inside the target's passes (its prompt pass included)
     drafter_seconds: float = 0.0  # drafting, and keeping the drafter's state in step (rollback, hidden states)
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
+    typical: str | None = None  # typical acceptance's settings where it was used (lossy; `verify.Typical`)
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
 
     @property
     def lossy(self) -> bool:
-        """Lenience < 1 changes the output only under sampling: with one-hot p a draft token is
-        accepted iff p(x) = 1, for any l, so a greedy run stays exact (unknown counts as sampled)."""
-        return self.lenience < 1 and not self.greedy
+        """Lenience < 1 and typical acceptance change the output only under sampling: greedy
+        verification is by the target's argmax either way, so a greedy run stays exact (unknown
+        counts as sampled)."""
+        return (self.lenience < 1 or self.typical is not None) and not self.greedy
+
+    @property
+    def lossy_reason(self) -> str:
+        """What made the output lossy ('' where it is not)."""
+        if not self.lossy:
+            return ""
+        return self.typical if self.typical is not None else f"lenience {self.lenience:g}"
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -161,7 +172,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
                          schedule: Schedule | None = None, lenience: float = 1.0,
-                         debug: bool = False, logprobs: int | None = None) -> GenerationResult:
+                         debug: bool = False, logprobs: int | None = None,
+                         typical: Typical | None = None) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -176,6 +188,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
+    typical: Medusa's typical acceptance instead of rejection sampling (`verify.Typical`): LOSSY
+        under sampling, greedy output unaffected; chains only.
     seed: pins the output: the same seed gives the same tokens on the same machine, under every
         schedule (the drafter and the verification draw from separate streams, and under sampling
         schedules get no wall-clock timings when a seed is given, so the cost schedules keep their
@@ -194,7 +208,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     """
     return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
-                        schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs))
+                        schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
+                        typical=typical))
 
 
 def run(decoding: "Decoding") -> GenerationResult:
@@ -223,11 +238,12 @@ class Decoding:
                  gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
-                 debug: bool = False, logprobs: int | None = None):
+                 debug: bool = False, logprobs: int | None = None, typical: Typical | None = None):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
-            drafter = ModelDrafter(drafter)  # a model
+            # a model: its ids as they are, or through text where its tokenizer is another
+            drafter = ModelDrafter(drafter) if pair_mode(target, drafter) == "shared" else OtherTokenizerDrafter(drafter)
         self.trees = hasattr(drafter, "propose_tree")
         self.reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
         if drafter is not None:
@@ -236,11 +252,17 @@ class Decoding:
                                    "use a chain method, or --dtype auto (transformers' weights) for trees")
             if self.trees and lenience != 1:
                 raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
+            if self.trees and typical is not None:
+                raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
+            if typical is not None and lenience != 1:
+                raise SpecdecError("choose lenience or typical acceptance, not both")
+            if typical is not None and not isinstance(typical, Typical):
+                raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
             drafter.check_target(target)
             if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
                 raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
-        self.lenience, self.debug = lenience, debug
+        self.lenience, self.typical, self.debug = lenience, typical, debug
         self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
         models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
         prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
@@ -387,7 +409,8 @@ class Decoding:
             path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details)
             num_accepted = len(path)
         else:
-            num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details)
+            num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
+                                             self.typical)
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
@@ -435,6 +458,7 @@ class Decoding:
         self.stats.drafter_forwards = self.drafter.forwards if self.drafter is not None else 0
         if self.drafter is not None:
             self.stats.lenience = float(self.lenience)
+            self.stats.typical = self.typical.describe() if self.typical is not None else None
         self.stats.greedy = self.sampler.is_greedy
         return self.out.finish()
 
@@ -474,7 +498,7 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
-            lenience: float = 1.0, details: dict | None = None) -> tuple[int, int]:
+            lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None) -> tuple[int, int]:
     """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
     dict, also the lists "p", "q", "u" of each draft token (for the step view)."""
     if not draft.tokens:
@@ -486,6 +510,8 @@ def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: tor
         if details is not None:
             matches = (target_tokens[:-1] == tokens).float()
             details.update(p=matches, q=torch.ones_like(matches), u=None)
+    elif typical is not None:
+        num_accepted, next_token = verify_typical(sampler.probs(logits), tokens, typical, generator)
     else:
         q = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1], logits.device)
         num_accepted, next_token = verify_draft(sampler.probs(logits), q, tokens, generator, lenience, details)

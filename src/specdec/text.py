@@ -67,6 +67,19 @@ def eos_ids(sources) -> list[int]:
     return ids
 
 
+def pair_mode(target, drafter) -> str:
+    """How `drafter` (a model) can draft for `target`: "shared" (one vocabulary: token ids as they
+    are, `ModelDrafter`) or "retokenize" (two tokenizers: through text, `OtherTokenizerDrafter`,
+    exact through a one-hot law). Raises what `check_pair` raises where neither applies."""
+    if target.tokenizer is not None and drafter.tokenizer is not None and (
+            len(target.tokenizer) != len(drafter.tokenizer) or not _same_vocabulary(target.tokenizer, drafter.tokenizer)):
+        if target.device != drafter.device:
+            raise SpecdecError(f"target is on {target.device} but drafter on {drafter.device}; load both on one device")
+        return "retokenize"
+    check_pair(target, drafter)
+    return "shared"
+
+
 def check_pair(target, drafter) -> None:
     """Raise a clear error unless the drafter proposes tokens in the target's vocabulary.
 
@@ -77,7 +90,8 @@ def check_pair(target, drafter) -> None:
     if target.tokenizer is not None and drafter.tokenizer is not None:
         if len(target.tokenizer) != len(drafter.tokenizer) or not _same_vocabulary(target.tokenizer, drafter.tokenizer):
             raise SpecdecError(
-                f"tokenizers differ: target {target.name} and drafter {drafter.name} map tokens to different ids"
+                f"tokenizers differ: target {target.name} and drafter {drafter.name} map tokens to different ids "
+                "(a drafter model passed as it is drafts through text: `OtherTokenizerDrafter`)"
             )
     elif target.vocab_size != drafter.vocab_size:
         raise SpecdecError(

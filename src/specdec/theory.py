@@ -110,3 +110,21 @@ def expected_tree_tokens(parents: list[int], ranks: list[int], acceptance: list[
         own = acceptance[rank] if rank < len(acceptance) else 0.0
         reach.append(own * (1.0 if parent < 0 else reach[parent]))
     return 1.0 + sum(reach)
+
+
+def typical_first_token_law(target_probs: torch.Tensor, draft_probs: torch.Tensor, epsilon: float = 0.09,
+                            delta: float = 0.3) -> torch.Tensor:
+    """The law of the first token emitted under typical acceptance (`verify.Typical`) when the
+    drafter draws x ~ q: r(y) = q(y)·a(y) + (1 - Σ_x q(x)·a(x))·p(y), a(y) = 1 if p(y) passes
+    the threshold. p, q: [..., V] -> r [..., V]. With exact verification r = p."""
+    from .verify import Typical, typical_threshold
+
+    p, q = target_probs.float(), draft_probs.float()
+    passes = (p > typical_threshold(p, Typical(epsilon, delta)).unsqueeze(-1)).float()
+    kept = q * passes
+    return kept + (1 - kept.sum(-1, keepdim=True)) * p
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """½ Σ |a - b| over the last dimension: [..., V] -> [...]."""
+    return 0.5 * (a.float() - b.float()).abs().sum(-1)

@@ -6,6 +6,8 @@ of trials per second.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .errors import SpecdecError
@@ -66,6 +68,57 @@ def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_to
     residual = torch.where(empty, p_stop, residual)
     next_token = sample(residual, generator)
     return num_accepted, next_token
+
+
+@dataclass(frozen=True)
+class Typical:
+    """Medusa's typical acceptance (Cai et al. 2024, `evaluate_posterior`): a draft token x is
+    accepted where the target gives it p(x) > min(epsilon, delta·exp(-H(p))), H the entropy of p.
+    LOSSY under sampling (the output no longer follows p); greedy verification is unchanged."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self):
+        for name in ("epsilon", "delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise SpecdecError(f"typical acceptance needs 0 < {name} <= 1, got {value!r}")
+
+    def describe(self) -> str:
+        return f"typical acceptance ε={self.epsilon:g}, δ={self.delta:g}"
+
+
+def typical_threshold(probs: torch.Tensor, typical: Typical) -> torch.Tensor:
+    """min(ε, δ·exp(-H(p))) for each distribution p in probs [..., V] -> [...]."""
+    p = probs.float()
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    return torch.clamp(typical.delta * torch.exp(-entropy), max=typical.epsilon)
+
+
+def verify_typical(target_probs: torch.Tensor, draft_tokens: torch.Tensor, typical: Typical,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance of a draft (LOSSY under sampling; see `Typical`).
+
+    Args:
+        target_probs: [..., γ+1, V] the target's p at each draft position, plus one past the end.
+        draft_tokens: [..., γ] (long) the drafted tokens (their q plays no part).
+    Returns:
+        num_accepted: [...] the longest prefix of tokens each above its position's threshold.
+        next_token: [...] a sample from p at the first position not accepted (as Medusa: not
+            from a residual, which is what makes the rule lossy but lets it accept a token the
+            drafter over-proposes).
+    """
+    if target_probs.shape[:-2] != draft_tokens.shape[:-1] or target_probs.shape[-2] != draft_tokens.shape[-1] + 1:
+        raise SpecdecError(f"target_probs {tuple(target_probs.shape)} must be [..., γ+1, V] for draft_tokens "
+                           f"{tuple(draft_tokens.shape)} [..., γ]")
+    p = target_probs.float()
+    gamma = draft_tokens.shape[-1]
+    p_x = p[..., :gamma, :].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [..., γ]
+    accepted = p_x > typical_threshold(p[..., :gamma, :], typical)
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # [...]
+    index = num_accepted[..., None, None].expand(*num_accepted.shape, 1, p.shape[-1])
+    return num_accepted, sample(p.gather(-2, index).squeeze(-2), generator)
 
 
 def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

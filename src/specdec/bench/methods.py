@@ -14,7 +14,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
-from ..drafters import LookupDrafter, NgramDrafter, SuffixDrafter, make_tree_drafter
+from ..drafters import CascadeDrafter, LookupDrafter, NgramDrafter, SuffixDrafter, make_tree_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.layerskip import self_skip_drafter
 from ..drafters.medusa import MedusaDrafter
@@ -25,6 +25,7 @@ from ..medusa import load_heads
 from ..passcost import PassCosts
 from ..samplers import Sampler
 from ..schedules import AssumedCosts, TreeCost, make_schedule
+from ..verify import Typical
 
 METHODS = {
     "ar": "ours: autoregressive, one target pass per token",
@@ -44,6 +45,8 @@ METHODS = {
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
     "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
+    "cascade": "sd-cost with a cascade: suffix drafting guesses the drafter model's tokens, 3 a pass",
+    "sd-typical": "sd-cost with Medusa's typical acceptance (ε 0.09, δ 0.3): LOSSY under sampling",
     "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
     "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
@@ -63,7 +66,7 @@ METHODS = {
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-cost", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
+NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "cascade", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
                  "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
@@ -218,17 +221,18 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),
-                    "suffix": lambda: SuffixDrafter(),
+                    "suffix": lambda: SuffixDrafter(), "cascade": lambda: CascadeDrafter(drafter),
                     "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
         schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
-        costs = {"sd-cost": settings.pass_costs, "suffix": settings.free_costs,
+        typical = Typical() if method == "sd-typical" else None
+        costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs, "suffix": settings.free_costs,
                  "retrieval": settings.free_costs}.get(method)
-        if method in ("suffix", "retrieval"):
+        if method in ("suffix", "retrieval", "sd-typical", "cascade"):
             schedule_name = "cost"
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
-                                      schedule=schedule, **common)
+                                      schedule=schedule, typical=typical, **common)
     s = result.stats
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,

@@ -131,6 +131,9 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             # per drafting step: accepted draft tokens (for trees, the accepted path's length) and tree nodes
             "mean_accepted_per_step": _mean([n for r in rs for n in r.accepted_per_step]),
             "mean_nodes_per_step": _mean([n for r in rs for n in r.nodes_per_step]),
+            # the drafter model's passes per emitted token (cascades save some; None: no drafter model ran)
+            "drafter_passes_per_token": (sum(sum(r.drafter_passes_per_step) for r in rs) / sum(r.new_tokens for r in rs)
+                                         if any(r.drafter_passes_per_step for r in rs) else None),
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
             **_time_split(rs),

@@ -15,15 +15,17 @@ from ..errors import SpecdecError
 from ..schedules import AssumedCosts, TreeCost
 from ..trees import SCHEMES
 from .base import Draft, Drafter, KeepGoing
+from .cascade import CascadeDrafter
 from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .retokenize import OtherTokenizerDrafter
 from .suffix import SuffixCache, SuffixDrafter, SuffixIndex
 from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 
-__all__ = ["Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
-           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex",
+__all__ = ["CascadeDrafter", "Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
+           "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "OtherTokenizerDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex",
            "SuffixTreeDrafter", "MODEL_FREE_TREES", "TREES", "check_tree_options", "make_tree_drafter"]
 
 

@@ -58,13 +58,7 @@ class ModelDrafter:
         across sequences."""
         tokens: list[int] = []
         probs = []
-        if getattr(self.model, "exact_rows", False) and len(context) - cache_length(self.cache) > 2:
-            # the prompt, or the tokens of steps that drafted nothing: a row-exact pass over them
-            # would attend a row at a time, so they are fed plainly, as the target's prompt is, and
-            # only when a draft is asked for (a sequence the engine never lets draft never pays it)
-            began, behind = time.perf_counter(), self.lag(context)
-            self.model.prefill(self._inputs(context), self.cache)
-            self.caught_up = [self.caught_up[0] + behind, self.caught_up[1] + time.perf_counter() - began]
+        self._catch_up(context)
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
         pending = self._inputs(context[cache_length(self.cache):])
@@ -84,6 +78,15 @@ class ModelDrafter:
             if not keep_going(len(tokens), logits):
                 break
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _catch_up(self, context: Sequence[int]) -> None:
+        """On a row-exact model, feed the prompt, or the tokens of steps that drafted nothing, in
+        a plain pass: a row-exact pass over them would attend a row at a time. Only when a draft
+        is asked for (a sequence the engine never lets draft never pays it)."""
+        if getattr(self.model, "exact_rows", False) and len(context) - cache_length(self.cache) > 2:
+            began, behind = time.perf_counter(), self.lag(context)
+            self.model.prefill(self._inputs(context), self.cache)
+            self.caught_up = [self.caught_up[0] + behind, self.caught_up[1] + time.perf_counter() - began]
 
     def rollback(self, length: int) -> None:
         crop_cache(self.cache, length)
