@@ -126,6 +126,46 @@ def test_suffix_requests_draft_from_earlier_outputs(server, tiny_pair):
     assert again["accepted_tokens"] > first["accepted_tokens"] and again["target_passes"] < 20
 
 
+class _IdTokenizer:
+    """Token ids as text: enough for a datastore's tokenizer check and the server's decoding."""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(16)}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_retrieval_requests_draft_from_the_servers_datastore(tmp_path):
+    """A datastore holding the answer to a prompt: retrieval drafts it, the answer stays the target's;
+    a server without a datastore refuses the method with a 400 naming the field."""
+    from specdec.datastore import Datastore, build
+    from specdec.vocab import tokenizer_key
+
+    target = tiny_model(0, exact_rows=True, name=NAME)
+    target.tokenizer = _IdTokenizer()
+    prompt = PROMPTS[6]
+    answer = autoregressive_generate(prompt, target, max_new_tokens=20).tokens
+    build([prompt + answer], tmp_path / "store", tokenizer_key(target.tokenizer), 16, "answers")
+    store = Datastore(tmp_path / "store")
+    with serving(lambda: Service(target, None, limits=Limits(max_tokens=24), suffix_cache_tokens=0, datastore=store),
+                 max_batch=2, steer=False) as (url, _):
+        reply = _client(url).completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                                extra_body={"speculative": {"method": "retrieval"}})
+    assert reply.choices[0].text == target.decode(answer)
+    spec = reply.usage.model_extra["speculative"]
+    assert spec["method"] == "retrieval" and spec["accepted_tokens"] > 0
+    other = tiny_model(0, exact_rows=True, name=NAME)
+    other.tokenizer = _OtherTokenizer()
+    with pytest.raises(SpecdecError, match="another tokenizer"):
+        Service(other, None, datastore=store)
+
+
+class _OtherTokenizer(_IdTokenizer):
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(16)}
+
+
 def test_eight_streams_at_once_each_equal_its_prompt_alone(server, tiny_pair):
     url, app = server
     client = _client(url)
@@ -274,6 +314,7 @@ BAD = [
     ({"prompt": [1], "logprobs": 21}, 400, "logprobs", "must be in"),
     ({"prompt": [1], "echo": True}, 400, "echo", "not supported"),
     ({"prompt": [1], "speculative": {"method": "magic"}}, 400, "speculative.method", "one of"),
+    ({"prompt": [1], "speculative": {"method": "retrieval"}}, 400, "speculative.method", "needs a datastore"),
     ({"prompt": [1], "speculative": {"path": "/etc/passwd"}}, 400, "speculative", "takes method"),
     ({"prompt": [1], "speculative": "model.gguf"}, 400, "speculative", "must be false or an object"),
 ]
@@ -541,6 +582,8 @@ def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair,
     (["--kv-memory", "lots"], "--kv-memory"),
     (["--max-body", "-1"], "--max-body"),
     (["--suffix-cache-tokens", "-5"], "--suffix-cache-tokens must be >= 0"),
+    (["--method", "retrieval"], "--method retrieval drafts from a datastore"),
+    (["--datastore", "no-such-folder"], "no-such-folder"),
 ])
 def test_serve_options_are_checked_before_loading(args, message):
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)

@@ -623,6 +623,35 @@ def train_heads(
               + f"; {info['seconds']:.0f} s", highlight=False)
 
 
+@app.command("export-heads")
+def export_heads_command(
+    folder: str = typer.Argument(..., help="A folder of heads trained here (specdec train-heads --out)."),
+    out: str = typer.Option(..., "--out", help="New folder to write the exported heads into."),
+    fmt: str = typer.Option("medusa", "--format", help="medusa (vLLM's Medusa layout). eagle is refused: "
+                            "the engines' EAGLE layer differs from ours."),
+    target: Optional[str] = typer.Option(None, help="The target the heads were trained for (default: the one "
+                                         "their checkpoint names); its output-head rows are copied."),
+    dtype: str = typer.Option("auto", "--dtype", help="Target dtype: the exported head rows keep it."),
+):
+    """Write heads trained here in the layout another engine loads (vLLM's Medusa)."""
+    from .export import check_format, export_heads
+    from .medusa import load_heads
+
+    try:
+        check_format(fmt)  # before minutes of loading
+        heads = load_heads(folder)
+        if dtype == "gguf":
+            raise SpecdecError("exporting copies the target's output-head rows: use --dtype auto, bf16 or fp32")
+        target_model = _load(target or heads.info.get("target") or registry.DEFAULT_TARGET, dtype, "cpu", "target",
+                             exact_rows=False)
+        with err.status("writing…"):
+            written = export_heads(heads, target_model, out, fmt)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    err.print(f"{heads.heads.num_heads} Medusa heads for {target_model.name} in {written} (vLLM: speculative_config "
+              f"{{\"model\": \"{written}\", \"num_speculative_tokens\": {heads.heads.num_heads}}})", highlight=False)
+
+
 @app.command()
 def install(names: list[str] = typer.Argument(None, help="Registry names (default: all).")):
     """Download, verify (sha256) and convert the embedded models into specdec's cache."""
@@ -1100,6 +1129,8 @@ def serve(
     suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
                                             "outputs the suffix method drafts from, shared by all requests "
                                             "(0: none)."),
+    datastore_dir: Optional[str] = typer.Option(None, "--datastore", help="A datastore (specdec datastore build) "
+                                                "the retrieval method drafts from."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
                               "(transformers' weights; the batched engine runs them), or gguf (llama.cpp's "
                               "backend: one sequence at a time, chains only)."),
@@ -1108,6 +1139,7 @@ def serve(
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
+    from .datastore import Datastore
     from .models import GGUF_WEIGHTS
     from .server.schema import METHODS, Speculation
     from .server.service import Limits
@@ -1136,6 +1168,9 @@ def serve(
                                "--method lookup or suffix)")
         if suffix_cache_tokens < 0:
             raise SpecdecError(f"--suffix-cache-tokens must be >= 0, got {suffix_cache_tokens}")
+        if method == "retrieval" and datastore_dir is None:
+            raise SpecdecError("--method retrieval drafts from a datastore: give --datastore DIR")
+        datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
         budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
@@ -1161,7 +1196,8 @@ def serve(
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         speculation = Speculation(None if method == "ar" else method, gamma_max, tree_nodes)
         service = Service(target_model, drafter_model, default=speculation, limits=limits, costs=costs,
-                          lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens)
+                          lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,
+                          datastore=datastore)
         err.print(f"serving {service.name} on http://{host}:{port}/v1 (speculation: {method}, max batch "
                   f"{max_batch})", highlight=False)
         return service

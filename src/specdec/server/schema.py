@@ -14,7 +14,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per completions request
 MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
-METHODS = ("default", "ar", "chain", "lookup", "suffix", "tree")
+METHODS = ("default", "ar", "chain", "lookup", "suffix", "retrieval", "tree")
 
 
 class BadRequest(Exception):

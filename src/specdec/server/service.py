@@ -13,7 +13,7 @@ from ..samplers import Sampler
 from .schema import BadRequest, Job, Speculation
 
 
-MODEL_FREE = ("lookup", "suffix")  # methods that draft without a model: their costs are the target's alone
+MODEL_FREE = ("lookup", "suffix", "retrieval")  # methods that draft without a model: their costs are the target's alone
 
 
 @dataclass
@@ -38,11 +38,13 @@ class Service:
     sized as on a machine with those costs, the same on every run (tests).
     suffix_cache_tokens: the most tokens of earlier outputs the `suffix` method drafts from
     (`SuffixCache`, shared by all requests; 0: none, each request drafts from its own text).
+    datastore: a `datastore.Datastore` the `retrieval` method drafts from (the operator's, opened
+    at start; no request names one), checked against the target's tokenizer.
     """
 
     def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
                  limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None,
-                 suffix_cache_tokens: int = 100_000):
+                 suffix_cache_tokens: int = 100_000, datastore=None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
         if self.default.method in ("default", "chain", "tree") and drafter is None:
@@ -50,6 +52,11 @@ class Service:
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
         self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
+        if datastore is not None:
+            datastore.check_tokenizer(target.tokenizer, target.vocab_size)
+        elif self.default.method == "retrieval":
+            raise BadRequest("speculation 'retrieval' needs a datastore")
+        self.datastore = datastore
         self._token_texts: dict[int, str] = {}
 
     def token_text(self, token: int) -> str:
@@ -129,6 +136,9 @@ class Service:
         if method in ("default", "chain", "tree") and self.drafter is None:
             raise BadRequest(f"speculative.method {method!r} needs a drafter model, and this server has none; "
                              "use lookup, suffix or false", "speculative.method")
+        if method == "retrieval" and self.datastore is None:
+            raise BadRequest("speculative.method 'retrieval' needs a datastore, and this server has none; "
+                             "use lookup, suffix or false", "speculative.method")
         if method == "tree":
             nodes = speculation.tree_nodes or self.default.tree_nodes or 64
             return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
@@ -137,7 +147,9 @@ class Service:
         # a seed under sampling pins the output: its draft lengths must not come from timings
         pinned = seed is not None and not sampler.is_greedy
         costs = None if pinned else (self.lookup_costs if method in MODEL_FREE else self.costs)
-        drafter = {"lookup": LookupDrafter, "suffix": lambda: SuffixDrafter(self.suffix_cache)}.get(method, self.drafter)
+        drafter = {"lookup": LookupDrafter, "suffix": lambda: SuffixDrafter(self.suffix_cache),
+                   "retrieval": lambda: SuffixDrafter(self.suffix_cache, datastore=self.datastore)
+                   }.get(method, self.drafter)
         return Request(prompt_ids, drafter, **common,
                        schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs,
                                                       assumed=self.assumed))

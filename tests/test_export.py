@@ -1,0 +1,89 @@
+"""export-heads: our Medusa heads in vLLM's Medusa layout (key names, shapes, config), and a
+re-implementation of vLLM's Medusa forward over the exported files scores what ours does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from specdec.cli import app
+from specdec.distill import head_rows
+from specdec.errors import SpecdecError
+from specdec.export import export_heads
+from specdec.medusa import Heads
+
+from conftest import tiny_model
+from test_self_drafting import _random_heads
+
+
+def _vllm_medusa_logits(folder, hidden: torch.Tensor) -> torch.Tensor:
+    """vLLM's Medusa (model_executor/models/medusa.py) as its config and weights direct: per head
+    x + SiLU(W x (+ b if medusa_fc_bias)), the shared lm_head, logits scattered to `token_map` in a
+    -inf row of vocab_size. hidden [H] -> [K, V]."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    # vLLM's MedusaConfig.from_pretrained renames keys with "num" and "heads"/"layers": ours are already those names
+    assert {k for k in config if "num" in k} == {"num_heads", "num_hidden_layers"}
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert config["original_lm_head"] is True and config["medusa_fc_bias"] is True
+    rows = []
+    for k in range(config["num_heads"]):
+        x = hidden.float()
+        for j in range(config["num_hidden_layers"]):
+            w, b = weights[f"blocks.{k}.layers.{j}.weight"], weights[f"blocks.{k}.layers.{j}.bias"]
+            x = x + torch.nn.functional.silu(w.float() @ x + b.float())
+        logits = weights["lm_head.weight"].float() @ x
+        full = torch.full((config["vocab_size"],), float("-inf"))
+        full[weights["token_map"]] = logits
+        rows.append(full)
+    return torch.stack(rows)
+
+
+@pytest.mark.slow
+def test_medusa_heads_export_to_vllms_layout_and_score_what_ours_do(tmp_path):
+    target = tiny_model(0, vocab=32)
+    heads = _random_heads(target, num_heads=3)
+    ids = torch.tensor([0, 1, 4, 5, 9, 17, 30])  # a scored subset, as a frequent-token head has
+    heads = Heads(heads.heads, ids, heads.info)
+    folder = export_heads(heads, target, tmp_path / "vllm")
+    weights = load_file(str(folder / "model.safetensors"))
+    hidden_size = target.hidden_size
+    expected = {f"blocks.{k}.layers.0.{p}" for k in range(3) for p in ("weight", "bias")} | {"lm_head.weight", "token_map"}
+    assert set(weights) == expected
+    assert weights["blocks.0.layers.0.weight"].shape == (hidden_size, hidden_size)
+    assert weights["lm_head.weight"].shape == (len(ids), hidden_size) and weights["token_map"].dtype == torch.int64
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["vocab_size"], config["truncated_vocab_size"], config["num_heads"]) == (32, len(ids), 3)
+    hidden = torch.randn(hidden_size, generator=torch.Generator().manual_seed(0))
+    ours = heads.heads(hidden.float()) @ head_rows(target, ids).float().T  # [K, N]: what MedusaDrafter scores
+    theirs = _vllm_medusa_logits(folder, hidden)
+    assert torch.allclose(theirs[:, ids], ours, atol=1e-5)
+    assert torch.isinf(theirs[:, [i for i in range(32) if i not in ids.tolist()]]).all()
+
+
+def test_export_refuses_eagle_another_target_and_a_used_folder(tmp_path):
+    target = tiny_model(0, vocab=32)
+    heads = _random_heads(target)
+    with pytest.raises(SpecdecError, match="EAGLE heads cannot be exported"):
+        export_heads(heads, target, tmp_path / "a", "eagle")
+    with pytest.raises(SpecdecError, match="trained for"):
+        export_heads(heads, tiny_model(1, vocab=32), tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x").write_text("")
+    with pytest.raises(SpecdecError, match="not empty"):
+        export_heads(heads, target, tmp_path / "c")
+
+
+def test_cli_export_errors_are_one_line(tmp_path):
+    runner = CliRunner()
+    for args, message in ((["export-heads", str(tmp_path), "--out", str(tmp_path / "o"), "--format", "eagle"],
+                           "EAGLE heads cannot be exported"),
+                          (["export-heads", str(tmp_path), "--out", str(tmp_path / "o"), "--format", "onnx"],
+                           "unknown format 'onnx'"),
+                          (["export-heads", str(tmp_path), "--out", str(tmp_path / "o")], "medusa.json is missing")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
