@@ -189,7 +189,50 @@ class SidesDrafter(ModelDrafter):
         self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
 
 
-class LookupTreeDrafter(LookupDrafter):
+class _FreeTree:
+    """What the model-free trees share: nodes kept by value while they pay for their width, the
+    accepted path counted (their `learn`), the step's timings for their cost policy."""
+
+    policy: TreeCost
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        """The tree its `grow` hangs after the context, cut to what pays (`select`)."""
+        self.observe(context)
+        root = Node(-1, 1.0, "deterministic")
+        if max_depth >= 1 and self.policy.should_draft():
+            self.grow(root, context, max_depth)
+        tree, order = to_tree(root, self.select(root))
+        self._drafted = bool(tree.tokens)
+        self.remember(tree, dict(enumerate(order)))
+        return tree
+
+    def select(self, root: Node, budget: int | None = None) -> set[int]:
+        """Nodes by falling value while they pay, at most `budget` (default: the policy's max_nodes);
+        a node's value never exceeds its parent's, so the set is closed."""
+        candidates, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            for child in node.children:
+                candidates.append(child)
+                stack.append(child)
+        keep, threshold = set(), self.policy.node_threshold
+        budget = self.policy.max_nodes if budget is None else budget
+        for child in sorted(candidates, key=lambda c: -c.value):
+            if len(keep) >= budget or child.value < threshold:
+                break
+            keep.add(id(child))
+        return keep
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        self.learn(path)  # each tree's own: what of its last tree verification tried and accepted
+
+    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
+               emitted: int) -> None:
+        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+
+
+class LookupTreeDrafter(_FreeTree, LookupDrafter):
     """Prompt lookup as a trie: the continuations of up to `branches` earlier occurrences of the
     current suffix (longest n-gram first, then shorter ones), merged where they agree.
 
@@ -254,16 +297,6 @@ class LookupTreeDrafter(LookupDrafter):
                 counts[1] += int(accepted)
         self._parents, self._proposed = [], {}
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        root = Node(-1, 1.0, "deterministic")
-        if max_depth >= 1 and self.policy.should_draft():
-            self.grow(root, context, max_depth)
-        tree, order = to_tree(root, self.select(root))
-        self._drafted = bool(tree.tokens)
-        self.remember(tree, dict(enumerate(order)))
-        return tree
-
     def grow(self, root: Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
         """Insert the continuations under `root` (children after any it already has), their values
         times `weight` (the chance the target reaches `root`); return the longest suffix match
@@ -287,19 +320,10 @@ class LookupTreeDrafter(LookupDrafter):
         rank(root)
         return matches[0][0]
 
-    def select(self, root: Node, budget: int | None = None) -> set[int]:
-        """Nodes by falling value while they pay, at most `budget` (default: the policy's max_nodes)."""
-        return _paying(root, self.policy, budget)
-
-    def keep_path(self, start: int, path: list[int]) -> None:
-        self.learn(path)
-
-    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
-               emitted: int) -> None:
-        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
 
 
-class SuffixTreeDrafter(SuffixDrafter):
+
+class SuffixTreeDrafter(_FreeTree, SuffixDrafter):
     """Suffix drafting's tree mode (SuffixDecoding): from the earlier occurrences of the context's
     suffix (in this request's text, earlier outputs, a datastore: `SuffixDrafter`'s indexes),
     a tree of what followed them, grown best first by the product of count ratios (`best_tree`);
@@ -333,17 +357,6 @@ class SuffixTreeDrafter(SuffixDrafter):
             calibration.reset()
         self._drafted, self._parents, self._proposed = False, [], {}
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        self.observe(context)
-        root = Node(-1, 1.0, "deterministic")
-        if max_depth >= 1 and self.policy.should_draft():
-            self.grow(root, context, max_depth)
-        tree, order = to_tree(root, self.select(root))
-        self._drafted = bool(tree.tokens)
-        self.remember(tree, dict(enumerate(order)))
-        return tree
-
     def grow(self, root: Node, context: Sequence[int], max_depth: int, weight: float = 1.0) -> int:
         """Hang the best suffix tree under `root` (which has no children yet), its values times
         `weight` (the chance the target reaches `root`) -> the bin of its match length, from 1
@@ -371,9 +384,6 @@ class SuffixTreeDrafter(SuffixDrafter):
         rank(root)
         return length_bin(length) + 1
 
-    def select(self, root: Node, budget: int | None = None) -> set[int]:
-        """Nodes by falling value while they pay, at most `budget` (default: the policy's max_nodes)."""
-        return _paying(root, self.policy, budget)
 
     def remember(self, tree: Tree, proposed: dict[int, Node]) -> None:
         """The tree just proposed, and its nodes suffix drafting proposed: index -> node (for `learn`)."""
@@ -387,12 +397,6 @@ class SuffixTreeDrafter(SuffixDrafter):
                 self.calibration[length_bin(node.ngram)].record(node.ratio, accepted)
         self._parents, self._proposed = [], {}
 
-    def keep_path(self, start: int, path: list[int]) -> None:
-        self.learn(path)
-
-    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
-               emitted: int) -> None:
-        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
 
 
 class MixedDrafter(SidesDrafter):
@@ -542,24 +546,6 @@ def _merge(into: Node, other: Node, proposed: list[Node]) -> None:
                 same.ratio = child.ratio  # a suffix node's count ratio, for its calibration
             proposed.append(same)
             _merge(same, child, proposed)
-
-
-def _paying(root: Node, policy: TreeCost, budget: int | None = None) -> set[int]:
-    """A model-free tree's nodes by falling value while they pay for their width, at most `budget`
-    (default: the policy's max_nodes); a node's value never exceeds its parent's, so the set is closed."""
-    candidates, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        for child in node.children:
-            candidates.append(child)
-            stack.append(child)
-    keep, threshold = set(), policy.node_threshold
-    budget = policy.max_nodes if budget is None else budget
-    for child in sorted(candidates, key=lambda c: -c.value):
-        if len(keep) >= budget or child.value < threshold:
-            break
-        keep.add(id(child))
-    return keep
 
 
 def _subtree(node: Node) -> list[Node]:
