@@ -106,3 +106,19 @@ def test_greedy_with_a_drafter_of_another_tokenizer_equals_ar(smollm2, gemma3, r
     result = speculative_generate(ids, target, drafter, gamma=4, max_new_tokens=24)
     assert result.tokens == expected
     assert result.stats.accepted > 0  # the re-encoded drafts were right at times
+
+
+def test_bench_runs_ours_and_transformers_with_a_drafter_of_another_tokenizer(smollm2, gemma3):
+    from specdec.bench.methods import Settings
+    from specdec.bench.run import run_benchmark
+    from specdec.errors import SpecdecError
+
+    methods = ["ar", "sd-other-tokenizer", "hf-assisted-other-tokenizer"]
+    result = run_benchmark(["humaneval:1:0"], None, methods, "smollm2-135m", None,
+                           Settings(max_new_tokens=8, other_drafter="gemma3-270m"), dtype="fp32")
+    summary = result["summary"]
+    assert summary["sd-other-tokenizer"]["identical_to_ar"] == 1 and summary["sd-other-tokenizer"]["acceptance_rate"]
+    assert summary["hf-assisted-other-tokenizer"]["prompts"] == 1
+    with pytest.raises(SpecdecError, match="shares"):
+        run_benchmark(["humaneval:1:0"], None, ["sd-other-tokenizer"], "smollm2-135m", None,
+                      Settings(max_new_tokens=4, other_drafter="smollm2-135m"), dtype="fp32")

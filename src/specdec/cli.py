@@ -696,7 +696,9 @@ def bench(
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
                                 "tree-suffix, tree-mixed-suffix, cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
-                                "drafter at its defaults or at our γ, with prompt lookup); llama-cpp, llama-cpp-spec, "
+                                "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
+                                "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
+                                "with --other-drafter); llama-cpp, llama-cpp-spec, "
                                 "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
                                 "(ours, through the engine), hf-cb (transformers' continuous batching), hf-padded "
                                 "(its generate on padded batches)."),
@@ -734,6 +736,8 @@ def bench(
                                     "sizing) assumes: scoring 16 drafted tokens costs this many one-token passes."),
     heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
     eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
+    other_drafter: str = typer.Option("smollm2-135m", "--other-drafter", help="The drafter model with another "
+                                      "tokenizer (sd-other-tokenizer, hf-assisted-other-tokenizer)."),
     datastore: Optional[str] = typer.Option(None, "--datastore", help="A datastore folder (the retrieval method; "
                                             "`specdec datastore build`)."),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
@@ -757,7 +761,7 @@ def bench(
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
-                            skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
+                            other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
         if concurrency is not None:
             from .bench.concurrency import check_levels, check_load_methods, run_load_benchmark
 

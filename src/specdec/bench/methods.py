@@ -46,6 +46,8 @@ METHODS = {
     "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
     "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
     "cascade": "sd-cost with a cascade: suffix drafting guesses the drafter model's tokens, 3 a pass",
+    "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
+    "hf-assisted-other-tokenizer": "transformers' universal assisted generation with the --other-drafter model",
     "sd-typical": "sd-cost with Medusa's typical acceptance (ε 0.09, δ 0.3): LOSSY under sampling",
     "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
     "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
@@ -107,6 +109,7 @@ class Settings:
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     datastore: str | None = None  # a retrieval datastore's folder (the retrieval method)
+    other_drafter: str = "smollm2-135m"  # the drafter with another tokenizer (sd-other-tokenizer, hf-…-other-tokenizer)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
@@ -190,6 +193,9 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                peers: PeerModels | None = None) -> Record:
     """One generation of `method` on prompt `ids` (peers on `peers`' models where given)."""
     peers = peers or PeerModels()
+    if method == "hf-assisted-other-tokenizer":
+        return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
+                           other_drafter(settings, target)[0])
     if method.startswith("hf"):
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
                            peers.hf_drafter or drafter)
@@ -227,8 +233,10 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         typical = Typical() if method == "sd-typical" else None
         costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs, "suffix": settings.free_costs,
                  "retrieval": settings.free_costs}.get(method)
-        if method in ("suffix", "retrieval", "sd-typical", "cascade"):
+        if method in ("suffix", "retrieval", "sd-typical", "cascade", "sd-other-tokenizer"):
             schedule_name = "cost"
+        if method == "sd-other-tokenizer":  # a model with another tokenizer: the loop drafts through text
+            drafter, costs = other_drafter(settings, target)
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
@@ -241,6 +249,26 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run
+
+
+_OTHER_DRAFTERS: dict[tuple, tuple] = {}  # (name, device): (model, its pass costs with the target), loaded once a run
+
+
+def other_drafter(settings: Settings, target) -> tuple[TransformersModel, PassCosts]:
+    """The drafter with another tokenizer (`Settings.other_drafter`) and the pair's pass costs,
+    loaded at the first call (the bench's warm-up)."""
+    from ..models import load
+    from ..passcost import pass_costs
+    from ..text import pair_mode
+
+    key = (settings.other_drafter, str(target.device))
+    if key not in _OTHER_DRAFTERS:
+        model = load(settings.other_drafter, device=str(target.device), role="drafter")
+        if pair_mode(target, model) != "retokenize":
+            raise SpecdecError(f"--other-drafter {settings.other_drafter} shares {target.name}'s tokenizer; the "
+                               "other-tokenizer methods need a drafter with another one")
+        _OTHER_DRAFTERS[key] = (model, pass_costs(target, model))
+    return _OTHER_DRAFTERS[key]
 
 
 def open_datastore(settings: Settings):
@@ -290,13 +318,16 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
                 seed: int | None, drafter: TransformersModel | None = None) -> Record:
     """transformers' own `generate` on the very same model objects, with the same sampler."""
     peers = {"hf": {}, "hf-assisted": {"assistant_model": drafter.hf if drafter else None},
+             "hf-assisted-other-tokenizer": {"assistant_model": drafter.hf if drafter else None,
+                                             "tokenizer": model.tokenizer,
+                                             "assistant_tokenizer": drafter.tokenizer if drafter else None},
              "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
              "hf-lookup": {"prompt_lookup_num_tokens": settings.gamma}}
     if drafter is not None:
         # transformers reads these from the *assistant's* generation config and may carry state
         # across calls (a "heuristic" schedule keeps its grown γ): set them afresh on every call
         config = drafter.hf.generation_config
-        if method == "hf-assisted":  # transformers' defaults
+        if method in ("hf-assisted", "hf-assisted-other-tokenizer"):  # transformers' defaults
             config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
             config.assistant_confidence_threshold = 0.4
         else:

@@ -59,8 +59,9 @@ class OtherTokenizerDrafter:
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
         target_tokenizer, tokenizer = self.target.tokenizer, self.model.tokenizer
-        text = target_tokenizer.decode(list(context))
-        ids = tokenizer.encode(text, add_special_tokens=False) or [_stand_in(tokenizer)]
+        # no clean-up of spaces: the text must re-encode to what the target wrote
+        ids = tokenizer.encode(target_tokenizer.decode(list(context), clean_up_tokenization_spaces=False),
+                               add_special_tokens=False) or [_stand_in(tokenizer)]
         keep = min(_shared_prefix(self._held, ids), len(ids) - 1)  # at least one id fed, for its logits
         crop_cache(self.cache, keep)
         pending, self._held = ids[keep:], ids[:keep]
@@ -74,7 +75,8 @@ class OtherTokenizerDrafter:
             pending = [token]
             if not keep_going(len(drafted), logits):
                 break
-        return Draft(self.retokenize(context, tokenizer.decode(drafted))[:max_tokens], None)
+        text = tokenizer.decode(drafted, clean_up_tokenization_spaces=False)
+        return Draft(self.retokenize(context, text)[:max_tokens], None)
 
     def retokenize(self, context: Sequence[int], draft_text: str) -> list[int]:
         """The target's ids of `draft_text` as it continues `context` ([] where the boundary does not
@@ -85,7 +87,8 @@ class OtherTokenizerDrafter:
         tokenizer = self.target.tokenizer
         for behind in LOOKBEHIND:
             tail = list(context[-behind:])
-            ids = tokenizer.encode(tokenizer.decode(tail) + draft_text, add_special_tokens=False)
+            ids = tokenizer.encode(tokenizer.decode(tail, clean_up_tokenization_spaces=False) + draft_text,
+                                   add_special_tokens=False)
             if ids[:len(tail)] == tail:
                 return ids[len(tail):]
         return []
