@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-cascade bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -103,6 +103,14 @@ bench-cascade: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
 		--methods ar,sd-cost,cascade,sd-typical,tree-mixed --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/cascade.md --json docs/benchmarks/cascade.json --plot docs/benchmarks/cascade.png
+
+# a drafter with another tokenizer (SmolLM2-135M for the Qwen target): ours through text against
+# transformers' universal assisted generation (~25 min on 2 cores)
+bench-other-tokenizer: setup
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
+		--methods ar,sd-other-tokenizer,hf-assisted-other-tokenizer --other-drafter smollm2-135m \
+		--gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/other-tokenizer.md \
+		--json docs/benchmarks/other-tokenizer.json --plot docs/benchmarks/other-tokenizer.png
 
 # draft-length schedules on the model drafter, and the three drafters at the same fixed γ, greedy
 # (so every output is also checked token for token against AR; ~100 min)
