@@ -212,6 +212,7 @@ def test_generate_with_a_tree_draws_it_and_reports_the_path(need_smollm2):
     (["generate", "x", "--tree", "lookup", "--tree-nodes", "0"], "tree nodes must be"),
     (["generate", "x", "--tree", "mixed", "--typical"], "--typical applies to chain drafts only"),
     (["generate", "x", "--typical", "--typical-epsilon", "0"], "typical acceptance needs 0 < epsilon <= 1"),
+    (["generate", "x", "--typical", "--method", "ar"], "--method ar drafts nothing"),
     (["generate", "x", "--cascade", "ngram"], "unknown --cascade 'ngram'"),
     (["generate", "x", "--cascade", "suffix", "--drafter", "lookup"], "--cascade drafts for a drafter model's chain"),
     (["generate", "x", "--cascade", "suffix", "--tree", "mixed"], "--cascade drafts for a drafter model's chain"),

@@ -288,6 +288,8 @@ def generate(
                                    "and no --tree")
         if typical and tree != "off":
             raise SpecdecError("--typical applies to chain drafts only; tree verification is exact")
+        if typical and method != Method.sd:
+            raise SpecdecError("--typical changes how drafts are accepted; --method ar drafts nothing")
         if prompts_file is not None:  # before minutes of loading
             if lenience != 1 or typical:
                 raise SpecdecError("--lenience and --typical apply to one generation; drop them with --prompts")

@@ -263,7 +263,8 @@ def other_drafter(settings: Settings, target) -> tuple[TransformersModel, PassCo
 
     key = (settings.other_drafter, str(target.device))
     if key not in _OTHER_DRAFTERS:
-        model = load(settings.other_drafter, device=str(target.device), role="drafter")
+        # every id scored: transformers' universal assisted generation breaks on a frequent-token head
+        model = load(settings.other_drafter, device=str(target.device), role="drafter", vocab=0)
         if pair_mode(target, model) != "retokenize":
             raise SpecdecError(f"--other-drafter {settings.other_drafter} shares {target.name}'s tokenizer; the "
                                "other-tokenizer methods need a drafter with another one")
