@@ -263,8 +263,9 @@ def other_drafter(settings: Settings, target) -> tuple[TransformersModel, PassCo
 
     key = (settings.other_drafter, str(target.device))
     if key not in _OTHER_DRAFTERS:
-        # every id scored: transformers' universal assisted generation breaks on a frequent-token head
-        model = load(settings.other_drafter, device=str(target.device), role="drafter", vocab=0)
+        # bf16 over every id: transformers' universal assisted generation fails on our int8 drafter
+        # past a few dozen prompt tokens (a shape error inside its assistant pass; not yet understood)
+        model = load(settings.other_drafter, dtype="bf16", device=str(target.device), role="drafter", vocab=0)
         if pair_mode(target, model) != "retokenize":
             raise SpecdecError(f"--other-drafter {settings.other_drafter} shares {target.name}'s tokenizer; the "
                                "other-tokenizer methods need a drafter with another one")
