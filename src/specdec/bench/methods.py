@@ -195,7 +195,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     peers = peers or PeerModels()
     if method == "hf-assisted-other-tokenizer":
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
-                           other_drafter(settings, target)[0])
+                           other_drafter(settings, target)[1])
     if method.startswith("hf"):
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
                            peers.hf_drafter or drafter)
@@ -236,7 +236,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         if method in ("suffix", "retrieval", "sd-typical", "cascade", "sd-other-tokenizer"):
             schedule_name = "cost"
         if method == "sd-other-tokenizer":  # a model with another tokenizer: the loop drafts through text
-            drafter, costs = other_drafter(settings, target)
+            drafter, _, costs = other_drafter(settings, target)
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
@@ -251,25 +251,27 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run
 
 
-_OTHER_DRAFTERS: dict[tuple, tuple] = {}  # (name, device): (model, its pass costs with the target), loaded once a run
+_OTHER_DRAFTERS: dict[tuple, tuple] = {}  # (name, device): (ours, transformers', pass costs), loaded once a run
 
 
-def other_drafter(settings: Settings, target) -> tuple[TransformersModel, PassCosts]:
-    """The drafter with another tokenizer (`Settings.other_drafter`) and the pair's pass costs,
-    loaded at the first call (the bench's warm-up)."""
+def other_drafter(settings: Settings, target) -> tuple[TransformersModel, TransformersModel, PassCosts]:
+    """The drafter with another tokenizer (`Settings.other_drafter`): the model our loop drafts
+    with, a second copy of the same weights for transformers' universal assisted generation (which
+    failed with a shape error inside its assistant pass on the model our loop had run; not yet
+    understood), and the pair's pass costs; loaded at the first call (the bench's warm-up)."""
     from ..models import load
     from ..passcost import pass_costs
     from ..text import pair_mode
 
     key = (settings.other_drafter, str(target.device))
     if key not in _OTHER_DRAFTERS:
-        # bf16 over every id: transformers' universal assisted generation fails on our int8 drafter
-        # past a few dozen prompt tokens (a shape error inside its assistant pass; not yet understood)
-        model = load(settings.other_drafter, dtype="bf16", device=str(target.device), role="drafter", vocab=0)
-        if pair_mode(target, model) != "retokenize":
+        # bf16 over every id, for both: transformers' universal assisted generation fails on a frequent-token head
+        ours, theirs = (load(settings.other_drafter, dtype="bf16", device=str(target.device), role="drafter", vocab=0)
+                        for _ in range(2))
+        if pair_mode(target, ours) != "retokenize":
             raise SpecdecError(f"--other-drafter {settings.other_drafter} shares {target.name}'s tokenizer; the "
                                "other-tokenizer methods need a drafter with another one")
-        _OTHER_DRAFTERS[key] = (model, pass_costs(target, model))
+        _OTHER_DRAFTERS[key] = (ours, theirs, pass_costs(target, ours))
     return _OTHER_DRAFTERS[key]
 
 
