@@ -105,9 +105,9 @@ bench-cascade: setup
 		--markdown docs/benchmarks/cascade.md --json docs/benchmarks/cascade.json --plot docs/benchmarks/cascade.png
 
 # a drafter with another tokenizer (SmolLM2-135M for the Qwen target): ours through text against
-# transformers' universal assisted generation (~25 min on 2 cores)
+# transformers' universal assisted generation (~20 min on 2 cores)
 bench-other-tokenizer: setup
-	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
+	$(BIN)/specdec bench --dataset humaneval:5:0,spec-bench:1:0+1 \
 		--methods ar,sd-other-tokenizer,hf-assisted-other-tokenizer --other-drafter smollm2-135m \
 		--gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/other-tokenizer.md \
 		--json docs/benchmarks/other-tokenizer.json --plot docs/benchmarks/other-tokenizer.png

@@ -195,7 +195,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     peers = peers or PeerModels()
     if method == "hf-assisted-other-tokenizer":
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
-                           other_drafter(settings, target)[1])
+                           other_drafter(settings, target)[1][sampler.is_greedy])
     if method.startswith("hf"):
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
                            peers.hf_drafter or drafter)
@@ -254,24 +254,25 @@ _DATASTORES: dict[str, object] = {}  # by folder: opened once a run
 _OTHER_DRAFTERS: dict[tuple, tuple] = {}  # (name, device): (ours, transformers', pass costs), loaded once a run
 
 
-def other_drafter(settings: Settings, target) -> tuple[TransformersModel, TransformersModel, PassCosts]:
+def other_drafter(settings: Settings, target) -> tuple[TransformersModel, dict, PassCosts]:
     """The drafter with another tokenizer (`Settings.other_drafter`): the model our loop drafts
-    with, a second copy of the same weights for transformers' universal assisted generation (which
-    failed with a shape error inside its assistant pass on the model our loop had run; not yet
-    understood), and the pair's pass costs; loaded at the first call (the bench's warm-up)."""
+    with; transformers' copies of the same weights by sampling mode (its universal assisted
+    generation under sampling rewires the assistant's embeddings in place, after which a greedy
+    call on that model fails with a shape error); and the pair's pass costs. Loaded at the first
+    call (the bench's warm-up)."""
     from ..models import load
     from ..passcost import pass_costs
     from ..text import pair_mode
 
     key = (settings.other_drafter, str(target.device))
     if key not in _OTHER_DRAFTERS:
-        # bf16 over every id, for both: transformers' universal assisted generation fails on a frequent-token head
-        ours, theirs = (load(settings.other_drafter, dtype="bf16", device=str(target.device), role="drafter", vocab=0)
-                        for _ in range(2))
+        # bf16 over every id, for all: transformers' universal assisted generation fails on a frequent-token head
+        ours, greedy, sampled = (load(settings.other_drafter, dtype="bf16", device=str(target.device),
+                                      role="drafter", vocab=0) for _ in range(3))
         if pair_mode(target, ours) != "retokenize":
             raise SpecdecError(f"--other-drafter {settings.other_drafter} shares {target.name}'s tokenizer; the "
                                "other-tokenizer methods need a drafter with another one")
-        _OTHER_DRAFTERS[key] = (ours, theirs, pass_costs(target, ours))
+        _OTHER_DRAFTERS[key] = (ours, {True: greedy, False: sampled}, pass_costs(target, ours))
     return _OTHER_DRAFTERS[key]
 
 
