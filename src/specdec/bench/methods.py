@@ -266,7 +266,7 @@ def other_drafter(settings: Settings, target) -> tuple[TransformersModel, dict, 
 
     key = (settings.other_drafter, str(target.device))
     if key not in _OTHER_DRAFTERS:
-        # bf16 over every id, for all: transformers' universal assisted generation fails on a frequent-token head
+        # bf16 over every id, for all three: a plain model (not our int8 drafter with its frequent-token head)
         ours, greedy, sampled = (load(settings.other_drafter, dtype="bf16", device=str(target.device),
                                       role="drafter", vocab=0) for _ in range(3))
         if pair_mode(target, ours) != "retokenize":
