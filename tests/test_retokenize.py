@@ -117,7 +117,9 @@ def test_bench_runs_ours_and_transformers_with_a_drafter_of_another_tokenizer(sm
     result = run_benchmark(["humaneval:1:0"], None, methods, "smollm2-135m", None,
                            Settings(max_new_tokens=8, other_drafter="gemma3-270m"), dtype="fp32")
     summary = result["summary"]
-    assert summary["sd-other-tokenizer"]["identical_to_ar"] == 1 and summary["sd-other-tokenizer"]["acceptance_rate"]
+    # (the cost schedule may draft nothing on a one-prompt, 8-token run: the drafting itself is
+    # tested by the greedy identity test above)
+    assert summary["sd-other-tokenizer"]["identical_to_ar"] == 1
     assert summary["hf-assisted-other-tokenizer"]["prompts"] == 1
     with pytest.raises(SpecdecError, match="shares"):
         run_benchmark(["humaneval:1:0"], None, ["sd-other-tokenizer"], "smollm2-135m", None,
