@@ -14,6 +14,13 @@ from ..text import check_pair
 from .base import Draft, KeepGoing, Proposal, drive
 
 
+def stand_in_id(tokenizer) -> int:
+    """An id to feed a drafter where it has no id of its own to feed: its unknown token, else its
+    padding, else 0. It steers drafts only, never the output."""
+    return next((i for i in (getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "pad_token_id", None))
+                 if isinstance(i, int)), 0)
+
+
 class ModelDrafter:
     """Drafts with `model` autoregressively, keeping its own KV cache in step with the target's.
 
@@ -31,9 +38,7 @@ class ModelDrafter:
         self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
         embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
         self._embedded = embeddings.num_embeddings if embeddings is not None else None
-        tokenizer = model.tokenizer
-        self._stand_in = next((i for i in (getattr(tokenizer, "unk_token_id", None),
-                                           getattr(tokenizer, "pad_token_id", None)) if isinstance(i, int)), 0)
+        self._stand_in = stand_in_id(model.tokenizer)
 
     def check_target(self, target: Backend) -> None:
         check_pair(target, self.model)

@@ -25,6 +25,7 @@ from ..backends.cache import crop_cache
 from ..errors import SpecdecError
 from ..samplers import Sampler, greedy_tokens, sample
 from .base import Draft, KeepGoing
+from .model import stand_in_id
 
 LOOKBEHIND = (8, 2)  # context tokens re-encoded with the draft's text, tried in turn
 
@@ -61,7 +62,7 @@ class OtherTokenizerDrafter:
         target_tokenizer, tokenizer = self.target.tokenizer, self.model.tokenizer
         # no clean-up of spaces: the text must re-encode to what the target wrote
         ids = tokenizer.encode(target_tokenizer.decode(list(context), clean_up_tokenization_spaces=False),
-                               add_special_tokens=False) or [_stand_in(tokenizer)]
+                               add_special_tokens=False) or [stand_in_id(tokenizer)]
         keep = min(_shared_prefix(self._held, ids), len(ids) - 1)  # at least one id fed, for its logits
         crop_cache(self.cache, keep)
         pending, self._held = ids[keep:], ids[:keep]
@@ -104,10 +105,3 @@ def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def _stand_in(tokenizer) -> int:
-    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if isinstance(token, int):
-            return token
-    return 0
