@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -96,6 +96,14 @@ bench-suffix-trees: setup
 		--methods ar,suffix,tree-mixed,tree-mixed-suffix,hf-lookup --gamma 5 --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/suffix-trees.md --json docs/benchmarks/suffix-trees.json \
 		--plot docs/benchmarks/suffix-trees.png
+
+# lookahead decoding shaped for this machine and, as -flat, for one where wide passes are nearly
+# free, beside the model-free lookup trie (~35 min on 2 cores)
+bench-lookahead: setup
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
+		--methods ar,lookahead,lookahead-flat,tree-lookup --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/lookahead.md --json docs/benchmarks/lookahead.json \
+		--plot docs/benchmarks/lookahead.png
 
 # the cascade (suffix drafting guesses the drafter's tokens) and typical acceptance (LOSSY) beside
 # the chain and the default tree (~30 min on 2 cores)

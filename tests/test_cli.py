@@ -262,6 +262,7 @@ def llama_cpp_installed(monkeypatch):
     ["--drafter", "lookup"], ["--drafter", "smollm2-135m", "--tree", "mixed"], ["--drafter", "lookup", "--tree", "lookup"],
     ["--drafter", "smollm2-135m", "--tree", "eagle2"], ["--drafter", "self-skip:10,20"],
     ["--drafter", "lookup", "--tree", "suffix"], ["--drafter", "smollm2-135m", "--tree", "mixed-suffix"],
+    ["--drafter", "lookup", "--tree", "lookahead"],
     ["--drafter", "smollm2-135m", "--cascade", "suffix"], ["--drafter", "smollm2-135m", "--typical"],
 ])
 def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, llama_cpp_installed, drafter):

@@ -9,7 +9,8 @@ import torch
 
 from specdec import (Engine, Request, Sampler, SpecdecError, autoregressive_generate, generate_many,
                      speculative_generate)
-from specdec.drafters import LookupDrafter, NgramDrafter, make_tree_drafter
+from specdec.drafters import LookaheadDrafter, LookupDrafter, NgramDrafter, make_tree_drafter
+from specdec.schedules import TreeCost
 
 from conftest import tiny_model
 from test_rows import _ids, qwen_like
@@ -38,7 +39,8 @@ def test_greedy_outputs_equal_each_ar_alone_at_every_batch_size(pair, max_batch)
     target, same, other = pair
     prompts = _prompts()
     reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in prompts]
-    drafters = [None, same, other, LookupDrafter, lambda: NgramDrafter(3), lambda: make_tree_drafter("sides", other)]
+    drafters = [None, same, other, LookupDrafter, lambda: NgramDrafter(3), lambda: make_tree_drafter("sides", other),
+                lambda: LookaheadDrafter(3, 3, 2, policy=TreeCost(warmup=10**9))]
     for drafter in drafters:
         results = generate_many(prompts, target, drafter, max_batch=max_batch, max_new_tokens=12, eos_token_ids=[])
         assert [r.tokens for r in results] == reference, drafter
@@ -57,11 +59,12 @@ def test_requests_with_different_methods_share_passes(pair):
     assert results[ids[1]].stats.target_forwards < results[ids[0]].stats.target_forwards
 
 
-@pytest.mark.parametrize("drafter", ["none", "model", "tree"])
+@pytest.mark.parametrize("drafter", ["none", "model", "tree", "lookahead"])
 def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
     target, _, other = pair
     prompts, sampler = _prompts(), Sampler(temperature=1.0, top_k=50)
-    make = {"none": None, "model": other, "tree": lambda: make_tree_drafter("sides", other)}[drafter]
+    make = {"none": None, "model": other, "tree": lambda: make_tree_drafter("sides", other),
+            "lookahead": lambda: LookaheadDrafter(3, 3, 2, policy=TreeCost(warmup=10**9))}[drafter]
     seeds = [11, 12, 13, 14, 15]
     batched = generate_many(prompts, target, make, max_batch=3, seeds=seeds, sampler=sampler, max_new_tokens=10,
                             eos_token_ids=[], gamma=3)
@@ -69,7 +72,7 @@ def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
         if make is None:
             alone = autoregressive_generate(prompt, target, sampler, max_new_tokens=10, eos_token_ids=[], seed=seed)
         else:
-            drafter_alone = make() if drafter == "tree" else other
+            drafter_alone = make() if drafter in ("tree", "lookahead") else other
             alone = speculative_generate(prompt, target, drafter_alone, gamma=3, sampler=sampler, max_new_tokens=10,
                                          eos_token_ids=[], seed=seed)
         assert result.tokens == alone.tokens

@@ -93,8 +93,8 @@ def _metric(values: dict, name: str, **labels) -> float:
 
 
 @pytest.mark.parametrize("speculative", [False, None, {"method": "lookup"}, {"method": "suffix"},
-                                         {"method": "tree", "tree_nodes": 8}],
-                         ids=["ar", "default", "lookup", "suffix", "tree"])
+                                         {"method": "tree", "tree_nodes": 8}, {"method": "lookahead", "tree_nodes": 12}],
+                         ids=["ar", "default", "lookup", "suffix", "tree", "lookahead"])
 def test_greedy_completions_equal_the_targets_run_alone(server, tiny_pair, speculative):
     url, _ = server
     client = _client(url)
@@ -107,7 +107,7 @@ def test_greedy_completions_equal_the_targets_run_alone(server, tiny_pair, specu
     assert spec["method"] == ("off" if speculative is False else (speculative or {}).get("method", "default"))
     if speculative is False:
         assert spec["drafted_tokens"] == 0
-    elif speculative is None or speculative["method"] == "tree":  # lookup finds nothing in a random prompt
+    elif speculative is None or speculative["method"] in ("tree", "lookahead"):  # lookup finds nothing in a random prompt
         assert spec["drafted_tokens"] > 0
     pieces = [chunk.choices[0].text for chunk in client.completions.create(
         model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True, extra_body=extra)]
@@ -338,11 +338,23 @@ def test_a_servers_default_speculation_applies_to_requests_that_name_none(tiny_p
     target, drafter = tiny_pair
     service = Service(target, drafter, default=Speculation("default", 20, 64))
     for body, method in [({}, "default"), ({"speculative": {"method": "tree"}}, "tree"),
-                         ({"speculative": {"method": "lookup", "gamma_max": 3}}, "lookup")]:
+                         ({"speculative": {"method": "lookup", "gamma_max": 3}}, "lookup"),
+                         ({"speculative": {"method": "lookahead", "tree_nodes": 8}}, "lookahead")]:
         job = parse_job({"prompt": [1, 2], **body}, False, NAME, service.default)
         assert job.speculation.method == method and len(service.requests(job, [1, 2], 4)) == 1
-    with pytest.raises(BadRequest, match="applies to method tree"):
+    with pytest.raises(BadRequest, match="applies to methods tree and lookahead"):
         parse_job({"prompt": [1], "speculative": {"method": "chain", "tree_nodes": 8}}, False, NAME, service.default)
+
+
+def test_tree_methods_are_refused_where_the_backend_scores_no_trees(tiny_pair, monkeypatch):
+    target, drafter = tiny_pair
+    service = Service(target, drafter, default=Speculation("default", 20, 64))
+    monkeypatch.setattr(target, "tree_masks", False, raising=False)  # as llama.cpp's backend
+    for method in ("tree", "lookahead"):
+        job = parse_job({"prompt": [1, 2], "speculative": {"method": method}}, False, NAME, service.default)
+        with pytest.raises(BadRequest, match=f"'{method}' scores token trees") as caught:
+            service.requests(job, [1, 2], 4)
+        assert caught.value.param == "speculative.method"
 
 
 def test_chat_bodies_are_checked_too():
@@ -577,7 +589,8 @@ def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair,
     (["--method", "magic"], "--method must be one of"),
     (["--drafter", "none"], "--method default drafts with a drafter model"),
     (["--drafter", "lookup"], "lookup is not one"),
-    (["--dtype", "gguf", "--method", "tree"], "token trees need transformers' weights"),
+    (["--dtype", "gguf", "--method", "tree"], "token trees, which need transformers' weights"),
+    (["--dtype", "gguf", "--method", "lookahead"], "--method lookahead scores token trees"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--kv-memory", "lots"], "--kv-memory"),
     (["--max-body", "-1"], "--max-body"),

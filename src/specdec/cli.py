@@ -176,7 +176,8 @@ def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
 TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
              "best tokens), eagle2 (EAGLE-2 dynamic tree), sequoia (Sequoia static shape), lookup (prompt-lookup "
              "trie), mixed (drafter chain with sides plus lookup branches), suffix (suffix drafting's tree, no drafter model), "
-             "mixed-suffix (mixed with suffix-tree branches). Sized by measured cost.")
+             "mixed-suffix (mixed with suffix-tree branches), lookahead (lookahead decoding: Jacobi window and n-gram pool, no "
+             "drafter model). Sized by measured cost.")
 TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without-replacement (recursive rejection "
                     "sampling), iid (SpecInfer), deterministic (the next ranks). Exact either way; greedy ignores it.")
 
@@ -696,7 +697,7 @@ def bench(
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "tree-suffix, tree-mixed-suffix, cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "tree-suffix, tree-mixed-suffix, lookahead, cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
                                 "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
@@ -1116,9 +1117,10 @@ def serve(
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), or 'none'."),
     method: str = typer.Option("default", help="Requests' speculation unless they say: default (the drafter "
                                "model's chain, cost-aware), chain, lookup, suffix (suffix drafting over the "
-                               "request's text and earlier outputs), tree (mixed tree on the drafter) or ar."),
+                               "request's text and earlier outputs), retrieval (--datastore), tree (mixed tree on the drafter), "
+                               "lookahead (lookahead decoding, no drafter model) or ar."),
     gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree."),
-    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (method tree)."),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/*."),
@@ -1153,8 +1155,8 @@ def serve(
     try:
         if method not in METHODS:
             raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        if dtype in GGUF_WEIGHTS and method == "tree":
-            raise SpecdecError("token trees need transformers' weights; on --dtype gguf use --method default, "
+        if dtype in GGUF_WEIGHTS and method in ("tree", "lookahead"):
+            raise SpecdecError(f"--method {method} scores token trees, which need transformers' weights; on --dtype gguf use --method default, "
                                "chain, lookup, suffix or ar")
         for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
                                  ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
@@ -1190,7 +1192,8 @@ def serve(
 
     def load() -> Service:
         from .models import load as load_model, resolve_device
-        from .passcost import pass_costs
+        from .drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
+        from .passcost import flat_rows, pass_costs
 
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
         cpu = resolve_device(device).type == "cpu"
@@ -1203,7 +1206,8 @@ def serve(
         speculation = Speculation(None if method == "ar" else method, gamma_max, tree_nodes)
         service = Service(target_model, drafter_model, default=speculation, limits=limits, costs=costs,
                           lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,
-                          datastore=datastore)
+                          datastore=datastore, lookahead_rows=flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
+                          if getattr(target_model, "tree_masks", True) else None)
         err.print(f"serving {service.name} on http://{host}:{port}/v1 (speculation: {method}, max batch "
                   f"{max_batch})", highlight=False)
         return service

@@ -422,6 +422,8 @@ class Decoding:
             if not self.trees:
                 drafter.rollback(length + num_accepted)
             elif self._budget > 0:  # no tree was proposed otherwise
+                if getattr(drafter, "reads_target_tokens", False):  # lookahead: the target's argmax at every node
+                    drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
                 drafter.keep_path(length, path)
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
                 accepted = path if self.trees else range(num_accepted)

@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -36,6 +37,8 @@ CONTEXT = 32  # cached tokens before the timed passes
 REPEATS = 5
 WORTH = 1.1  # the least best case worth drafting for (see PassCosts.never_pays)
 CLEARLY_PAYS = 1.5  # a best case above this ends the measurement
+# Widths measured for lookahead decoding's wide passes (`flat_rows`), up to its published 121 rows.
+FLAT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,39 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
     entries[key] = {"target": {str(k): v for k, v in costs.target.items()}, "drafter": costs.drafter}
     _write_cache(entries)
     return costs
+
+
+def flat_rows(target, overhead: float, say=lambda message: None) -> int:
+    """How many rows besides the pending token's a pass of `target` takes at a cost of at most
+    1 + `overhead` one-token passes, on this machine (lookahead decoding's budget): widths of
+    FLAT_WIDTHS measured in order up to the first that costs more, never extrapolated; cached
+    with the pass-cost profiles."""
+    key = _key(target) + " <- lookahead widths"
+    entry = _read_cache().get(key)
+    if _valid(entry) and entry.get("overhead", -1) >= overhead:
+        seconds = {int(k): float(v) for k, v in entry["target"].items()}
+    else:
+        say(f"measuring wide passes once for this machine (cached in {_cache_path()})")
+        seconds = {1: pass_seconds(target, 1)}
+        for width in FLAT_WIDTHS[1:]:
+            seconds[width] = pass_seconds(target, width, repeats=3)
+            if seconds[width] > (1 + overhead) * seconds[1]:
+                break
+        entries = _read_cache()
+        entries[key] = {"target": {str(k): v for k, v in seconds.items()}, "drafter": 0.0, "overhead": overhead}
+        _write_cache(entries)
+    return affordable_rows(lambda width: seconds[width] / seconds[1], sorted(seconds), overhead)
+
+
+def affordable_rows(cost_of, widths: Sequence[int], overhead: float) -> int:
+    """The widest of `widths` (in order, from 1) whose pass costs at most 1 + `overhead` of a
+    one-token pass, less the pending token's row; `cost_of(width)` in one-token passes."""
+    rows = 0
+    for width in widths:
+        if cost_of(width) > 1 + overhead:
+            break
+        rows = width - 1
+    return rows
 
 
 def _valid(entry) -> bool:

@@ -45,6 +45,7 @@ METHODS = {
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
     "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
+    "lookahead": "ours: lookahead decoding (Jacobi window and n-gram pool), its shape from measured wide-pass costs",
     "cascade": "sd-cost with a cascade: suffix drafting guesses the drafter model's tokens, 3 a pass",
     "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
     "hf-assisted-other-tokenizer": "transformers' universal assisted generation with the --other-drafter model",
@@ -54,6 +55,7 @@ METHODS = {
     "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "tree-sequoia-flat": "tree-sequoia sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "tree-mixed-flat": "tree-mixed sized for assumed nearly-free wide passes (--flat-at16): for projections",
+    "lookahead-flat": "lookahead shaped for assumed nearly-free wide passes (--flat-at16): for projections",
     "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
     "eagle": "ours: the target drafts for itself with an EAGLE layer (--eagle DIR), EAGLE-2 trees sized by cost",
     "medusa-uncalibrated": "medusa with node values from the heads' raw q (no measured calibration; an ablation)",
@@ -221,7 +223,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
         result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
                                       schedule=schedule, **common)
-    elif method.startswith("tree-"):
+    elif method.startswith(("tree-", "lookahead")):
         tree = make_tree_drafter(method.removeprefix("tree-").removesuffix(FLAT), drafter, settings.tree_nodes,
                                  settings.tree_scheme, assumed=_assumed(method, settings))
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)

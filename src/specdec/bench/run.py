@@ -26,7 +26,7 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind,
+from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind, is_flat,
                       merge_samples, open_datastore, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
@@ -282,6 +282,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
     if "suffix" in methods or "retrieval" in methods:
         settings.free_costs = pass_costs(target_model, None, say)
+    if settings.assumed is None and any(is_flat(m) for m in methods):  # model-free -flat methods: no drafter passes
+        settings.assumed = AssumedCosts.flat(0.0, settings.flat_at16)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     too_long = [p.index for p, ids in zip(prompts, encoded) if len(ids) + settings.max_new_tokens > target_model.max_context]
     if too_long:

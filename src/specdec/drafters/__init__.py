@@ -17,6 +17,7 @@ from ..trees import SCHEMES
 from .base import Draft, Drafter, KeepGoing
 from .cascade import CascadeDrafter
 from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
+from .lookahead import LookaheadDrafter, lookahead_shape
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
@@ -24,7 +25,8 @@ from .retokenize import OtherTokenizerDrafter
 from .suffix import SuffixCache, SuffixDrafter, SuffixIndex
 from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 
-__all__ = ["CascadeDrafter", "Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape", "LookupDrafter",
+__all__ = ["CascadeDrafter", "Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape",
+           "LookaheadDrafter", "lookahead_shape", "LookupDrafter",
            "LookupTreeDrafter", "MixedDrafter", "ModelDrafter", "NgramDrafter", "OtherTokenizerDrafter", "SidesDrafter", "SuffixCache", "SuffixDrafter", "SuffixIndex",
            "SuffixTreeDrafter", "MODEL_FREE_TREES", "TREES", "check_tree_options", "make_tree_drafter"]
 
@@ -38,8 +40,10 @@ TREES = {
              "is measured faster (the default tree)",
     "suffix": "suffix drafting's tree mode (SuffixDecoding) over the prompt and output (no drafter model)",
     "mixed-suffix": "the mixed tree with suffix-tree branches in place of prompt lookup's",
+    "lookahead": "lookahead decoding: Jacobi iteration's window and its n-gram pool (no drafter model), "
+                 "its shape from the measured cost of wide passes",
 }
-MODEL_FREE_TREES = {"lookup", "suffix"}  # trees that need no drafter model
+MODEL_FREE_TREES = {"lookup", "suffix", "lookahead"}  # trees that need no drafter model
 
 
 def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
@@ -64,6 +68,8 @@ def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 
         return LookupTreeDrafter(policy=policy)
     if kind == "suffix":
         return SuffixTreeDrafter(suffix_cache, policy=policy)
+    if kind == "lookahead":
+        return LookaheadDrafter(policy=policy)
     if model is None:
         raise SpecdecError(f"the '{kind}' tree needs a drafter model")
     if kind == "sides":

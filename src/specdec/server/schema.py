@@ -14,7 +14,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per completions request
 MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
-METHODS = ("default", "ar", "chain", "lookup", "suffix", "retrieval", "tree")
+METHODS = ("default", "ar", "chain", "lookup", "suffix", "retrieval", "tree", "lookahead")
 
 
 class BadRequest(Exception):
@@ -100,8 +100,8 @@ def _speculation(value, default: Speculation) -> Speculation:
     if method not in METHODS:
         raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)}; got {method!r}",
                          "speculative.method")
-    if "tree_nodes" in value and method != "tree":
-        raise BadRequest("speculative.tree_nodes applies to method tree", "speculative.tree_nodes")
+    if "tree_nodes" in value and method not in ("tree", "lookahead"):
+        raise BadRequest("speculative.tree_nodes applies to methods tree and lookahead", "speculative.tree_nodes")
     gamma = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
     nodes = _number(value, "tree_nodes", default.tree_nodes, 1, 256, integer=True)
     return Speculation(None if method == "ar" else method, gamma, nodes)

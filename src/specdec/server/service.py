@@ -40,17 +40,21 @@ class Service:
     (`SuffixCache`, shared by all requests; 0: none, each request drafts from its own text).
     datastore: a `datastore.Datastore` the `retrieval` method drafts from (the operator's, opened
     at start; no request names one), checked against the target's tokenizer.
+    lookahead_rows: the rows a pass of the target takes at little more than a one-token pass's
+    cost (`passcost.flat_rows`, measured at start), which shape the `lookahead` method; None:
+    from `assumed`, or measured by the first lookahead request.
     """
 
     def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
                  limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None,
-                 suffix_cache_tokens: int = 100_000, datastore=None):
+                 suffix_cache_tokens: int = 100_000, datastore=None, lookahead_rows: int | None = None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
         if self.default.method in ("default", "chain", "tree") and drafter is None:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
+        self.lookahead_rows = lookahead_rows
         self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         if datastore is not None:
             datastore.check_tokenizer(target.tokenizer, target.vocab_size)
@@ -125,8 +129,8 @@ class Service:
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
                  seed: int | None) -> Request:
-        from ..drafters import LookupDrafter, SuffixDrafter, make_tree_drafter
-        from ..schedules import make_schedule
+        from ..drafters import LookaheadDrafter, LookupDrafter, SuffixDrafter, lookahead_shape, make_tree_drafter
+        from ..schedules import TreeCost, make_schedule
 
         method = speculation.method
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
@@ -139,11 +143,21 @@ class Service:
         if method == "retrieval" and self.datastore is None:
             raise BadRequest("speculative.method 'retrieval' needs a datastore, and this server has none; "
                              "use lookup, suffix or false", "speculative.method")
+        if method in ("tree", "lookahead") and not getattr(self.target, "tree_masks", True):
+            raise BadRequest(f"speculative.method {method!r} scores token trees, which this server's backend "
+                             f"({self.target.kernels}) does not; use chain, lookup, suffix or false", "speculative.method")
         if method == "tree":
             nodes = speculation.tree_nodes or self.default.tree_nodes or 64
             return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
                            **common,
                            schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
+        if method == "lookahead":
+            nodes = speculation.tree_nodes or self.default.tree_nodes or 64
+            shape = (None,) * 3 if self.lookahead_rows is None or self.assumed is not None else \
+                lookahead_shape(min(self.lookahead_rows, nodes))
+            return Request(prompt_ids, lambda: LookaheadDrafter(*shape, policy=TreeCost(max_nodes=nodes,
+                                                                                        assumed=self.assumed)),
+                           **common, schedule=lambda: make_schedule("fixed", gamma))  # its trees' depth bound
         # a seed under sampling pins the output: its draft lengths must not come from timings
         pinned = seed is not None and not sampler.is_greedy
         costs = None if pinned else (self.lookup_costs if method in MODEL_FREE else self.costs)
