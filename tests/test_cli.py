@@ -216,6 +216,10 @@ def test_generate_with_a_tree_draws_it_and_reports_the_path(need_smollm2):
     (["generate", "x", "--cascade", "ngram"], "unknown --cascade 'ngram'"),
     (["generate", "x", "--cascade", "suffix", "--drafter", "lookup"], "--cascade drafts for a drafter model's chain"),
     (["generate", "x", "--cascade", "suffix", "--tree", "mixed"], "--cascade drafts for a drafter model's chain"),
+    (["generate", "x", "--tree", "lookahead", "--lookahead-shape", "3,3"], "--lookahead-shape takes W,N,G"),
+    (["generate", "x", "--tree", "lookahead", "--lookahead-shape", "0,2,1"], "lookahead needs window >= 1"),
+    (["generate", "x", "--tree", "lookup", "--lookahead-shape", "3,3,3"], "--lookahead-shape applies to --tree lookahead"),
+    (["bench", "--methods", "lookahead", "--lookahead-shape", "a,b,c"], "--lookahead-shape takes W,N,G"),
 ])
 def test_tree_option_errors_are_clear(need_smollm2, args, message):
     result = runner.invoke(app, args + ["--target", "smollm2-135m", "--dtype", "fp32"])

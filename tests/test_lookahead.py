@@ -18,13 +18,13 @@ def _always(**kwargs) -> TreeCost:
 
 
 def test_the_shape_fills_the_rows_and_meets_the_published_one():
-    assert lookahead_shape(120) == (15, 5, 15)
+    assert lookahead_shape(60) == (15, 3, 15) and lookahead_shape(16) == (8, 2, 8)  # the probes' best
     assert lookahead_shape(0) == lookahead_shape(1) == (0, 0, 0)
     assert lookahead_shape(2) == (1, 2, 1)
     for rows in range(2, 200):
         window, ngram, guesses = lookahead_shape(rows)
         assert window == guesses >= 1 and ngram >= 2 and (window + guesses) * (ngram - 1) <= rows
-    assert [lookahead_shape(r)[1] for r in (8, 30, 60, 120)] == [2, 3, 4, 5]  # more levels as rows get cheap
+    assert [lookahead_shape(r)[1] for r in (8, 30, 60, 120, 240)] == [2, 2, 3, 4, 5]  # more levels as rows get cheap
 
 
 def test_affordable_rows_stop_at_the_first_width_past_the_overhead():

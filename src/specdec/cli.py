@@ -118,6 +118,20 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
 MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval")
 
 
+def _lookahead_shape(text: str | None) -> tuple[int, int, int] | None:
+    """--lookahead-shape W,N,G -> (W, N, G), checked as `LookaheadDrafter` checks it; None: sized by cost."""
+    if text is None:
+        return None
+    try:
+        window, ngram, guesses = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SpecdecError(f"--lookahead-shape takes W,N,G (three integers, e.g. 15,3,15), got {text!r}") from None
+    from .drafters import LookaheadDrafter
+
+    LookaheadDrafter(window, ngram, guesses)
+    return window, ngram, guesses
+
+
 def open_datastore(drafter: str):
     """The datastore a `retrieval:DIR` drafter names (opened before any model loads), else None."""
     if drafter == "retrieval":
@@ -178,6 +192,8 @@ TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), s
              "trie), mixed (drafter chain with sides plus lookup branches), suffix (suffix drafting's tree, no drafter model), "
              "mixed-suffix (mixed with suffix-tree branches), lookahead (lookahead decoding: Jacobi window and n-gram pool, no "
              "drafter model). Sized by measured cost.")
+LOOKAHEAD_SHAPE_HELP = ("Lookahead decoding's window, n-gram length and guesses as W,N,G (e.g. 15,3,15) instead of the "
+                        "shape sized from measured pass costs.")
 TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without-replacement (recursive rejection "
                     "sampling), iid (SpecInfer), deterministic (the next ranks). Exact either way; greedy ignores it.")
 
@@ -238,6 +254,8 @@ def generate(
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a token tree (its size is chosen by "
                                    "measured cost up to this)."),
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
+    lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP +
+                                                  " With --tree lookahead."),
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
@@ -274,6 +292,9 @@ def generate(
         plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
         if tree != "off":
             check_tree_options(tree, tree_nodes, tree_scheme)  # before minutes of loading
+        shape = _lookahead_shape(lookahead_shape)
+        if shape is not None and tree != "lookahead":
+            raise SpecdecError("--lookahead-shape applies to --tree lookahead")
         self_spec = self_drafter_spec(drafter) if method == Method.sd else None
         if self_spec and tree != "off":
             raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
@@ -313,7 +334,7 @@ def generate(
                 if tree != "off":
                     shared = SuffixCache()  # suffix trees draft from earlier prompts' outputs too
                     make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme,  # noqa: E731
-                                                             suffix_cache=shared)
+                                                             suffix_cache=shared, lookahead_shape=shape)
                 elif drafter == "ngram":
                     make_drafter = lambda: NgramDrafter(ngram_n)  # noqa: E731
                 elif drafter == "lookup":
@@ -343,7 +364,7 @@ def generate(
             elif tree != "off":
                 drafter_model = None if tree in MODEL_FREE_TREES else _load(
                     drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
-                drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme)
+                drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme, lookahead_shape=shape)
                 plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
             elif drafter == "ngram":
                 drafter_used = NgramDrafter(ngram_n)
@@ -745,6 +766,7 @@ def bench(
                                             "`specdec datastore build`)."),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
                                               "method skips (default: chosen by its search at start)."),
+    lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from .bench.methods import Settings
@@ -764,7 +786,8 @@ def bench(
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
-                            other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None)
+                            other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None,
+                            lookahead_shape=_lookahead_shape(lookahead_shape))
         if concurrency is not None:
             from .bench.concurrency import check_levels, check_load_methods, run_load_benchmark
 

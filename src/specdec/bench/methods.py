@@ -117,6 +117,7 @@ class Settings:
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
+    lookahead_shape: tuple[int, int, int] | None = None  # the lookahead methods' (W, N, G); None: sized by cost
 
 
 @dataclass
@@ -225,7 +226,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                                       schedule=schedule, **common)
     elif method.startswith(("tree-", "lookahead")):
         tree = make_tree_drafter(method.removeprefix("tree-").removesuffix(FLAT), drafter, settings.tree_nodes,
-                                 settings.tree_scheme, assumed=_assumed(method, settings))
+                                 settings.tree_scheme, assumed=_assumed(method, settings),
+                                 lookahead_shape=settings.lookahead_shape)
         result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),

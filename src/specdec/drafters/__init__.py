@@ -58,10 +58,12 @@ def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
 
 def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 64,
                       scheme: str = "without-replacement", width: int | None = None,
-                      assumed: AssumedCosts | None = None, suffix_cache: SuffixCache | None = None):
+                      assumed: AssumedCosts | None = None, suffix_cache: SuffixCache | None = None,
+                      lookahead_shape: tuple[int, int, int] | None = None):
     """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
     or by `assumed` costs (sized for another machine, see `AssumedCosts`). `suffix_cache`: earlier
-    outputs the suffix trees also draft from (shared by the drafters of one run or server)."""
+    outputs the suffix trees also draft from (shared by the drafters of one run or server).
+    `lookahead_shape`: lookahead's (W, N, G), in place of the one sized by cost."""
     check_tree_options(kind, max_nodes, scheme)
     policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
     if kind == "lookup":
@@ -69,7 +71,7 @@ def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 
     if kind == "suffix":
         return SuffixTreeDrafter(suffix_cache, policy=policy)
     if kind == "lookahead":
-        return LookaheadDrafter(policy=policy)
+        return LookaheadDrafter(*(lookahead_shape or (None, None, None)), policy=policy)
     if model is None:
         raise SpecdecError(f"the '{kind}' tree needs a drafter model")
     if kind == "sides":

@@ -18,8 +18,8 @@ lade's rule under sampling and exact under any sampler. Nothing the drafter keep
 random draw: its trees depend on the committed text alone.
 
 The shape comes from the measured pass-cost profile (`lookahead_shape`): the published W = 15,
-N = 5, G = 15 fills 121 rows, which an A100 scores at about the cost of one; a 2-core CPU pays for
-every row past a few, and where no row is cheap nothing is drafted (W = N = G = 0).
+N = 5, G = 15 fills 121 rows, which a GPU scores at little more than the cost of one; a 2-core
+CPU pays for every row past a few, and where no row is cheap nothing is drafted (W = N = G = 0).
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ from ..trees import Tree
 from .nodes import Node, rank, to_tree
 
 OVERHEAD = 0.2  # a lookahead pass may cost at most this much more than a one-token pass
-ROWS_PER_LEVEL2 = 7.5  # rows = ROWS_PER_LEVEL2 · (N − 1)²: the published 120 rows at N = 5 (W = G = 15)
+# rows ≈ ROWS_PER_LEVEL2 · (N − 1)² (W = G): probes of the shapes on the default pair favoured N = 2
+# at 16 rows and N = 3 at 60 (docs/methods.md, "Lookahead decoding")
+ROWS_PER_LEVEL2 = 15
 
 
 def lookahead_shape(rows: int) -> tuple[int, int, int]:
     """(W, N, G) for a pass with `rows` rows besides the pending token's: (W + G)(N − 1) <= rows,
-    W = G, and N − 1 growing with the square root of the rows as the published shape does
-    (W = 15, N = 5, G = 15 in 120 rows); (0, 0, 0) below 2 rows, where nothing is drafted."""
+    W = G, and N − 1 growing with the square root of the rows (`ROWS_PER_LEVEL2`; the published
+    W = 15, N = 5, G = 15 was tuned for a 7B model on an A100); (0, 0, 0) below 2 rows, where
+    nothing is drafted."""
     if not isinstance(rows, int) or rows < 2:
         return 0, 0, 0
     levels = max(1, int(math.sqrt(rows / ROWS_PER_LEVEL2) + 0.5))
