@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -104,6 +104,21 @@ bench-lookahead: setup
 		--methods ar,lookahead,lookahead-flat,tree-lookup --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/lookahead.md --json docs/benchmarks/lookahead.json \
 		--plot docs/benchmarks/lookahead.png
+
+# tokens per pass of lookahead shapes of 16 and 60 rows, every step drafting (wide passes assumed
+# free: --flat-at16 1); what `lookahead_shape` follows (~15 min on 2 cores)
+bench-lookahead-shapes: setup
+	mkdir -p docs/benchmarks/lookahead-shapes
+	for shape in 8,2,8 4,3,4 30,2,30 15,3,15 10,4,10; do \
+		$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0 --tasks summarization,qa \
+			--methods lookahead-flat --flat-at16 1 --lookahead-shape $$shape --max-new-tokens 96 \
+			--json docs/benchmarks/lookahead-shapes/$$shape.json || exit 1; \
+	done
+
+# beam search and exact speculative beam search (4 beams, greedy prompts; ~15 min on 2 cores)
+bench-beam: setup
+	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0 --methods beam,beam-sd --num-beams 4 \
+		--max-new-tokens 64 --markdown docs/benchmarks/beam.md --json docs/benchmarks/beam.json
 
 # the cascade (suffix drafting guesses the drafter's tokens) and typical acceptance (LOSSY) beside
 # the chain and the default tree (~30 min on 2 cores)

@@ -53,6 +53,22 @@ def test_summary_ratios_acceptance_histogram_and_identity():
     json.dumps(s)  # the JSON report holds it as is
 
 
+def test_speculative_beam_search_is_judged_against_beam_search():
+    records = [Record("h/0@t0", "ar", [1, 2], 2, 1.0, 2), Record("h/0@t0", "beam", [1, 3], 2, 2.0, 2),
+               Record("h/0@t0", "beam-sd", [1, 3], 2, 1.0, 1, drafted=3, accepted=1)]
+    for x in records:
+        x.dataset, x.task = "humaneval", "humaneval"
+    s = summarize(records, ["ar", "beam", "beam-sd"])
+    assert s["beam-sd"]["identical_to_beam"] == 1 and "identical_to_ar" not in s["beam-sd"]
+    assert s["beam-sd"]["median_speedup_vs_beam"] == pytest.approx(2.0)
+    assert s["beam"]["identical_to_ar"] == 0  # beam search is not greedy decoding
+    from rich.console import Console
+
+    console = Console(record=True, width=250)
+    console.print(render_table(s, "t"))
+    assert "1/1 (to beam)" in console.export_text()
+
+
 def test_groups_and_markdown_report(tmp_path):
     records = _records()
     methods = ["ar", "sd", "hf"]
@@ -68,7 +84,7 @@ def test_groups_and_markdown_report(tmp_path):
               "summary": summarize(records, methods), "groups": groups,
               "records": [dict(vars(r), tokens_per_second=r.tokens_per_second) for r in records]}
     text = render_markdown(result)
-    assert "greedy outputs differing from ar: {'sd': ['h/1@t0']}" in text
+    assert "greedy outputs differing from their reference (ar; beam for beam-sd): {'sd': ['h/1@t0']}" in text
     assert "### spec-bench / qa, temperature 1" in text
     assert "| h/1@t0 | 2.00 | 3.00 | 4.00 |" in text
     assert "| sd | 0 | 2 | 0 | 1 |" in text  # histogram row

@@ -128,7 +128,7 @@ def test_greedy_speculative_is_token_identical_to_greedy_ar_on_gguf(gguf_pair, h
 def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
     from specdec import speculative_generate
     from specdec.drafters import make_tree_drafter
-    from specdec.generate import beam_search_generate
+    from specdec.beam import beam_search_generate
 
     target, drafter = gguf_pair
     with pytest.raises(SpecdecError, match="beam search is not supported on the llama.cpp backend"):

@@ -295,6 +295,14 @@ def generate(
         shape = _lookahead_shape(lookahead_shape)
         if shape is not None and tree != "lookahead":
             raise SpecdecError("--lookahead-shape applies to --tree lookahead")
+        if _encoder_decoder(target):
+            if prompts_file is not None or tree != "off" or chat or cascade != "off" or dtype == "gguf":
+                raise SpecdecError("an encoder-decoder target (T5, BART) takes one prompt and chain drafts: drop "
+                                   "--prompts, --tree, --chat, --cascade and --dtype gguf")
+            _generate_seq2seq(prompt, target, drafter if method == Method.sd else None, sampler, plan, dtype, device,
+                              max_new_tokens, seed, first_target, as_json, lenience,
+                              Typical(typical_epsilon, typical_delta) if typical else None)
+            return
         self_spec = self_drafter_spec(drafter) if method == Method.sd else None
         if self_spec and tree != "off":
             raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
@@ -417,6 +425,52 @@ def generate(
         err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason} · "
                   f"weights: {target_model.weights}[/]",
                   highlight=False)
+
+
+def _encoder_decoder(target: str) -> bool:
+    """Whether --target names a local encoder-decoder model directory (T5, BART)."""
+    from .models import _is_encoder_decoder
+
+    path = Path(target).expanduser()
+    return path.is_dir() and (path / "config.json").exists() and _is_encoder_decoder(path)
+
+
+def _generate_seq2seq(prompt: str, target: str, drafter: str | None, sampler, plan, dtype: str, device: str,
+                      max_new_tokens: int, seed: int | None, first_target: bool, as_json: bool, lenience: float,
+                      typical) -> None:
+    """`generate` on an encoder-decoder target: the source encoded once per model, chain drafts from
+    a smaller encoder-decoder of the same vocabulary, or prompt lookup / n-gram over the output."""
+    from .display import LEGEND, StepPrinter, summary_line
+    from .drafters import LookupDrafter, NgramDrafter
+    from .generate import speculative_generate_encoder_decoder
+    from .models import load_seq2seq
+
+    say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+    weights = "fp32" if dtype == "auto" else dtype
+    if drafter is not None and drafter not in ("lookup", "ngram") and not _encoder_decoder(drafter):
+        raise SpecdecError(f"an encoder-decoder target drafts with an encoder-decoder model directory, lookup or "
+                           f"ngram (--drafter), or not at all (--method ar); {drafter!r} is none of these")
+    target_model = load_seq2seq(target, weights, device, say)
+    drafter_used = {"lookup": LookupDrafter, "ngram": NgramDrafter, None: lambda: None}.get(drafter, lambda: None)()
+    if drafter_used is None and drafter is not None:
+        drafter_used = load_seq2seq(drafter, weights, device, say)
+    out = Console()
+    printer = None if as_json else StepPrinter(target_model, out)
+    if printer is not None and drafter is not None:
+        err.print(LEGEND)
+    result = speculative_generate_encoder_decoder(target_model.encode(prompt), target_model, drafter_used,
+                                                  sampler=sampler, max_new_tokens=max_new_tokens, seed=seed,
+                                                  first_target=first_target, on_step=printer, schedule=plan,
+                                                  lenience=lenience, typical=typical)
+    method = "sd" if drafter is not None else "ar"
+    if as_json:
+        print(json.dumps({"text": target_model.decode(result.tokens), "tokens": result.tokens,
+                          "stats": result.stats.to_dict(), "stop_reason": result.stop_reason, "method": method,
+                          "target": target_model.name, "drafter": getattr(drafter_used, "name", None),
+                          "sampler": sampler.describe()}, ensure_ascii=False))
+    else:
+        out.print()
+        err.print(f"[dim]{summary_line(result.stats, method)} · stop: {result.stop_reason}[/]", highlight=False)
 
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -718,7 +772,7 @@ def bench(
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "tree-suffix, tree-mixed-suffix, lookahead, cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "tree-suffix, tree-mixed-suffix, lookahead, beam and beam-sd (beam search, plain and speculative; greedy prompts), cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
                                 "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
@@ -767,6 +821,7 @@ def bench(
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="Comma-separated layers the self-skip "
                                               "method skips (default: chosen by its search at start)."),
     lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP),
+    num_beams: int = typer.Option(4, "--num-beams", help="Beams of the beam and beam-sd methods."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from .bench.methods import Settings
@@ -787,7 +842,9 @@ def bench(
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
                             other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None,
-                            lookahead_shape=_lookahead_shape(lookahead_shape))
+                            lookahead_shape=_lookahead_shape(lookahead_shape), num_beams=num_beams)
+        if num_beams < 1:
+            raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
         if concurrency is not None:
             from .bench.concurrency import check_levels, check_load_methods, run_load_benchmark
 

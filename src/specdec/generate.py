@@ -212,6 +212,36 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                         typical=typical))
 
 
+def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
+                                         decoder_prompt: Sequence[int] | None = None, **options) -> GenerationResult:
+    """Encoder-decoder targets (T5, BART; `backends.seq2seq.Seq2SeqModel`): each model encodes
+    `source_ids` [S] once, then the decoders run `speculative_generate`'s loop, their own caches
+    cropped on rejection (chains only). Without a drafter, autoregressive decoding of the target.
+
+    drafter: a smaller `Seq2SeqModel` of the same vocabulary and decoder start (it encodes the
+        source itself), a model-free chain drafter (prompt lookup, n-gram: they see the decoder's
+        tokens), or None.
+    decoder_prompt: the decoder's first tokens (default: its start token alone); the result holds
+        what follows them.
+    options: as `speculative_generate`'s (sampler, max_new_tokens, seed, schedule, ...).
+    """
+    from .backends.seq2seq import Seq2SeqModel
+
+    if not isinstance(target, Seq2SeqModel):
+        raise SpecdecError(f"the target must be an encoder-decoder model (Seq2SeqModel), got {type(target).__name__}; "
+                           "decoder-only models take speculative_generate")
+    if isinstance(drafter, Seq2SeqModel):
+        if pair_mode(target, drafter) != "shared":
+            raise SpecdecError(f"tokenizers differ: target {target.name} and drafter {drafter.name}; an "
+                               "encoder-decoder drafter must share the target's vocabulary")
+        if drafter.decoder_start_token_id != target.decoder_start_token_id:
+            raise SpecdecError(f"the drafter's decoder starts with id {drafter.decoder_start_token_id}, the target's "
+                               f"with {target.decoder_start_token_id}: they must share one vocabulary")
+        drafter = drafter.bind(source_ids)
+    prompt = [target.decoder_start_token_id] if decoder_prompt is None else list(decoder_prompt)
+    return run(Decoding(prompt, target.bind(source_ids), drafter, **options))
+
+
 def run(decoding: "Decoding") -> GenerationResult:
     """One sequence to its end, one target pass per step: what the engine does for many at once."""
     decoding.prefill()
@@ -626,74 +656,3 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         generator.manual_seed(int(seed))
     return generator
-
-
-def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: int = 4,
-                         length_penalty: float = 1.0, max_new_tokens: int = 128,
-                         eos_token_ids: Sequence[int] | None = None, early_stopping: bool | str = False
-                         ) -> GenerationResult:
-    """Beam search (the deterministic baseline), following transformers' rules so the two agree.
-
-    Each step scores the `num_beams` running beams in one batched pass with a shared, reordered
-    KV cache and takes the top K = max(2, 1 + #EOS)·num_beams continuations. A continuation that
-    ends in EOS (or reaches `max_new_tokens`) among the top `num_beams` becomes a finished
-    hypothesis scored sum(log p) / length**length_penalty (length counts generated tokens); the
-    best `num_beams` non-finished continuations run on. The search stops when no running beam can
-    beat the worst of `num_beams` finished ones (early_stopping=False: judged at the current
-    length; "never": at the longest length when length_penalty > 0; True: as soon as
-    `num_beams` hypotheses are finished). Returns the best finished hypothesis (EOS included).
-    """
-    if not isinstance(num_beams, int) or num_beams < 1:
-        raise SpecdecError(f"num_beams must be an integer >= 1, got {num_beams!r}")
-    prompt, limit, limit_reason, eos = _validate(prompt_ids, [model], max_new_tokens, eos_token_ids)
-    stats = GenerationStats()
-    start = time.perf_counter()
-    keep = max(2, 1 + len(eos)) * num_beams
-    cache = model.new_cache()
-    with _timed(stats, "target_seconds"):
-        logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)  # [B, V]
-    stats.target_forwards += 1
-    cache.batch_repeat_interleave(num_beams)
-    vocab, device = logits.shape[-1], logits.device  # every tensor below lives beside the logits (CUDA too)
-    running = torch.zeros(num_beams, 0, dtype=torch.long, device=device)
-    running_scores = torch.full((num_beams,), -1e9, device=device)
-    running_scores[0] = 0.0  # one real beam at first: the copies must not yield duplicate candidates
-    finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first
-    improvable = True
-    for length in range(1, limit + 1):
-        if torch.isnan(logits).any():
-            raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
-        scores = (logits.float().log_softmax(-1) + running_scores[:, None]).view(-1)  # [B·V]
-        top_scores, top_index = scores.topk(keep)
-        beams, tokens = top_index // vocab, top_index % vocab
-        hits = torch.tensor([int(t) in eos for t in tokens.tolist()], dtype=torch.bool, device=device)
-        hits |= length == limit
-
-        # finished hypotheses: only among the top num_beams, and only while improvement is possible
-        full = len(finished) == num_beams and early_stopping is True
-        if improvable and not full:
-            for rank in range(num_beams):
-                if hits[rank]:
-                    seq = running[beams[rank]].tolist() + [int(tokens[rank])]
-                    finished.append((float(top_scores[rank]) / length ** length_penalty, seq))
-            finished = sorted(finished, key=lambda f: -f[0])[:num_beams]
-        if bool(hits.all()) or (early_stopping is True and len(finished) == num_beams):
-            break
-
-        # the best non-finished continuations run on
-        alive = top_scores.masked_fill(hits, -1e9).topk(num_beams).indices
-        running = torch.cat([running[beams[alive]], tokens[alive, None]], dim=1)
-        running_scores = top_scores[alive].masked_fill(hits[alive], -1e9)
-        cache.reorder_cache(beams[alive].to(model.device))
-        if len(finished) == num_beams:
-            best_length = limit if early_stopping == "never" and length_penalty > 0 else length
-            improvable = improvable and float(running_scores[0]) / best_length ** length_penalty > finished[-1][0]
-            if not improvable:
-                break
-        with _timed(stats, "target_seconds"):
-            logits = model.forward_rows(tokens[alive, None], cache)
-        stats.target_forwards += 1
-    best = finished[0][1] if finished else running[0].tolist()
-    stats.new_tokens, stats.wall_seconds = len(best), time.perf_counter() - start
-    reason = "eos" if best and best[-1] in eos else limit_reason
-    return GenerationResult(best, [], stats, reason)

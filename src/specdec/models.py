@@ -125,6 +125,9 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         extra = {"gguf_file": gguf_file} if gguf_file else {}
         hf_logging.disable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+        if gguf_file is None and _is_encoder_decoder(directory):
+            raise SpecdecError("an encoder-decoder model (T5, BART): load it with specdec.load_seq2seq, and "
+                               "generate with speculative_generate_encoder_decoder")
         part = "weights"
         # Mismatched shapes are reported by _check_loading_info with the tensor's name; transformers'
         # own error only points at a report that the silenced logger never prints.
@@ -149,6 +152,41 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         hf_logging.enable_progress_bar()
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return wrapped
+
+
+def _is_encoder_decoder(directory) -> bool:
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(directory), "is_encoder_decoder", False))
+
+
+def load_seq2seq(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "auto",
+                 say: Callable[[str], None] = lambda msg: None):
+    """A local Hugging Face encoder-decoder directory (T5, BART) -> `backends.seq2seq.Seq2SeqModel`
+    with its tokenizer (`encode(text)` -> ids, `decode(ids)` -> text). dtype: "fp32" (default),
+    "bf16" or "fp16"; nothing here is row-exact, and the loop is the chain loop."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from .backends.seq2seq import Seq2SeqModel
+
+    directory = Path(str(path)).expanduser()
+    if not (directory / "config.json").exists():
+        raise SpecdecError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    torch_dtype = dtypes.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise SpecdecError(f"dtype for an encoder-decoder model is one of {', '.join(dtypes)}, not {dtype!r}")
+    say(f"loading {directory.name} (encoder-decoder, {str(torch_dtype).removeprefix('torch.')})")
+    part = "tokenizer"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        part = "weights"
+        model = AutoModelForSeq2SeqLM.from_pretrained(directory, dtype=torch_dtype)
+        return Seq2SeqModel(model.to(resolve_device(device)), tokenizer, name=directory.name)
+    except SpecdecError as exc:
+        raise SpecdecError(f"could not load {path}: {exc}") from exc
+    except Exception as exc:
+        raise SpecdecError(f"could not load {path} ({part}): {_one_line(exc)}") from exc
 
 
 GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"

@@ -14,6 +14,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
+from ..beam import beam_search_generate, speculative_beam_search
 from ..drafters import CascadeDrafter, LookupDrafter, NgramDrafter, SuffixDrafter, make_tree_drafter
 from ..drafters.eagle import EagleDrafter
 from ..drafters.layerskip import self_skip_drafter
@@ -45,6 +46,8 @@ METHODS = {
     "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
     "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
     "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
+    "beam": "ours: beam search (--num-beams), greedy prompts only; row-exact on the CPU",
+    "beam-sd": "ours: speculative beam search, a drafter-model tree per beam; its output is beam's",
     "lookahead": "ours: lookahead decoding (Jacobi window and n-gram pool), its shape from measured wide-pass costs",
     "cascade": "sd-cost with a cascade: suffix drafting guesses the drafter model's tokens, 3 a pass",
     "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
@@ -69,11 +72,13 @@ METHODS = {
     "llama-cpp-spec": "llama.cpp (llama-cpp-python) speculative decoding, drafter GGUF, greedy drafts ≤ 16, p_min 0.75",
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
-BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "cascade", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
+BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
+NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
                  "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
+BEAM_METHODS = ("beam", "beam-sd")
+REFERENCE = {"beam-sd": "beam"}  # the output a method must reproduce on greedy prompts (default: ar's)
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
 
 
@@ -118,6 +123,7 @@ class Settings:
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
     lookahead_shape: tuple[int, int, int] | None = None  # the lookahead methods' (W, N, G); None: sized by cost
+    num_beams: int = 4  # beam and beam-sd
 
 
 @dataclass
@@ -214,6 +220,12 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                   seed=seed if sampler.is_greedy or method == "ar" else None)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
+    elif method in BEAM_METHODS:
+        if not sampler.is_greedy:
+            raise SpecdecError(f"{method} is deterministic: run it on greedy prompts (temperature 0)")
+        options = dict(num_beams=settings.num_beams, max_new_tokens=settings.max_new_tokens)
+        result = beam_search_generate(ids, target, **options) if method == "beam" else \
+            speculative_beam_search(ids, target, drafter, **options)
     elif checkpoint_kind(method):
         kind = checkpoint_kind(method)
         policy = TreeCost(max_nodes=settings.tree_nodes, calibrate=not method.endswith("-uncalibrated"))

@@ -32,7 +32,8 @@ def _versus(s: dict, base: str) -> str:
 
 
 def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
-    identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else "–"
+    identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else \
+        f"{s['identical_to_beam']}/{s['greedy_prompts']} (to beam)" if "identical_to_beam" in s else "–"
     versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost", "llama-cpp") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
               for b in baselines]
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
@@ -144,7 +145,7 @@ def render_markdown(result: dict) -> str:
     lines.append("")
     mismatched = {m: s["mismatched_prompts"] for m, s in summary.items() if s.get("mismatched_prompts")}
     if mismatched:
-        lines.append(f"- greedy outputs differing from ar: {mismatched}")
+        lines.append(f"- greedy outputs differing from their reference (ar; beam for beam-sd): {mismatched}")
         for m, s in summary.items():
             for i, d in s.get("divergences", {}).items():
                 lines.append(f"  - {m}, {i}: first differs at new token {d['position']} (ar {d['reference_token']}, "

@@ -26,7 +26,7 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, NEEDS_DRAFTER, PeerModels, Record, Settings, check_methods, checkpoint_kind, is_flat,
+from .methods import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, REFERENCE, PeerModels, Record, Settings, check_methods, checkpoint_kind, is_flat,
                       merge_samples, open_datastore, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
@@ -149,10 +149,11 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
                 entry[f"median_decode_speedup_vs_{base}"] = _median_or_none([
                     r.decode_tokens_per_second / by[base][i].decode_tokens_per_second for i, r in by[m].items()
                     if i in by[base] and r.decode_tokens_per_second and by[base][i].decode_tokens_per_second])
-        greedy = [i for i, r in by[m].items() if r.temperature == 0 and i in by.get("ar", {})]
-        if m != "ar" and greedy:
-            mismatches = [i for i in greedy if by[m][i].tokens != by["ar"][i].tokens]
-            entry["identical_to_ar"] = len(greedy) - len(mismatches)
+        reference = REFERENCE.get(m, "ar")
+        greedy = [i for i, r in by[m].items() if r.temperature == 0 and i in by.get(reference, {})]
+        if m != reference and greedy:
+            mismatches = [i for i in greedy if by[m][i].tokens != by[reference][i].tokens]
+            entry[f"identical_to_{reference}"] = len(greedy) - len(mismatches)
             entry["greedy_prompts"] = len(greedy)
             entry["mismatched_prompts"] = mismatches
         summary[m] = entry
@@ -251,6 +252,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         prompts += loaded
         temperatures_of += [temps] * len(loaded)
     temperatures = sorted({t for temps in temperatures_of for t in temps})
+    beams = [m for m in methods if m in BEAM_METHODS]
+    if beams and any(t > 0 for t in temperatures):
+        raise SpecdecError(f"{', '.join(beams)} decode deterministically: run them at temperature 0 only")
     samplers = [Sampler(temperature=t) for t in temperatures]
 
     def say(msg: str) -> None:
@@ -325,12 +329,13 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
 
     summary = summarize(records, methods, settings.assumed)
     ids_by_prompt = {f"{p.dataset}/{p.index}": ids for p, ids in zip(prompts, encoded)}
-    ar_tokens = {r.prompt_id: r.tokens for r in records if r.method == "ar"}
-    for r in records:  # for each greedy output that left AR's: where, and how close the target's call was
+    outputs = {(r.method, r.prompt_id): r.tokens for r in records}
+    for r in records:  # for each greedy output that left its reference's: where, and how close the target's call was
         entry = summary[r.method]
         if r.prompt_id in entry.get("mismatched_prompts", []):
             entry.setdefault("divergences", {})[r.prompt_id] = divergence(
-                target_model, ids_by_prompt[r.prompt_id.split("@")[0]], ar_tokens[r.prompt_id], r.tokens)
+                target_model, ids_by_prompt[r.prompt_id.split("@")[0]],
+                outputs[(REFERENCE.get(r.method, "ar"), r.prompt_id)], r.tokens)
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "samples": samples,
