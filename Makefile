@@ -112,7 +112,7 @@ bench-lookahead-shapes: setup
 	for shape in 8,2,8 4,3,4 30,2,30 15,3,15 10,4,10; do \
 		$(BIN)/specdec bench --dataset humaneval:3:0,spec-bench:1:0 --tasks summarization,qa \
 			--methods lookahead-flat --flat-at16 1 --lookahead-shape $$shape --max-new-tokens 96 \
-			--json docs/benchmarks/lookahead-shapes/$$shape.json || exit 1; \
+			--json docs/benchmarks/lookahead-shapes/$$(echo $$shape | tr , _).json || exit 1; \
 	done
 
 # beam search and exact speculative beam search (4 beams, greedy prompts; ~15 min on 2 cores)
