@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
 
 setup: $(STAMP) models
 
@@ -126,6 +126,12 @@ bench-cascade: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0+1 \
 		--methods ar,sd-cost,cascade,sd-typical,tree-mixed --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/cascade.md --json docs/benchmarks/cascade.json --plot docs/benchmarks/cascade.png
+
+# typical acceptance beside the chain on sampled prompts, with how far its first-token law strays
+# from the target's on each output (`typical_total_variation`; ~8 min on 2 cores)
+bench-typical: setup
+	$(BIN)/specdec bench --dataset spec-bench:1:1 --methods sd-cost,sd-typical --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/typical.md --json docs/benchmarks/typical.json
 
 # a drafter with another tokenizer (SmolLM2-135M for the Qwen target): ours through text against
 # transformers' universal assisted generation (~20 min on 2 cores)

@@ -251,3 +251,27 @@ def test_the_assisted_peer_runs_without_transformers_own_config_warning():
         assert any("together with" in m for m in messages)
     finally:
         logger.removeHandler(handler)
+
+
+def test_typical_divergence_is_the_first_token_laws_distance_from_p():
+    """On tiny models: the mean over output positions of TV(r, p), r the law typical acceptance
+    gives a step's first token; zero under greedy (None), and what theory computes position by position."""
+    import torch
+
+    from conftest import tiny_model
+    from specdec import Sampler
+    from specdec.bench.methods import typical_divergence
+    from specdec.theory import total_variation, typical_first_token_law
+    from specdec.verify import Typical
+
+    target, drafter = tiny_model(1, vocab=32), tiny_model(2, vocab=32)
+    prompt, output, sampler = [3, 5, 7], [9, 2, 4, 4], Sampler(1.0)
+    assert typical_divergence(target, drafter, prompt, output, Sampler(0.0), Typical()) is None
+    got = typical_divergence(target, drafter, prompt, output, sampler, Typical())
+    expected = []
+    for k in range(len(output)):
+        context = prompt + output[:k]
+        p = sampler.probs(target.forward(context, None, 1)[-1])
+        q = sampler.probs(drafter.forward(context, None, 1)[-1])
+        expected.append(float(total_variation(typical_first_token_law(p, q), p)))
+    assert got == pytest.approx(sum(expected) / len(expected), rel=1e-4) and got > 0.01

@@ -89,6 +89,47 @@ def test_sampled_drafts_through_text_keep_the_joint_law_and_a_foreign_q_breaks_i
         assert (chi_square_pvalue(samples, joint) > ALPHA) == exact
 
 
+def test_the_intersection_maps_the_drafters_tokens_and_q_onto_the_targets_ids():
+    target, drafter = _pair()
+    other = OtherTokenizerDrafter(drafter, mode="intersection")
+    other.check_target(target)
+    mine, theirs = other.shared_tokens()
+    assert dict(zip(mine.tolist(), theirs.tolist())) == {0: 2, 1: 0, 2: 1}  # c, a, b in 'cab' -> 'abc'
+    other.start(DEEP_PROMPT)
+    draft = other.propose(DEEP_PROMPT, 3, Sampler(1.0), torch.Generator().manual_seed(0), lambda n, logits: True)
+    assert len(draft.tokens) == 3 and draft.probs.shape == (3, 3)
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(3))
+    with pytest.raises(Exception, match="unknown mode"):
+        OtherTokenizerDrafter(drafter, mode="both")
+
+
+@pytest.mark.slow
+def test_sampled_drafts_over_the_intersection_keep_the_joint_law_and_an_unmapped_q_breaks_it():
+    """Each drafted token is drawn from the drafter's q over the shared tokens and verified with
+    that q in the target's ids; the same q left in the drafter's ids is the plausible bug."""
+    target, drafter = _pair()
+    sampler, length = Sampler(1.0), 5
+    joint = exact_joint(target, DEEP_PROMPT, length, sampler)
+
+    class Unmapped(OtherTokenizerDrafter):
+        def _propose_shared(self, *args):
+            draft = super()._propose_shared(*args)
+            mine, theirs = self.shared_tokens()
+            rows = draft.probs.clone()
+            rows[:, mine] = draft.probs[:, theirs]  # each q value back at the drafter's id of its token
+            return Draft(draft.tokens, rows)
+
+    for made, exact in ((OtherTokenizerDrafter, True), (Unmapped, False)):
+        samples, accepted = [], 0
+        for seed in range(2_500):
+            out = speculative_generate(DEEP_PROMPT, target, made(drafter, mode="intersection"), gamma=4,
+                                       sampler=sampler, max_new_tokens=length, seed=seed, first_target=False)
+            samples.append(tuple(out.tokens))
+            accepted += out.stats.accepted
+        assert accepted > 1_000
+        assert (chi_square_pvalue(samples, joint) > ALPHA) == exact
+
+
 @pytest.fixture(scope="module")
 def gemma3():
     if not registry.is_installed("gemma3-270m"):
@@ -97,13 +138,16 @@ def gemma3():
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-def test_greedy_with_a_drafter_of_another_tokenizer_equals_ar(smollm2, gemma3, reverse):
+@pytest.mark.parametrize("mode", ["auto", "intersection"])
+def test_greedy_with_a_drafter_of_another_tokenizer_equals_ar(smollm2, gemma3, reverse, mode):
     """SmolLM2-135M drafting for Gemma 3 270M and the reverse: two tokenizers, the drafter model
-    passed as it is (the loop drafts through text), greedy output token for token AR's."""
+    passed as it is (under greedy the loop drafts through text) or drafting over the shared tokens,
+    greedy output token for token AR's."""
     target, drafter = (smollm2, gemma3) if reverse else (gemma3, smollm2)
     ids = target.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     expected = autoregressive_generate(ids, target, max_new_tokens=24).tokens
-    result = speculative_generate(ids, target, drafter, gamma=4, max_new_tokens=24)
+    result = speculative_generate(ids, target, drafter if mode == "auto" else OtherTokenizerDrafter(drafter, mode),
+                                  gamma=4, max_new_tokens=24)
     assert result.tokens == expected
     assert result.stats.accepted > 0  # the re-encoded drafts were right at times
 

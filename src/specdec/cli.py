@@ -451,9 +451,10 @@ def _generate_seq2seq(prompt: str, target: str, drafter: str | None, sampler, pl
         raise SpecdecError(f"an encoder-decoder target drafts with an encoder-decoder model directory, lookup or "
                            f"ngram (--drafter), or not at all (--method ar); {drafter!r} is none of these")
     target_model = load_seq2seq(target, weights, device, say)
-    drafter_used = {"lookup": LookupDrafter, "ngram": NgramDrafter, None: lambda: None}.get(drafter, lambda: None)()
-    if drafter_used is None and drafter is not None:
-        drafter_used = load_seq2seq(drafter, weights, device, say)
+    if drafter in ("lookup", "ngram"):
+        drafter_used = LookupDrafter() if drafter == "lookup" else NgramDrafter()
+    else:
+        drafter_used = None if drafter is None else load_seq2seq(drafter, weights, device, say)
     out = Console()
     printer = None if as_json else StepPrinter(target_model, out)
     if printer is not None and drafter is not None:

@@ -147,6 +147,7 @@ class Record:
     widths_per_step: list[int] = field(default_factory=list)  # ours, speculative: tokens per target pass
     drafter_passes_per_step: list[int] = field(default_factory=list)
     samples: int = 1  # generations folded into this record (`merge_samples`): their sums, their lists joined
+    typical_tv: float | None = None  # sd-typical under sampling: `typical_divergence` of its output (merged: the mean)
 
     @property
     def tokens_per_second(self) -> float:
@@ -187,7 +188,34 @@ def merge_samples(records: list[Record]) -> Record:
                   None if first_tokens is None else first_tokens / samples, [n for r in records for n in r.nodes_per_step],
                   total([r.target_seconds for r in records]), total([r.drafter_seconds for r in records]),
                   [n for r in records for n in r.widths_per_step], [n for r in records for n in r.drafter_passes_per_step],
-                  samples)
+                  samples, typical_tv=_mean_of([r.typical_tv for r in records]))
+
+
+def _mean_of(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def typical_divergence(target, drafter, prompt_ids: list[int], output: list[int], sampler: Sampler,
+                       typical: Typical) -> float | None:
+    """How far typical acceptance strays from the target's law on this text: over the output's
+    positions, the mean total variation between the law it gives a step's first token
+    (`theory.typical_first_token_law`, with the drafter's q there) and the target's p, both under
+    `sampler`. None under greedy, where it does not stray. Two cache-free passes, untimed."""
+    from ..theory import total_variation, typical_first_token_law
+
+    if sampler.is_greedy or not output:
+        return None
+    ids = list(prompt_ids) + list(output[:-1])  # the positions that chose each output token
+    with torch.inference_mode():
+        p = sampler.probs(target.forward(ids, None, len(output)))
+        draft_logits = drafter.forward(ids, None, len(output))[:, :p.shape[-1]]
+        missing = p.shape[-1] - draft_logits.shape[-1]  # a narrower drafter head: q = 0 on the ids it lacks
+        if missing > 0:
+            draft_logits = torch.cat([draft_logits, draft_logits.new_full((len(output), missing), float("-inf"))], -1)
+        q = sampler.probs(draft_logits)
+    law = typical_first_token_law(p, q, typical.epsilon, typical.delta)
+    return float(total_variation(law, p).mean())
 
 
 def check_methods(methods: list[str]) -> None:
@@ -258,10 +286,13 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
                                       schedule=schedule, typical=typical, **common)
     s = result.stats
+    divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
+        if method == "sd-typical" else None
     return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
-                  widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step)
+                  widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step,
+                  typical_tv=divergence)
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run

@@ -134,6 +134,8 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             # the drafter model's passes per emitted token (cascades save some; None: no drafter model ran)
             "drafter_passes_per_token": (sum(sum(r.drafter_passes_per_step) for r in rs) / sum(r.new_tokens for r in rs)
                                          if any(r.drafter_passes_per_step for r in rs) else None),
+            # sd-typical under sampling: its first-token law's distance from the target's (`typical_divergence`)
+            "typical_total_variation": _mean([r.typical_tv for r in rs if r.typical_tv is not None]),
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
             **_time_split(rs),
