@@ -157,7 +157,7 @@ def clone_cache(cache):
     return copy.deepcopy(cache)
 
 
-def _fork(parents: list, clone: Callable = None) -> list:
+def _fork(parents: list, clone: Callable | None = None) -> list:
     """What each beam after a step holds (a cache, a drafter), given its parent's: a parent kept by
     several beams is copied (`clone`, default `clone_cache`) for all but the first, before any of
     them changes."""
@@ -187,7 +187,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
 
     drafter: a zero-argument callable making a tree drafter (`make_tree_drafter`; one per beam,
         forked with the beam), or a drafter model (each beam then drafts with `SidesDrafter`: its
-        chain and next best tokens, which beam search's runners-up often are).
+        chain and its next best token beside each chain token, where beam search's runners-up may lie).
     max_depth: the deepest a beam's tree goes.
 
     Each step drafts a tree after every running beam's last token and scores all trees in one
@@ -205,6 +205,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
         from .drafters import SidesDrafter
         from .schedules import TreeCost
 
+        # every step drafts (no step timings steer it here), at most 16 nodes a beam
         drafter = lambda: SidesDrafter(model, width=2, policy=TreeCost(max_nodes=16, warmup=10**9))  # noqa: E731
     prompt, limit, limit_reason, eos = _validate(prompt_ids, [target], max_new_tokens, eos_token_ids)
     stats = GenerationStats()

@@ -155,9 +155,14 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
 
 
 def _is_encoder_decoder(directory) -> bool:
+    """Whether a model directory's config is an encoder-decoder's; False where it cannot be read
+    (the loader then says what is wrong with it)."""
     from transformers import AutoConfig
 
-    return bool(getattr(AutoConfig.from_pretrained(directory), "is_encoder_decoder", False))
+    try:
+        return bool(getattr(AutoConfig.from_pretrained(directory), "is_encoder_decoder", False))
+    except Exception:  # transformers raises several types for a config it cannot take
+        return False
 
 
 def load_seq2seq(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "auto",

@@ -130,7 +130,7 @@ class LookaheadDrafter:
         root = Node(-1, 1.0, "deterministic")
         window, ngram, guesses = self.shape or (0, 0, 0)
         columns: list[Node | None] = []
-        sources: dict[int, tuple[Node, str]] = {}
+        sources: dict[tuple[int, str], tuple[Node, str]] = {}  # (node id, source) -> the node
         if window and max_depth >= 1 and self.policy.should_draft():
             value = {source: self.acceptance(source) for source in self.tries}
             parent = root
