@@ -121,10 +121,7 @@ def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: i
     prompt, limit, limit_reason, eos = _validate(prompt_ids, [model], max_new_tokens, eos_token_ids)
     stats = GenerationStats()
     start = time.perf_counter()
-    cache = model.new_cache()
-    with _timed(stats, "target_seconds"):
-        logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)  # [B, V]
-    stats.target_forwards += 1
+    cache, logits = _prompt_pass(model, prompt, num_beams, stats)
     state = BeamState(num_beams, limit, eos, length_penalty, early_stopping, logits.device)
     if _row_exact(model):
         caches = [cache] * num_beams
@@ -143,6 +140,15 @@ def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: i
                 logits = model.forward_rows(torch.tensor(tokens, device=logits.device)[:, None], cache)
             stats.target_forwards += 1
     return _result(state, stats, start, limit_reason)
+
+
+def _prompt_pass(model, prompt: list[int], num_beams: int, stats: GenerationStats) -> tuple[object, torch.Tensor]:
+    """The prompt in a new cache -> (cache, the first token's logits [num_beams, V], one per beam)."""
+    cache = model.new_cache()
+    with _timed(stats, "target_seconds"):
+        logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)
+    stats.target_forwards += 1
+    return cache, logits
 
 
 def _result(state: BeamState, stats: GenerationStats, start: float, limit_reason: str) -> GenerationResult:
@@ -210,10 +216,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
     prompt, limit, limit_reason, eos = _validate(prompt_ids, [target], max_new_tokens, eos_token_ids)
     stats = GenerationStats()
     start = time.perf_counter()
-    cache = target.new_cache()
-    with _timed(stats, "target_seconds"):
-        logits = target.forward(target.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)
-    stats.target_forwards += 1
+    cache, logits = _prompt_pass(target, prompt, num_beams, stats)
     state = BeamState(num_beams, limit, eos, length_penalty, early_stopping, logits.device)
     first = drafter()
     first.check_target(target)

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
+from ..text import eos_ids
 
 
 class Seq2SeqModel:
@@ -34,8 +35,7 @@ class Seq2SeqModel:
         if start is None:
             raise SpecdecError(f"{self.name}'s config names no decoder_start_token_id")
         self.decoder_start_token_id = int(start)
-        eos = config.eos_token_id
-        self.eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        self.eos_token_ids = eos_ids([getattr(hf_model, "generation_config", None), config, tokenizer])
         self.max_context = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
                                or 512)
 
