@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds clean
 
 setup: $(STAMP) models
 
@@ -182,6 +182,19 @@ bench-self-all: setup $(HEADS)/medusa.json $(EAGLE)/eagle.json
 		--methods ar,sd-cost,medusa,eagle,self-skip,hf-assisted --heads $(HEADS) --eagle $(EAGLE) \
 		--gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/self-all.md --json docs/benchmarks/self-all.json --plot docs/benchmarks/self-all.png
+
+# the default drafter distilled towards the default target (DistillSpec; ~25 min on 2 cores)
+ADAPTER := adapters/qwen-coder-0.5b
+$(ADAPTER)/adapter.json: | $(STAMP)
+	$(BIN)/specdec distill-drafter --out $(ADAPTER) --tokens 32768
+
+# the seeds' methods in one interleaved run, with transformers' universal assisted generation on
+# the same other-tokenizer drafter (~75 min on 2 cores, after the distillation)
+bench-seeds: setup $(ADAPTER)/adapter.json
+	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
+		--methods ar,sd-cost,tree-mixed,lookahead,cascade,sd-typical,sd-distilled,sd-online,sd-other-tokenizer,hf-assisted-other-tokenizer \
+		--distilled $(ADAPTER) --other-drafter smollm2-135m --gamma-max 20 --max-new-tokens 128 \
+		--markdown docs/benchmarks/seeds.md --json docs/benchmarks/seeds.json --plot docs/benchmarks/seeds.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

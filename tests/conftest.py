@@ -13,7 +13,7 @@ from specdec import registry
 
 def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int = 256,
                logit_scale: float = 1.0, name: str | None = None, kernels: str = "auto",
-               exact_rows: bool | None = None) -> TransformersModel:
+               exact_rows: bool | None = None, role: str = "target") -> TransformersModel:
     """A random Llama with sharp enough logits that p and q differ noticeably."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,7 +25,7 @@ def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int =
     with torch.no_grad():
         # default init gives near-uniform logits; spread them so sampling tests have power
         model.lm_head.weight.mul_(logit_scale * 40.0)
-    return TransformersModel(model, None, name or f"tiny-{seed}", kernels=kernels, exact_rows=exact_rows)
+    return TransformersModel(model, None, name or f"tiny-{seed}", kernels=kernels, exact_rows=exact_rows, role=role)
 
 
 

@@ -55,6 +55,14 @@ def test_generate_text_output_has_a_summary_line(need_smollm2):
     (["chat", "--dtype", "gguf", "--drafter", "self-skip"], "--drafter self-skip cannot run on --dtype gguf"),
     (["bench", "--drafter-vocab", "-5"], "must be a number of ids >= 0"),
     (["measure", "--drafter-vocab-corpus", "no/such/corpus.txt"], "vocabulary corpus not found"),
+    (["distill-drafter", "--out", "x", "--tokens", "0"], "--tokens must be >= 1"),
+    (["distill-drafter", "--out", "x", "--loss", "kl"], "--loss tvd or fkl"),
+    (["distill-drafter", "--out", "x", "--corpus", "no/such/corpus.txt"], "corpus not found"),
+    (["distill-drafter", "--out", "x", "--drafter", "distilled:y"], "distil the plain drafter"),
+    (["distill-drafter", "--out", "x", "--drafter-dtype", "gguf"], "needs the drafter's hidden states"),
+    (["generate", "x", "--online"], "--online updates a drafter model between prompts"),
+    (["serve", "--online", "--drafter", "none", "--method", "ar"], "--online trains the drafter model's adapter"),
+    (["bench", "--methods", "sd-distilled"], "--distilled DIR"),
 ])
 def test_errors_are_one_line_and_exit_non_zero(args, message):
     result = runner.invoke(app, args)

@@ -696,3 +696,22 @@ def test_soak_500_requests_at_8_with_random_disconnects(tiny_pair):
     assert not worker.engine.results and not worker._sinks and worker.waiting == 0
     half = rss[len(rss) // 2:]
     assert max(half) <= 1.05 * min(half), [r >> 20 for r in rss]
+
+
+def test_an_online_drafter_learns_between_requests_and_answers_stay_the_targets():
+    from specdec.adapter import OnlineDistiller
+
+    target = tiny_model(0, exact_rows=True, name=NAME)
+    drafter = tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter", role="drafter")
+    online = OnlineDistiller(drafter, min_records=1, lr=1e-2)
+    assumed = AssumedCosts(drafter=0.05, slope=0.0)
+    with serving(lambda: Service(target, drafter, limits=Limits(max_tokens=24), assumed=assumed), max_batch=4,
+                 steer=False) as (url, _):
+        client = _client(url)
+        for prompt in PROMPTS[:4]:
+            answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+            assert answer.choices[0].text == _alone(target, prompt, 16)
+            deadline = time.monotonic() + 20
+            while online.fresh and time.monotonic() < deadline:  # the worker updates once the engine is idle
+                time.sleep(0.05)
+    assert online.updates >= 1 and drafter.adapter is not None

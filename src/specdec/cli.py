@@ -256,6 +256,9 @@ def generate(
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
     lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP +
                                                   " With --tree lookahead."),
+    online: bool = typer.Option(False, "--online", help="With --prompts (--batch-size 1) and a drafter model's "
+                                "chains: the drafter learns from its rejected drafts (OSD), its adapter updated "
+                                "between prompts. Outputs stay exact."),
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
@@ -320,6 +323,10 @@ def generate(
             raise SpecdecError("--typical applies to chain drafts only; tree verification is exact")
         if typical and method != Method.sd:
             raise SpecdecError("--typical changes how drafts are accepted; --method ar drafts nothing")
+        if online and (prompts_file is None or batch_size != 1 or method != Method.sd or tree != "off" or self_spec
+                       or cascade != "off" or drafter in MODEL_FREE_DRAFTERS or dtype == "gguf"):
+            raise SpecdecError("--online updates a drafter model between prompts: use it with --prompts FILE, "
+                               "--batch-size 1, --drafter MODEL, chains (no --tree, --cascade) and --dtype auto")
         if prompts_file is not None:  # before minutes of loading
             if lenience != 1 or typical:
                 raise SpecdecError("--lenience and --typical apply to one generation; drop them with --prompts")
@@ -362,7 +369,12 @@ def generate(
                 elif schedule == "cost":
                     plan = _cost_schedule(target_model, drafter_model, gamma_max)
             plans = None if method == Method.ar else (plan, seeded_plan)
-            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat, kv_budget)
+            if online:
+                from .adapter import OnlineDistiller
+
+                OnlineDistiller(drafter_model)
+            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat, kv_budget,
+                            online=getattr(make_drafter, "online", None))
             return
         if method == Method.sd:
             if self_spec:
@@ -537,11 +549,12 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
 
 
 def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plans, method: str,
-                    as_json: bool, chat: bool, kv_memory: int | None = None) -> None:
+                    as_json: bool, chat: bool, kv_memory: int | None = None, online=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
     file's order (a JSON line per prompt with --json), then one summary line. plans: (schedule,
     schedule for seeded sampled rows), each copied per row, or None for AR; a row gets what a
-    generation of its prompt alone would get, so its output is that generation's."""
+    generation of its prompt alone would get, so its output is that generation's. online: an
+    `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one)."""
     import copy
     import time
 
@@ -558,8 +571,19 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
             max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
             schedule=(lambda plan=plan: copy.deepcopy(plan)) if plan is not None else None)))
     began = time.perf_counter()
-    with err.status(f"generating {len(rows)} prompts, {batch_size} at a time…"):
-        results = engine.run()
+    if online is None:
+        with err.status(f"generating {len(rows)} prompts, {batch_size} at a time…"):
+            results = engine.run()
+    else:  # one request at a time, the drafter updated between them
+        requests, engine.waiting, results = engine.waiting, [], {}
+        with err.status(f"generating {len(rows)} prompts, the drafter learning between them…") as status:
+            for number, request in enumerate(requests, 1):
+                engine.waiting.append(request)
+                results.update(engine.run())
+                update = online.update()
+                if update is not None:
+                    status.update(f"prompt {number} of {len(rows)} done; the drafter learnt from "
+                                  f"{update['records']} rejected positions")
     seconds = time.perf_counter() - began
     out = Console()
     for number, (row, request_id) in enumerate(zip(rows, ids), 1):
@@ -574,8 +598,9 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
             out.rule(f"prompt {number}", style="dim")
             out.print(text, highlight=False)
     tokens = sum(len(r.tokens) for r in results.values())
+    learnt = "" if online is None else f" · {online.updates} drafter updates ({online.seconds:.1f} s)"
     err.print(f"[dim]{len(rows)} prompts · {tokens} tokens in {seconds:.2f} s · {tokens / seconds:.2f} tok/s "
-              f"in all · {engine.passes} target passes · batch {batch_size} · weights: {target_model.weights}[/]",
+              f"in all · {engine.passes} target passes · batch {batch_size} · weights: {target_model.weights}{learnt}[/]",
               highlight=False)
 
 
@@ -702,6 +727,61 @@ def train_heads(
               + f"; {info['seconds']:.0f} s", highlight=False)
 
 
+@app.command("distill-drafter")
+def distill_drafter_command(
+    out: str = typer.Option(..., "--out", help="Folder to write the adapter into (resumes a run stopped there); "
+                            "use it as --drafter distilled:OUT."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model the drafter should agree with."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model to distil (same tokenizer)."),
+    corpus: str = typer.Option("stdlib", help="Where the contexts come from: stdlib (Python's standard library "
+                               "sources), humaneval, spec-bench, or a text file."),
+    tokens: int = typer.Option(16384, help="Positions to train on: the contexts and the drafter's continuations "
+                               "(a tenth of the sequences is held out)."),
+    context: int = typer.Option(64, help="Corpus tokens each sequence starts from."),
+    continuation: int = typer.Option(64, help="Tokens the drafter samples after each context (on-policy data)."),
+    rank: int = typer.Option(8, help="LoRA rank on each projection of the drafter's layers."),
+    loss: str = typer.Option("tvd", help="tvd (1 - acceptance: the loss acceptance reads) or fkl."),
+    epochs: int = typer.Option(2),
+    batch: int = typer.Option(4, help="Sequences per optimiser step."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (cosine schedule)."),
+    seed: int = typer.Option(0),
+    drafter_dtype: str = typer.Option("auto", "--drafter-dtype", help="The drafter's weights while training; "
+                                      "train on the weights it will draft with. " + DRAFTER_DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Distil a drafter towards a target (DistillSpec): a small adapter on the drafter's last hidden
+    state, trained on the drafter's own samples scored by the target. Prints held-out acceptance
+    before and after."""
+    from .adapter import DistillConfig, distill_drafter
+
+    try:
+        if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
+            raise SpecdecError(f"corpus not found: {corpus} (stdlib, humaneval, spec-bench or a text file)")
+        if drafter_dtype == "gguf":
+            raise SpecdecError("distillation needs the drafter's hidden states: --drafter-dtype auto, int8, bf16 or fp32")
+        config = DistillConfig(tokens=tokens, context=context, continuation=continuation, rank=rank, loss=loss,
+                               epochs=epochs, batch=batch, lr=lr, seed=seed)
+        for name in ("tokens", "context", "continuation", "rank", "epochs", "batch"):
+            if getattr(config, name) < 1:
+                raise SpecdecError(f"--{name} must be >= 1, got {getattr(config, name)}")
+        if not lr > 0 or loss not in ("tvd", "fkl"):
+            raise SpecdecError(f"--lr must be > 0 and --loss tvd or fkl, got {lr} and {loss!r}")
+        if drafter.startswith("distilled:"):
+            raise SpecdecError("distil the plain drafter model, not a distilled one")
+        target_model = _load(target, "auto", device, "target", exact_rows=False)
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        made = distill_drafter(target_model, drafter_model, corpus, out, config,
+                               say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    except SpecdecError as exc:
+        _fail(str(exc))
+    info = made.info
+    before, after = info["heldout_before"], info["heldout_after"]
+    err.print(f"an adapter for {info['drafter']} towards {info['target']} in {out} (--drafter distilled:{out}): "
+              f"held-out acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, greedy agreement "
+              f"{before['greedy_agreement']:.3f} -> {after['greedy_agreement']:.3f} over {info['heldout_tokens']} "
+              f"positions; {info['seconds']:.0f} s", highlight=False)
+
+
 @app.command("export-heads")
 def export_heads_command(
     folder: str = typer.Argument(..., help="A folder of heads trained here (specdec train-heads --out)."),
@@ -773,7 +853,8 @@ def bench(
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
-                                "tree-suffix, tree-mixed-suffix, lookahead, beam and beam-sd (beam search, plain and speculative; greedy prompts), cascade, medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "tree-suffix, tree-mixed-suffix, lookahead, beam and beam-sd (beam search, plain and speculative; greedy prompts), cascade, "
+                                "sd-distilled (--distilled DIR), sd-online (the drafter learning between prompts), medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
                                 "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
@@ -815,6 +896,8 @@ def bench(
                                     "sizing) assumes: scoring 16 drafted tokens costs this many one-token passes."),
     heads: Optional[str] = typer.Option(None, "--heads", help="Medusa heads' folder (the medusa method)."),
     eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
+    distilled: Optional[str] = typer.Option(None, "--distilled", help="A distilled drafter adapter's folder (the "
+                                            "sd-distilled method; `specdec distill-drafter`)."),
     other_drafter: str = typer.Option("smollm2-135m", "--other-drafter", help="The drafter model with another "
                                       "tokenizer (sd-other-tokenizer, hf-assisted-other-tokenizer)."),
     datastore: Optional[str] = typer.Option(None, "--datastore", help="A datastore folder (the retrieval method; "
@@ -842,7 +925,7 @@ def bench(
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
-                            other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None,
+                            distilled=distilled, other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None,
                             lookahead_shape=_lookahead_shape(lookahead_shape), num_beams=num_beams)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
@@ -1225,6 +1308,8 @@ def serve(
                               "backend: one sequence at a time, chains only)."),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    online: bool = typer.Option(False, "--online", help="The drafter learns from its rejected drafts (OSD): a "
+                                "small adapter updated whenever no request is running. Outputs stay exact."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
@@ -1257,6 +1342,9 @@ def serve(
                                "--method lookup or suffix)")
         if suffix_cache_tokens < 0:
             raise SpecdecError(f"--suffix-cache-tokens must be >= 0, got {suffix_cache_tokens}")
+        if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
+            raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
+                               "weights (not --drafter none, not gguf)")
         if method == "retrieval" and datastore_dir is None:
             raise SpecdecError("--method retrieval drafts from a datastore: give --datastore DIR")
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
@@ -1284,6 +1372,10 @@ def serve(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
             exact_rows=_chain_drafter_rows("off", device, None), say=say)
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
+        if online:
+            from .adapter import OnlineDistiller
+
+            OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
         speculation = Speculation(None if method == "ar" else method, gamma_max, tree_nodes)
         service = Service(target_model, drafter_model, default=speculation, limits=limits, costs=costs,
                           lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,

@@ -1,4 +1,5 @@
-"""What the self-drafting modules share (Medusa heads, medusa.py; the EAGLE drafter, eagle.py).
+"""What the trained drafting modules share (Medusa heads, medusa.py; the EAGLE drafter, eagle.py;
+a distilled drafter's adapter, adapter.py).
 
 - The target's identity (`target_fingerprint`) and its frozen output head (`head_rows`).
 - The training data: a corpus's token ids and the target's final hidden states over it
@@ -28,8 +29,12 @@ from .errors import SpecdecError
 FORMAT = 1
 STATE, FEATURES = "train_state.pt", "features.pt"
 # kind -> (weights file, json file), and how the kind is named in messages
-FILES = {"medusa": ("heads.safetensors", "medusa.json"), "eagle": ("eagle.safetensors", "eagle.json")}
-TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE drafter"}  # "a ... checkpoint", "this ... checkpoint"
+FILES = {"medusa": ("heads.safetensors", "medusa.json"), "eagle": ("eagle.safetensors", "eagle.json"),
+         "adapter": ("adapter.safetensors", "adapter.json")}
+TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE drafter", "adapter": "distilled drafter adapter"}  # "a ... checkpoint"
+MAKERS = {"medusa": "specdec train-heads --kind medusa", "eagle": "specdec train-heads --kind eagle",
+          "adapter": "specdec distill-drafter"}
+SPECS = {"medusa": "medusa:DIR", "eagle": "eagle:DIR", "adapter": "distilled:DIR"}  # how --drafter names each
 
 
 def target_fingerprint(model) -> str:
@@ -117,8 +122,8 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
     title = TITLES[kind]
     if not (folder / config).is_file():
         other = [k for k, (_, c) in FILES.items() if k != kind and (folder / c).is_file()]
-        hint = f"; it holds a {TITLES[other[0]]} checkpoint (--drafter {other[0]}:DIR)" if other else \
-            f" (train with `specdec train-heads --kind {kind}`)"
+        hint = f"; it holds a {TITLES[other[0]]} checkpoint (--drafter {SPECS[other[0]]})" if other else \
+            f" (make one with `{MAKERS[kind]}`)"
         raise SpecdecError(f"no {title} checkpoint in {folder}: {config} is missing{hint}")
     try:
         info = json.loads((folder / config).read_text())

@@ -310,6 +310,8 @@ class Decoding:
         self.cache = None
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
+        # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
+        self.online = getattr(drafter.model, "online", None) if isinstance(drafter, ModelDrafter) else None
 
     @property
     def done(self) -> bool:
@@ -444,6 +446,8 @@ class Decoding:
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
+        if self.online is not None and not self.trees and num_accepted < len(draft.tokens):  # p where q failed
+            self.online.record(id(self), length + num_accepted, logits[num_accepted])
         if self.trees:
             compact_cache(self.cache, length, path)
         else:
@@ -476,9 +480,12 @@ class Decoding:
         return emitted
 
     def _finish(self) -> None:
-        """A drafter that learns across generations (`SuffixDrafter.finish`) sees the finished sequence."""
+        """A drafter that learns across generations (`SuffixDrafter.finish`, an online distiller)
+        sees the finished sequence."""
         if self.done and hasattr(self.drafter, "finish"):
             self.drafter.finish(self.sequence)
+        if self.done and self.online is not None:
+            self.online.finish(id(self), self.sequence)
 
     def _record_logprobs(self, logits: torch.Tensor, rows: list[int], emitted: list[int]) -> None:
         if self.logprobs is not None:

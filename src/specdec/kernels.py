@@ -17,6 +17,8 @@ for 6 (docs/kernels.md). oneDNN has no bf16 path on such CPUs, so:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -269,3 +271,50 @@ def quantize_linears(module: nn.Module, short_rows: int) -> int:
         else:
             count += quantize_linears(child, short_rows)
     return count
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The [out, in] weight a linear layer of any kind here computes with (nn.Linear, Int8Linear's
+    long path, PackedLinear's dense copy or its packed one made dense)."""
+    if isinstance(layer, Int8Linear):
+        return dense_weight(layer.long)
+    if isinstance(layer, PackedLinear):
+        return layer.dense_weight if layer.dense_weight is not None else layer.packed_weight.to_dense()
+    return layer.weight
+
+
+@torch.no_grad()
+def set_dense_weight(layer: nn.Module, weight: torch.Tensor) -> None:
+    """Make a linear layer of any kind here compute with `weight` [out, in] from now on, in its
+    own layout (int8 rounded again, oneDNN packed again), in place: a drafter's merged adapter."""
+    if isinstance(layer, Int8Linear):
+        set_dense_weight(layer.long, weight)
+        int8, scales = quantize_int8(weight.detach())
+        layer.int8_weight.copy_(int8)
+        layer.scales.copy_(scales.to(layer.scales.dtype))
+    elif isinstance(layer, PackedLinear):
+        layer.packed_weight = weight.detach().float().contiguous().to_mkldnn()
+        if layer.dense_weight is not None:
+            layer.dense_weight.copy_(weight)
+    else:
+        layer.weight.copy_(weight)
+
+
+@contextlib.contextmanager
+def differentiable_linears(module: nn.Module):
+    """Within the block, the oneDNN-packed layers inside `module` compute with a plain matmul over
+    their dense weight, through which autograd can pass (it cannot through a packed one): an
+    adapter trained on a drafter's outputs needs gradients through every layer after it."""
+    patched = []
+    for layer in module.modules():
+        if isinstance(layer, PackedLinear):
+            weight = dense_weight(layer)
+            bias = layer.packed_bias
+            layer.forward = lambda x, w=weight, b=bias: nn.functional.linear(
+                x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+            patched.append(layer)
+    try:
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward  # the class's own again

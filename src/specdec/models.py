@@ -94,6 +94,9 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     if role == "target" and (vocab or vocab_corpus):
         raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
     check_vocab_options(vocab, vocab_corpus)
+    if str(name_or_path).startswith(DISTILLED):
+        return _load_distilled(str(name_or_path).removeprefix(DISTILLED), dtype, role,
+                               lambda base: load(base, dtype, device, role, kernels, exact_rows, say, vocab, vocab_corpus))
     if dtype in GGUF_WEIGHTS:
         return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels)
     device = resolve_device(device)
@@ -151,7 +154,20 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
+    wrapped.source = text  # what loads it again (a distilled drafter's checkpoint names its drafter so)
     return wrapped
+
+
+def _load_distilled(folder: str, dtype, role: str, load_base: Callable[[str], TransformersModel]) -> TransformersModel:
+    """`distilled:DIR`: the drafter an adapter checkpoint (adapter.py) was trained on, with it attached."""
+    from .adapter import load_distilled
+
+    if role != "drafter":
+        raise SpecdecError(f"{DISTILLED}{folder} is a drafter (a distilled adapter on a drafter model), not a {role}")
+    if dtype in GGUF_WEIGHTS:
+        raise SpecdecError(f"{DISTILLED}{folder}: a distilled drafter runs on transformers' weights, not --drafter-dtype "
+                           f"{dtype} (use auto, bf16, fp32 or int8)")
+    return load_distilled(folder, load_base)
 
 
 def _is_encoder_decoder(directory) -> bool:
@@ -194,6 +210,7 @@ def load_seq2seq(path: str | Path, dtype: str | torch.dtype = "fp32", device: st
         raise SpecdecError(f"could not load {path} ({part}): {_one_line(exc)}") from exc
 
 
+DISTILLED = "distilled:"  # --drafter distilled:DIR, a drafter with a distilled adapter (adapter.py)
 GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"
 GGUF_KERNELS = ("auto", "plain")  # ggml's repacked weights, or its stock per-row kernels
 

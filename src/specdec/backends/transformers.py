@@ -109,6 +109,12 @@ class TransformersModel:
         self._vocab_size = weight.shape[0]
         self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
         self.pass_hidden: torch.Tensor | None = None  # [T, H] every input's, of the last `forward` or `prefill`
+        # a distilled drafter (adapter.py): the adapter merged into its weights, its own weights
+        # kept aside, the target it was trained for, and an online learner updating it
+        self.adapter: torch.nn.Module | None = None
+        self.base_weights: dict[str, torch.Tensor] | None = None
+        self.adapter_target: str | None = None
+        self.online = None
         if int8:
             self._build_draft_head()
 

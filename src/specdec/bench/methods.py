@@ -53,6 +53,8 @@ METHODS = {
     "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
     "hf-assisted-other-tokenizer": "transformers' universal assisted generation with the --other-drafter model",
     "sd-typical": "sd-cost with Medusa's typical acceptance (ε 0.09, δ 0.3): LOSSY under sampling",
+    "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
+    "sd-online": "sd-cost with the drafter learning from its rejections (OSD), its adapter updated between prompts",
     "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
     "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
     "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
@@ -73,7 +75,7 @@ METHODS = {
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
+NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "sd-distilled", "sd-online", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
                  "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
@@ -116,6 +118,7 @@ class Settings:
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     datastore: str | None = None  # a retrieval datastore's folder (the retrieval method)
+    distilled: str | None = None  # a distilled drafter adapter's folder (the sd-distilled method)
     other_drafter: str = "smollm2-135m"  # the drafter with another tokenizer (sd-other-tokenizer, hf-…-other-tokenizer)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
@@ -275,16 +278,19 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                     "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
         schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
         typical = Typical() if method == "sd-typical" else None
-        costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs, "suffix": settings.free_costs,
+        costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs,
+                 "sd-distilled": settings.pass_costs, "sd-online": settings.pass_costs, "suffix": settings.free_costs,
                  "retrieval": settings.free_costs}.get(method)
-        if method in ("suffix", "retrieval", "sd-typical", "cascade", "sd-other-tokenizer"):
+        if method in ("suffix", "retrieval", "sd-typical", "cascade", "sd-other-tokenizer", "sd-distilled", "sd-online"):
             schedule_name = "cost"
         if method == "sd-other-tokenizer":  # a model with another tokenizer: the loop drafts through text
             drafter, _, costs = other_drafter(settings, target)
         schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
                                  settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
-        result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
-                                      schedule=schedule, typical=typical, **common)
+        drafter = OWN_DRAFTERS.get(method, drafter)
+        with learning(method, drafter):
+            result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
+                                          schedule=schedule, typical=typical, **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None
@@ -296,6 +302,52 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run
+_ADAPTERS: dict[str, object] = {}  # distilled adapters by folder, read once a run
+OWN_DRAFTERS: dict[str, object] = {}  # method -> the drafter model it drafts with where not the run's (a run fills it)
+
+
+def distilled_adapter(settings: Settings):
+    """The sd-distilled method's adapter (`Settings.distilled`), read once a run."""
+    from ..adapter import load_adapter
+
+    if not settings.distilled:
+        raise SpecdecError("the sd-distilled method needs an adapter: --distilled DIR (`specdec distill-drafter`)")
+    if settings.distilled not in _ADAPTERS:
+        _ADAPTERS[settings.distilled] = load_adapter(settings.distilled)
+    return _ADAPTERS[settings.distilled]
+
+
+def load_own_drafters(methods: list[str], settings: Settings, load_drafter) -> None:
+    """The drafter models of sd-distilled (the run's drafter with the adapter merged in) and
+    sd-online (a copy of the run's drafter learning between prompts), each its own model object:
+    merging an adapter into int8 weights takes seconds, too long to switch per prompt.
+    `load_drafter(name)` loads as the run's drafter was loaded."""
+    from ..adapter import OnlineDistiller
+
+    OWN_DRAFTERS.clear()
+    if "sd-distilled" in methods:
+        distilled_adapter(settings)
+        OWN_DRAFTERS["sd-distilled"] = load_drafter(f"distilled:{settings.distilled}")
+    if "sd-online" in methods:
+        OWN_DRAFTERS["sd-online"] = OnlineDistiller(load_drafter(None)).model
+
+
+def online_summary() -> dict | None:
+    """What the run's sd-online learner did: its updates, the positions it holds, its time."""
+    model = OWN_DRAFTERS.get("sd-online")
+    if model is None:
+        return None
+    online = model.online
+    return {"updates": online.updates, "buffered": online.buffered, "update_seconds": round(online.seconds, 2),
+            "last_loss": online.last_loss}
+
+
+@contextlib.contextmanager
+def learning(method: str, drafter):
+    """sd-online: its drafter's update after the generation (between requests, outside its timing)."""
+    yield
+    if method == "sd-online":
+        drafter.online.update()
 
 
 _OTHER_DRAFTERS: dict[tuple, tuple] = {}  # (name, device): (ours, transformers', pass costs), loaded once a run

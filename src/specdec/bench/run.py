@@ -26,8 +26,9 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, REFERENCE, PeerModels, Record, Settings, check_methods, checkpoint_kind, is_flat,
-                      merge_samples, open_datastore, run_method, self_drafting)
+from .methods import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, REFERENCE, PeerModels, Record, Settings, check_methods,
+                      checkpoint_kind, distilled_adapter, is_flat, load_own_drafters, merge_samples, online_summary, open_datastore, run_method,
+                      self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
@@ -264,6 +265,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
 
     if "retrieval" in methods:
         open_datastore(settings)  # a missing or damaged datastore fails before minutes of loading
+    if "sd-distilled" in methods:
+        distilled_adapter(settings)  # as with a datastore
     kinds = {checkpoint_kind(m) for m in methods} - {None}
     for kind in sorted(kinds):  # a missing or damaged checkpoint fails before minutes of loading
         self_drafting(settings, kind)
@@ -277,6 +280,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                      if NEEDS_DRAFTER & set(methods) else None)
     if drafter_model is not None:
         check_pair(target_model, drafter_model)
+        load_own_drafters(methods, settings, lambda name: load(
+            name or drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
+            vocab_corpus=drafter_vocab_corpus))
     peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
     if "sd-cost" in methods or drafter_model is not None:
         # as the CLI does: where no draft can pay, sd-cost drafts nothing; and the pair's c prices
@@ -354,6 +360,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "llama_cpp": llama_cpp_version() if peers.llama else None,
             "medusa_heads": self_drafting(settings, "medusa").info if "medusa" in kinds else None,
             "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in kinds else None,
+            "distilled_adapter": {k: v for k, v in distilled_adapter(settings).info.items() if k != "shapes"}
+                                 if "sd-distilled" in methods else None,
+            "online": online_summary(),
             "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}
     result = {"info": info, "summary": summary, "groups": group_summaries(records, methods, settings.assumed),

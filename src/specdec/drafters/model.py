@@ -41,7 +41,10 @@ class ModelDrafter:
         self._stand_in = stand_in_id(model.tokenizer)
 
     def check_target(self, target: Backend) -> None:
+        from ..adapter import check_adapter_target
+
         check_pair(target, self.model)
+        check_adapter_target(self.model, target)
         self.vocab_size = target.vocab_size
 
     def start(self, prompt: Sequence[int]) -> None:

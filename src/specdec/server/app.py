@@ -124,7 +124,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             from ..engine import Engine
 
             service = load()
-            worker = Worker(Engine(service.target, max_batch, kv_memory, steer), service.limits.max_waiting)
+            online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
+            worker = Worker(Engine(service.target, max_batch, kv_memory, steer), service.limits.max_waiting,
+                            between=online.update if online is not None else None)
             worker.start()
             state["service"], state["worker"] = service, worker
         except Exception as error:  # reported by /health and every request

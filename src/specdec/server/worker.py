@@ -36,10 +36,12 @@ class Worker:
 
     max_waiting: the most requests queued (not yet running) before `submit` raises QueueFull.
     on_step: called after each step with the engine (metrics), on the engine's thread.
+    between: called on the engine's thread whenever no request is in the engine (an online
+        distiller's update: `adapter.OnlineDistiller.update`), so it never runs during a request.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 64, on_step=None):
-        self.engine, self.max_waiting, self.on_step = engine, max_waiting, on_step
+    def __init__(self, engine: Engine, max_waiting: int = 64, on_step=None, between=None):
+        self.engine, self.max_waiting, self.on_step, self.between = engine, max_waiting, on_step, between
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._ids: dict[int, int] = {}  # id(sink) -> engine request id
@@ -113,6 +115,11 @@ class Worker:
         while not self._stopping.is_set():
             self._drain()
             if not self.engine.busy:
+                if self.between is not None:
+                    self.between()
+                    self._drain()
+                    if self.engine.busy:
+                        continue
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
