@@ -192,7 +192,7 @@ $(ADAPTER)/adapter.json: | $(STAMP)
 # the same other-tokenizer drafter (~75 min on 2 cores, after the distillation)
 bench-seeds: setup $(ADAPTER)/adapter.json
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 \
-		--methods ar,sd-cost,tree-mixed,lookahead,cascade,sd-typical,sd-distilled,sd-online,sd-other-tokenizer,hf-assisted-other-tokenizer \
+		--methods ar,sd-cost,tree-mixed,lookahead,cascade,sd-typical,sd-distilled,sd-other-tokenizer,hf-assisted-other-tokenizer \
 		--distilled $(ADAPTER) --other-drafter smollm2-135m --gamma-max 20 --max-new-tokens 128 \
 		--markdown docs/benchmarks/seeds.md --json docs/benchmarks/seeds.json --plot docs/benchmarks/seeds.png
 

@@ -329,3 +329,23 @@ def test_the_commands_defaults_are_the_librarys():
     parameters = inspect.signature(distill_drafter_command).parameters
     for name in ("tokens", "context", "continuation", "rank", "loss", "epochs", "batch", "lr", "seed"):
         assert parameters[name].default.default == getattr(DistillConfig(), name), name
+
+
+def test_generate_prompts_online_runs_them_one_by_one_and_learns_between_them(capsys, monkeypatch):
+    import json
+
+    from specdec import cli
+
+    target = tiny_model(0, vocab=64, exact_rows=True)
+    drafter = tiny_model(1, vocab=64, layers=1, role="drafter", exact_rows=True)
+    monkeypatch.setattr(target, "encode", lambda text, chat=False: [int(t) for t in text.split()])
+    monkeypatch.setattr(target, "decode", lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    online = OnlineDistiller(drafter, min_records=1, lr=1e-2)
+    prompts = ["3 4 5", "9 8 7 6", "1 2 3", "4 4 4"]
+    rows = [{"prompt": p, "sampler": Sampler(0.0), "max_new_tokens": 12} for p in prompts]
+    cli._generate_batch(target, drafter, rows, 1, None, "sd", True, False, online=online)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for prompt, line in zip(prompts, lines):
+        ids = [int(t) for t in prompt.split()]
+        assert line["tokens"] == autoregressive_generate(ids, target, max_new_tokens=12).tokens
+    assert len(lines) == 4 and online.updates >= 1

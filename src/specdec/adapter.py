@@ -166,7 +166,8 @@ def attach(model, adapter: DraftAdapter | None) -> None:
     for name, base in model.base_weights.items():
         weight = base if adapter is None else (base.float() + adapter.delta(name).to(base.device)).to(base.dtype)
         set_dense_weight(modules[name], weight)
-    model.adapter = None if adapter is None else copy.deepcopy(adapter).cpu().float().eval().requires_grad_(False)
+    model.adapter = None if adapter is None else \
+        copy.deepcopy(adapter).to(model.device, torch.float32).eval().requires_grad_(False)
 
 
 @contextlib.contextmanager
@@ -405,7 +406,7 @@ def distill_drafter(target, drafter, corpus: str | Sequence[int], out: str | Pat
     heldout = {name: value[-held:] for name, value in data.items()}
     head = Head(drafter)
     torch.manual_seed(config.seed)
-    adapter = DraftAdapter(adapted_layers(drafter), config.rank)
+    adapter = DraftAdapter(adapted_layers(drafter), config.rank).to(drafter.device)
     positions = length - 1
 
     def batch_loss(pick: torch.Tensor, _step: int) -> torch.Tensor:
@@ -462,7 +463,7 @@ class OnlineDistiller:
         self.min_records, self.window = min_records, window
         torch.manual_seed(seed)
         start = model.adapter
-        self.adapter = DraftAdapter(adapted_layers(model), rank) if start is None else copy.deepcopy(start)
+        self.adapter = (DraftAdapter(adapted_layers(model), rank) if start is None else copy.deepcopy(start)).to(model.device)
         self.adapter.requires_grad_(True).train()
         self.head = Head(model)
         self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=lr, weight_decay=0.0)

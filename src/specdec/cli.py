@@ -561,24 +561,25 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
     from .engine import Engine, Request
 
     engine = Engine(target_model, batch_size, kv_memory)
-    ids = []
+    requests = []
     for row in rows:
         plan = None
         if plans is not None:
             plan = plans[1] if row.get("seed") is not None and not row["sampler"].is_greedy else plans[0]
-        ids.append(engine.add(Request(
+        requests.append(Request(
             target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), make_drafter, sampler=row["sampler"],
             max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
-            schedule=(lambda plan=plan: copy.deepcopy(plan)) if plan is not None else None)))
+            schedule=(lambda plan=plan: copy.deepcopy(plan)) if plan is not None else None))
     began = time.perf_counter()
     if online is None:
+        ids = [engine.add(request) for request in requests]
         with err.status(f"generating {len(rows)} prompts, {batch_size} at a time…"):
             results = engine.run()
     else:  # one request at a time, the drafter updated between them
-        requests, engine.waiting, results = engine.waiting, [], {}
+        ids, results = [], {}
         with err.status(f"generating {len(rows)} prompts, the drafter learning between them…") as status:
             for number, request in enumerate(requests, 1):
-                engine.waiting.append(request)
+                ids.append(engine.add(request))
                 results.update(engine.run())
                 update = online.update()
                 if update is not None:
@@ -749,9 +750,9 @@ def distill_drafter_command(
                                       "train on the weights it will draft with. " + DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
-    """Distil a drafter towards a target (DistillSpec): a small adapter on the drafter's last hidden
-    state, trained on the drafter's own samples scored by the target. Prints held-out acceptance
-    before and after."""
+    """Distil a drafter towards a target (DistillSpec): a LoRA adapter on the drafter's layers,
+    trained on the drafter's own samples scored by the target. Prints held-out acceptance before
+    and after."""
     from .adapter import DistillConfig, distill_drafter
 
     try:
