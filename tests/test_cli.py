@@ -367,7 +367,6 @@ def test_generate_prompts_file_errors_name_the_line(tmp_path, content, message):
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--debug"], "drop it with --prompts"),
     (["--drafter", "self-skip"], "batched passes do not keep yet"),
-    (["--dtype", "gguf", "--method", "ar"], "holds one sequence per model"),
     (["--kv-memory", "lots"], "--kv-memory takes a size such as 2GiB"),
     (["--kv-memory", "0MiB"], "--kv-memory takes a size"),
 ])

@@ -41,6 +41,14 @@ def gguf_pair():
     return load(registry.DEFAULT_TARGET, dtype="gguf"), load(registry.DEFAULT_DRAFTER, dtype="gguf", role="drafter")
 
 
+@pytest.fixture(scope="module")
+def gguf_batched():
+    """The same pair holding 4 sequences each (the engine's and the server's batches)."""
+    _installed_or_skip(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER)
+    return (load(registry.DEFAULT_TARGET, dtype="gguf", sequences=4),
+            load(registry.DEFAULT_DRAFTER, dtype="gguf", role="drafter", sequences=4))
+
+
 @NEEDS_LLAMA
 def test_gguf_model_reads_like_the_transformers_one(gguf_pair):
     target, drafter = gguf_pair
@@ -124,6 +132,93 @@ def test_greedy_speculative_is_token_identical_to_greedy_ar_on_gguf(gguf_pair, h
     assert rejections > 0
 
 
+def _long_prefix(model) -> list[int]:
+    return model.encode("import numpy as np\n\n" + "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n"
+                                                              for i in range(40)) + "def softmax(x):\n")
+
+
+@NEEDS_LLAMA
+def test_batched_rows_are_each_sequences_own_and_the_check_can_fail(gguf_pair, gguf_batched):
+    """Four sequences (one past 600 cached tokens) feed 1, 3, 2 and 4 tokens in one `forward_batch`,
+    3 rows a call across sequences: every row is bit for bit a 1-token pass of its sequence on a
+    one-sequence model. With exact_rows off the same batch goes in one 10-row call (ggml's
+    repacked GEMM) and differs: what makes the first assertion mean something."""
+    from specdec.backends import Segment
+
+    single, _ = gguf_pair
+    target, _ = gguf_batched
+    prefixes = [_long_prefix(target)] + [target.encode(t) for t in ("def add(a, b):", "class Stack:\n", "x = [1, 2]")]
+    tokens = [[262], [470, 284, 2595], [13, 4580], [2075, 481, 2595, 6678]]
+    alone = []
+    for prefix, new in zip(prefixes, tokens):
+        cache = single.new_cache()
+        single.forward(single.prefill(prefix, cache), cache)
+        alone.append(torch.cat([single.forward([t], cache) for t in new]))
+
+    caches = [target.new_cache() for _ in prefixes]
+    for prefix, cache in zip(prefixes, caches):
+        target.forward(target.prefill(prefix, cache), cache)
+    segments = [Segment(new, cache, len(new)) for new, cache in zip(tokens, caches)]
+    assert all(torch.equal(a, b) for a, b in zip(alone, target.forward_batch(segments)))
+    for prefix, cache in zip(prefixes, caches):
+        cache.crop(len(prefix))
+    target.exact_rows = False
+    try:
+        assert not all(torch.equal(a, b) for a, b in zip(alone, target.forward_batch(segments)))
+    finally:
+        target.exact_rows = True
+
+
+@NEEDS_LLAMA
+def test_the_engine_batches_gguf_sequences_exactly(gguf_pair, gguf_batched, humaneval_prompts):
+    """Four prompts through the engine at once on the GGUF pair: greedy AR and the drafter's chain
+    give each prompt's greedy AR output alone, token for token (rejections asserted), and a seeded
+    sampled chain gives what the same seed gives alone."""
+    from specdec import autoregressive_generate, speculative_generate
+    from specdec.engine import generate_many
+    from specdec.samplers import Sampler
+
+    single, single_drafter = gguf_pair
+    target, drafter = gguf_batched
+    prompts = [target.encode(p) for p in humaneval_prompts[:3]] + [target.encode("Write a haiku.", chat=True)]
+    alone = [autoregressive_generate(ids, single, max_new_tokens=16).tokens for ids in prompts]
+    for proposer in (None, drafter):
+        results = generate_many(prompts, target, proposer, max_batch=4, max_new_tokens=16, gamma=4)
+        assert [r.tokens for r in results] == alone
+    assert sum(s.num_accepted < len(s.draft_tokens) for r in results for s in r.steps) > 0
+    sampler = Sampler(temperature=1.0)
+    seeded = generate_many(prompts, target, drafter, max_batch=4, max_new_tokens=16, gamma=4, sampler=sampler,
+                           seeds=[11, 12, 13, 14])
+    for ids, seed, result in zip(prompts, [11, 12, 13, 14], seeded):
+        own = speculative_generate(ids, single, single_drafter, gamma=4, max_new_tokens=16, sampler=sampler, seed=seed)
+        assert result.tokens == own.tokens
+
+
+@NEEDS_LLAMA
+def test_gguf_sequences_are_bounded_and_given_back(gguf_pair, gguf_batched):
+    from specdec.backends import Segment
+    from specdec.engine import Engine, Request
+
+    single, single_drafter = gguf_pair
+    target, _ = gguf_batched
+    caches = [target.new_cache() for _ in range(4)]
+    with pytest.raises(SpecdecError, match="all 4 sequences are in use"):
+        target.new_cache()
+    seq = caches[1].seq
+    del caches[1]  # its sequence is emptied and free again
+    cache = target.new_cache()
+    assert cache.seq == seq and cache.get_seq_length() == 0
+    with pytest.raises(SpecdecError, match="a cache of its own"):
+        target.forward_batch([Segment([1], cache), Segment([2], cache)])
+    del caches, cache
+    with pytest.raises(SpecdecError, match="holds 4 sequence.*load it with sequences=5"):
+        Engine(target, max_batch=5)
+    with pytest.raises(SpecdecError, match="holds 1 sequence.*fewer than max_batch=2"):
+        Engine(single, max_batch=2)
+    with pytest.raises(SpecdecError, match=f"the drafter {single_drafter.name} holds 1 sequence"):
+        Engine(target, max_batch=4).add(Request(target.encode("x = 1"), single_drafter))
+
+
 @NEEDS_LLAMA
 def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
     from specdec import speculative_generate
@@ -184,8 +279,8 @@ def test_llama_cpp_peers_in_a_bench_run(tmp_path):
 
 
 @NEEDS_LLAMA
-def test_the_server_serves_gguf_weights_one_sequence_at_a_time(gguf_pair):
-    """`specdec serve --dtype gguf`: the engine takes one llama.cpp sequence at a time; clients
+def test_the_server_batches_gguf_sequences(gguf_pair, gguf_batched):
+    """`specdec serve --dtype gguf`: the engine runs up to 4 llama.cpp sequences at once; clients
     that ask at once each get the target's AR output alone (the default chain and plain decoding)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -194,10 +289,11 @@ def test_the_server_serves_gguf_weights_one_sequence_at_a_time(gguf_pair):
     from specdec.server.service import Service
     from test_server import _client, serving
 
-    target, drafter = gguf_pair
+    single, _ = gguf_pair
+    target, drafter = gguf_batched
     prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\ndef walk(path):"]
     assumed = AssumedCosts(drafter=0.2, slope=0.0)  # drafts sized as given: drafting happens on any machine
-    with serving(lambda: Service(target, drafter, assumed=assumed), max_batch=1) as (url, _):
+    with serving(lambda: Service(target, drafter, assumed=assumed), max_batch=4) as (url, _):
         client = _client(url)
 
         def ask(number):
@@ -206,7 +302,7 @@ def test_the_server_serves_gguf_weights_one_sequence_at_a_time(gguf_pair):
 
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(ask, range(6)))
-    alone = [target.decode(autoregressive_generate(target.encode(p), target, max_new_tokens=24).tokens)
+    alone = [single.decode(autoregressive_generate(single.encode(p), single, max_new_tokens=24).tokens)
              for p in prompts]
     assert [r.choices[0].text for r in replies] == alone * 2
     assert sum(r.usage.model_extra["speculative"]["drafted_tokens"] for r in replies[:3]) > 0

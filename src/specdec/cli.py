@@ -91,12 +91,13 @@ def _chain_drafter_rows(tree: str, device: str, exact_rows: bool | None) -> bool
 
 
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
-          vocab: int | None = None, vocab_corpus: str | None = None):
+          vocab: int | None = None, vocab_corpus: str | None = None, sequences: int = 1):
     from .models import load
 
     with err.status(f"loading {name} ({role})…"):
         return load(name, dtype=dtype, device=device, role=role, exact_rows=exact_rows,
-                    say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus)
+                    say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus,
+                    sequences=sequences)
 
 
 TARGET_DTYPE_HELP = ("Target weights: auto (transformers' weights: bf16 on CUDA and on CPUs with native bf16, "
@@ -333,19 +334,17 @@ def generate(
             if self_spec:
                 raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
                                    "passes do not keep yet; generate its prompts one at a time")
-            if dtype == "gguf" and batch_size > 1:
-                raise SpecdecError("llama.cpp's backend (--dtype gguf) holds one sequence per model; use "
-                                   "--batch-size 1, or --dtype auto to batch")
             if batch_size > 1 and exact_rows is None and resolve_device(device).type == "cpu":
                 exact_rows = True  # a sequence's output must not depend on what shares its passes
-        target_model = _load(target, dtype, device, "target", exact_rows)
+        sequences = batch_size if prompts_file is not None else 1  # a llama.cpp model's live sequences
+        target_model = _load(target, dtype, device, "target", exact_rows, sequences=sequences)
         drafter_used = None
         if prompts_file is not None:
             make_drafter = None
             if method == Method.sd:
                 drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree in MODEL_FREE_TREES else _load(
                     drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
-                    vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+                    vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, sequences=sequences)
                 if tree != "off":
                     shared = SuffixCache()  # suffix trees draft from earlier prompts' outputs too
                     make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme,  # noqa: E731
@@ -1305,8 +1304,8 @@ def serve(
     datastore_dir: Optional[str] = typer.Option(None, "--datastore", help="A datastore (specdec datastore build) "
                                                 "the retrieval method drafts from."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
-                              "(transformers' weights; the batched engine runs them), or gguf (llama.cpp's "
-                              "backend: one sequence at a time, chains only)."),
+                              "(transformers' weights), or gguf (the GGUF file's own weights on llama.cpp's "
+                              "backend, chains only); the batched engine runs either."),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     online: bool = typer.Option(False, "--online", help="The drafter learns from its rejected drafts (OSD): a "
@@ -1368,10 +1367,10 @@ def serve(
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
         cpu = resolve_device(device).type == "cpu"
         target_model = load_model(target, dtype=dtype, device=device, role="target", exact_rows=True if cpu else None,
-                                  say=say)
+                                  say=say, sequences=max_batch)
         drafter_model = None if no_drafter else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
-            exact_rows=_chain_drafter_rows("off", device, None), say=say)
+            exact_rows=_chain_drafter_rows("off", device, None), say=say, sequences=max_batch)
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         if online:
             from .adapter import OnlineDistiller
@@ -1395,10 +1394,6 @@ def serve(
     def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
         os.kill(os.getpid(), signal.SIGINT)
 
-    if dtype in GGUF_WEIGHTS and max_batch > 1:  # llama.cpp's backend holds one live sequence per model
-        err.print(f"[yellow]--dtype gguf: llama.cpp's backend decodes one sequence at a time, so requests are "
-                  f"served one after another (max batch 1, not {max_batch}); --dtype auto batches them[/]")
-        max_batch = 1
     server = create_app(load, max_batch, budget, api_key, on_load_error=stop)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0

@@ -79,8 +79,8 @@ class Segment:
 
 
 class BatchedBackend(Backend, Protocol):
-    """A backend that scores several sequences' new tokens in one pass (transformers' on the CPU;
-    llama.cpp's serves one sequence per model so far)."""
+    """A backend that scores several sequences' new tokens in one pass (transformers' on the CPU,
+    llama.cpp's)."""
 
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """One pass over every segment's tokens, each seeing only its own cache and tree -> per

@@ -22,25 +22,38 @@ On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/kernels.
 pieces cost little. The prompt (no logits) is fed in one batch by both loops alike (`prefill`),
 and a drafter's rounding only steers acceptance: drafters take any batch.
 
-Limits: one live sequence per model (a new cache clears the old one), chains only (no tree
-masks), CPU only in this build, optional dependency (`pip install -e .[peers]`).
+Several sequences (`sequences` > 1, the engine's and the server's batches): each sequence gets
+a KV stream of its own (llama.cpp's non-unified cache), and `forward_batch` feeds the rows of
+all of them, still at most ROWS_PER_CALL a call; every row then runs the same kernels as in a
+1-token pass of its sequence alone (attention reads its own stream; keys past its length are
+masked and skipped), so each sequence's logits are bit for bit its own (tests/test_llamacpp.py).
+Three rows a call cost ~2.3x one row on 2 cores, so a batch decodes ~1.3x faster than its
+sequences one after another (docs/server.md).
+
+Limits: chains only (no tree masks), CPU only in this build, optional dependency
+(`pip install -e .[peers]`). With one sequence, a new cache clears the old one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
+import itertools
 import os
+import weakref
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from . import Segment
 from ..errors import SpecdecError
 from ..text import decode_ids, encode_text
 
 INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; docs/models.md)"
 MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~12 KB for the 0.5B
+SEQUENCE_CONTEXT = 4096  # with several sequences, the least context each gets by default
 BATCH = 512  # tokens per llama_decode call (longer prompts are fed in pieces)
 GGML_TYPE_BF16 = 30  # ggml's type id (ggml.h)
 ROWS_PER_CALL = 3  # a target's scored tokens per call: below the repacked GEMM's 4 (module doc)
@@ -91,14 +104,16 @@ def _no_beams(name: str) -> SpecdecError:
 
 
 class LlamaCache:
-    """The KV cache of a `LlamaCppModel`: a view of sequence 0 in its llama.cpp context.
+    """The KV cache of one sequence of a `LlamaCppModel`: its sequence id in the llama.cpp context.
 
     Duck-typed like transformers' DynamicCache where the loops touch it (`get_seq_length`,
-    `crop`), so `backends.cache` serves both backends.
+    `crop`), so `backends.cache` serves both backends. The sequence goes back to the model when
+    the cache is dropped.
     """
 
-    def __init__(self, model: "LlamaCppModel"):
+    def __init__(self, model: "LlamaCppModel", seq: int):
         self.model = model
+        self.seq = seq
         self.length = 0
 
     def get_seq_length(self) -> int:
@@ -107,18 +122,21 @@ class LlamaCache:
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise _no_beams(self.model.name)
 
+    def __deepcopy__(self, memo):  # a forked beam's copy: llama.cpp's streams are not copied here
+        raise _no_beams(self.model.name)
+
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` positions (negative: drop that many from the end)."""
         keep = self.length + max_length if max_length < 0 else min(max_length, self.length)
         self.model._check_live(self)
         if keep < self.length:
-            if not self.model._lib.llama_memory_seq_rm(self.model._memory, 0, keep, -1):
+            if not self.model._lib.llama_memory_seq_rm(self.model._memory, self.seq, keep, -1):
                 raise SpecdecError(f"{self.model.name}: llama.cpp could not drop cached positions {keep}..")
             self.length = keep
 
 
 class LlamaCppModel:
-    """A causal LM from a .gguf file on llama.cpp, one sequence at a time.
+    """A causal LM from a .gguf file on llama.cpp, with up to `sequences` live caches.
 
     path: the .gguf file. tokenizer: a transformers tokenizer for the same vocabulary (the loops
     and `check_pair` compare tokenizers; ids must match the GGUF's, which `load` checks).
@@ -126,6 +144,9 @@ class LlamaCppModel:
     role: "target" or "drafter". A target's scored rows are row-exact (`exact_rows`, module doc).
     threads: CPU threads for llama.cpp (default: the cores this process may use).
     exact_rows: score at most ROWS_PER_CALL tokens per call (default: for a target).
+    sequences: how many sequences (caches) may be live at once, each in its own KV stream of
+    `context` cells (default: MAX_CONTEXT for one, else max(SEQUENCE_CONTEXT, MAX_CONTEXT //
+    sequences), at most what the model was trained on).
     repack: let ggml repack Q4_K / Q4_0 / IQ4_NL weights for its AVX2/AVX512 kernels (default);
     off, every quantized matmul runs ggml's stock per-row dot products (and its tiled K-quant
     matmul from 8 rows). docs/kernels.md measures both.
@@ -138,9 +159,12 @@ class LlamaCppModel:
 
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
                  eos_token_ids: Sequence[int] | None = None, threads: int | None = None,
-                 context: int | None = None, exact_rows: bool | None = None, repack: bool = True):
+                 context: int | None = None, exact_rows: bool | None = None, repack: bool = True,
+                 sequences: int = 1):
         if role not in ("target", "drafter"):
             raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
+        if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
+            raise SpecdecError(f"sequences must be an integer >= 1, got {sequences!r}")
         path = Path(path)
         if not path.is_file():
             raise SpecdecError(f"GGUF file not found: {path}")
@@ -160,11 +184,15 @@ class LlamaCppModel:
         self._vocab = lib.llama_model_get_vocab(self._model)
         self._vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         trained = int(lib.llama_model_n_ctx_train(self._model)) or MAX_CONTEXT
-        self._context = min(trained, context or MAX_CONTEXT)
+        self.sequences = sequences
+        default = MAX_CONTEXT if sequences == 1 else max(SEQUENCE_CONTEXT, MAX_CONTEXT // sequences)
+        self._context = min(trained, context or default)
         context_params = lib.llama_context_default_params()
-        context_params.n_ctx = self._context
+        context_params.n_ctx = self._context * sequences  # split evenly into the sequences' streams
         context_params.n_batch = context_params.n_ubatch = BATCH
-        context_params.n_seq_max = 1
+        context_params.n_seq_max = sequences
+        # a stream per sequence: its attention reads its own keys, as when it runs alone
+        context_params.kv_unified = sequences == 1
         context_params.n_threads = context_params.n_threads_batch = self.threads
         context_params.no_perf = True
         # without flash attention a 2-row pass already rounds differently from a 1-row one
@@ -177,10 +205,12 @@ class LlamaCppModel:
         self._ctx = lib.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             lib.llama_model_free(self._model)
-            raise SpecdecError(f"llama.cpp could not create a context of {self._context} tokens for {path}")
+            raise SpecdecError(f"llama.cpp could not create a context of {sequences} x {self._context} tokens for {path}")
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)
-        self._live: LlamaCache | None = None
+        self._owners: dict[int, weakref.ref] = {}  # live sequence id -> its cache
+        self._tickets = itertools.count()  # tells a cache's release from a later owner's
+        self._ticket: dict[int, int] = {}
         if eos_token_ids is None:
             eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
         self._eos = [i for i in dict.fromkeys(eos_token_ids) if 0 <= i < self._vocab_size]
@@ -235,21 +265,42 @@ class LlamaCppModel:
         return list(self._eos)
 
     def new_cache(self) -> LlamaCache:
-        """An empty cache; it replaces any earlier one (the context holds one sequence)."""
-        self._lib.llama_memory_clear(self._memory, True)
-        self._live = LlamaCache(self)
-        return self._live
+        """An empty cache on a free sequence; with one sequence it replaces any earlier cache.
+        SpecdecError when all `sequences` are live."""
+        free = [seq for seq in range(self.sequences) if seq not in self._owners]
+        if not free and self.sequences > 1:
+            gc.collect()  # caches held only by reference cycles give their sequences back
+            free = [seq for seq in range(self.sequences) if seq not in self._owners]
+            if not free:
+                raise SpecdecError(f"{self.name}: all {self.sequences} sequences are in use (load it with more "
+                                   "sequences, or run fewer at once)")
+        seq = free[0] if free else 0  # the lowest free: a full batch's sequences run in consecutive streams
+        self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        cache = LlamaCache(self, seq)
+        ticket = next(self._tickets)
+        self._owners[seq], self._ticket[seq] = weakref.ref(cache), ticket
+        weakref.finalize(cache, self._release, seq, ticket).atexit = False  # not into a library shutting down
+        return cache
+
+    def _release(self, seq: int, ticket: int) -> None:
+        """A dropped cache's sequence, emptied and free again (unless a newer cache took it)."""
+        if self._ticket.get(seq) == ticket and getattr(self, "_ctx", None):
+            del self._owners[seq], self._ticket[seq]
+            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
 
     def _check_live(self, cache: LlamaCache) -> None:
-        if cache is not self._live:
+        owner = self._owners.get(cache.seq) if cache.model is self else None
+        if owner is None or owner() is not cache:
             raise SpecdecError(f"{self.name}: this cache was replaced by a newer one (llama.cpp keeps one sequence)")
 
     def prefill(self, prompt: Sequence[int], cache: LlamaCache) -> list[int]:
         """Feed the prompt but its last token (no logits) and return [prompt[-1]], as the row-exact
-        transformers path does: the first scored row then comes from a short pass in every loop."""
+        transformers path does: the first scored row then comes from a short pass in every loop.
+        Where `cache` already holds the prompt's first tokens (a prompt fed in chunks,
+        `Decoding.prefill_step`), only the rest is fed."""
         prompt = list(prompt)
-        if len(prompt) > 1:
-            self._decode(prompt[:-1], cache, 0, BATCH)
+        if len(prompt) - 1 > cache.length:
+            self._decode(prompt[cache.length:-1], cache, 0, BATCH)
         return prompt[-1:]
 
     def forward(self, input_ids: Sequence[int] | torch.Tensor, cache: LlamaCache | None = None,
@@ -270,50 +321,87 @@ class LlamaCppModel:
         num_logits = max(1, min(int(num_logits), len(ids)))
         piece = ROWS_PER_CALL if self.exact_rows else BATCH
         if cache is None:
-            cache = self.new_cache()
-            try:
-                return self._decode(ids, cache, num_logits, piece)
-            finally:
-                self.new_cache()
-                self._live = None
+            return self._decode(ids, self.new_cache(), num_logits, piece)  # its sequence is freed on return
         return self._decode(ids, cache, num_logits, piece)
+
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Several sequences' new tokens, their rows fed together (`BatchedBackend`): at most
+        ROWS_PER_CALL rows a llama_decode call with `exact_rows`, each sequence attending to its own
+        KV stream, so each sequence's logits are bit for bit what `forward` returns for it alone
+        (module doc). Each cache grows by its segment's tokens.
+
+        segments: per sequence, its new ids [T_i], cache (of this model) and num_logits; chains only.
+        Returns: per segment, logits [num_logits_i, V] fp32.
+        """
+        if not segments:
+            return []
+        feeds = []
+        for segment in segments:
+            if segment.parents is not None or segment.tree_start is not None:
+                raise SpecdecError(f"token trees are not supported on the llama.cpp backend ({self.name})")
+            ids = [int(t) for t in (segment.input_ids.tolist() if isinstance(segment.input_ids, torch.Tensor)
+                                    else segment.input_ids)]
+            if not ids or not 1 <= segment.num_logits <= len(ids):
+                raise SpecdecError(f"a segment needs >= 1 new token and 1..{len(ids)} logits, got {len(ids)} and "
+                                   f"{segment.num_logits}")
+            feeds.append((segment.cache, ids, int(segment.num_logits)))
+        if len({id(cache) for cache, _, _ in feeds}) < len(feeds):
+            raise SpecdecError("each segment of a batched pass needs a cache of its own")
+        return self._feed(feeds, ROWS_PER_CALL if self.exact_rows else BATCH)
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a sequence's rows in `forward_batch` equal its own pass's whatever shares it."""
+        return self.exact_rows
 
     def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         raise _no_beams(self.name)
 
     def _decode(self, ids: list[int], cache: LlamaCache, num_logits: int, piece_size: int) -> torch.Tensor:
         """Feed `ids` in calls of at most `piece_size` tokens; logits [num_logits, V] of the last ids."""
-        self._check_live(cache)
-        if cache.length + len(ids) > self._context:
-            raise SpecdecError(f"{self.name}: {cache.length + len(ids)} tokens exceed its context of {self._context}")
+        return self._feed([(cache, ids, num_logits)], piece_size)[0]
+
+    def _feed(self, feeds: list[tuple[LlamaCache, list[int], int]], piece_size: int) -> list[torch.Tensor]:
+        """Feed each (cache, ids, num_logits) after what its cache holds, in llama_decode calls of at
+        most `piece_size` rows: the sequences' first new tokens, then their second ones, ..., each
+        round in sequence order (llama.cpp puts consecutive sequences' rows in one compute) ->
+        per feed, logits [num_logits, V] of its last ids."""
         lib, batch, vocab = self._lib, self._batch, self._vocab_size
-        out = torch.empty((num_logits, vocab), dtype=torch.float32)
-        first_scored = len(ids) - num_logits
-        for start in range(0, len(ids), piece_size):
-            piece = ids[start:start + piece_size]
-            batch.n_tokens = len(piece)
-            scored = 0
-            for i, token in enumerate(piece):
-                if not 0 <= token < vocab:
-                    raise SpecdecError(f"token id {token} is outside {self.name}'s vocabulary of {vocab}")
-                batch.token[i] = token
-                batch.pos[i] = cache.length + i
+        for cache, ids, _ in feeds:
+            self._check_live(cache)
+            if cache.length + len(ids) > self._context:
+                raise SpecdecError(f"{self.name}: {cache.length + len(ids)} tokens exceed its context of {self._context}")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise SpecdecError(f"token id {bad} is outside {self.name}'s vocabulary of {vocab}")
+        outs = [torch.empty((num_logits, vocab), dtype=torch.float32) for _, _, num_logits in feeds]
+        base = [cache.length for cache, _, _ in feeds]
+        by_seq = sorted(range(len(feeds)), key=lambda k: feeds[k][0].seq)
+        rows = [(k, t) for t in range(max(len(ids) for _, ids, _ in feeds)) for k in by_seq if t < len(feeds[k][1])]
+        for start in range(0, len(rows), piece_size):
+            call = rows[start:start + piece_size]
+            batch.n_tokens = len(call)
+            for i, (k, t) in enumerate(call):
+                cache, ids, num_logits = feeds[k]
+                batch.token[i] = ids[t]
+                batch.pos[i] = base[k] + t
                 batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                wanted = start + i >= first_scored
-                batch.logits[i] = wanted
-                scored += wanted
+                batch.seq_id[i][0] = cache.seq
+                batch.logits[i] = t >= len(ids) - num_logits
             status = lib.llama_decode(self._ctx, batch)
             if status != 0:
-                # a failed decode may leave part of the batch cached: drop it so the cache stays whole
-                lib.llama_memory_seq_rm(self._memory, 0, cache.length, -1)
-                raise SpecdecError(f"llama.cpp failed to decode {len(piece)} tokens for {self.name} (status {status})")
-            cache.length += len(piece)
-            if scored:
-                done = max(start, first_scored) - first_scored  # rows of `out` filled by earlier pieces
-                rows = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(scored, vocab))
-                out[done:done + scored] = torch.from_numpy(rows)
-        return out
+                # a failed decode may leave part of the call cached: drop it so every cache stays whole
+                for cache, _, _ in feeds:
+                    lib.llama_memory_seq_rm(self._memory, cache.seq, cache.length, -1)
+                raise SpecdecError(f"llama.cpp failed to decode {len(call)} tokens for {self.name} (status {status})")
+            for i, (k, t) in enumerate(call):
+                cache, ids, num_logits = feeds[k]
+                cache.length += 1
+                scored = t - (len(ids) - num_logits)
+                if scored >= 0:
+                    row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
+                    outs[k][scored] = torch.from_numpy(row)
+        return outs
 
     # -- text --------------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:

@@ -49,9 +49,9 @@ class Request:
 class Engine:
     """Requests in, tokens out, one batched target pass per step.
 
-    target: a model; with `forward_batch` (transformers' backend with row-exact passes, on the CPU)
-        the running sequences share each pass; otherwise each sequence gets its own pass in turn
-        (max_batch must then be 1 for a backend with one live sequence, llama.cpp's).
+    target: a model; with `forward_batch` (transformers' backend with row-exact passes, on the CPU;
+        llama.cpp's) the running sequences share each pass; otherwise each sequence gets its own
+        pass in turn. A llama.cpp model must hold `sequences` >= max_batch.
     max_batch: the most sequences running at once; later requests wait, in order.
     kv_memory: a budget in bytes for the KV caches of running sequences (None: no budget). Each
         request is admitted with room for its whole generation (prompt + max_new_tokens + the
@@ -69,8 +69,9 @@ class Engine:
             raise SpecdecError(f"{target.name} runs without row-exact passes (or with int8 layers), so a sequence's "
                                "output would depend on what shares its passes; load it with exact_rows=True "
                                "(on the CPU)")
-        if not batched and max_batch > 1 and getattr(target, "kernels", "") == "llama.cpp":
-            raise SpecdecError("llama.cpp's backend holds one sequence per model here; use max_batch=1")
+        if max_batch > getattr(target, "sequences", max_batch):  # llama.cpp's: a fixed number of sequences
+            raise SpecdecError(f"{target.name} holds {target.sequences} sequence(s) at once, fewer than max_batch="
+                               f"{max_batch}; load it with sequences={max_batch}")
         if kv_memory is not None:
             if not isinstance(kv_memory, int) or kv_memory < 1:
                 raise SpecdecError(f"kv_memory must be a number of bytes >= 1, got {kv_memory!r}")
@@ -92,6 +93,10 @@ class Engine:
         """Queue a request; returns its id. Its options are checked now (a clear error), its
         memory is taken when it is admitted."""
         decoding = self._decoding(request)  # validates the options; the real one is built at admission
+        drafter_model = getattr(decoding.drafter, "model", None)
+        if self.max_batch > getattr(drafter_model, "sequences", self.max_batch):
+            raise SpecdecError(f"the drafter {drafter_model.name} holds {drafter_model.sequences} sequence(s) at once, "
+                               f"fewer than max_batch={self.max_batch}; load it with sequences={self.max_batch}")
         need = _kv_need(request, decoding) if self.kv_memory is not None else 0
         if need > (self.kv_memory or 0) > 0:
             raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
