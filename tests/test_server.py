@@ -617,7 +617,7 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(server):
-    from specdec.bench.serve import bench_serve, render
+    from specdec.bench.serve import Server, bench_serve, bench_servers, render
 
     url, _ = server
     prompts = [(PROMPTS[0], False), (PROMPTS[2], False)]
@@ -631,6 +631,12 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
                        variants={"chain": {}, "ar": {"speculative": False}})
     assert [s["variant"] for s in both] == ["chain", "ar"] and both[1]["speculation"]["draft_tokens"] == 0
     assert both[0]["speculation"]["draft_tokens"] > 0 and "| 2 | ar |" in render(both)
+    settings = {"model": NAME, "max_tokens": 8, "temperature": 0}
+    side_by_side = bench_servers([Server("spec", url, settings), Server("plain", url, {**settings, "speculative": False})],
+                                 prompts, [1, 2], 4)
+    assert [(s["concurrency"], s["server"]) for s in side_by_side] == [(1, "spec"), (1, "plain"), (2, "spec"), (2, "plain")]
+    assert side_by_side[0]["speculation"]["draft_tokens"] > 0 == side_by_side[1]["speculation"]["draft_tokens"]
+    assert "| 2 | plain |" in render(side_by_side)
     failing = bench_serve(url, prompts, [2], 4, {"model": NAME, "max_tokens": 1000, "temperature": 0})[0]
     assert failing["completed"] == 0 and failing["failed"] == 4 and "HTTP 400" in failing["first_error"]
 
@@ -639,6 +645,12 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
     (["--concurrency", "0"], "integers >= 1"), (["--requests", "0"], "--requests and --max-tokens"),
     (["--extra", "{bad"], "--extra is not JSON"), (["--url", "http://127.0.0.1:9"], "no server answers"),
     (["--variants", "[1]"], "--variants must be a JSON object"),
+    (["--url", "http://127.0.0.1:9", "--url", "http://127.0.0.1:10"], "name each of several servers"),
+    (["--url", "a=http://127.0.0.1:9", "--url", "a=http://127.0.0.1:10"], "two servers named 'a'"),
+    (["--url", "a=http://127.0.0.1:9", "--fields", 'b={"x": 1}'], "--fields takes NAME=JSON for a server named"),
+    (["--url", "a=http://127.0.0.1:9", "--fields", "a=[1]"], "--fields a must be a JSON object"),
+    (["--url", "http://127.0.0.1:9", "--wait", "1"], "was not ready after 1 s"),
+    (["--wait", "-1"], "--wait >= 0"),
 ])
 def test_bench_serve_options_are_one_line_errors(args, message):
     result = CliRunner().invoke(cli, ["bench-serve", "--dataset", "humaneval:1"] + args)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -1405,16 +1406,23 @@ def serve(
 
 @app.command("bench-serve")
 def bench_serve_command(
-    url: str = typer.Option("http://127.0.0.1:8000", help="The server's base URL (any OpenAI-compatible server)."),
+    url: Optional[List[str]] = typer.Option(None, help="The server's base URL (any OpenAI-compatible server; "
+                                            "default http://127.0.0.1:8000). Repeat as NAME=URL to load "
+                                            "several servers interleaved: each level of each in turn."),
+    fields: Optional[List[str]] = typer.Option(None, help="NAME=JSON: request fields for server NAME alone, e.g. "
+                                               "'ours-ar={\"speculative\": false}' (repeatable)."),
     concurrency: str = typer.Option("1,4,8,16", help="Requests in flight at each level, comma-separated."),
     requests: int = typer.Option(32, help="Requests sent at each level (prompts in turn)."),
     dataset: str = typer.Option("humaneval:16,spec-bench:1", help="Prompts: humaneval, spec-bench (chat) or a "
                                 "JSONL file, each NAME[:LIMIT], comma-separated."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Output tokens asked of each request."),
     temperature: float = typer.Option(0.0, help="Sampling temperature sent (0: greedy)."),
-    model: Optional[str] = typer.Option(None, help="The model name sent (default: the server's first, /v1/models)."),
+    model: Optional[List[str]] = typer.Option(None, help="The model name sent (default: the server's first, "
+                                              "/v1/models); NAME=MODEL for server NAME alone (repeatable)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Sent as 'Authorization: Bearer KEY'."),
     timeout: float = typer.Option(600.0, help="Seconds one request may take before it counts as failed."),
+    wait: float = typer.Option(0.0, help="Seconds to wait for each server to be ready (/health 200, as a "
+                               "server still loading answers 503) before the run; 0: it must be up now."),
     extra: Optional[str] = typer.Option(None, help="A JSON object merged into every request body, e.g. "
                                         '\'{"speculative": false}\'.'),
     variants: Optional[str] = typer.Option(None, help="A JSON object: name -> fields merged into the requests; "
@@ -1424,15 +1432,14 @@ def bench_serve_command(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ):
     """Load a running server level by level and report what `vllm bench serve` reports: throughput,
-    TTFT, TPOT, ITL and end-to-end latency percentiles, and acceptance from its /metrics."""
+    TTFT, TPOT, ITL and end-to-end latency percentiles, and acceptance from its /metrics. Several
+    servers (--url NAME=URL ...) run interleaved, level by level."""
     import datetime
-
-    import httpx
 
     from .bench.concurrency import check_levels
     from .bench.datasets import load_prompts, parse_dataset
     from .bench.run import machine_description
-    from .bench.serve import bench_serve, render
+    from .bench.serve import Server, bench_servers, render
 
     try:
         try:
@@ -1440,53 +1447,121 @@ def bench_serve_command(
         except ValueError:
             raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {concurrency!r}") from None
         check_levels(levels)
-        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0:
-            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0 and --temperature >= 0")
-        try:
-            more = json.loads(extra) if extra else {}
-        except ValueError as exc:
-            raise SpecdecError(f"--extra is not JSON: {exc}") from None
-        if not isinstance(more, dict):
-            raise SpecdecError("--extra must be a JSON object")
-        try:
-            named = json.loads(variants) if variants else None
-        except ValueError as exc:
-            raise SpecdecError(f"--variants is not JSON: {exc}") from None
-        if named is not None and (not isinstance(named, dict) or not named or
-                                  not all(isinstance(v, dict) for v in named.values())):
+        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0 or wait < 0:
+            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0, --temperature and --wait >= 0")
+        more = _json_object(extra, "--extra") if extra else {}
+        named = _json_object(variants, "--variants") if variants else None
+        if named is not None and (not named or not all(isinstance(v, dict) for v in named.values())):
             raise SpecdecError("--variants must be a JSON object of name -> object of request fields")
+        urls = _named_urls(url or ["http://127.0.0.1:8000"])
+        own = {}
+        for entry in fields or []:
+            name, _, text = entry.partition("=")
+            if name not in urls:
+                raise SpecdecError(f"--fields takes NAME=JSON for a server named with --url NAME=URL, got {entry!r}")
+            own[name] = _json_object(text, f"--fields {name}")
+        models = {}
+        for entry in model or []:
+            name, _, rest = entry.partition("=")
+            if rest and name in urls:
+                models[name] = rest
+            else:
+                models.update((key, entry) for key in urls if key not in models)
         prompts = []
         for spec in _csv(dataset):
             name, count, _ = parse_dataset(spec, None, [temperature])
             prompts += [(p.text, p.chat) for p in load_prompts(name, count)]
-        base = url.rstrip("/").removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            listed = httpx.get(base + "/v1/models", headers=headers, timeout=30)
-        except httpx.HTTPError as exc:
-            raise SpecdecError(f"no server answers at {base}: {exc}") from None
-        if model is None:  # some servers list models only from a hub cache: --model names it instead
-            if listed.status_code != 200:
-                raise SpecdecError(f"{base}/v1/models answered HTTP {listed.status_code} ({listed.text[:200]}); "
-                                   "name the model with --model")
-            model = listed.json()["data"][0]["id"]
+        for base in dict.fromkeys(urls.values()):
+            _wait_ready(base, api_key, wait)
+        servers = [Server(name, base, {"model": _served_model(base, api_key, models.get(name)),
+                                       "max_tokens": max_tokens, "temperature": temperature, **more, **own.get(name, {})})
+                   for name, base in urls.items()]
     except SpecdecError as exc:
         _fail(str(exc))
-    settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, **more}
-    summaries = bench_serve(base, prompts, levels, requests, settings, api_key, timeout,
-                            say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named)
+    summaries = bench_servers(servers, prompts, levels, requests, api_key, timeout,
+                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named)
     table = render(summaries)
     Console().print(table, highlight=False)
-    info = {"url": base, "model": model, "levels": levels, "requests": requests, "dataset": dataset,
-            "prompts": len(prompts), "settings": settings, "variants": named, "machine": machine_description(),
-            "date": datetime.date.today().isoformat(), "command": "specdec " + " ".join(sys.argv[1:])}
+    info = {"url": servers[0].url if len(servers) == 1 else {s.name: s.url for s in servers},
+            "model": servers[0].settings["model"] if len(servers) == 1 else {s.name: s.settings["model"] for s in servers},
+            "levels": levels, "requests": requests, "dataset": dataset, "prompts": len(prompts),
+            "settings": servers[0].settings if len(servers) == 1 else {s.name: s.settings for s in servers},
+            "variants": named, "machine": machine_description(), "date": datetime.date.today().isoformat(),
+            "command": "specdec " + " ".join(sys.argv[1:])}
     if markdown:
+        served = ", ".join(f"{s.name + ': ' if s.name else ''}model {s.settings['model']}" for s in servers)
         markdown.write_text(f"# bench-serve\n\n`{info['command']}`\n\n{info['machine']}, {info['date']}, "
-                            f"model {model}\n\n{table}\n")
+                            f"{served}\n\n{table}\n")
         err.print(f"[dim]wrote {markdown}[/]", highlight=False)
     if json_path:
         json_path.write_text(json.dumps({"info": info, "levels": summaries}, indent=1))
         err.print(f"[dim]wrote {json_path}[/]", highlight=False)
+
+
+def _json_object(text: str, option: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SpecdecError(f"{option} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SpecdecError(f"{option} must be a JSON object")
+    return value
+
+
+def _named_urls(entries: list[str]) -> dict:
+    """--url values -> {name (None for a single unnamed URL): base URL without /v1}."""
+    import re
+
+    urls = {}
+    for entry in entries:
+        match = re.match(r"([A-Za-z0-9_.-]+)=(.+)", entry)
+        name, address = (match.group(1), match.group(2)) if match else (None, entry)
+        if name is None and len(entries) > 1:
+            raise SpecdecError(f"name each of several servers: --url NAME=URL, got {entry!r}")
+        if name in urls:
+            raise SpecdecError(f"two servers named {name!r}")
+        urls[name] = address.rstrip("/").removesuffix("/v1")
+    return urls
+
+
+def _wait_ready(base: str, api_key: str | None, seconds: float) -> None:
+    """Return once `base` answers /health with 200 (or has no /health), polling for up to
+    `seconds`; SpecdecError when it is still not ready (what it last answered)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline, last = time.monotonic() + seconds, "no answer"
+    while True:
+        try:
+            status = httpx.get(base + "/health", headers=headers, timeout=10).status_code
+            if status in (200, 404):
+                return
+            last = f"HTTP {status}"
+        except httpx.HTTPError as exc:
+            last = str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            if seconds > 0:
+                raise SpecdecError(f"{base} was not ready after {seconds:g} s ({last})")
+            return  # not waiting: the model listing says what is wrong
+        time.sleep(1.0)
+
+
+def _served_model(base: str, api_key: str | None, wanted: str | None) -> str:
+    """`wanted`, or the first model the server lists (/v1/models); SpecdecError where no server
+    answers, or it lists none and none is wanted."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        listed = httpx.get(base + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise SpecdecError(f"no server answers at {base}: {exc}") from None
+    if wanted:
+        return wanted
+    if listed.status_code != 200:  # some servers list models only from a hub cache: --model names it instead
+        raise SpecdecError(f"{base}/v1/models answered HTTP {listed.status_code} ({listed.text[:200]}); "
+                           "name the model with --model")
+    return listed.json()["data"][0]["id"]
 
 
 def main() -> None:

@@ -142,33 +142,61 @@ def _metrics(base_url: str, api_key: str | None) -> str | None:
         return None
 
 
+@dataclass
+class Server:
+    """One server a run loads: a name for the tables (None alone), its base URL, and the fields
+    every request to it carries (model, max_tokens, ... and any of its own, e.g. speculative)."""
+
+    name: str | None
+    url: str
+    settings: dict
+
+
 def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int], requests: int, settings: dict,
                 api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
                 variants: dict[str, dict] | None = None) -> list[dict]:
-    """Every level in turn, and at each level every variant in turn (a name -> fields merged into
-    the request bodies, e.g. {"ar": {"speculative": False}}; None: the settings alone) -> one
-    summary per level and variant, with the speculation /metrics counted meanwhile."""
+    """One server: `bench_servers` with it alone."""
+    return bench_servers([Server(None, base_url, settings)], prompts, levels, requests, api_key, timeout, say,
+                         variants)
+
+
+def bench_servers(servers: list[Server], prompts: list[tuple[str, bool]], levels: list[int], requests: int,
+                  api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
+                  variants: dict[str, dict] | None = None) -> list[dict]:
+    """Every level in turn; at each level every server in turn, and for each every variant in turn
+    (a name -> fields merged into the request bodies, e.g. {"ar": {"speculative": False}}; None:
+    the settings alone). Servers that run side by side are thus measured interleaved, each level
+    of each under the same machine load, as ratios need. -> one summary per level, server and
+    variant, with the speculation its /metrics counted meanwhile."""
     if not prompts:
         raise SpecdecError("bench-serve needs at least one prompt")
     summaries = []
     for level in levels:
-        for name, extra in (variants or {None: {}}).items():
-            before = _metrics(base_url, api_key)
-            records, seconds = asyncio.run(run_level(base_url, prompts, level, requests, {**settings, **extra},
-                                                     api_key, timeout))
-            after = _metrics(base_url, api_key)
-            summary = {"concurrency": level, **({"variant": name} if name is not None else {}),
-                       **summarize(records, seconds)}
-            if before is not None and after is not None:
-                start, end = spec_counters(before), spec_counters(after)
-                grown = {k: end[k] - start[k] for k in end}
-                summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
-                                          if grown["draft_tokens"] else None}
-            summaries.append(summary)
-            say(f"concurrency {level}{f' {name}' if name else ''}: {summary['completed']} completed, "
-                f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s" +
-                (f" (first error: {summary['first_error']})" if summary.get("first_error") else ""))
+        for server in servers:
+            for name, extra in (variants or {None: {}}).items():
+                summaries.append(_measure(server, prompts, level, requests, name, extra, api_key, timeout, say))
     return summaries
+
+
+def _measure(server: Server, prompts, level: int, requests: int, variant: str | None, extra: dict,
+             api_key: str | None, timeout: float, say) -> dict:
+    """One level of one server and variant -> its summary."""
+    before = _metrics(server.url, api_key)
+    records, seconds = asyncio.run(run_level(server.url, prompts, level, requests, {**server.settings, **extra},
+                                             api_key, timeout))
+    after = _metrics(server.url, api_key)
+    summary = {"concurrency": level, **({"server": server.name} if server.name is not None else {}),
+               **({"variant": variant} if variant is not None else {}), **summarize(records, seconds)}
+    if before is not None and after is not None:
+        start, end = spec_counters(before), spec_counters(after)
+        grown = {k: end[k] - start[k] for k in end}
+        summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
+                                  if grown["draft_tokens"] else None}
+    label = " ".join(x for x in (server.name, variant) if x)
+    say(f"concurrency {level}{f' {label}' if label else ''}: {summary['completed']} completed, "
+        f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s" +
+        (f" (first error: {summary['first_error']})" if summary.get("first_error") else ""))
+    return summary
 
 
 def render(summaries: list[dict]) -> str:
@@ -177,19 +205,19 @@ def render(summaries: list[dict]) -> str:
         value = figure[q]
         return "–" if value is None else f"{value:.0f}"
 
-    named = any("variant" in s for s in summaries)
-    lines = ["| concurrency | " + ("variant | " if named else "") + "completed | failed | req/s | output tok/s | "
-             "TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | acceptance |",
-             "|---|" + ("---|" if named else "") + "---|---|---|---|---|---|---|---|---|"]
+    labels = [key for key in ("server", "variant") if any(key in s for s in summaries)]
+    lines = ["| concurrency | " + "".join(f"{key} | " for key in labels) + "completed | failed | req/s | "
+             "output tok/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+             "E2E p50 / p99 (ms) | acceptance |",
+             "|---|" + "---|" * len(labels) + "---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         spec = s.get("speculation") or {}
         rate = spec.get("acceptance_rate")
-        variant = f"{s.get('variant')} | " if named else ""
+        named = "".join(f"{s.get(key) or ''} | " for key in labels)
         lines.append(
-            f"| {s['concurrency']} | {variant}{s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
+            f"| {s['concurrency']} | {named}{s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
             f"{s['output_throughput']:.2f} | {ms(s['ttft_ms'], 'p50')} / {ms(s['ttft_ms'], 'p90')} / "
             f"{ms(s['ttft_ms'], 'p99')} | {ms(s['tpot_ms'], 'p50')} / {ms(s['tpot_ms'], 'p99')} | "
             f"{ms(s['itl_ms'], 'p50')} / {ms(s['itl_ms'], 'p99')} | {ms(s['e2e_ms'], 'p50')} / "
             f"{ms(s['e2e_ms'], 'p99')} | {'–' if rate is None else f'{rate:.2f}'} |")
     return "\n".join(lines)
-
