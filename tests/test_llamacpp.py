@@ -142,7 +142,8 @@ def test_batched_rows_are_each_sequences_own_and_the_check_can_fail(gguf_pair, g
     """Four sequences (one past 600 cached tokens) feed 1, 3, 2 and 4 tokens in one `forward_batch`,
     3 rows a call across sequences: every row is bit for bit a 1-token pass of its sequence on a
     one-sequence model. With exact_rows off the same batch goes in one 10-row call (ggml's
-    repacked GEMM) and differs: what makes the first assertion mean something."""
+    repacked GEMM) and differs: what makes the first assertion mean something. Sequences moved
+    into freed streams (`_compact`) stay exact too."""
     from specdec.backends import Segment
 
     single, _ = gguf_pair
@@ -167,6 +168,15 @@ def test_batched_rows_are_each_sequences_own_and_the_check_can_fail(gguf_pair, g
         assert not all(torch.equal(a, b) for a, b in zip(alone, target.forward_batch(segments)))
     finally:
         target.exact_rows = True
+    # two sequences end: the later two move into their streams (whole-stream copies) and still
+    # compute their own rows
+    for prefix, cache in zip(prefixes, caches):
+        cache.crop(len(prefix))
+    del segments, caches[:2]
+    assert [c.seq for c in caches] == [2, 3]
+    moved = target.forward_batch([Segment(new, cache, len(new)) for new, cache in zip(tokens[2:], caches)])
+    assert [c.seq for c in caches] == [1, 0]
+    assert all(torch.equal(a, b) for a, b in zip(alone[2:], moved))
 
 
 @NEEDS_LLAMA

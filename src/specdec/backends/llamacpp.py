@@ -208,9 +208,9 @@ class LlamaCppModel:
             raise SpecdecError(f"llama.cpp could not create a context of {sequences} x {self._context} tokens for {path}")
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)
-        self._owners: dict[int, weakref.ref] = {}  # live sequence id -> its cache
-        self._tickets = itertools.count()  # tells a cache's release from a later owner's
-        self._ticket: dict[int, int] = {}
+        self._owners: dict[int, tuple[int, weakref.ref]] = {}  # live sequence id -> (ticket, its cache)
+        self._live: dict[int, int] = {}  # ticket -> sequence id: a cache's finalizer knows it by ticket
+        self._tickets = itertools.count()
         if eos_token_ids is None:
             eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
         self._eos = [i for i in dict.fromkeys(eos_token_ids) if 0 <= i < self._vocab_size]
@@ -274,23 +274,42 @@ class LlamaCppModel:
             if not free:
                 raise SpecdecError(f"{self.name}: all {self.sequences} sequences are in use (load it with more "
                                    "sequences, or run fewer at once)")
-        seq = free[0] if free else 0  # the lowest free: a full batch's sequences run in consecutive streams
+        seq = free[0] if free else 0
+        if seq in self._owners:  # one sequence: the earlier cache loses it
+            self._live.pop(self._owners.pop(seq)[0])
         self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
         cache = LlamaCache(self, seq)
         ticket = next(self._tickets)
-        self._owners[seq], self._ticket[seq] = weakref.ref(cache), ticket
-        weakref.finalize(cache, self._release, seq, ticket).atexit = False  # not into a library shutting down
+        self._owners[seq], self._live[ticket] = (ticket, weakref.ref(cache)), seq
+        weakref.finalize(cache, self._release, ticket).atexit = False  # not into a library shutting down
         return cache
 
-    def _release(self, seq: int, ticket: int) -> None:
-        """A dropped cache's sequence, emptied and free again (unless a newer cache took it)."""
-        if self._ticket.get(seq) == ticket and getattr(self, "_ctx", None):
-            del self._owners[seq], self._ticket[seq]
+    def _release(self, ticket: int) -> None:
+        """A dropped cache's sequence, emptied and free again."""
+        seq = self._live.pop(ticket, None)
+        if seq is not None and getattr(self, "_ctx", None):
+            del self._owners[seq]
             self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+
+    def _compact(self) -> None:
+        """Move the highest live sequences into the free ids below them, so the live ones are
+        0..n-1: llama.cpp computes a call's rows together only for consecutive sequence ids
+        (its streams are viewed as one range), else in one compute per run of them. A move copies
+        the sequence's whole KV stream (llama.cpp's cross-stream seq_cp, done at the next decode):
+        each cell keeps its index, so its attention adds the same keys in the same order."""
+        live = [seq for seq, (_, ref) in self._owners.items() if ref() is not None]
+        holes = [seq for seq in range(len(live)) if seq not in self._owners]
+        movers = sorted((seq for seq in live if seq >= len(live)), reverse=True)
+        for hole, seq in zip(holes, movers):
+            ticket, ref = self._owners.pop(seq)
+            cache = ref()
+            self._lib.llama_memory_seq_cp(self._memory, seq, hole, -1, -1)
+            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            cache.seq, self._owners[hole], self._live[ticket] = hole, (ticket, ref), hole
 
     def _check_live(self, cache: LlamaCache) -> None:
         owner = self._owners.get(cache.seq) if cache.model is self else None
-        if owner is None or owner() is not cache:
+        if owner is None or owner[1]() is not cache:
             raise SpecdecError(f"{self.name}: this cache was replaced by a newer one (llama.cpp keeps one sequence)")
 
     def prefill(self, prompt: Sequence[int], cache: LlamaCache) -> list[int]:
@@ -347,6 +366,10 @@ class LlamaCppModel:
             feeds.append((segment.cache, ids, int(segment.num_logits)))
         if len({id(cache) for cache, _, _ in feeds}) < len(feeds):
             raise SpecdecError("each segment of a batched pass needs a cache of its own")
+        for cache, _, _ in feeds:
+            self._check_live(cache)
+        if len(feeds) > 1:
+            self._compact()
         return self._feed(feeds, ROWS_PER_CALL if self.exact_rows else BATCH)
 
     @property
