@@ -633,7 +633,7 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
     assert both[0]["speculation"]["draft_tokens"] > 0 and "| 2 | ar |" in render(both)
     settings = {"model": NAME, "max_tokens": 8, "temperature": 0}
     side_by_side = bench_servers([Server("spec", url, settings), Server("plain", url, {**settings, "speculative": False})],
-                                 prompts, [1, 2], 4)
+                                 prompts, [1, 2], 4, warmups=2)
     assert [(s["concurrency"], s["server"]) for s in side_by_side] == [(1, "spec"), (1, "plain"), (2, "spec"), (2, "plain")]
     assert side_by_side[0]["speculation"]["draft_tokens"] > 0 == side_by_side[1]["speculation"]["draft_tokens"]
     assert "| 2 | plain |" in render(side_by_side)
@@ -650,7 +650,7 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
     (["--url", "a=http://127.0.0.1:9", "--fields", 'b={"x": 1}'], "--fields takes NAME=JSON for a server named"),
     (["--url", "a=http://127.0.0.1:9", "--fields", "a=[1]"], "--fields a must be a JSON object"),
     (["--url", "http://127.0.0.1:9", "--wait", "1"], "was not ready after 1 s"),
-    (["--wait", "-1"], "--wait >= 0"),
+    (["--wait", "-1"], "--wait and --warmups >= 0"), (["--warmups", "-1"], "--wait and --warmups >= 0"),
 ])
 def test_bench_serve_options_are_one_line_errors(args, message):
     result = CliRunner().invoke(cli, ["bench-serve", "--dataset", "humaneval:1"] + args)

@@ -1423,6 +1423,7 @@ def bench_serve_command(
     timeout: float = typer.Option(600.0, help="Seconds one request may take before it counts as failed."),
     wait: float = typer.Option(0.0, help="Seconds to wait for each server to be ready (/health 200, as a "
                                "server still loading answers 503) before the run; 0: it must be up now."),
+    warmups: int = typer.Option(1, help="Requests sent to each server before the run, not measured."),
     extra: Optional[str] = typer.Option(None, help="A JSON object merged into every request body, e.g. "
                                         '\'{"speculative": false}\'.'),
     variants: Optional[str] = typer.Option(None, help="A JSON object: name -> fields merged into the requests; "
@@ -1447,8 +1448,9 @@ def bench_serve_command(
         except ValueError:
             raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {concurrency!r}") from None
         check_levels(levels)
-        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0 or wait < 0:
-            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0, --temperature and --wait >= 0")
+        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0 or wait < 0 or warmups < 0:
+            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0, --temperature, --wait and "
+                               "--warmups >= 0")
         more = _json_object(extra, "--extra") if extra else {}
         named = _json_object(variants, "--variants") if variants else None
         if named is not None and (not named or not all(isinstance(v, dict) for v in named.values())):
@@ -1479,14 +1481,14 @@ def bench_serve_command(
     except SpecdecError as exc:
         _fail(str(exc))
     summaries = bench_servers(servers, prompts, levels, requests, api_key, timeout,
-                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named)
+                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named, warmups=warmups)
     table = render(summaries)
     Console().print(table, highlight=False)
     info = {"url": servers[0].url if len(servers) == 1 else {s.name: s.url for s in servers},
             "model": servers[0].settings["model"] if len(servers) == 1 else {s.name: s.settings["model"] for s in servers},
             "levels": levels, "requests": requests, "dataset": dataset, "prompts": len(prompts),
             "settings": servers[0].settings if len(servers) == 1 else {s.name: s.settings for s in servers},
-            "variants": named, "machine": machine_description(), "date": datetime.date.today().isoformat(),
+            "variants": named, "warmups": warmups, "machine": machine_description(), "date": datetime.date.today().isoformat(),
             "command": "specdec " + " ".join(sys.argv[1:])}
     if markdown:
         served = ", ".join(f"{s.name + ': ' if s.name else ''}model {s.settings['model']}" for s in servers)
