@@ -59,19 +59,23 @@ docs-check: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_docs.py
 
 # our server on the GGUF weights against llama-server with and without the drafter, all three
-# running side by side and loaded interleaved, level by level (docs/server.md; ~25 min on 2 cores)
+# running side by side and loaded interleaved, level by level (docs/server.md; ~25 min on 2 cores).
+# PROMPT_CACHE=on leaves both servers' prompt caches on (their default) and writes gguf-cached.*
+PROMPT_CACHE ?= off
 SERVE_LOAD := --concurrency 1,4,8,16 --requests 16 --dataset humaneval:10,spec-bench:1 --max-tokens 64 --wait 300
 GGUF_PATHS := from specdec import registry as r; print(*(r.model_root(m) / r.spec(m).gguf_name for m in (r.DEFAULT_TARGET, r.DEFAULT_DRAFTER)))
+OURS_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-prompt-cache)
+PEER_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-cache-prompt)
+SERVE_OUT := docs/benchmarks/server/gguf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-gguf: peers $(LLAMA_SERVER)
 	set -e; set -- $$($(BIN)/python -c '$(GGUF_PATHS)'); trap 'kill $$(jobs -p) 2>/dev/null || true' EXIT; \
-	$(BIN)/specdec serve --dtype gguf --max-batch 16 --port 8767 2>/dev/null & \
-	$(LLAMA_SERVER) -m $$1 --host 127.0.0.1 --port 8768 --parallel 16 -c 16384 --metrics --no-cache-prompt >/dev/null 2>&1 & \
-	$(LLAMA_SERVER) -m $$1 -md $$2 --host 127.0.0.1 --port 8769 --parallel 16 -c 16384 --metrics --no-cache-prompt >/dev/null 2>&1 & \
+	$(BIN)/specdec serve --dtype gguf --max-batch 16 --port 8767 $(OURS_CACHE) 2>/dev/null & \
+	$(LLAMA_SERVER) -m $$1 --host 127.0.0.1 --port 8768 --parallel 16 -c 16384 --metrics $(PEER_CACHE) >/dev/null 2>&1 & \
+	$(LLAMA_SERVER) -m $$1 -md $$2 --host 127.0.0.1 --port 8769 --parallel 16 -c 16384 --metrics $(PEER_CACHE) >/dev/null 2>&1 & \
 	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8767 --url ours-ar=http://127.0.0.1:8767 \
 		--fields 'ours-ar={"speculative": false}' --url llama-server=http://127.0.0.1:8768 \
 		--url llama-server-md=http://127.0.0.1:8769 --model llama-server=qwen2.5-coder-1.5b-q4_k_m.gguf \
-		--model llama-server-md=qwen2.5-coder-1.5b-q4_k_m.gguf \
-		--json docs/benchmarks/server/gguf.json --markdown docs/benchmarks/server/gguf.md
+		--model llama-server-md=qwen2.5-coder-1.5b-q4_k_m.gguf --json $(SERVE_OUT).json --markdown $(SERVE_OUT).md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

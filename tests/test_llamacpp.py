@@ -43,9 +43,10 @@ def gguf_pair():
 
 @pytest.fixture(scope="module")
 def gguf_batched():
-    """The same pair holding 4 sequences each (the engine's and the server's batches)."""
+    """The same pair holding 4 sequences each (the engine's and the server's batches), the
+    target with its prompt cache on (as `specdec serve` loads it)."""
     _installed_or_skip(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER)
-    return (load(registry.DEFAULT_TARGET, dtype="gguf", sequences=4),
+    return (load(registry.DEFAULT_TARGET, dtype="gguf", sequences=4, prompt_cache=True),
             load(registry.DEFAULT_DRAFTER, dtype="gguf", role="drafter", sequences=4))
 
 
@@ -230,6 +231,33 @@ def test_gguf_sequences_are_bounded_and_given_back(gguf_pair, gguf_batched):
 
 
 @NEEDS_LLAMA
+def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair):
+    """A finished prompt's entries serve a later prompt only where they came from the very calls
+    that prompt would be fed in (256-id chunks): all of them for the same prompt, one chunk for a
+    prompt that shares 300 ids, none for one that differs in its first chunk. Every output, with
+    the target's log-probabilities, equals a cache-free model's."""
+    from specdec import autoregressive_generate
+    from specdec.generate import PREFILL_CHUNK
+
+    single, _ = gguf_pair
+    cached = load(registry.DEFAULT_TARGET, dtype="gguf", sequences=2, prompt_cache=True)
+    long = _long_prefix(single)
+    assert len(long) > 2 * PREFILL_CHUNK
+    shared = long[:300] + single.encode("\ndef tanh(x):\n")
+    other = single.encode("# a different start\n") + long[:300]
+    expect = {}
+    # the last: "shared" took the stream that held "long", cut to their one common chunk
+    for name, prompt, taken in (("long", long, 0), ("long", long, len(long) - 1), ("shared", shared, PREFILL_CHUNK),
+                                ("other", other, 0), ("long", long, PREFILL_CHUNK)):
+        result = autoregressive_generate(prompt, cached, max_new_tokens=6, logprobs=1)
+        assert result.stats.cached_prompt_tokens == taken, name
+        if name not in expect:
+            alone = autoregressive_generate(prompt, single, max_new_tokens=6, logprobs=1)
+            expect[name] = (alone.tokens, [(t.token, t.logprob) for t in alone.logprobs])
+        assert (result.tokens, [(t.token, t.logprob) for t in result.logprobs]) == expect[name], name
+
+
+@NEEDS_LLAMA
 def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
     from specdec import speculative_generate
     from specdec.drafters import make_tree_drafter
@@ -312,6 +340,12 @@ def test_the_server_batches_gguf_sequences(gguf_pair, gguf_batched):
 
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(ask, range(6)))
+        again = [client.completions.create(model=target.name, prompt="def is_prime(n):", max_tokens=8, temperature=0)
+                 for _ in range(2)]
+    prime = single.encode("def is_prime(n):")
+    assert again[0].choices[0].text == again[1].choices[0].text == single.decode(
+        autoregressive_generate(prime, single, max_new_tokens=8).tokens)
+    assert again[1].usage.prompt_tokens_details.cached_tokens == len(prime) - 1  # all the first's prompt call
     alone = [single.decode(autoregressive_generate(single.encode(p), single, max_new_tokens=24).tokens)
              for p in prompts]
     assert [r.choices[0].text for r in replies] == alone * 2

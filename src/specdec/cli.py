@@ -1311,6 +1311,9 @@ def serve(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     online: bool = typer.Option(False, "--online", help="The drafter learns from its rejected drafts (OSD): a "
                                 "small adapter updated whenever no request is running. Outputs stay exact."),
+    prompt_cache: bool = typer.Option(True, "--prompt-cache/--no-prompt-cache", help="With --dtype gguf: a finished "
+                                      "request's prompt stays in its KV stream until the stream is needed, for "
+                                      "later prompts that start alike (whole 256-token chunks; outputs stay exact)."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
@@ -1368,7 +1371,7 @@ def serve(
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
         cpu = resolve_device(device).type == "cpu"
         target_model = load_model(target, dtype=dtype, device=device, role="target", exact_rows=True if cpu else None,
-                                  say=say, sequences=max_batch)
+                                  say=say, sequences=max_batch, prompt_cache=prompt_cache)
         drafter_model = None if no_drafter else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
             exact_rows=_chain_drafter_rows("off", device, None), say=say, sequences=max_batch)

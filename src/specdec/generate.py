@@ -92,6 +92,7 @@ class GenerationStats:
     lenience: float = 1.0  # < 1: lossy acceptance (Leviathan et al. A.5)
     typical: str | None = None  # typical acceptance's settings where it was used (lossy; `verify.Typical`)
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
+    cached_prompt_tokens: int = 0  # prompt entries taken as an earlier sequence left them (a prompt cache)
 
     @property
     def lossy(self) -> bool:
@@ -326,7 +327,12 @@ class Decoding:
     def begin(self) -> None:
         """A cache for the target, the drafter told of the prompt, the clock started; the prompt
         is then fed by `prefill_step`."""
-        self.cache = self.target.new_cache()
+        if self._chunked and getattr(self.target, "prompt_cache", False):
+            # a stream that holds this prompt's first feeding calls is taken with them (llama.cpp's)
+            self.cache = self.target.new_cache(prompt=self.sequence, chunk=PREFILL_CHUNK)
+            self.stats.cached_prompt_tokens = cache_length(self.cache)
+        else:
+            self.cache = self.target.new_cache()
         reserve = min(self.positions, RESERVE_MAX)  # a huge max_new_tokens must not claim its memory up front
         reserve_cache(self.cache, reserve)
         if self.drafter is not None:
@@ -344,10 +350,8 @@ class Decoding:
         -> whether the prompt is in. Chunk bounds are fixed multiples of PREFILL_CHUNK, alone and in a batch,
         so the cache entries are the same calls' either way. A self-drafting drafter reads every
         prompt position's hidden state from one call: its prompt goes whole."""
-        chunked = getattr(self.target, "exact_rows", False) and hasattr(self.target, "forward_batch") and \
-            not self.reads_hidden
         with _timed(self.stats, "target_seconds"):
-            if chunked:
+            if self._chunked:
                 end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
                 self.target.prefill(self.sequence[:end + 1], self.cache)
                 self.prefilled = end >= len(self.sequence) - 1
@@ -358,6 +362,12 @@ class Decoding:
             with _timed(self.stats, "drafter_seconds"):
                 self.drafter.observe(self.target.pass_hidden)
         return self.prefilled
+
+    @property
+    def _chunked(self) -> bool:
+        """Whether the prompt is fed in chunks (`prefill_step`)."""
+        return getattr(self.target, "exact_rows", False) and hasattr(self.target, "forward_batch") and \
+            not self.reads_hidden
 
     def plan(self) -> Segment:
         """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's

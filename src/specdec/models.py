@@ -73,7 +73,7 @@ DRAFTER_VOCAB = 65536
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
          role: str = "target", kernels: str = "auto", exact_rows: bool | None = None,
          say: Callable[[str], None] = lambda msg: None, vocab: int | None = None,
-         vocab_corpus: str | Path | None = None, sequences: int = 1) -> TransformersModel:
+         vocab_corpus: str | Path | None = None, sequences: int = 1, prompt_cache: bool = False) -> TransformersModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
     dtype: "auto", "fp32", "bf16", "fp16", "int8" (drafters) for transformers' model, or "gguf":
@@ -86,7 +86,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
     vocab_corpus: a text file to count frequencies in (default: Python's standard library).
     sequences: (GGUF weights) how many sequences may be live at once (`LlamaCppModel`); a
-    transformers model holds any number.
+    transformers model holds any number. prompt_cache: (GGUF weights) keep finished prompts'
+    entries for later prompts that start alike (`LlamaCppModel`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -100,7 +101,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         return _load_distilled(str(name_or_path).removeprefix(DISTILLED), dtype, role,
                                lambda base: load(base, dtype, device, role, kernels, exact_rows, say, vocab, vocab_corpus))
     if dtype in GGUF_WEIGHTS:
-        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels, sequences)
+        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels, sequences, prompt_cache)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)
@@ -218,7 +219,8 @@ GGUF_KERNELS = ("auto", "plain")  # ggml's repacked weights, or its stock per-ro
 
 
 def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
-               say: Callable[[str], None], exact_rows: bool | None = None, kernels: str = "auto", sequences: int = 1):
+               say: Callable[[str], None], exact_rows: bool | None = None, kernels: str = "auto", sequences: int = 1,
+               prompt_cache: bool = False):
     """A registry model's GGUF file, or a .gguf path, on the llama.cpp backend (backends/llamacpp.py).
     kernels: "auto" (ggml's repacked weights) or "plain" (not repacked: `LlamaCppModel.repack`)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -261,7 +263,8 @@ def _load_gguf(name_or_path: str | Path, device, role: str, vocab: int | None,
     say(f"loading {name} (its GGUF weights on llama.cpp)")
     start = time.perf_counter()
     model = LlamaCppModel(gguf_path, tokenizer, name=name, role=role, eos_token_ids=eos or None,
-                          exact_rows=exact_rows, repack=kernels == "auto", sequences=sequences)
+                          exact_rows=exact_rows, repack=kernels == "auto", sequences=sequences,
+                          prompt_cache=prompt_cache)
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     return model
 

@@ -111,10 +111,11 @@ class LlamaCache:
     the cache is dropped.
     """
 
-    def __init__(self, model: "LlamaCppModel", seq: int):
+    def __init__(self, model: "LlamaCppModel", seq: int, held: "_Held | None" = None):
         self.model = model
         self.seq = seq
-        self.length = 0
+        self.held = held or _Held([], [])
+        self.length = len(self.held.tokens)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -133,6 +134,32 @@ class LlamaCache:
             if not self.model._lib.llama_memory_seq_rm(self.model._memory, self.seq, keep, -1):
                 raise SpecdecError(f"{self.model.name}: llama.cpp could not drop cached positions {keep}..")
             self.length = keep
+            self.held.keep(keep)
+
+
+class _Held:
+    """The ids a sequence's cache holds, and where each of its prompt-feeding calls (`prefill`,
+    while nothing else was fed) ended: the entries a later prompt may reuse (`_reusable`)."""
+
+    def __init__(self, tokens: list[int], calls: list[int]):
+        self.tokens, self.calls = tokens, calls
+
+    def keep(self, length: int) -> None:
+        del self.tokens[length:]
+        self.calls = [end for end in self.calls if end <= length]
+
+
+def _reusable(held: _Held, prompt: Sequence[int], chunk: int) -> int:
+    """How many leading cache entries of `held` a cache for `prompt` can take as they are: those
+    of its prompt calls that are the very calls `prompt` would be fed in (calls of `chunk` ids
+    from 0, the last one ending before prompt[-1]: `Decoding.prefill_step`), same bounds, same
+    ids. Every entry then holds the bits a fresh feed would give it."""
+    start, last = 0, len(prompt) - 1
+    for end in held.calls:
+        if end != min(start + chunk, last) or held.tokens[start:end] != list(prompt[start:end]):
+            break
+        start = end
+    return start
 
 
 class LlamaCppModel:
@@ -147,6 +174,8 @@ class LlamaCppModel:
     sequences: how many sequences (caches) may be live at once, each in its own KV stream of
     `context` cells (default: MAX_CONTEXT for one, else max(SEQUENCE_CONTEXT, MAX_CONTEXT //
     sequences), at most what the model was trained on).
+    prompt_cache: keep a finished sequence's prompt entries in its stream (until the stream is
+    needed) for a later cache whose prompt starts with the same feeding calls (`new_cache`).
     repack: let ggml repack Q4_K / Q4_0 / IQ4_NL weights for its AVX2/AVX512 kernels (default);
     off, every quantized matmul runs ggml's stock per-row dot products (and its tiled K-quant
     matmul from 8 rows). docs/kernels.md measures both.
@@ -160,7 +189,7 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, tokenizer=None, name: str | None = None, role: str = "target",
                  eos_token_ids: Sequence[int] | None = None, threads: int | None = None,
                  context: int | None = None, exact_rows: bool | None = None, repack: bool = True,
-                 sequences: int = 1):
+                 sequences: int = 1, prompt_cache: bool = False):
         if role not in ("target", "drafter"):
             raise SpecdecError(f"role must be 'target' or 'drafter', got {role!r}")
         if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
@@ -211,6 +240,8 @@ class LlamaCppModel:
         self._owners: dict[int, tuple[int, weakref.ref]] = {}  # live sequence id -> (ticket, its cache)
         self._live: dict[int, int] = {}  # ticket -> sequence id: a cache's finalizer knows it by ticket
         self._tickets = itertools.count()
+        self.prompt_cache = bool(prompt_cache)
+        self._kept: dict[int, _Held] = {}  # free streams that still hold a prompt, oldest first
         if eos_token_ids is None:
             eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
         self._eos = [i for i in dict.fromkeys(eos_token_ids) if 0 <= i < self._vocab_size]
@@ -264,9 +295,12 @@ class LlamaCppModel:
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
-    def new_cache(self) -> LlamaCache:
+    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None) -> LlamaCache:
         """An empty cache on a free sequence; with one sequence it replaces any earlier cache.
-        SpecdecError when all `sequences` are live."""
+        With `prompt_cache`, `prompt` and `chunk` (the ids this cache's prompt is fed in calls of
+        `chunk`, `Decoding.prefill_step`): the free stream holding the most reusable entries for
+        it (`_reusable`) is taken with them, and the cache starts that long. SpecdecError when all
+        `sequences` are live."""
         free = [seq for seq in range(self.sequences) if seq not in self._owners]
         if not free and self.sequences > 1:
             gc.collect()  # caches held only by reference cycles give their sequences back
@@ -274,22 +308,40 @@ class LlamaCppModel:
             if not free:
                 raise SpecdecError(f"{self.name}: all {self.sequences} sequences are in use (load it with more "
                                    "sequences, or run fewer at once)")
-        seq = free[0] if free else 0
-        if seq in self._owners:  # one sequence: the earlier cache loses it
-            self._live.pop(self._owners.pop(seq)[0])
-        self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
-        cache = LlamaCache(self, seq)
+        held, seq = None, None
+        if prompt is not None and chunk and self._kept:
+            reuse, seq = max(((_reusable(kept, prompt, chunk), -seq) for seq, kept in self._kept.items()))
+            seq = -seq
+            if reuse > 0:
+                held = self._kept.pop(seq)
+                held.keep(reuse)
+            else:
+                seq = None
+        if seq is None:
+            empty = [seq for seq in free if seq not in self._kept]
+            seq = empty[0] if empty else next(iter(self._kept), 0)  # else the oldest kept prompt goes
+            self._kept.pop(seq, None)
+            if seq in self._owners:  # one sequence: the earlier cache loses it
+                self._live.pop(self._owners.pop(seq)[0])
+        self._lib.llama_memory_seq_rm(self._memory, seq, len(held.tokens) if held else -1, -1)
+        cache = LlamaCache(self, seq, held)
         ticket = next(self._tickets)
         self._owners[seq], self._live[ticket] = (ticket, weakref.ref(cache)), seq
-        weakref.finalize(cache, self._release, ticket).atexit = False  # not into a library shutting down
+        # not into a library shutting down
+        weakref.finalize(cache, self._release, ticket, cache.held).atexit = False
         return cache
 
-    def _release(self, ticket: int) -> None:
-        """A dropped cache's sequence, emptied and free again."""
+    def _release(self, ticket: int, held: _Held) -> None:
+        """A dropped cache's sequence, free again: emptied, or with `prompt_cache` holding its
+        prompt's entries for a later cache."""
         seq = self._live.pop(ticket, None)
-        if seq is not None and getattr(self, "_ctx", None):
-            del self._owners[seq]
-            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        if seq is None or not getattr(self, "_ctx", None):
+            return
+        del self._owners[seq]
+        if self.prompt_cache and held.calls:
+            held.keep(held.calls[-1])
+            self._kept[seq] = held
+        self._lib.llama_memory_seq_rm(self._memory, seq, len(held.tokens) if seq in self._kept else -1, -1)
 
     def _compact(self) -> None:
         """Move the highest live sequences into the free ids below them, so the live ones are
@@ -301,6 +353,7 @@ class LlamaCppModel:
         holes = [seq for seq in range(len(live)) if seq not in self._owners]
         movers = sorted((seq for seq in live if seq >= len(live)), reverse=True)
         for hole, seq in zip(holes, movers):
+            self._kept.pop(hole, None)  # a kept prompt there is overwritten
             ticket, ref = self._owners.pop(seq)
             cache = ref()
             self._lib.llama_memory_seq_cp(self._memory, seq, hole, -1, -1)
@@ -319,7 +372,10 @@ class LlamaCppModel:
         `Decoding.prefill_step`), only the rest is fed."""
         prompt = list(prompt)
         if len(prompt) - 1 > cache.length:
+            prompt_only = cache.length == (cache.held.calls[-1] if cache.held.calls else 0)
             self._decode(prompt[cache.length:-1], cache, 0, BATCH)
+            if prompt_only:  # entries a later prompt may reuse (`_reusable`)
+                cache.held.calls.append(cache.length)
         return prompt[-1:]
 
     def forward(self, input_ids: Sequence[int] | torch.Tensor, cache: LlamaCache | None = None,
@@ -414,8 +470,9 @@ class LlamaCppModel:
             status = lib.llama_decode(self._ctx, batch)
             if status != 0:
                 # a failed decode may leave part of the call cached: drop it so every cache stays whole
-                for cache, _, _ in feeds:
+                for (cache, ids, _), first in zip(feeds, base):
                     lib.llama_memory_seq_rm(self._memory, cache.seq, cache.length, -1)
+                    cache.held.tokens.extend(ids[:cache.length - first])
                 raise SpecdecError(f"llama.cpp failed to decode {len(call)} tokens for {self.name} (status {status})")
             for i, (k, t) in enumerate(call):
                 cache, ids, num_logits = feeds[k]
@@ -424,6 +481,8 @@ class LlamaCppModel:
                 if scored >= 0:
                     row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
                     outs[k][scored] = torch.from_numpy(row)
+        for cache, ids, _ in feeds:
+            cache.held.tokens.extend(ids)
         return outs
 
     # -- text --------------------------------------------------------------------------------

@@ -315,7 +315,12 @@ class _Run:
         passes = sum(r.stats.target_forwards for r in done)
         spec = [speculation_usage(r) for r in done]
         prompt = sum(map(len, self.prompts))
+        n = self.job.n
+        # a prompt's entries taken from the prompt cache: its choices each have a cache of their own
+        cached = sum(max((r.stats.cached_prompt_tokens for r in self.results[p * n:(p + 1) * n] if r is not None),
+                         default=0) for p in range(len(self.prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
                 "speculative": {"method": self.job.speculation.method or "off",
                                 "drafted_tokens": sum(s["draft_tokens"] for s in spec),
                                 "accepted_tokens": sum(s["accepted_tokens"] for s in spec),
