@@ -68,10 +68,11 @@ OURS_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-prompt-cache)
 PEER_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-cache-prompt)
 SERVE_OUT := docs/benchmarks/server/gguf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-gguf: peers $(LLAMA_SERVER)
-	set -e; set -- $$($(BIN)/python -c '$(GGUF_PATHS)'); trap 'kill $$(jobs -p) 2>/dev/null || true' EXIT; \
-	$(BIN)/specdec serve --dtype gguf --max-batch 16 --port 8767 $(OURS_CACHE) 2>/dev/null & \
-	$(LLAMA_SERVER) -m $$1 --host 127.0.0.1 --port 8768 --parallel 16 -c 16384 --metrics $(PEER_CACHE) >/dev/null 2>&1 & \
+	set -e; set -- $$($(BIN)/python -c '$(GGUF_PATHS)'); \
+	$(BIN)/specdec serve --dtype gguf --max-batch 16 --port 8767 $(OURS_CACHE) 2>/dev/null & ours=$$!; \
+	$(LLAMA_SERVER) -m $$1 --host 127.0.0.1 --port 8768 --parallel 16 -c 16384 --metrics $(PEER_CACHE) >/dev/null 2>&1 & peer=$$!; \
 	$(LLAMA_SERVER) -m $$1 -md $$2 --host 127.0.0.1 --port 8769 --parallel 16 -c 16384 --metrics $(PEER_CACHE) >/dev/null 2>&1 & \
+	trap "kill $$ours $$peer $$! 2>/dev/null || true" EXIT; \
 	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8767 --url ours-ar=http://127.0.0.1:8767 \
 		--fields 'ours-ar={"speculative": false}' --url llama-server=http://127.0.0.1:8768 \
 		--url llama-server-md=http://127.0.0.1:8769 --model llama-server=qwen2.5-coder-1.5b-q4_k_m.gguf \

@@ -42,12 +42,16 @@ def gguf_pair():
 
 
 @pytest.fixture(scope="module")
-def gguf_batched():
+def gguf_batched(gguf_pair):
     """The same pair holding 4 sequences each (the engine's and the server's batches), the
     target with its prompt cache on (as `specdec serve` loads it)."""
-    _installed_or_skip(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER)
-    return (load(registry.DEFAULT_TARGET, dtype="gguf", sequences=4, prompt_cache=True),
-            load(registry.DEFAULT_DRAFTER, dtype="gguf", role="drafter", sequences=4))
+    from specdec.backends.llamacpp import LlamaCppModel
+
+    target, drafter = gguf_pair
+    # 2,048 positions a sequence: a few hundred MB of KV cache, where the defaults would take GBs
+    return (LlamaCppModel(target.path, target.tokenizer, target.name, eos_token_ids=target.eos_token_ids,
+                          context=2048, sequences=4, prompt_cache=True),
+            LlamaCppModel(drafter.path, drafter.tokenizer, drafter.name, role="drafter", context=2048, sequences=4))
 
 
 @NEEDS_LLAMA
@@ -231,7 +235,7 @@ def test_gguf_sequences_are_bounded_and_given_back(gguf_pair, gguf_batched):
 
 
 @NEEDS_LLAMA
-def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair):
+def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair, gguf_batched):
     """A finished prompt's entries serve a later prompt only where they came from the very calls
     that prompt would be fed in (256-id chunks): all of them for the same prompt, one chunk for a
     prompt that shares 300 ids, none for one that differs in its first chunk. Every output, with
@@ -240,7 +244,7 @@ def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair):
     from specdec.generate import PREFILL_CHUNK
 
     single, _ = gguf_pair
-    cached = load(registry.DEFAULT_TARGET, dtype="gguf", sequences=2, prompt_cache=True)
+    cached, _ = gguf_batched  # its target keeps finished prompts
     long = _long_prefix(single)
     assert len(long) > 2 * PREFILL_CHUNK
     shared = long[:300] + single.encode("\ndef tanh(x):\n")
