@@ -19,8 +19,10 @@ verification pass is fed in pieces) under flash attention with a bf16 KV cache: 
 then comes from the same kernels as a 1-token pass, bit for bit (tests/test_llamacpp.py checks
 this on real weights after a 600-token prefix).
 On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/kernels.md), so the
-pieces cost little. The prompt (no logits) is fed in one batch by both loops alike (`prefill`),
-and a drafter's rounding only steers acceptance: drafters take any batch.
+pieces cost little. The prompt (no logits) is fed in the same calls by every loop (`prefill`,
+in `Decoding.prefill_step`'s chunks), and a drafter's rounding only steers acceptance: drafters
+take any batch. With `prompt_cache`, a later prompt reuses an earlier one's entries only where
+they came from the very calls it would be fed in (`_reusable`).
 
 Several sequences (`sequences` > 1, the engine's and the server's batches): each sequence gets
 a KV stream of its own (llama.cpp's non-unified cache), and `forward_batch` feeds the rows of
