@@ -424,9 +424,7 @@ class LlamaCppModel:
             feeds.append((segment.cache, ids, int(segment.num_logits)))
         if len({id(cache) for cache, _, _ in feeds}) < len(feeds):
             raise SpecdecError("each segment of a batched pass needs a cache of its own")
-        for cache, _, _ in feeds:
-            self._check_live(cache)
-        if len(feeds) > 1:
+        if len(feeds) > 1:  # `_feed` checks that each cache is live
             self._compact()
         return self._feed(feeds, ROWS_PER_CALL if self.exact_rows else BATCH)
 
