@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf clean
+.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf bench-serve-hf clean
 
 setup: $(STAMP) models
 
@@ -77,6 +77,20 @@ bench-serve-gguf: peers $(LLAMA_SERVER)
 		--fields 'ours-ar={"speculative": false}' --url llama-server=http://127.0.0.1:8768 \
 		--url llama-server-md=http://127.0.0.1:8769 --model llama-server=qwen2.5-coder-1.5b-q4_k_m.gguf \
 		--model llama-server-md=qwen2.5-coder-1.5b-q4_k_m.gguf --json $(SERVE_OUT).json --markdown $(SERVE_OUT).md
+
+# our server on transformers' weights against `transformers serve --continuous-batching` on the
+# same converted weights (bf16), side by side and loaded interleaved, level by level (docs/server.md;
+# ~40 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
+# no local folder, hence --model.
+HF_TARGET := from specdec import registry as r; print(r.converted_dir(r.DEFAULT_TARGET))
+bench-serve-hf: setup
+	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); mkdir -p $${HF_HOME:-$$HOME/.cache/huggingface}/hub; \
+	$(BIN)/specdec serve --max-batch 16 --port 8765 2>/dev/null & ours=$$!; \
+	$(BIN)/transformers serve $$hf --continuous-batching --dtype bfloat16 --device cpu --port 8766 >/dev/null 2>&1 & \
+	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
+	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
+		--fields 'ours-ar={"speculative": false}' --url transformers-serve=http://127.0.0.1:8766 \
+		--model transformers-serve=$$hf --json docs/benchmarks/server/hf.json --markdown docs/benchmarks/server/hf.md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

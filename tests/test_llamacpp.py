@@ -262,6 +262,34 @@ def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair, g
 
 
 @NEEDS_LLAMA
+def test_compaction_keeps_a_kept_prompt(gguf_pair, gguf_batched):
+    """A request takes its kept prompt from a high stream while a lower free stream keeps another
+    prompt: compacting the batch moves the request down and swaps that prompt up (through the
+    spare stream), so a later request still finds all of it, and its output stays exact."""
+    from specdec import autoregressive_generate
+    from specdec.backends import Segment
+    from specdec.generate import PREFILL_CHUNK
+
+    single, _ = gguf_pair
+    cached, _ = gguf_batched
+    drained = [cached.new_cache() for _ in range(cached.sequences)]  # every stream emptied
+    del drained
+    first, second = _long_prefix(single), single.encode("class Queue:\n    def __init__(self):\n")
+    alone = autoregressive_generate(first, single, max_new_tokens=6).tokens
+    for prompt in (first, second):  # kept in streams 0 and 1
+        autoregressive_generate(prompt, cached, max_new_tokens=6)
+    assert set(cached._kept) == {0, 1}
+    other = cached.new_cache()  # stream 2
+    again = cached.new_cache(second, PREFILL_CHUNK)  # stream 1, with its kept prompt
+    assert (other.seq, again.seq, again.length) == (2, 1, len(second) - 1)
+    cached.forward_batch([Segment(single.encode("x = 1"), other, 1), Segment(second[-1:], again, 1)])
+    assert (other.seq, again.seq) == (0, 1) and set(cached._kept) == {2}
+    del other, again
+    result = autoregressive_generate(first, cached, max_new_tokens=6)
+    assert result.stats.cached_prompt_tokens == len(first) - 1 and result.tokens == alone
+
+
+@NEEDS_LLAMA
 def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
     from specdec import speculative_generate
     from specdec.drafters import make_tree_drafter

@@ -177,7 +177,8 @@ class LlamaCppModel:
     `context` cells (default: MAX_CONTEXT for one, else max(SEQUENCE_CONTEXT, MAX_CONTEXT //
     sequences), at most what the model was trained on).
     prompt_cache: keep a finished sequence's prompt entries in its stream (until the stream is
-    needed) for a later cache whose prompt starts with the same feeding calls (`new_cache`).
+    needed) for a later cache whose prompt starts with the same feeding calls (`new_cache`); with
+    several sequences it takes one more stream, which `_compact` swaps kept prompts through.
     repack: let ggml repack Q4_K / Q4_0 / IQ4_NL weights for its AVX2/AVX512 kernels (default);
     off, every quantized matmul runs ggml's stock per-row dot products (and its tiled K-quant
     matmul from 8 rows). docs/kernels.md measures both.
@@ -218,10 +219,14 @@ class LlamaCppModel:
         self.sequences = sequences
         default = MAX_CONTEXT if sequences == 1 else max(SEQUENCE_CONTEXT, MAX_CONTEXT // sequences)
         self._context = min(trained, context or default)
+        self.prompt_cache = bool(prompt_cache)
+        # a spare stream, never live: compaction swaps a kept prompt out through it (`_compact`)
+        self._spare = sequences if self.prompt_cache and sequences > 1 else None
+        streams = sequences + (self._spare is not None)
         context_params = lib.llama_context_default_params()
-        context_params.n_ctx = self._context * sequences  # split evenly into the sequences' streams
+        context_params.n_ctx = self._context * streams  # split evenly into the streams
         context_params.n_batch = context_params.n_ubatch = BATCH
-        context_params.n_seq_max = sequences
+        context_params.n_seq_max = streams
         # a stream per sequence: its attention reads its own keys, as when it runs alone
         context_params.kv_unified = sequences == 1
         context_params.n_threads = context_params.n_threads_batch = self.threads
@@ -242,7 +247,6 @@ class LlamaCppModel:
         self._owners: dict[int, tuple[int, weakref.ref]] = {}  # live sequence id -> (ticket, its cache)
         self._live: dict[int, int] = {}  # ticket -> sequence id: a cache's finalizer knows it by ticket
         self._tickets = itertools.count()
-        self.prompt_cache = bool(prompt_cache)
         self._kept: dict[int, _Held] = {}  # free streams that still hold a prompt, oldest first
         if eos_token_ids is None:
             eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
@@ -349,18 +353,31 @@ class LlamaCppModel:
         """Move the highest live sequences into the free ids below them, so the live ones are
         0..n-1: llama.cpp computes a call's rows together only for consecutive sequence ids
         (its streams are viewed as one range), else in one compute per run of them. A move copies
-        the sequence's whole KV stream (llama.cpp's cross-stream seq_cp, done at the next decode):
-        each cell keeps its index, so its attention adds the same keys in the same order."""
+        the sequence's whole KV stream (llama.cpp's cross-stream seq_cp, done in order at the next
+        decode): each cell keeps its index, so its attention adds the same keys in the same order.
+        A prompt kept in the free id is swapped into the id the sequence leaves, through the spare
+        stream, rather than overwritten: a request that took its kept prompt from a high id would
+        otherwise cost another prompt its cache at each step that compacts."""
+        lib, memory = self._lib, self._memory
         live = [seq for seq, (_, ref) in self._owners.items() if ref() is not None]
         holes = [seq for seq in range(len(live)) if seq not in self._owners]
         movers = sorted((seq for seq in live if seq >= len(live)), reverse=True)
         for hole, seq in zip(holes, movers):
-            self._kept.pop(hole, None)  # a kept prompt there is overwritten
+            swap = hole in self._kept and self._spare is not None
+            if swap:
+                lib.llama_memory_seq_cp(memory, hole, self._spare, -1, -1)
             ticket, ref = self._owners.pop(seq)
             cache = ref()
-            self._lib.llama_memory_seq_cp(self._memory, seq, hole, -1, -1)
-            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            lib.llama_memory_seq_cp(memory, seq, hole, -1, -1)
+            lib.llama_memory_seq_rm(memory, seq, -1, -1)
             cache.seq, self._owners[hole], self._live[ticket] = hole, (ticket, ref), hole
+            if swap:
+                lib.llama_memory_seq_cp(memory, self._spare, seq, -1, -1)
+                lib.llama_memory_seq_rm(memory, self._spare, -1, -1)
+                # the same age: the oldest kept prompt still goes first
+                self._kept = {seq if kept == hole else kept: held for kept, held in self._kept.items()}
+            else:
+                self._kept.pop(hole, None)  # without a spare stream a kept prompt there is overwritten
 
     def _check_live(self, cache: LlamaCache) -> None:
         owner = self._owners.get(cache.seq) if cache.model is self else None
