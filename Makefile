@@ -81,16 +81,17 @@ bench-serve-gguf: peers $(LLAMA_SERVER)
 # our server on transformers' weights against `transformers serve --continuous-batching` on the
 # same converted weights (bf16), side by side and loaded interleaved, level by level (docs/server.md;
 # ~40 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
-# no local folder, hence --model.
+# no local folder, hence --model. PROMPT_CACHE=on leaves our prompt cache on and writes hf-cached.*
 HF_TARGET := from specdec import registry as r; print(r.converted_dir(r.DEFAULT_TARGET))
+HF_OUT := docs/benchmarks/server/hf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-hf: setup
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); mkdir -p $${HF_HOME:-$$HOME/.cache/huggingface}/hub; \
-	$(BIN)/specdec serve --max-batch 16 --port 8765 2>/dev/null & ours=$$!; \
+	$(BIN)/specdec serve --max-batch 16 --port 8765 $(OURS_CACHE) 2>/dev/null & ours=$$!; \
 	$(BIN)/transformers serve $$hf --continuous-batching --dtype bfloat16 --device cpu --port 8766 >/dev/null 2>&1 & \
 	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
 	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
 		--fields 'ours-ar={"speculative": false}' --url transformers-serve=http://127.0.0.1:8766 \
-		--model transformers-serve=$$hf --json docs/benchmarks/server/hf.json --markdown docs/benchmarks/server/hf.md
+		--model transformers-serve=$$hf --json $(HF_OUT).json --markdown $(HF_OUT).md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

@@ -1311,9 +1311,11 @@ def serve(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     online: bool = typer.Option(False, "--online", help="The drafter learns from its rejected drafts (OSD): a "
                                 "small adapter updated whenever no request is running. Outputs stay exact."),
-    prompt_cache: bool = typer.Option(True, "--prompt-cache/--no-prompt-cache", help="With --dtype gguf: a finished "
-                                      "request's prompt stays in its KV stream until the stream is needed, for "
-                                      "later prompts that start alike (whole 256-token chunks; outputs stay exact)."),
+    prompt_cache: bool = typer.Option(True, "--prompt-cache/--no-prompt-cache", help="A finished request's prompt "
+                                      "serves later prompts that start alike (whole 256-token chunks; outputs stay "
+                                      "exact): kept in its KV stream on --dtype gguf, copied on transformers' weights."),
+    prompt_cache_memory: str = typer.Option("256MiB", "--prompt-cache-memory", help="On transformers' weights: the "
+                                            "most memory kept prompts take, the least recently used dropped first."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
@@ -1353,6 +1355,8 @@ def serve(
             raise SpecdecError("--method retrieval drafts from a datastore: give --datastore DIR")
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
         budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
+        if prompt_cache and dtype not in GGUF_WEIGHTS:
+            prompt_cache = parse_bytes(prompt_cache_memory, "--prompt-cache-memory")
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
                         max_waiting=max_waiting)

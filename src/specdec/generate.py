@@ -328,7 +328,7 @@ class Decoding:
         """A cache for the target, the drafter told of the prompt, the clock started; the prompt
         is then fed by `prefill_step`."""
         if self._chunked and getattr(self.target, "prompt_cache", False):
-            # a stream that holds this prompt's first feeding calls is taken with them (llama.cpp's)
+            # starts with the kept entries of an earlier prompt's feeding calls that this one repeats
             self.cache = self.target.new_cache(prompt=self.sequence, chunk=PREFILL_CHUNK)
             self.stats.cached_prompt_tokens = cache_length(self.cache)
         else:
@@ -355,6 +355,8 @@ class Decoding:
                 end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
                 self.target.prefill(self.sequence[:end + 1], self.cache)
                 self.prefilled = end >= len(self.sequence) - 1
+                if self.prefilled and hasattr(self.target, "keep_prompt"):
+                    self.target.keep_prompt(self.cache)  # transformers' prompt cache copies it now
             else:
                 self.target.prefill(self.sequence, self.cache)  # the same call as the AR baseline's
                 self.prefilled = True

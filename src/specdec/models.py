@@ -68,12 +68,13 @@ def use_int8(dtype: str | torch.dtype, device: torch.device, role: str = "target
 
 # FR-Spec's head size for the default drafter: docs/kernels.md, "A cheaper drafter"
 DRAFTER_VOCAB = 65536
+PROMPT_CACHE_MEMORY = 256 * 2**20  # bytes of kept prompts on transformers' weights, by default
 
 
 def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
          role: str = "target", kernels: str = "auto", exact_rows: bool | None = None,
          say: Callable[[str], None] = lambda msg: None, vocab: int | None = None,
-         vocab_corpus: str | Path | None = None, sequences: int = 1, prompt_cache: bool = False) -> TransformersModel:
+         vocab_corpus: str | Path | None = None, sequences: int = 1, prompt_cache: bool | int = False) -> TransformersModel:
     """Load a registry model name, a local Hugging Face directory, or a .gguf file.
 
     dtype: "auto", "fp32", "bf16", "fp16", "int8" (drafters) for transformers' model, or "gguf":
@@ -86,8 +87,10 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
     vocab_corpus: a text file to count frequencies in (default: Python's standard library).
     sequences: (GGUF weights) how many sequences may be live at once (`LlamaCppModel`); a
-    transformers model holds any number. prompt_cache: (GGUF weights) keep finished prompts'
-    entries for later prompts that start alike (`LlamaCppModel`).
+    transformers model holds any number. prompt_cache: keep finished prompts' entries for later
+    prompts that start alike: on GGUF weights in free KV streams (`LlamaCppModel`), on
+    transformers' as copies of up to PROMPT_CACHE_MEMORY bytes, or as many as an int says
+    (`TransformersModel.use_prompt_cache`; targets with row-exact passes only, else none).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -144,6 +147,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         model.to(device)
         wrapped = TransformersModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows,
                                 int8=int8)
+        if prompt_cache and role == "target" and wrapped.exact_rows:
+            wrapped.use_prompt_cache(PROMPT_CACHE_MEMORY if prompt_cache is True else int(prompt_cache))
         if role == "drafter":
             part = "vocabulary"
             if vocab is None:

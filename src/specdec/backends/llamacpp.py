@@ -22,7 +22,7 @@ On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/kernels.
 pieces cost little. The prompt (no logits) is fed in the same calls by every loop (`prefill`,
 in `Decoding.prefill_step`'s chunks), and a drafter's rounding only steers acceptance: drafters
 take any batch. With `prompt_cache`, a later prompt reuses an earlier one's entries only where
-they came from the very calls it would be fed in (`_reusable`).
+they came from the very calls it would be fed in (`reusable`).
 
 Several sequences (`sequences` > 1, the engine's and the server's batches): each sequence gets
 a KV stream of its own (llama.cpp's non-unified cache), and `forward_batch` feeds the rows of
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from . import Segment
+from .prompts import Held, reusable
 from ..errors import SpecdecError
 from ..text import decode_ids, encode_text
 
@@ -113,10 +114,10 @@ class LlamaCache:
     the cache is dropped.
     """
 
-    def __init__(self, model: "LlamaCppModel", seq: int, held: "_Held | None" = None):
+    def __init__(self, model: "LlamaCppModel", seq: int, held: "Held | None" = None):
         self.model = model
         self.seq = seq
-        self.held = held or _Held([], [])
+        self.held = held or Held([], [])
         self.length = len(self.held.tokens)
 
     def get_seq_length(self) -> int:
@@ -137,31 +138,6 @@ class LlamaCache:
                 raise SpecdecError(f"{self.model.name}: llama.cpp could not drop cached positions {keep}..")
             self.length = keep
             self.held.keep(keep)
-
-
-class _Held:
-    """The ids a sequence's cache holds, and where each of its prompt-feeding calls (`prefill`,
-    while nothing else was fed) ended: the entries a later prompt may reuse (`_reusable`)."""
-
-    def __init__(self, tokens: list[int], calls: list[int]):
-        self.tokens, self.calls = tokens, calls
-
-    def keep(self, length: int) -> None:
-        del self.tokens[length:]
-        self.calls = [end for end in self.calls if end <= length]
-
-
-def _reusable(held: _Held, prompt: Sequence[int], chunk: int) -> int:
-    """How many leading cache entries of `held` a cache for `prompt` can take as they are: those
-    of its prompt calls that are the very calls `prompt` would be fed in (calls of `chunk` ids
-    from 0, the last one ending before prompt[-1]: `Decoding.prefill_step`), same bounds, same
-    ids. Every entry then holds the bits a fresh feed would give it."""
-    start, last = 0, len(prompt) - 1
-    for end in held.calls:
-        if end != min(start + chunk, last) or held.tokens[start:end] != list(prompt[start:end]):
-            break
-        start = end
-    return start
 
 
 class LlamaCppModel:
@@ -247,7 +223,7 @@ class LlamaCppModel:
         self._owners: dict[int, tuple[int, weakref.ref]] = {}  # live sequence id -> (ticket, its cache)
         self._live: dict[int, int] = {}  # ticket -> sequence id: a cache's finalizer knows it by ticket
         self._tickets = itertools.count()
-        self._kept: dict[int, _Held] = {}  # free streams that still hold a prompt, oldest first
+        self._kept: dict[int, Held] = {}  # free streams that still hold a prompt, oldest first
         if eos_token_ids is None:
             eos_token_ids = [int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))]
         self._eos = [i for i in dict.fromkeys(eos_token_ids) if 0 <= i < self._vocab_size]
@@ -305,7 +281,7 @@ class LlamaCppModel:
         """An empty cache on a free sequence; with one sequence it replaces any earlier cache.
         With `prompt_cache`, `prompt` and `chunk` (the ids this cache's prompt is fed in calls of
         `chunk`, `Decoding.prefill_step`): the free stream holding the most reusable entries for
-        it (`_reusable`) is taken with them, and the cache starts that long. SpecdecError when all
+        it (`reusable`) is taken with them, and the cache starts that long. SpecdecError when all
         `sequences` are live."""
         free = [seq for seq in range(self.sequences) if seq not in self._owners]
         if not free and self.sequences > 1:
@@ -316,7 +292,7 @@ class LlamaCppModel:
                                    "sequences, or run fewer at once)")
         held, seq = None, None
         if prompt is not None and chunk and self._kept:
-            reuse, seq = max(((_reusable(kept, prompt, chunk), -seq) for seq, kept in self._kept.items()))
+            reuse, seq = max(((reusable(kept, prompt, chunk), -seq) for seq, kept in self._kept.items()))
             seq = -seq
             if reuse > 0:
                 held = self._kept.pop(seq)
@@ -337,7 +313,7 @@ class LlamaCppModel:
         weakref.finalize(cache, self._release, ticket, cache.held).atexit = False
         return cache
 
-    def _release(self, ticket: int, held: _Held) -> None:
+    def _release(self, ticket: int, held: Held) -> None:
         """A dropped cache's sequence, free again: emptied, or with `prompt_cache` holding its
         prompt's entries for a later cache."""
         seq = self._live.pop(ticket, None)
@@ -393,7 +369,7 @@ class LlamaCppModel:
         if len(prompt) - 1 > cache.length:
             prompt_only = cache.length == (cache.held.calls[-1] if cache.held.calls else 0)
             self._decode(prompt[cache.length:-1], cache, 0, BATCH)
-            if prompt_only:  # entries a later prompt may reuse (`_reusable`)
+            if prompt_only:  # entries a later prompt may reuse (`reusable`)
                 cache.held.calls.append(cache.length)
         return prompt[-1:]
 

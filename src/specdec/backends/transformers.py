@@ -54,6 +54,7 @@ class TransformersModel:
             raise SpecdecError("int8 weights are for drafters on the CPU only")
         self.hf = hf_model.eval()
         self.tokenizer = tokenizer
+        self.prompt_store = None  # a PromptStore (`use_prompt_cache`)
         self.name = name
         self.role = role
         self._decoder = getattr(hf_model, hf_model.base_model_prefix)
@@ -209,7 +210,7 @@ class TransformersModel:
         """All ids that end a generation: the generation config's and the tokenizer's EOS."""
         return eos_ids([getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer])
 
-    def new_cache(self):
+    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None):
         """An empty KV cache that `crop` can roll back.
 
         Sliding-window layers (Mistral, Gemma 2/3) drop keys older than their window as they go,
@@ -217,12 +218,39 @@ class TransformersModel:
         generation) they keep a pass's keys until the next `crop` trims them back to the window.
         `cache_length` counts every position of the sequence either way. Full-attention layers
         keep their keys in slabs (slab.py): a pass copies only its own keys in.
+        With a prompt cache (`use_prompt_cache`), `prompt` and `chunk` (the ids this cache's prompt
+        is fed in calls of `chunk`, `Decoding.prefill_step`): the cache starts with the kept
+        entries it can reuse (prompts.py).
         """
         from .slab import slab_cache
 
         cache = slab_cache(self.hf.config)
         cache.activate_past_recording()
+        if self.prompt_store is not None:
+            self.prompt_store.restore(cache, prompt or [], chunk or 0)
         return cache
+
+    @property
+    def prompt_cache(self) -> bool:
+        """Whether finished prompts are kept for later ones (`use_prompt_cache`)."""
+        return self.prompt_store is not None
+
+    def use_prompt_cache(self, memory: int) -> None:
+        """Keep copies of prompts' cache entries, up to `memory` bytes (0: none), for later prompts
+        that start with the same feeding calls: `keep_prompt` once a prompt is in, `new_cache(prompt,
+        chunk)` to reuse. Needs row-exact passes (the prompt fed in fixed calls, `prefill`)."""
+        from .prompts import PromptStore
+
+        if memory and not self.exact_rows:
+            raise SpecdecError(f"a prompt cache reuses the calls a prompt is fed in, which row-exact passes fix; "
+                               f"{self.name} runs without them")
+        tokens = memory // self.kv_bytes_per_token
+        self.prompt_store = PromptStore(tokens) if tokens > 0 else None
+
+    def keep_prompt(self, cache) -> None:
+        """The prompt `cache` holds is in: keep a copy of its entries (with a prompt cache)."""
+        if self.prompt_store is not None:
+            self.prompt_store.keep(cache)
 
     @torch.inference_mode()
     def forward(self, input_ids: Sequence[int] | torch.Tensor, cache=None, num_logits: int = 1,
@@ -354,6 +382,8 @@ class TransformersModel:
             ids = torch.as_tensor(prompt[fed:-1], dtype=torch.long, device=self.device).view(1, -1)
             with row_exact(False):
                 self.pass_hidden = self._decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
+            if hasattr(cache, "held"):  # a prompt cache's record of the calls (prompts.py)
+                cache.held.fed(prompt, fed)
         return prompt[-1:]
 
     @torch.inference_mode()

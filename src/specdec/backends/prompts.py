@@ -1,0 +1,107 @@
+"""Prompt caches: a finished prompt's cache entries, reused by a later prompt that starts alike.
+
+An entry is reused only where it came from the very call the new prompt would be fed in (the
+engine feeds a prompt in calls of `chunk` ids from its start, `Decoding.prefill_step`): same
+bounds, same ids, so it holds the bits a fresh feed would give it, and outputs stay exact.
+llama.cpp's backend keeps prompts in its free KV streams (backends/llamacpp.py); transformers'
+weights keep copies of them here (`PromptStore`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+
+class Held:
+    """The ids a sequence's cache holds, and where each of its prompt-feeding calls (a prefill,
+    while nothing else was fed) ended: the entries a later prompt may reuse (`reusable`)."""
+
+    def __init__(self, tokens: list[int], calls: list[int]):
+        self.tokens, self.calls = tokens, calls
+
+    def keep(self, length: int) -> None:
+        del self.tokens[length:]
+        self.calls = [end for end in self.calls if end <= length]
+
+    def fed(self, prompt: Sequence[int], start: int) -> None:
+        """A prefill fed `prompt` but its last id, from `start` (what the cache held before it);
+        a call of the prompt's feed only if nothing but prompt calls came before it."""
+        if start == (self.calls[-1] if self.calls else 0):
+            self.tokens[start:] = list(prompt[start:len(prompt) - 1])
+            self.calls.append(len(prompt) - 1)
+
+
+def reusable(held: Held, prompt: Sequence[int], chunk: int) -> int:
+    """How many leading cache entries of `held` a cache for `prompt` can take as they are: those
+    of its prompt calls that are the very calls `prompt` would be fed in (calls of `chunk` ids
+    from 0, the last one ending before prompt[-1]: `Decoding.prefill_step`), same bounds, same
+    ids. Every entry then holds the bits a fresh feed would give it."""
+    start, last = 0, len(prompt) - 1
+    for end in held.calls:
+        if end != min(start + chunk, last) or held.tokens[start:end] != list(prompt[start:end]):
+            break
+        start = end
+    return start
+
+
+class PromptStore:
+    """Copies of finished prompts' keys and values (transformers' slab caches), at most `tokens`
+    positions in all, the least recently used dropped first.
+
+    keep(cache) copies a cache's prompt entries once its prompt is in; restore(cache, prompt,
+    chunk) fills a new cache with the kept entries `prompt` can reuse (`reusable`).
+    """
+
+    def __init__(self, tokens: int):
+        self.tokens = int(tokens)
+        self._entries: OrderedDict[int, tuple[Held, list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self._next = 0
+
+    @property
+    def held_tokens(self) -> int:
+        """Positions kept now."""
+        return sum(held.calls[-1] for held, _ in self._entries.values())
+
+    @torch.inference_mode()
+    def keep(self, cache) -> None:
+        """Copy the entries of `cache`'s prompt calls (its `held` record), replacing an earlier copy
+        of the same ids; nothing where they exceed the store or a layer is not a slab (a sliding
+        window)."""
+        from .slab import SlabLayer
+
+        held = getattr(cache, "held", None)
+        length = held.calls[-1] if held is not None and held.calls else 0
+        layers = getattr(cache, "layers", ())
+        if not 0 < length <= self.tokens or not all(isinstance(layer, SlabLayer) and layer.keys is not None
+                                                    for layer in layers):
+            return
+        tokens = held.tokens[:length]
+        for key in [key for key, (other, _) in self._entries.items() if other.tokens == tokens]:
+            del self._entries[key]
+        while self._entries and self.held_tokens + length > self.tokens:
+            self._entries.popitem(last=False)
+        copies = [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
+        self._entries[self._next] = (Held(tokens, list(held.calls)), copies)
+        self._next += 1
+
+    @torch.inference_mode()
+    def restore(self, cache, prompt: Sequence[int], chunk: int) -> int:
+        """Give the new, empty `cache` a `held` record and the kept entries `prompt` can reuse (the
+        entry with the most) -> how many positions it now holds."""
+        cache.held = Held([], [])
+        best, reuse = None, 0
+        for key, (held, _) in self._entries.items():
+            count = reusable(held, prompt, chunk)
+            if count > reuse:
+                best, reuse = key, count
+        if best is None:
+            return 0
+        self._entries.move_to_end(best)
+        held, copies = self._entries[best]
+        for layer, (keys, values) in zip(cache.layers, copies):
+            layer.update(keys[..., :reuse, :], values[..., :reuse, :])
+        cache.held = Held(held.tokens[:reuse], [end for end in held.calls if end <= reuse])
+        return reuse

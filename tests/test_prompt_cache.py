@@ -1,0 +1,103 @@
+"""Prompt caches on transformers' weights (backends/prompts.py): a later prompt reuses an earlier
+one's entries only where they came from the very calls it would be fed in, and every output and
+log-probability equals a cache-free run's. llama.cpp's prompt cache: tests/test_llamacpp.py."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from specdec import SpecdecError, autoregressive_generate, speculative_generate
+from specdec.backends.prompts import Held, reusable
+from specdec.engine import generate_many
+from specdec.generate import PREFILL_CHUNK
+from specdec.server.service import Limits, Service
+
+from conftest import tiny_model
+from test_rows import _ids, qwen_like
+from test_server import serving
+
+VOCAB = 4096
+
+
+def _fed(prompt: list[int], chunk: int = PREFILL_CHUNK) -> Held:
+    """The record of a prompt fed as `Decoding.prefill_step` feeds it."""
+    held, start = Held([], []), 0
+    while start < len(prompt) - 1:
+        end = min(start + chunk, len(prompt) - 1)
+        held.fed(prompt[:end + 1], start)
+        start = end
+    return held
+
+
+def test_only_whole_feeding_calls_are_reusable():
+    long = _ids(700, VOCAB, 1)
+    held = _fed(long)
+    assert held.calls == [256, 512, 699] and held.tokens == long[:699]
+    assert reusable(held, long, PREFILL_CHUNK) == 699  # the same prompt: all of it
+    assert reusable(held, long + [5], PREFILL_CHUNK) == 512  # longer: its third call ends elsewhere
+    assert reusable(held, long[:300] + [1, 2, 3], PREFILL_CHUNK) == 256
+    assert reusable(held, [7] + long[1:], PREFILL_CHUNK) == 0
+    assert reusable(held, long[:200], PREFILL_CHUNK) == 0  # a shorter prompt's one call ends at 199
+    after = Held(list(held.tokens), list(held.calls))
+    after.fed(long[:10], 800)  # a feed after something else (output tokens): not a prompt call
+    assert after.calls == held.calls
+
+
+def _run(model, prompt, **options):
+    result = autoregressive_generate(prompt, model, max_new_tokens=6, logprobs=1, eos_token_ids=[], **options)
+    return result.stats.cached_prompt_tokens, result.tokens, [(t.token, t.logprob) for t in result.logprobs]
+
+
+def test_the_prompt_cache_takes_whole_calls_and_stays_exact():
+    """All of a repeated prompt, one chunk of a prompt that shares 300 ids, nothing of one that
+    differs in its first: outputs and log-probabilities equal the cache-free model's. A store of
+    one long prompt's size drops the least recently used."""
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    long = _ids(600, VOCAB, 2)
+    shared, other = long[:300] + _ids(40, VOCAB, 3), _ids(5, VOCAB, 4) + long[:300]
+    expect = {name: _run(model, prompt)[1:] for name, prompt in (("long", long), ("shared", shared), ("other", other))}
+    model.use_prompt_cache(700 * model.kv_bytes_per_token)  # room for one long prompt and a short one
+    for name, prompt, taken in (("long", long, 0), ("long", long, 599), ("shared", shared, 256),
+                                ("other", other, 0), ("long", long, 256)):  # the long one's copy was dropped
+        cached, *rest = _run(model, prompt)
+        assert cached == taken and tuple(rest) == expect[name], name
+    assert model.prompt_store.held_tokens <= 700
+
+
+def test_batched_and_speculative_runs_reuse_prompts_exactly():
+    """The engine's batch and a drafter's chain take the kept entries too, and give each prompt's
+    greedy AR output alone."""
+    target = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    drafter = qwen_like(torch.bfloat16, exact_rows=True, layers=1, seed=1)
+    prompts = [_ids(300, VOCAB, 5)[:290] + _ids(8, VOCAB, k) for k in range(6, 10)]
+    alone = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
+    target.use_prompt_cache(2**26)
+    first = generate_many(prompts[:1], target, None, max_new_tokens=8, eos_token_ids=[])
+    results = generate_many(prompts, target, drafter, max_batch=4, max_new_tokens=8, gamma=3, eos_token_ids=[])
+    assert first[0].stats.cached_prompt_tokens == 0
+    assert [r.stats.cached_prompt_tokens for r in results] == [297, 256, 256, 256]
+    assert [r.tokens for r in [first[0]] + results] == [alone[0]] + alone
+    again = speculative_generate(prompts[2], target, drafter, gamma=3, max_new_tokens=8, eos_token_ids=[])
+    assert again.stats.cached_prompt_tokens == 297 and again.tokens == alone[2]
+
+
+def test_a_prompt_cache_needs_row_exact_passes():
+    model = qwen_like(torch.float32, exact_rows=False, layers=1)
+    with pytest.raises(SpecdecError, match="row-exact passes"):
+        model.use_prompt_cache(2**20)
+    model.use_prompt_cache(0)
+    assert not model.prompt_cache
+
+
+def test_the_server_reports_cached_prompt_tokens():
+    target = tiny_model(0, exact_rows=True, name="tiny")
+    target.use_prompt_cache(2**20)
+    prompt = _ids(40, 16, 9)
+    with serving(lambda: Service(target, None, limits=Limits(max_tokens=8)), max_batch=2, steer=False) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        replies = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                   for _ in range(2)]
+    assert replies[0].choices[0].text == replies[1].choices[0].text
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 39]
