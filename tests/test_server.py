@@ -641,6 +641,19 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
     assert failing["completed"] == 0 and failing["failed"] == 4 and "HTTP 400" in failing["first_error"]
 
 
+def test_bench_serve_results_name_the_home_directory_tilde(monkeypatch):
+    """A model path given as a server's model name must not put this machine's home in shared results."""
+    from pathlib import Path
+
+    from specdec.cli import _home_as_tilde
+
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: Path("/home/someone")))
+    assert _home_as_tilde('{"model": "/home/someone/.cache/m/hf", "other": "/home/someoneelse/x"}') == \
+        '{"model": "~/.cache/m/hf", "other": "/home/someoneelse/x"}'
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: Path("/")))
+    assert _home_as_tilde("/srv/m") == "/srv/m"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--concurrency", "0"], "integers >= 1"), (["--requests", "0"], "--requests and --max-tokens"),
     (["--extra", "{bad"], "--extra is not JSON"), (["--url", "http://127.0.0.1:9"], "no server answers"),

@@ -1499,12 +1499,19 @@ def bench_serve_command(
             "command": "specdec " + " ".join(sys.argv[1:])}
     if markdown:
         served = ", ".join(f"{s.name + ': ' if s.name else ''}model {s.settings['model']}" for s in servers)
-        markdown.write_text(f"# bench-serve\n\n`{info['command']}`\n\n{info['machine']}, {info['date']}, "
-                            f"{served}\n\n{table}\n")
+        markdown.write_text(_home_as_tilde(f"# bench-serve\n\n`{info['command']}`\n\n{info['machine']}, "
+                                           f"{info['date']}, {served}\n\n{table}\n"))
         err.print(f"[dim]wrote {markdown}[/]", highlight=False)
     if json_path:
-        json_path.write_text(json.dumps({"info": info, "levels": summaries}, indent=1))
+        json_path.write_text(_home_as_tilde(json.dumps({"info": info, "levels": summaries}, indent=1)))
         err.print(f"[dim]wrote {json_path}[/]", highlight=False)
+
+
+def _home_as_tilde(text: str) -> str:
+    """Results meant to be shared name the home directory `~` (a model path given as a server's
+    model name would otherwise carry this machine's)."""
+    home = str(Path.home())
+    return text.replace(home + "/", "~/") if len(home) > 1 else text
 
 
 def _json_object(text: str, option: str) -> dict:
