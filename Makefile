@@ -80,8 +80,9 @@ bench-serve-gguf: peers $(LLAMA_SERVER)
 
 # our server on transformers' weights against `transformers serve --continuous-batching` on the
 # same converted weights (bf16), side by side and loaded interleaved, level by level (docs/server.md;
-# ~40 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
+# ~25 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
 # no local folder, hence --model. PROMPT_CACHE=on leaves our prompt cache on and writes hf-cached.*
+# transformers serve sizes its paged KV cache to the free memory (~14 GB of 23 here): run nothing beside it.
 HF_TARGET := from specdec import registry as r; print(r.converted_dir(r.DEFAULT_TARGET))
 HF_OUT := docs/benchmarks/server/hf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-hf: setup
