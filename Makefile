@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf bench-serve-hf clean
+.PHONY: setup models peers llama-server demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf bench-serve-hf clean
 
 setup: $(STAMP) models
 
@@ -53,6 +53,10 @@ test: setup
 # the fast tier: every test that needs no real model and takes under ~2 s (CONTRIBUTING.md), under 3 minutes on 2 cores
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real and not soak and not slow"
+
+# the fast and slow tiers with every model the tests build on CUDA (a GPU machine; docs/kernels.md)
+test-cuda: $(STAMP)
+	SPECDEC_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -m "not real and not soak"
 
 # the docs' links, anchors, cited files, make targets and commands (plain Markdown; tests/test_docs.py)
 docs-check: $(STAMP)

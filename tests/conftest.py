@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from specdec import TransformersModel, load
 from specdec import registry
+from specdec.backends import transformers as transformers_backend
+
+# `SPECDEC_TEST_DEVICE=cuda` (`make test-cuda`) runs every model the tests wrap on that device;
+# tensors a test builds itself stay where it builds them (CONTRIBUTING.md).
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cpu":
+    _wrap = transformers_backend.TransformersModel.__init__
+
+    def _wrap_on_test_device(self, hf_model, *args, **kwargs):
+        _wrap(self, hf_model.to(TEST_DEVICE), *args, **kwargs)
+
+    transformers_backend.TransformersModel.__init__ = _wrap_on_test_device
+
+# a test of a CPU kernel path (oneDNN packing, int8, the CPU defaults), skipped on another device
+cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason=f"a CPU kernel path; models run on {TEST_DEVICE}")
 
 
 def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int = 256,

@@ -66,7 +66,7 @@ def _perturbed(model, scale=0.5, seed=0) -> DraftAdapter:
     with torch.no_grad():
         for b in adapter.b.values():
             b.copy_(torch.randn(b.shape) * scale)
-    return adapter
+    return adapter.to(model.device)
 
 
 def test_an_untrained_adapter_leaves_the_drafters_logits_bit_for_bit():
@@ -83,7 +83,7 @@ def test_an_untrained_adapter_leaves_the_drafters_logits_bit_for_bit():
 
 def test_the_merged_adapter_computes_what_its_training_hooks_compute():
     drafter, adapter = _drafter(), _perturbed(_drafter())
-    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    ids = torch.tensor([[3, 5, 7, 9, 11]], device=drafter.device)
     with torch.no_grad(), hooked(drafter, adapter):
         trained = drafter._decoder(input_ids=ids, use_cache=False).last_hidden_state
     attach(drafter, adapter)
@@ -123,7 +123,7 @@ def test_distillation_raises_held_out_acceptance_and_saves_a_checkpoint(tmp_path
     assert drafter.adapter is None  # training left the drafter's own weights as they were
     # the checkpoint names its drafter; weights other than the ones it was trained on are refused
     same = load_distilled(tmp_path, lambda name: _drafter())
-    assert torch.equal(same.adapter.b[next(iter(same.adapter.b))], made.adapter.b[next(iter(made.adapter.b))])
+    assert torch.equal(same.adapter.b[next(iter(same.adapter.b))].cpu(), made.adapter.b[next(iter(made.adapter.b))].cpu())
     assert same.name.endswith("+distilled")
     with pytest.raises(SpecdecError, match="does not have"):
         load_distilled(tmp_path, lambda name: _drafter(seed=2))

@@ -244,7 +244,7 @@ def test_the_assisted_peer_runs_without_transformers_own_config_warning():
         hf_logging.get_logger().warning_once.cache_clear()
         record = hf_generate("hf-assisted", target, [2, 3, 4], Settings(max_new_tokens=8), GREEDY, None, drafter)
         assert record.new_tokens == 8 and not any("together with" in m for m in messages)
-        inputs = torch.tensor([[2, 3, 4]])  # the power check: the same call without the filter warns
+        inputs = torch.tensor([[2, 3, 4]], device=target.device)  # the power check: the same call without the filter warns
         hf_logging.get_logger().warning_once.cache_clear()  # transformers says it once per process
         target.hf.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=8, do_sample=False,
                            assistant_model=drafter.hf, pad_token_id=0)

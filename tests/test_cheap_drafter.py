@@ -13,10 +13,11 @@ from specdec.errors import SpecdecError
 from specdec.kernels import Int8Linear, int8_fits, int8_supported, pack_linears, quantize_int8, quantize_linears
 from specdec.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
-from conftest import tiny_model
+from conftest import TEST_DEVICE, cpu_only, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
 
-needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no CPU int8 kernel in this torch")
+needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")) or TEST_DEVICE != "cpu",
+                                reason="no CPU int8 kernel in this torch, or models on CUDA")
 
 
 def test_int8_rounding_is_within_half_a_step_per_row():
@@ -204,6 +205,7 @@ def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 @pytest.mark.parametrize("native_bf16,amx", [(True, True), (True, False), (False, False)],
                          ids=["amx", "avx512-bf16", "avx2"])
+@cpu_only
 def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16, amx):
     import specdec.backends.transformers
     import specdec.kernels

@@ -48,7 +48,7 @@ def _pair() -> tuple[TransformersModel, TransformersModel]:
     drafter = tiny_model(0, vocab=VOCAB, name="tiny-near-drafter", kernels="stock")
     with torch.no_grad():
         head = drafter.hf.lm_head.weight
-        head.add_(0.6 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(5)))
+        head.add_(0.6 * head.std() * torch.randn(head.shape, generator=torch.Generator().manual_seed(5)).to(head.device))
     return target, drafter
 
 

@@ -160,12 +160,12 @@ def test_the_root_reads_the_targets_features_as_a_cache_free_pass_would(first_ta
         result = speculative_generate(prompt, target, spy, gamma=4, max_new_tokens=30, first_target=first_target)
         off_main_chain += _off_main_chain(result)
     assert len(spy.roots) > 6 and off_main_chain > 0
-    layer, ids = eagle.layer, torch.arange(target.vocab_size)
+    layer, ids = eagle.layer_for(target.device, target.dtype), torch.arange(target.vocab_size)
     for context, logits in spy.roots:
         target.forward(context, None, num_logits=len(context))
-        features = torch.cat([torch.zeros(1, target.hidden_size), target.last_hidden[:-1]])
-        embeds = target.hf.get_input_embeddings()(torch.tensor(context))
-        predicted = layer(embeds[None], features[None], torch.arange(len(context))[None])[0, -1]
+        features = torch.cat([torch.zeros(1, target.hidden_size, device=target.device), target.last_hidden[:-1]])
+        embeds = target.hf.get_input_embeddings()(torch.tensor(context, device=target.device))
+        predicted = layer(embeds[None], features[None], torch.arange(len(context), device=target.device)[None])[0, -1]
         expected = predicted @ head_rows(target, ids).T
         assert torch.allclose(logits, expected, atol=1e-4)
 

@@ -59,7 +59,7 @@ def test_medusa_heads_export_to_vllms_layout_and_score_what_ours_do(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert (config["vocab_size"], config["truncated_vocab_size"], config["num_heads"]) == (32, len(ids), 3)
     hidden = torch.randn(hidden_size, generator=torch.Generator().manual_seed(0))
-    ours = heads.heads(hidden.float()) @ head_rows(target, ids).float().T  # [K, N]: what MedusaDrafter scores
+    ours = heads.heads(hidden.float()) @ head_rows(target, ids).float().cpu().T  # [K, N]: what MedusaDrafter scores
     theirs = _vllm_medusa_logits(folder, hidden)
     assert torch.allclose(theirs[:, ids], ours, atol=1e-5)
     assert torch.isinf(theirs[:, [i for i in range(32) if i not in ids.tolist()]]).all()

@@ -41,6 +41,7 @@ def test_our_logits_are_the_models_own(family):
     model = TransformersModel(hf, None, family)
     assert model._transform is not None
     ours = model.forward(ids[0].tolist(), None, num_logits=6)
+    ours = ours.to(reference.device)
     assert torch.allclose(ours, reference, atol=1e-4, rtol=1e-4), (ours - reference).abs().max()
 
 

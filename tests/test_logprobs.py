@@ -94,7 +94,7 @@ def test_sampled_tokens_carry_the_log_probability_of_a_full_pass():
                                   max_new_tokens=20, eos_token_ids=[], seed=5, logprobs=16)
     assert result.stats.accepted > 0 and result.stats.drafted > result.stats.accepted
     with torch.no_grad():
-        logits = target.hf(torch.tensor([prompt + result.tokens])).logits[0].float()
+        logits = target.hf(torch.tensor([prompt + result.tokens], device=target.device)).logits[0].float().cpu()
     full = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
     got = torch.tensor([e.logprob for e in result.logprobs])
     assert torch.allclose(got, full[torch.arange(20), torch.tensor(result.tokens)], atol=1e-4)

@@ -242,7 +242,7 @@ def test_padded_drafter_q_covers_the_target_vocabulary(padded_models, which):
     drafter = ModelDrafter(wide if which == "wide" else narrow)
     drafter.check_target(target)
     drafter.start([4, 5])
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=target.device).manual_seed(0)
     draft = drafter.propose([4, 5, 13, 6], 4, Sampler(1.0), g, lambda n, logits: True)  # 13: no id of drafter12
     assert draft.probs.shape == (4, 16)
     if which == "narrow":

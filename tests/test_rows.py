@@ -11,6 +11,8 @@ import torch
 from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.rows import key_spans, refine_top_logits
 
+from conftest import cpu_only
+
 
 def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
               layers: int = 2) -> TransformersModel:
@@ -119,7 +121,7 @@ def test_sampled_speculative_follows_the_same_p_as_ar_in_bf16():
     prompt, continuation = _ids(20, 4096, 5), _ids(6, 4096, 6)
     assert row_gap(model, prompt, continuation) == 0.0
     probs = Sampler(0.7).probs(model.forward(prompt, None, len(prompt)))
-    assert torch.allclose(probs.sum(-1), torch.ones(len(prompt)))
+    assert torch.allclose(probs.sum(-1), torch.ones(len(prompt), device=probs.device))
 
 
 def test_key_spans_follow_the_mask():
@@ -158,6 +160,7 @@ def test_refined_bf16_logits_pick_the_fp32_argmax():
     assert torch.allclose(refined.gather(-1, top[:, None]).double(), exact.gather(-1, top[:, None]), atol=1e-4)
 
 
+@cpu_only
 def test_exact_rows_default_on_for_bf16_cpu_targets_only():
     assert qwen_like(torch.bfloat16, vocab=256).exact_rows
     assert not qwen_like(torch.float32, vocab=256).exact_rows  # 1-token passes would pay for it
@@ -193,6 +196,7 @@ def test_one_query_attention_is_grouped_query_attention():
         one_query_attention(torch.randn(1, 5, 1, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16))
 
 
+@cpu_only
 @pytest.mark.parametrize("exact_rows", [True, False], ids=["row-exact", "batched"])
 def test_our_one_query_passes_pack_heads_and_transformers_own_do_not(monkeypatch, exact_rows):
     """Our decode steps (row-exact target or plain drafter) take the packed call in every layer;
@@ -237,3 +241,40 @@ def test_a_row_exact_pass_calls_each_gemm_with_two_to_32_rows():
         assert torch.equal(row_exact_calls(linear, flat), flat * 2)
         assert all(2 <= n <= ROW_CHUNK for n in sizes), (rows, sizes)
         assert sum(sizes) == rows + (rows == 1)
+
+
+def test_on_cuda_a_row_exact_pass_calls_each_gemm_and_norm_with_the_same_rows():
+    """cuBLAS and torch's reductions lay a call out by its whole shape, so on CUDA every call of a
+    row-exact pass has CUDA_ROWS rows: zero-padded, wide inputs cut, rows back in order. The
+    function is device-agnostic; here it runs on the CPU."""
+    from specdec.kernels import CUDA_ROWS, fixed_row_calls
+
+    for rows in (1, 2, CUDA_ROWS - 1, CUDA_ROWS, CUDA_ROWS + 1, 3 * CUDA_ROWS + 5):
+        sizes = []
+
+        def linear(flat):
+            sizes.append(len(flat))
+            return flat * 2
+
+        flat = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + 1
+        assert torch.equal(fixed_row_calls(linear, flat, CUDA_ROWS), flat * 2)
+        assert set(sizes) == {CUDA_ROWS} and len(sizes) == -(-rows // CUDA_ROWS), (rows, sizes)
+
+
+def test_norms_keep_their_output_when_their_rows_are_fixed():
+    """`fix_norm_rows` swaps each RMSNorm's class for one that (on CUDA, in a row-exact pass)
+    computes in fixed-row calls: the module keeps its weights and computes the same values."""
+    import copy
+
+    from specdec.kernels import fix_norm_rows
+    from specdec.rows import row_exact
+
+    model = qwen_like(torch.float32, exact_rows=False)
+    norms = [m for m in model.hf.modules() if type(m).__name__.endswith("RMSNorm")]
+    before = copy.deepcopy(norms[0])
+    x = torch.randn(3, 7, norms[0].weight.shape[0], device=model.device)
+    assert fix_norm_rows(model.hf) == len(norms) > 0 and fix_norm_rows(model.hf) == 0
+    assert all(type(m).__name__.startswith("RowStable") for m in norms)
+    with row_exact(True):
+        assert torch.equal(norms[0](x), before(x))
+        assert torch.equal(norms[0](x[:, :1]), before(x[:, :1]))

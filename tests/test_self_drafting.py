@@ -322,8 +322,9 @@ class _ClaimsSampled(MedusaDrafter):
         tree = super().propose_tree(context, max_depth, sampler, generator)
         if not tree.tokens:
             return tree
-        probs = torch.zeros(self.heads.heads.num_heads, self.heads.vocab_ids.max() + 1)
-        probs[:, self._ids] = self.head_probs(self._hidden)
+        scored = self.head_probs(self._hidden)
+        probs = torch.zeros(self.heads.heads.num_heads, self.heads.vocab_ids.max() + 1, device=scored.device)
+        probs[:, self._ids] = scored
         rows = torch.stack([probs[d - 1] for d in tree.depths])
         return Tree(tree.tokens, tree.parents, rows, tree.values, "iid")
 

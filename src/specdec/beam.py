@@ -204,7 +204,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
     """
     _check_beams(num_beams)
     if not _row_exact(target):
-        raise SpecdecError("speculative beam search needs a row-exact target (exact_rows=True on the CPU): its "
+        raise SpecdecError("speculative beam search needs a row-exact target (exact_rows=True): its "
                            "replayed steps must see the numbers a 1-row pass computes")
     if not callable(drafter) or hasattr(drafter, "forward"):
         model = drafter

@@ -78,15 +78,13 @@ def _cost_schedule(target_model, drafter_model, gamma_max: int):
     return make_schedule("cost", gamma_max=gamma_max, pass_costs=costs)
 
 
-def _chain_drafter_rows(tree: str, device: str, exact_rows: bool | None) -> bool | None:
-    """A chain drafter model's `exact_rows` on the CPU: on (unless --batched-rows), alone and in a
-    batch alike, so that the engine can batch its passes across sequences and a seeded sampled
-    prompt drafts the same in both. Its passes are a prompt (fed plainly either way) and then 1-2
-    tokens, where row-exact attention is one one-query call a row, as a decode step makes; a tree drafter keeps the
-    default (its depth passes would pay a call per row)."""
-    from .models import resolve_device
-
-    if tree != "off" or exact_rows is False or resolve_device(device).type != "cpu":
+def _chain_drafter_rows(tree: str, exact_rows: bool | None) -> bool | None:
+    """A chain drafter model's `exact_rows`: on (unless --batched-rows), alone and in a batch
+    alike, so that the engine can batch its passes across sequences and a seeded sampled prompt
+    drafts the same in both. Its passes are a prompt (fed plainly either way) and then 1-2 tokens,
+    where row-exact attention is one one-query call a row, as a decode step makes; a tree drafter
+    keeps the default (its depth passes would pay a call per row)."""
+    if tree != "off" or exact_rows is False:
         return None
     return True
 
@@ -268,7 +266,6 @@ def generate(
                            check_tree_options, make_tree_drafter)
     from .drafters.cascade import STAGES as CASCADE_STAGES
     from .generate import autoregressive_generate, speculative_generate
-    from .models import resolve_device
     from .samplers import Sampler
     from .schedules import make_schedule
     from .verify import Typical
@@ -335,7 +332,7 @@ def generate(
             if self_spec:
                 raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
                                    "passes do not keep yet; generate its prompts one at a time")
-            if batch_size > 1 and exact_rows is None and resolve_device(device).type == "cpu":
+            if batch_size > 1 and exact_rows is None:
                 exact_rows = True  # a sequence's output must not depend on what shares its passes
         sequences = batch_size if prompts_file is not None else 1  # a llama.cpp model's live sequences
         target_model = _load(target, dtype, device, "target", exact_rows, sequences=sequences)
@@ -344,7 +341,7 @@ def generate(
             make_drafter = None
             if method == Method.sd:
                 drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree in MODEL_FREE_TREES else _load(
-                    drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
+                    drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, exact_rows),
                     vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, sequences=sequences)
                 if tree != "off":
                     shared = SuffixCache()  # suffix trees draft from earlier prompts' outputs too
@@ -395,7 +392,7 @@ def generate(
             elif drafter == "retrieval":
                 drafter_used = SuffixDrafter(datastore=datastore)
             else:
-                drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, device, exact_rows),
+                drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, exact_rows),
                                      vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 if cascade != "off":
                     drafter_used = CascadeDrafter(drafter_used, cascade)
@@ -1368,17 +1365,16 @@ def serve(
     from .server.service import Service
 
     def load() -> Service:
-        from .models import load as load_model, resolve_device
+        from .models import load as load_model
         from .drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
         from .passcost import flat_rows, pass_costs
 
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
-        cpu = resolve_device(device).type == "cpu"
-        target_model = load_model(target, dtype=dtype, device=device, role="target", exact_rows=True if cpu else None,
+        target_model = load_model(target, dtype=dtype, device=device, role="target", exact_rows=True,
                                   say=say, sequences=max_batch, prompt_cache=prompt_cache)
         drafter_model = None if no_drafter else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
-            exact_rows=_chain_drafter_rows("off", device, None), say=say, sequences=max_batch)
+            exact_rows=_chain_drafter_rows("off", None), say=say, sequences=max_batch)
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         if online:
             from .adapter import OnlineDistiller

@@ -18,6 +18,7 @@ for 6 (docs/kernels.md). oneDNN has no bf16 path on such CPUs, so:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -185,51 +186,78 @@ def int8_supported(device: torch.device) -> bool:
 
 
 class TwoRowLinear(nn.Linear):
-    """An nn.Linear that, inside a row-exact pass (rows.py), computes a 1-row input as the first
-    row of a 2-row call.
+    """An nn.Linear that, inside a row-exact pass (rows.py), makes its GEMM calls with the row
+    counts at which a row's result does not depend on the call (`row_exact_calls`).
 
     CPU GEMMs may take another path for one row than for several: on an AVX512-BF16 EPYC (no AMX)
     a 1-row bf16 `F.linear` differed from the same row in any 2..160-row call, which all agreed
     with each other whatever the row's position (docs/kernels.md); on an AMX Xeon rows agree over
-    2..32-row calls. Padding the 1-row case and cutting wide calls (`row_exact_calls`) makes a
-    decode step and a verification pass meet on the same path on both, at the price of one extra
-    row (bf16 GEMMs of 1-2 rows cost about the same).
+    2..32-row calls. Padding the 1-row case and cutting wide calls makes a decode step and a
+    verification pass meet on the same path on both, at the price of one extra row (bf16 GEMMs of
+    1-2 rows cost about the same). On CUDA every call has CUDA_ROWS rows.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_stable_linear(x, self.weight, self.bias)
 
 
-# The most rows one GEMM call takes in a row-exact pass. bf16 `F.linear` on an AMX Xeon (torch
-# 2.13, oneDNN) gives every row the same result in calls of 2..32 rows and another from 33 on (at
-# 1536x8960, 896x4864 and every Qwen shape probed); the EPYC agreed over 2..160 rows, packed fp32
-# over 2..32. A wider row-exact pass (a batch's) is cut into calls of at most this many rows.
+# The most rows one GEMM call takes in a row-exact pass on the CPU. bf16 `F.linear` on an AMX Xeon
+# (torch 2.13, oneDNN) gives every row the same result in calls of 2..32 rows and another from 33
+# on (at 1536x8960, 896x4864 and every Qwen shape probed); the EPYC agreed over 2..160 rows, packed
+# fp32 over 2..32. A wider row-exact pass (a batch's) is cut into calls of at most this many rows.
 ROW_CHUNK = 32
 
+# The rows of every row-dependent call (GEMMs, norms) in a row-exact pass on CUDA. cuBLAS picks its
+# kernel (tiles, split of the reduction) by the call's whole shape, and torch's reductions their
+# thread layout by the number of rows, so a row's result can change with the rows that share its
+# call; no kernel mixes rows, so in calls of one fixed shape a row comes out the same wherever it
+# sits and whatever its neighbours are. Zero rows pad the rest: at 64 rows a GEMM of a model's
+# weights is still bound by reading them, so a padded decode step costs about what a 1-row one does.
+CUDA_ROWS = 64
 
-def row_exact_calls(linear, flat: torch.Tensor) -> torch.Tensor:
-    """`linear(rows)` over flat [n, K] in calls of 2..ROW_CHUNK rows, the row count at which every
-    CPU measured computes a row the same whatever else the call holds: a 1-row input (or a last
-    chunk of one row) is computed as the first row of a 2-row call -> [n, N]."""
+
+def row_exact_calls(function, flat: torch.Tensor) -> torch.Tensor:
+    """`function(rows)` over flat [n, K] in calls whose every row comes out as a one-token pass's
+    -> [n, N]. CPU: calls of 2..ROW_CHUNK rows, the row counts at which every CPU measured computes
+    a row the same whatever else the call holds (a 1-row input, or a last chunk of one row, is the
+    first row of a 2-row call). CUDA: calls of exactly CUDA_ROWS rows (`fixed_row_calls`)."""
+    if flat.device.type == "cuda":
+        return fixed_row_calls(function, flat, CUDA_ROWS)
     if len(flat) > ROW_CHUNK:
         cuts = list(range(0, len(flat), ROW_CHUNK))
         if len(flat) - cuts[-1] == 1:
             cuts[-1] -= 1  # a last chunk of 2 rows, not 1
         bounds = cuts[1:] + [len(flat)]
-        return torch.cat([row_exact_calls(linear, flat[a:b]) for a, b in zip(cuts, bounds)])
+        return torch.cat([row_exact_calls(function, flat[a:b]) for a, b in zip(cuts, bounds)])
     if len(flat) == 1:
-        return linear(torch.cat([flat, torch.zeros_like(flat)]))[:1]
-    return linear(flat)
+        return function(torch.cat([flat, torch.zeros_like(flat)]))[:1]
+    return function(flat)
+
+
+def fixed_row_calls(function, flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """`function` over flat [n, K] in calls of exactly `rows` rows, the last padded with zeros -> [n, N]."""
+    n = len(flat)
+    if n % rows:  # one padding op (a pass is bound by launching its many small ops on a GPU)
+        flat = nn.functional.pad(flat, (0, 0, 0, rows - n % rows))
+    if len(flat) == rows:
+        return function(flat)[:n]
+    return torch.cat([function(chunk) for chunk in flat.split(rows)])[:n]
+
+
+def row_stable(function, x: torch.Tensor) -> torch.Tensor:
+    """`function(x)` for a function of x's rows (x [..., K] -> [..., N]); inside a row-exact pass
+    computed in `row_exact_calls` over x's rows flattened."""
+    rows = x.numel() // x.shape[-1]
+    if not row_exact_active() or (x.device.type != "cuda" and 2 <= rows <= ROW_CHUNK):
+        return function(x)
+    y = row_exact_calls(function, x.reshape(rows, x.shape[-1]))
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def row_stable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, but inside a row-exact pass computed in calls of 2..ROW_CHUNK
-    rows (`row_exact_calls`; see TwoRowLinear)."""
-    rows = x.numel() // x.shape[-1]
-    if not row_exact_active() or 2 <= rows <= ROW_CHUNK:
-        return nn.functional.linear(x, weight, bias)
-    y = row_exact_calls(lambda flat: nn.functional.linear(flat, weight, bias), x.reshape(rows, -1))
-    return y.view(*x.shape[:-1], weight.shape[0])
+    """`F.linear(x, weight, bias)`, but inside a row-exact pass computed in `row_exact_calls`
+    (see TwoRowLinear)."""
+    return row_stable(lambda rows: nn.functional.linear(rows, weight, bias), x)
 
 
 def pad_single_rows(module: nn.Module) -> int:
@@ -241,6 +269,29 @@ def pad_single_rows(module: nn.Module) -> int:
             child.__class__ = TwoRowLinear
             count += 1
     return count
+
+
+def fix_norm_rows(module: nn.Module) -> int:
+    """Make every RMSNorm and LayerNorm inside `module` compute its rows in `row_exact_calls` inside
+    a row-exact pass on CUDA, where a norm's reduction may be laid out by the number of rows (in
+    place: its class becomes a subclass, `_row_stable_norm`); return how many."""
+    count = 0
+    for child in module.modules():
+        cls = type(child)
+        if cls.__name__.endswith(("RMSNorm", "LayerNorm")) and not getattr(cls, "_rows_fixed", False):
+            child.__class__ = _row_stable_norm(cls)
+            count += 1
+    return count
+
+
+@functools.cache
+def _row_stable_norm(cls: type) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cuda":
+            return cls.forward(self, x)  # CPU norms agreed at every row count measured
+        return row_stable(lambda rows: cls.forward(self, rows), x)
+    return type(f"RowStable{cls.__name__}", (cls,), {"forward": forward, "_rows_fixed": True,
+                                                     "__doc__": f"{cls.__name__}, rows fixed (`fix_norm_rows`)."})
 
 
 def pack_linears(module: nn.Module, dense_rows: int = 0, int8_rows: int = 0) -> int:

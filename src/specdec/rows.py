@@ -26,8 +26,9 @@ The prompt's prefill is not row-exact (attention one row at a time would cost a 
 token per layer): both decoding loops prefill `prompt[:-1]` by the same batched call and score
 the prompt's last token in a row-exact pass (`TransformersModel.prefill`).
 
-On CUDA, cuBLAS picks kernels by row count, so per-row attention alone would not make rows
-exact; row-exact passes are a CPU feature (`exact_rows` defaults to off on CUDA).
+On CUDA, cuBLAS may pick a GEMM's kernel by the call's row count, and torch's reductions lay out
+their threads by it, so there a row-exact pass also makes every GEMM and norm call with a fixed
+number of rows (`kernels.CUDA_ROWS`, `kernels.fix_norm_rows`); measured in docs/kernels.md.
 
 One-query attention, the call every decode step and every row of a row-exact pass makes, runs
 with grouped-query heads packed (`one_query_attention`) in our own passes on CPU: transformers

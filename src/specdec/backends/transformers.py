@@ -15,7 +15,8 @@ import torch
 from ..errors import SpecdecError
 from ..heads import check_output_transform, max_row_norm, output_transform
 from ..kernels import (Int8Linear, PackedLinear, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
-                       int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable_linear)
+                       fix_norm_rows, int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable,
+                       row_stable_linear)
 from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from ..text import decode_ids, encode_text, eos_ids
 from ..trees import tree_attention
@@ -42,7 +43,8 @@ class TransformersModel:
         exact_rows: compute every row of a multi-token pass bit for bit as a one-token pass
             would (rows.py), so that greedy speculative output is token-identical to greedy AR
             by construction. None: on for a bf16 target on the CPU (nearly free there); off for
-            fp32 (where it slows 1-token passes), for drafters and on CUDA.
+            fp32 (where it slows 1-token passes), for drafters and on CUDA (where every GEMM and
+            norm then runs on CUDA_ROWS rows: kernels.py).
         int8: (drafters, CPU) int8 weight-only linears and output head for passes of a few
             tokens (`kernels.Int8Linear`); longer passes keep the paths above.
         """
@@ -103,9 +105,10 @@ class TransformersModel:
                 hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
             install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
-        if exact_rows:
-            if self.kernels == "stock" and self._device.type == "cpu":
-                pad_single_rows(self._decoder)
+        if exact_rows and self.kernels == "stock":
+            pad_single_rows(self._decoder)
+            if self._device.type == "cuda":
+                fix_norm_rows(self._decoder)
         self.exact_rows = bool(exact_rows)
         self._vocab_size = weight.shape[0]
         self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
@@ -292,14 +295,14 @@ class TransformersModel:
 
         segments: per sequence, its new ids [T_i], cache, num_logits, and optional tree (`Segment`).
         Returns: per segment, logits [num_logits_i, V] fp32.
-        Needs row-exact passes (`exact_rows`: CPU, attention a row at a time over its own cache);
+        Needs row-exact passes (`exact_rows`: attention a row at a time over its own cache);
         the rows equal each sequence's own pass bit for bit where the model is `rows_invariant`
         (bf16 and packed fp32 linears, cut to calls of 2..32 rows: tests/test_batch.py). Otherwise
         (an int8 drafter) each sequence's rows are its own but rounded as the batch's width has it.
         """
         if not self.exact_rows:
             raise SpecdecError(f"batched passes are row-exact passes; {self.name} runs without them "
-                               "(load it with exact_rows=True, on the CPU)")
+                               "(load it with exact_rows=True)")
         if not segments:
             return []
         self._check_no_sliding_window("batched passes", "run its sequences one at a time")
@@ -422,7 +425,9 @@ class TransformersModel:
             logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and exact:
-            logits = _fp32_matmul(hidden, self._head_weight)
+            logits = row_stable(lambda rows: _fp32_matmul(rows, self._head_weight), hidden)
+        elif self.device.type == "cuda":
+            logits = row_stable_linear(hidden, self._head_weight).float()
         else:
             logits = torch.nn.functional.linear(hidden, self._head_weight).float()
         if self._head_bias is not None and self._head is None:

@@ -78,8 +78,8 @@ def step_ms(model, storage: str, context: int, rows: int = 4, repeats: int = 20)
     else:
         caches = [SlabLayer(reserve=context + rows) if storage == "slab" else DynamicLayer() for _ in range(layers)]
     for cache in caches:
-        cache.update(torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype))
-    new = torch.randn(1, heads, rows, dim).to(model.dtype)
+        cache.update(torch.randn(shape).to(model.device, model.dtype), torch.randn(shape).to(model.device, model.dtype))
+    new = torch.randn(1, heads, rows, dim).to(model.device, model.dtype)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -67,8 +67,7 @@ class Engine:
         batched = hasattr(target, "forward_batch")
         if batched and not getattr(target, "rows_invariant", getattr(target, "exact_rows", False)):
             raise SpecdecError(f"{target.name} runs without row-exact passes (or with int8 layers), so a sequence's "
-                               "output would depend on what shares its passes; load it with exact_rows=True "
-                               "(on the CPU)")
+                               "output would depend on what shares its passes; load it with exact_rows=True")
         if max_batch > getattr(target, "sequences", max_batch):  # llama.cpp's: a fixed number of sequences
             raise SpecdecError(f"{target.name} holds {target.sequences} sequence(s) at once, fewer than max_batch="
                                f"{max_batch}; load it with sequences={max_batch}")
