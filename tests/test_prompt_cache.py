@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec import SpecdecError, autoregressive_generate, speculative_generate
+from specdec.backends.cache import cache_length
 from specdec.backends.prompts import Held, reusable
 from specdec.engine import generate_many
 from specdec.generate import PREFILL_CHUNK
@@ -101,3 +102,41 @@ def test_the_server_reports_cached_prompt_tokens():
                    for _ in range(2)]
     assert replies[0].choices[0].text == replies[1].choices[0].text
     assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 39]
+
+
+def test_a_drafter_model_keeps_and_reuses_prompts_too():
+    """A drafter model with a prompt cache feeds a prompt in the target's chunks, keeps it, and
+    starts a later prompt from the whole chunks it shares; outputs (greedy, and sampled with a
+    seed, whose drafts hang on the drafter's values) equal a cache-free drafter's."""
+    from specdec import Sampler
+
+    target = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    drafter = qwen_like(torch.bfloat16, exact_rows=True, layers=1, seed=1)
+    prompts = [_ids(300, VOCAB, 5)[:290] + _ids(8, VOCAB, k) for k in (10, 11)]
+
+    def runs():
+        return [speculative_generate(p, target, drafter, gamma=3, max_new_tokens=8, eos_token_ids=[], **options).tokens
+                for p in prompts for options in ({}, {"sampler": Sampler(1.0), "seed": 3})]
+    expect = runs()
+    drafter.use_prompt_cache(2**26)
+    fed = []
+    prefill = drafter.prefill
+    drafter.prefill = lambda prompt, cache: fed.append((cache_length(cache), len(prompt) - 1)) or prefill(prompt, cache)
+    assert runs() == expect
+    # the drafter first sees the prompt and the target's first token (298 ids + 1 pending): the
+    # first prompt goes in two calls; its sampled run reuses both, the second prompt (290 ids
+    # shared) the first and feeds the rest, and its sampled run reuses its own two
+    assert fed == [(0, 256), (256, 298), (256, 298)]
+    assert drafter.prompt_store.held_tokens > 0
+
+
+def test_loading_with_a_prompt_cache_gives_drafter_models_one(tmp_path):
+    """`models.load(..., prompt_cache=...)`, as `specdec serve` loads both models: a row-exact
+    drafter model gets a store of its own, a drafter without row-exact passes none."""
+    from specdec import load
+    from test_models import _tiny_checkpoint
+
+    folder = _tiny_checkpoint(tmp_path)
+    kept = load(folder, dtype="fp32", role="drafter", exact_rows=True, prompt_cache=True)
+    plain = load(folder, dtype="fp32", role="drafter", exact_rows=False, prompt_cache=True)
+    assert kept.prompt_cache and kept.prompt_store.tokens > 0 and not plain.prompt_cache

@@ -1312,7 +1312,8 @@ def serve(
                                       "serves later prompts that start alike (whole 256-token chunks; outputs stay "
                                       "exact): kept in its KV stream on --dtype gguf, copied on transformers' weights."),
     prompt_cache_memory: str = typer.Option("256MiB", "--prompt-cache-memory", help="On transformers' weights: the "
-                                            "most memory kept prompts take, the least recently used dropped first."),
+                                            "most memory kept prompts take in the target, and again in a drafter model; "
+                                            "the least recently used dropped first."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
@@ -1374,7 +1375,7 @@ def serve(
                                   say=say, sequences=max_batch, prompt_cache=prompt_cache)
         drafter_model = None if no_drafter else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
-            exact_rows=_chain_drafter_rows("off", None), say=say, sequences=max_batch)
+            exact_rows=_chain_drafter_rows("off", None), say=say, sequences=max_batch, prompt_cache=prompt_cache)
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         if online:
             from .adapter import OnlineDistiller

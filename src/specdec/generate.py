@@ -18,6 +18,7 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from .backends import Backend, Segment
+from .backends.prompts import PREFILL_CHUNK
 from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
 from .drafters import Draft, Drafter, ModelDrafter
 from .drafters.base import drive, one_hot
@@ -153,7 +154,6 @@ class GenerationResult:
 
 StepCallback = Callable[[Step], None]
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
-PREFILL_CHUNK = 256  # prompt tokens fed per prefill call (`Decoding.prefill_step`)
 DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
 RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequence's slabs double as it grows
 

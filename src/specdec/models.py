@@ -90,7 +90,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     transformers model holds any number. prompt_cache: keep finished prompts' entries for later
     prompts that start alike: on GGUF weights in free KV streams (`LlamaCppModel`), on
     transformers' as copies of up to PROMPT_CACHE_MEMORY bytes, or as many as an int says
-    (`TransformersModel.use_prompt_cache`; targets with row-exact passes only, else none).
+    (`TransformersModel.use_prompt_cache`: targets and drafter models with row-exact passes, else
+    none; GGUF drafters keep none).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -104,7 +105,9 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         return _load_distilled(str(name_or_path).removeprefix(DISTILLED), dtype, role,
                                lambda base: load(base, dtype, device, role, kernels, exact_rows, say, vocab, vocab_corpus))
     if dtype in GGUF_WEIGHTS:
-        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels, sequences, prompt_cache)
+        # a GGUF drafter keeps no prompts: its KV streams hold only live sequences
+        return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels, sequences,
+                          bool(prompt_cache) and role == "target")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)
@@ -147,7 +150,7 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         model.to(device)
         wrapped = TransformersModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows,
                                 int8=int8)
-        if prompt_cache and role == "target" and wrapped.exact_rows:
+        if prompt_cache and wrapped.exact_rows:
             wrapped.use_prompt_cache(PROMPT_CACHE_MEMORY if prompt_cache is True else int(prompt_cache))
         if role == "drafter":
             part = "vocabulary"

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+PREFILL_CHUNK = 256  # prompt ids fed per call (`Decoding.prefill_step`, a drafter model's `_catch_up`)
+
 
 class Held:
     """The ids a sequence's cache holds, and where each of its prompt-feeding calls (a prefill,

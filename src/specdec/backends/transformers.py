@@ -230,8 +230,13 @@ class TransformersModel:
         cache = slab_cache(self.hf.config)
         cache.activate_past_recording()
         if self.prompt_store is not None:
-            self.prompt_store.restore(cache, prompt or [], chunk or 0)
+            self.reuse_prompt(cache, prompt or [], chunk or 0)
         return cache
+
+    def reuse_prompt(self, cache, prompt: Sequence[int], chunk: int) -> int:
+        """Give the empty `cache` the kept entries `prompt` can reuse when it is fed in calls of
+        `chunk` ids (with a prompt cache; prompts.py) -> how many positions it now holds."""
+        return self.prompt_store.restore(cache, prompt, chunk) if self.prompt_store is not None else 0
 
     @property
     def prompt_cache(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, compact_cache, crop_cache
+from ..backends.prompts import PREFILL_CHUNK
 from ..samplers import Sampler, greedy_tokens, sample
 from ..text import check_pair
 from .base import Draft, KeepGoing, Proposal, drive
@@ -93,8 +94,21 @@ class ModelDrafter:
         is asked for (a sequence the engine never lets draft never pays it)."""
         if getattr(self.model, "exact_rows", False) and len(context) - cache_length(self.cache) > 2:
             began, behind = time.perf_counter(), self.lag(context)
-            self.model.prefill(self._inputs(context), self.cache)
+            if cache_length(self.cache) == 0 and getattr(self.model, "prompt_store", None) is not None:
+                self._feed_prompt(self._inputs(context))
+            else:
+                self.model.prefill(self._inputs(context), self.cache)
             self.caught_up = [self.caught_up[0] + behind, self.caught_up[1] + time.perf_counter() - began]
+
+    def _feed_prompt(self, prompt: list[int]) -> None:
+        """With the model's prompt cache: the kept entries this prompt can reuse, the rest fed in
+        calls of PREFILL_CHUNK ids from its start, as a target's prompt is, then kept for later
+        prompts (backends/prompts.py). The entries are those calls' bits either way."""
+        fed = self.model.reuse_prompt(self.cache, prompt, PREFILL_CHUNK)
+        while fed < len(prompt) - 1:
+            fed = min(fed + PREFILL_CHUNK, len(prompt) - 1)
+            self.model.prefill(prompt[:fed + 1], self.cache)
+        self.model.keep_prompt(self.cache)
 
     def rollback(self, length: int) -> None:
         crop_cache(self.cache, length)
