@@ -117,7 +117,7 @@ def test_sampled_speculative_follows_the_same_p_as_ar_in_bf16():
     """Under sampling a bf16 target's p must be the same function of the context in both loops:
     with one-hot q (a drafter that proposes the target's own greedy tokens) and a shared seed the
     first step's distribution is read off directly — here checked through the logits instead."""
-    model = qwen_like(torch.bfloat16, seed=3)
+    model = qwen_like(torch.bfloat16, exact_rows=True, seed=3)
     prompt, continuation = _ids(20, 4096, 5), _ids(6, 4096, 6)
     assert row_gap(model, prompt, continuation) == 0.0
     probs = Sampler(0.7).probs(model.forward(prompt, None, len(prompt)))
@@ -161,9 +161,31 @@ def test_refined_bf16_logits_pick_the_fp32_argmax():
 
 
 @cpu_only
-def test_exact_rows_default_on_for_bf16_cpu_targets_only():
+def test_exact_rows_default_on_for_bf16_cpu_targets_only(monkeypatch):
+    import specdec.backends.transformers
+
+    monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: True)
     assert qwen_like(torch.bfloat16, vocab=256).exact_rows
     assert not qwen_like(torch.float32, vocab=256).exact_rows  # 1-token passes would pay for it
+    # emulated bf16 (AVX512 without BF16) rounds rows of 4-row GEMMs otherwise: not by default
+    monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: False)
+    assert not qwen_like(torch.bfloat16, vocab=256).exact_rows
+
+
+def test_native_bf16_is_read_from_the_cpu_flags_on_x86(monkeypatch):
+    """oneDNN's own probe says yes on AVX512 CPUs without BF16, where it emulates bf16: the flags
+    decide there."""
+    import platform
+
+    import specdec.kernels as kernels
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for flags, native in (({"avx2", "avx512f", "avx512_vnni"}, False), ({"avx512f", "avx512_bf16"}, True),
+                          ({"amx_tile", "amx_bf16"}, True)):
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
+        kernels.cpu_has_native_bf16.cache_clear()
+        assert kernels.cpu_has_native_bf16() == native, flags
+    kernels.cpu_has_native_bf16.cache_clear()
 
 
 def test_greedy_identity_on_tiny_models_with_every_dtype():

@@ -1,4 +1,5 @@
-"""Faster CPU linear layers for scoring several tokens at once.
+"""Linear layers for scoring several tokens at once: faster ones on the CPU, and row-exact ones
+(every row as a one-token pass computes it) on the CPU and CUDA.
 
 On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a handful of rows
 costs about as much per row as a matrix-vector product: in fp32, scoring 6 tokens took 3.0x the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 
 import torch
 from torch import nn
@@ -30,17 +32,36 @@ def has_onednn() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 natively (AMX or AVX512-BF16), where bf16 beats fp32.
 
-    Without it (e.g. AVX2-only CPUs) bf16 matmuls are emulated: a 1-token forward is still
-    cheaper than fp32 (half the weight traffic), but the cost grows linearly with the number of
-    tokens scored at once, which removes the point of speculative decoding. See docs/kernels.md.
+    Without it (AVX2-only CPUs, and AVX512 ones without its BF16 extension) bf16 matmuls are
+    emulated: a 1-token forward costs about what fp32's does, but the cost grows with the tokens
+    scored at once, which removes the point of speculative decoding, and a prompt costs several
+    times fp32's. See docs/kernels.md. On x86 Linux the CPU's flags decide: oneDNN's own probe
+    says yes for AVX512 without BF16, where it emulates bf16 (and rounds rows of 4-row calls
+    otherwise than of 1-2-row ones, docs/kernels.md). Elsewhere, oneDNN's probe.
     """
+    flags = _cpu_flags()
+    if flags is not None and platform.machine().lower() in ("x86_64", "amd64"):
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a private probe: absent in some builds
         return False
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def cpu_has_amx() -> bool:
@@ -48,11 +69,8 @@ def cpu_has_amx() -> bool:
     same for 1 and 16 rows, so a drafter's int8 short path pays only up to 2 rows; on a CPU with
     native bf16 but no AMX (AVX512-BF16) it paid up to 8 (`int8_short_rows`). Elsewhere, or where
     the flags cannot be read, False."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and " amx_tile" in line for line in info)
-    except OSError:
-        return False
+    flags = _cpu_flags()
+    return flags is not None and "amx_tile" in flags
 
 
 def int8_short_rows() -> int:

@@ -102,7 +102,7 @@ class TransformersModel:
             # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
             # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/kernels.md).
             exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
-                hf_model.config._attn_implementation in ("sdpa", "eager")
+                cpu_has_native_bf16() and hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
             install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
         if exact_rows and self.kernels == "stock":
