@@ -8,6 +8,8 @@ from typer.testing import CliRunner
 from specdec import SpecdecError, registry
 from specdec.cli import app
 
+from conftest import bf16_rows
+
 runner = CliRunner()
 
 
@@ -91,7 +93,7 @@ def test_generate_with_other_drafters_and_schedules_equals_ar(need_smollm2, extr
     assert sd["schedule"] and sd["steps"]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=bf16_rows)])
 def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
     """Both target dtypes `auto` may pick (fp32 on AVX2-only CPUs, bf16 on native-bf16 CPUs and CUDA).
     Our methods must be token-identical to our AR; transformers' peers compute their logits their

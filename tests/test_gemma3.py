@@ -11,6 +11,8 @@ import torch
 
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, registry, speculative_generate
 
+from conftest import bf16_rows
+
 NAME = "gemma3-270m"
 DRAFTER_LAYERS = 15  # of 18; fewer layers are rejected almost always (first 6: 1 of 102 accepted)
 
@@ -77,6 +79,7 @@ def test_gemma3_sampled_speculative_generation_gives_valid_tokens(gemma3):
     assert isinstance(target.decode(out.tokens), str)
 
 
+@bf16_rows
 def test_gemma3_bf16_greedy_speculative_is_identical():
     """bf16 on a CPU without native bf16 costs ~1 s a token (AMD EPYC, AVX2): a short run."""
     _installed_or_skip()

@@ -52,6 +52,18 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def bf16_rows_exact() -> bool:
+    """Whether this CPU's bf16 GEMMs compute a row the same in calls of 2..ROW_CHUNK rows, which
+    row-exact bf16 passes rely on. Measured yes with native bf16 (AVX512-BF16 EPYC, AMX Xeon) and
+    with AVX2's emulation (EPYC-AVX2); no with AVX512's emulation (a Xeon with AVX512-VNNI, no
+    BF16: rows of 4- and 6-token passes of the 1.5B target differed, 2026-11-26). Unmeasured
+    elsewhere: assumed yes."""
+    flags = _cpu_flags()
+    if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return cpu_has_native_bf16() or "avx512f" not in flags
+
+
 def _cpu_flags() -> set[str] | None:
     """The CPU's feature flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
     try:

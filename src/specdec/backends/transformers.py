@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..heads import check_output_transform, max_row_norm, output_transform
-from ..kernels import (Int8Linear, PackedLinear, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
+from ..kernels import (Int8Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
                        fix_norm_rows, int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable,
                        row_stable_linear)
 from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
@@ -102,7 +102,7 @@ class TransformersModel:
             # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
             # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/kernels.md).
             exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
-                cpu_has_native_bf16() and hf_model.config._attn_implementation in ("sdpa", "eager")
+                bf16_rows_exact() and hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
             install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
         if exact_rows and self.kernels == "stock":
