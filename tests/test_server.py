@@ -488,7 +488,7 @@ def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
     from specdec.models import load
     from specdec import registry
 
-    target = load(registry.DEFAULT_TARGET, device="cpu", exact_rows=True)
+    target = default_pair[0]  # row-exact, as the server loads it
     drafter = load(registry.DEFAULT_DRAFTER, device="cpu", role="drafter", exact_rows=True)
     questions = ["Write a Python function that reverses a string.", "What is a binary search?",
                  "Sort a list of tuples by the second item.", "Explain recursion in one sentence.",
