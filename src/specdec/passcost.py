@@ -97,10 +97,13 @@ def batch_pass_seconds(model, batch: int, rows: int, context: int = CONTEXT, rep
         caches.append(model.new_cache())
         model.forward(model.prefill(ids[:context + 1], caches[-1]), caches[-1], 1)
     segments = [Segment(ids[context + 1:], cache, rows) for ids, cache in zip(sequences, caches)]
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
     times = []
     for _ in range(repeats + 1):
+        sync()
         start = time.perf_counter()
         model.forward_batch(segments)
+        sync()
         times.append(time.perf_counter() - start)
         for cache in caches:
             crop_cache(cache, context + 1)

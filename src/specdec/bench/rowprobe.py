@@ -9,7 +9,7 @@ the machine: a GPU lent without our models can run it), bf16, and reports:
 - batch gap: the same between sequences scored together (`forward_batch`) and alone;
 - the power checks on CUDA: the row-exact target with its GEMMs and norms on the pass's own rows
   (no `kernels.CUDA_ROWS` padding), then with only its norms unfixed;
-- pass time (ms, median of 15 after 3 warm-ups) by width, plain and row-exact, and of batched
+- pass time (ms, `passcost`'s median of 15) by width, plain and row-exact, and of batched
   passes of n sequences x w rows.
 
 docs/kernels.md, "Row-exact passes on CUDA", holds its numbers.
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 
 from ..backends import Segment
-from ..backends.cache import cache_length, crop_cache
 from ..backends.transformers import TransformersModel
 from .. import kernels
+from ..passcost import batch_pass_seconds, pass_seconds
 
 
 def _model(config_dir: str, device: str, layers: int | None) -> tuple[TransformersModel, TransformersModel]:
@@ -52,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the config's")
     args = parser.parse_args(argv)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     plain, exact = _model(args.config, args.device, args.layers)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}, "
           f"{args.config} with random weights, bf16", flush=True)
@@ -103,42 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         for norm in norms:
             norm.__class__ = kernels._row_stable_norm(type(norm))
 
-    def timed(function) -> float:
-        for _ in range(3):
-            function()
-        sync()
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            function()
-            sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
-
-    for model in (plain, exact):
-        cache = model.new_cache()
-        model.forward(model.prefill(prompt, cache), cache, 1)
-        base = cache_length(cache)
-
-        def one_pass(width: int) -> None:
-            model.forward(more[:width], cache, width)
-            crop_cache(cache, base)
+    for model in (plain, exact):  # `passcost`'s timings: medians of 15 after a warm-up, after 200 cached ids
         print(f"pass ms, {model.name}, by width: " +
-              ", ".join(f"{w}: {timed(lambda: one_pass(w)):.1f}" for w in (1, 2, 4, 6, 8, 16, 32)), flush=True)
-    caches = []
-    for i in range(16):
-        cache = exact.new_cache()
-        exact.forward(exact.prefill(prompt[i:], cache), cache, 1)
-        caches.append((cache, cache_length(cache)))
-
-    def batch_pass(sequences: int, width: int) -> None:
-        exact.forward_batch([Segment(more[:width], cache, width) for cache, _ in caches[:sequences]])
-        for cache, base in caches[:sequences]:
-            crop_cache(cache, base)
+              ", ".join(f"{w}: {1e3 * pass_seconds(model, w, context=200, repeats=15):.1f}"
+                        for w in (1, 2, 4, 6, 8, 16, 32)), flush=True)
     print("batched pass ms, row-exact, sequences x width: " +
-          ", ".join(f"{n}x{w}: {timed(lambda: batch_pass(n, w)):.1f}" for n, w in ((1, 1), (4, 1), (8, 1), (16, 1),
-                                                                                    (8, 6), (16, 6))), flush=True)
-
+          ", ".join(f"{n}x{w}: {1e3 * batch_pass_seconds(exact, n, w, context=200, repeats=15):.1f}"
+                    for n, w in ((1, 1), (4, 1), (8, 1), (16, 1), (8, 6), (16, 6))), flush=True)
 
 if __name__ == "__main__":
     main()
