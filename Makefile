@@ -19,18 +19,30 @@ $(STAMP): pyproject.toml
 models: $(STAMP)
 	$(BIN)/specdec install
 
-# llama.cpp, built from source for this CPU (~5 min on 2 cores): native instructions except AMX,
-# whose ggml path is known to crash on some CPUs and does not run Q4_K anyway
+# llama-cpp-python with llama.cpp built from source for this CPU (~6 min on 2 cores): native
+# instructions except AMX, whose ggml path is known to crash on some CPUs and does not run Q4_K
+# anyway; with one patch (patches/, docs/kernels.md): ggml's Q4_K GEMV rounds as its GEMM does and
+# its tiled matmul starts at 32 rows, so a target's rows are exact at up to 31 a call instead of 3.
+# The marker file beside the module tells the backend (backends/llamacpp.py, rows_per_call).
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
 	-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
-peers: setup
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/pip install -q --disable-pip-version-check --no-binary llama-cpp-python -e ".[dev,peers]"
-
-# llama.cpp's own server (`llama-server`), from the very llama.cpp source `peers` builds (the
-# llama-cpp-python sdist's vendor/llama.cpp), same flags, no web UI; the peer of `specdec serve`
-# on the GGUF files (docs/benchmarks/server/README.md). ~10 min on 2 cores.
 LLAMA_PY_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+LLAMA_PY_SRC := .peers/py/llama_cpp_python-$(LLAMA_PY_VERSION)
+LLAMA_PATCH := patches/llama.cpp-row-exact.patch
+peers: setup
+	rm -rf .peers/py && mkdir -p .peers/py
+	$(BIN)/pip download -q --disable-pip-version-check --no-binary :all: --no-deps \
+		llama-cpp-python==$(LLAMA_PY_VERSION) -d .peers/py
+	tar xzf .peers/py/llama_cpp_python-$(LLAMA_PY_VERSION).tar.gz -C .peers/py
+	patch -s -p1 -d $(LLAMA_PY_SRC)/vendor/llama.cpp < $(LLAMA_PATCH)
+	echo "$(LLAMA_PATCH)" > $(LLAMA_PY_SRC)/llama_cpp/SPECDEC_ROW_EXACT
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q --disable-pip-version-check --force-reinstall --no-deps ./$(LLAMA_PY_SRC)
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev,peers]"
+
+# llama.cpp's own server (`llama-server`), stock (unpatched), from the same llama.cpp source
+# (the llama-cpp-python sdist's vendor/llama.cpp), same flags, no web UI; the peer of
+# `specdec serve` on the GGUF files (docs/benchmarks/server/README.md). ~10 min on 2 cores.
 LLAMA_SERVER := .peers/build/bin/llama-server
 llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER): $(STAMP) pyproject.toml

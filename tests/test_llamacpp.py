@@ -35,6 +35,28 @@ def test_without_llama_cpp_python_the_error_says_how_to_install_it(monkeypatch):
     assert not available()
 
 
+def test_31_rows_a_call_only_on_the_patched_x86_build(monkeypatch, tmp_path):
+    """A target feeds 31 scored rows a call only where `make peers`' marker sits beside the
+    llama_cpp module (its Q4_K GEMV then rounds as the GEMM does, its tiled matmul starts at 32
+    rows) and the CPU is x86, whose kernel the patch changes; 3 elsewhere (below the stock GEMM's
+    4 rows)."""
+    import platform
+    import types
+
+    from specdec.backends import llamacpp
+
+    fake = types.ModuleType("llama_cpp")
+    fake.__file__ = str(tmp_path / "__init__.py")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(llamacpp, "_silence", lambda module: None)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert llamacpp.rows_per_call() == llamacpp.ROWS_PER_CALL == 3
+    (tmp_path / llamacpp.PATCH_MARKER).write_text("patches/llama.cpp-row-exact.patch\n")
+    assert llamacpp.rows_per_call() == llamacpp.PATCHED_ROWS_PER_CALL == 31
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert llamacpp.rows_per_call() == 3
+
+
 @pytest.fixture(scope="module")
 def gguf_pair():
     _installed_or_skip(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFTER)
@@ -77,16 +99,22 @@ def _rows(model, prefix: list[int], tokens: list[int]) -> tuple[torch.Tensor, to
 
 @NEEDS_LLAMA
 def test_target_rows_are_exact_and_the_check_can_fail(gguf_pair):
-    """Each row of a 12-token pass is bit for bit a 1-token pass (the target feeds scored tokens 3
-    per call), after a prefix of over 512 tokens (where flash attention would split a 1-row
-    query's keys across threads with an f16 cache); the same model with exact_rows off takes
-    ggml's repacked GEMM from 4 rows and its tiled K-quant matmul from 8, and differs: what makes
-    the first assertion mean something."""
+    """Each row of a 40-token pass is bit for bit a 1-token pass, after a prefix of over 512
+    tokens (where flash attention would split a 1-row query's keys across threads with an f16
+    cache). The target feeds scored tokens 3 a call on a stock build; 31 on the patched one, so
+    31 + 9: rows of ggml's 4-row GEMM and of its GEMV side by side, in both calls. The same model
+    with exact_rows off feeds all 40 in one call, where ggml's tiled K-quant matmul takes over
+    (from 32 rows patched, 8 stock), and differs: what makes the first assertion mean something."""
+    from specdec.backends.llamacpp import row_exact_build
+
     target, _ = gguf_pair
-    prefix = target.encode("import numpy as np\n\n" + "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n"
-                                                               for i in range(40)) + "def softmax(x):\n")
+    assert target.rows_per_call == (31 if row_exact_build() else 3)
+    prefix = _long_prefix(target)
     assert len(prefix) > 600
-    tokens = [262, 470, 284, 2595, 13, 4580, 2075, 481, 2595, 6678, 2075, 1171]
+    tokens = target.encode("    e = np.exp(x - np.max(x, axis=-1, keepdims=True))\n"
+                           "    return e / e.sum(axis=-1, keepdims=True)\n\n\ndef relu(x):\n    return np.maximum(x, 0)\n")
+    assert len(tokens) >= 40
+    tokens = tokens[:40]
     together, alone = _rows(target, prefix, tokens)
     assert torch.equal(together, alone)
     target.exact_rows = False
@@ -144,17 +172,23 @@ def _long_prefix(model) -> list[int]:
 
 @NEEDS_LLAMA
 def test_batched_rows_are_each_sequences_own_and_the_check_can_fail(gguf_pair, gguf_batched):
-    """Four sequences (one past 600 cached tokens) feed 1, 3, 2 and 4 tokens in one `forward_batch`,
-    3 rows a call across sequences: every row is bit for bit a 1-token pass of its sequence on a
-    one-sequence model. With exact_rows off the same batch goes in one 10-row call (ggml's
-    repacked GEMM) and differs: what makes the first assertion mean something. Sequences moved
-    into freed streams (`_compact`) stay exact too."""
+    """Four sequences (one past 600 cached tokens) feed 8, 12, 9 and 14 tokens in one
+    `forward_batch`, 3 rows a call across sequences (31 on the patched build): every row is bit for
+    bit a 1-token pass of its sequence on a one-sequence model. With exact_rows off the same batch
+    goes in one 43-row call, which llama.cpp computes 8 tokens of each sequence at a time: 32 rows,
+    where ggml's tiled K-quant matmul takes over (from 32 rows patched, 8 stock), and differs:
+    what makes the first assertion mean something. Sequences moved into freed streams
+    (`_compact`) stay exact too."""
     from specdec.backends import Segment
 
     single, _ = gguf_pair
     target, _ = gguf_batched
     prefixes = [_long_prefix(target)] + [target.encode(t) for t in ("def add(a, b):", "class Stack:\n", "x = [1, 2]")]
-    tokens = [[262], [470, 284, 2595], [13, 4580], [2075, 481, 2595, 6678]]
+    words = target.encode("    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
+                          "    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n"
+                          "        return self.items.pop()\n")
+    tokens = [words[:8], words[8:20], words[20:29], words[29:43]]
+    assert sum(map(len, tokens)) == 43
     alone = []
     for prefix, new in zip(prefixes, tokens):
         cache = single.new_cache()

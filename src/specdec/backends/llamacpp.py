@@ -10,27 +10,29 @@ Exactness. Greedy speculative output is token-identical to greedy AR only if a k
 gives each row the logits a 1-token pass would. ggml's CPU kernels mostly compute each output
 row alone, whatever the batch, with these exceptions (ggml-cpu in llama-cpp-python 0.3.36):
 - repacked weights (the "extra buffer types" that interleave Q4_K / Q4_0 / IQ4_NL rows for
-  AVX2 / AVX512) run a GEMM on 4 rows at a time and a GEMV on the rest, which round differently;
+  AVX2 / AVX512) run a GEMM on 4 rows at a time and a GEMV on the rest, which round differently:
+  the GEMV scales a super block's integer sum once, the GEMM each pair of its sub blocks;
 - the tiled K-quant matmul takes over from 8 rows;
 - attention without flash attention; with it, for an f16/f32 KV cache, the keys of a 1-row
   query are split across threads from 512 cached keys on, and queries tiled from 64 rows.
-A target therefore scores at most `ROWS_PER_CALL` = 3 tokens per llama_decode call (a longer
-verification pass is fed in pieces) under flash attention with a bf16 KV cache: every scored row
-then comes from the same kernels as a 1-token pass, bit for bit (tests/test_llamacpp.py checks
-this on real weights after a 600-token prefix).
-On a 2-core CPU these kernels cost nearly linearly in rows anyway (docs/kernels.md), so the
-pieces cost little. The prompt (no logits) is fed in the same calls by every loop (`prefill`,
+A target therefore scores at most `rows_per_call()` tokens per llama_decode call (a longer
+verification pass is fed in pieces) under flash attention with a bf16 KV cache: 3 on a stock
+build (below the GEMM), 31 on the build `make peers` makes. Its patch
+(patches/llama.cpp-row-exact.patch) makes the x86 Q4_K GEMV accumulate as the GEMM does, so GEMM
+and GEMV rows agree bit for bit, and moves the tiled matmul's start from 8 rows to 32 (prompts
+still take it). Every scored row then is what a 1-token pass gives, bit for bit
+(tests/test_llamacpp.py checks this on real weights after a 600-token prefix), and a 4-row pass
+costs about 2 one-row passes instead of 3.3 (docs/kernels.md). The prompt (no logits) is fed
+in the same calls by every loop (`prefill`,
 in `Decoding.prefill_step`'s chunks), and a drafter's rounding only steers acceptance: drafters
 take any batch. With `prompt_cache`, a later prompt reuses an earlier one's entries only where
 they came from the very calls it would be fed in (`reusable`).
 
 Several sequences (`sequences` > 1, the engine's and the server's batches): each sequence gets
 a KV stream of its own (llama.cpp's non-unified cache), and `forward_batch` feeds the rows of
-all of them, still at most ROWS_PER_CALL a call; every row then runs the same kernels as in a
-1-token pass of its sequence alone (attention reads its own stream; keys past its length are
-masked and skipped), so each sequence's logits are bit for bit its own (tests/test_llamacpp.py).
-Three rows a call cost ~2.3x one row on 2 cores, so a batch decodes ~1.3x faster than its
-sequences one after another (docs/server.md).
+all of them, still at most `rows_per_call()` a call; every row then is what a 1-token pass of
+its sequence alone gives (attention reads its own stream; keys past its length are masked and
+skipped), so each sequence's logits are bit for bit its own (tests/test_llamacpp.py).
 
 Limits: chains only (no tree masks), CPU only in this build, optional dependency
 (`pip install -e .[peers]`). With one sequence, a new cache clears the old one.
@@ -59,7 +61,9 @@ MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~
 SEQUENCE_CONTEXT = 4096  # with several sequences, the least context each gets by default
 BATCH = 512  # tokens per llama_decode call (longer prompts are fed in pieces)
 GGML_TYPE_BF16 = 30  # ggml's type id (ggml.h)
-ROWS_PER_CALL = 3  # a target's scored tokens per call: below the repacked GEMM's 4 (module doc)
+ROWS_PER_CALL = 3  # a target's scored tokens per call on a stock build: below the repacked GEMM's 4
+PATCHED_ROWS_PER_CALL = 31  # patched: below the tiled K-quant matmul's 32 (module doc)
+PATCH_MARKER = "SPECDEC_ROW_EXACT"  # the file `make peers` puts beside the patched llama_cpp module
 
 
 def available() -> bool:
@@ -79,6 +83,22 @@ def import_llama_cpp():
         raise SpecdecError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
     _silence(llama_cpp)
     return llama_cpp
+
+
+def row_exact_build() -> bool:
+    """Whether llama-cpp-python was built by `make peers`, with the patch that makes ggml's x86
+    Q4_K GEMV round as its GEMM does and starts the tiled matmul at 32 rows (its marker file sits
+    beside the module; x86 only: the patch touches the AVX2 GEMV, the one x86 CPUs run)."""
+    import platform
+
+    llama_cpp = import_llama_cpp()
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and Path(llama_cpp.__file__).with_name(PATCH_MARKER).is_file())
+
+
+def rows_per_call() -> int:
+    """A row-exact target's scored tokens per llama_decode call on this build (module doc)."""
+    return PATCHED_ROWS_PER_CALL if row_exact_build() else ROWS_PER_CALL
 
 
 _LOG_SINK = None  # the ctypes callback must outlive every call into the library
@@ -148,7 +168,7 @@ class LlamaCppModel:
     eos_token_ids: ids that end a generation (default: the GGUF's EOS and EOT).
     role: "target" or "drafter". A target's scored rows are row-exact (`exact_rows`, module doc).
     threads: CPU threads for llama.cpp (default: the cores this process may use).
-    exact_rows: score at most ROWS_PER_CALL tokens per call (default: for a target).
+    exact_rows: score at most `rows_per_call()` tokens per call (default: for a target).
     sequences: how many sequences (caches) may be live at once, each in its own KV stream of
     `context` cells (default: MAX_CONTEXT for one, else max(SEQUENCE_CONTEXT, MAX_CONTEXT //
     sequences), at most what the model was trained on).
@@ -182,6 +202,7 @@ class LlamaCppModel:
         self.role = role
         self.tokenizer = tokenizer
         self.exact_rows = role == "target" if exact_rows is None else bool(exact_rows)
+        self.rows_per_call = rows_per_call()  # scored rows a call while exact_rows is on
         self.threads = threads or default_threads()
         model_params = lib.llama_model_default_params()
         self.repack = bool(repack)
@@ -389,14 +410,14 @@ class LlamaCppModel:
         if not ids:
             raise SpecdecError("forward needs at least one new token")
         num_logits = max(1, min(int(num_logits), len(ids)))
-        piece = ROWS_PER_CALL if self.exact_rows else BATCH
+        piece = self.rows_per_call if self.exact_rows else BATCH
         if cache is None:
             return self._decode(ids, self.new_cache(), num_logits, piece)  # its sequence is freed on return
         return self._decode(ids, cache, num_logits, piece)
 
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Several sequences' new tokens, their rows fed together (`BatchedBackend`): at most
-        ROWS_PER_CALL rows a llama_decode call with `exact_rows`, each sequence attending to its own
+        `rows_per_call` rows a llama_decode call with `exact_rows`, each sequence attending to its own
         KV stream, so each sequence's logits are bit for bit what `forward` returns for it alone
         (module doc). Each cache grows by its segment's tokens.
 
@@ -419,7 +440,7 @@ class LlamaCppModel:
             raise SpecdecError("each segment of a batched pass needs a cache of its own")
         if len(feeds) > 1:  # `_feed` checks that each cache is live
             self._compact()
-        return self._feed(feeds, ROWS_PER_CALL if self.exact_rows else BATCH)
+        return self._feed(feeds, self.rows_per_call if self.exact_rows else BATCH)
 
     @property
     def rows_invariant(self) -> bool:
