@@ -175,9 +175,10 @@ def test_batched_rows_are_each_sequences_own_and_the_check_can_fail(gguf_pair, g
     """Four sequences (one past 600 cached tokens) feed 8, 12, 9 and 14 tokens in one
     `forward_batch`, 3 rows a call across sequences (31 on the patched build): every row is bit for
     bit a 1-token pass of its sequence on a one-sequence model. With exact_rows off the same batch
-    goes in one 43-row call, which llama.cpp computes 8 tokens of each sequence at a time: 32 rows,
-    where ggml's tiled K-quant matmul takes over (from 32 rows patched, 8 stock), and differs:
-    what makes the first assertion mean something. Sequences moved into freed streams
+    goes in one 43-row call. llama.cpp splits a call into pieces with as many tokens from each
+    sequence (the first here: 8 each, 32 rows; 1, 12, 9 and 14 tokens gave no piece that wide and
+    no difference), where ggml's tiled K-quant matmul takes over (from 32 rows patched, 8 stock),
+    and differs: what makes the first assertion mean something. Sequences moved into freed streams
     (`_compact`) stay exact too."""
     from specdec.backends import Segment
 
