@@ -116,10 +116,8 @@ def _key(model) -> str:
     if model.kernels.startswith("llama.cpp"):
         import llama_cpp
 
-        from .backends.llamacpp import rows_per_call
-
         # a patched build feeds more rows a call: other costs for the same version
-        versions.append(f"{llama_cpp.__version__} rows/call={rows_per_call()}")
+        versions.append(f"{llama_cpp.__version__} rows/call={model.rows_per_call}")
     return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
                      f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), machine(model),
                      f"threads={torch.get_num_threads()}", *versions])

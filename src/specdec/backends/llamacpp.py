@@ -44,6 +44,7 @@ import ctypes
 import gc
 import itertools
 import os
+import platform
 import weakref
 from pathlib import Path
 from typing import Sequence
@@ -89,8 +90,6 @@ def row_exact_build() -> bool:
     """Whether llama-cpp-python was built by `make peers`, with the patch that makes ggml's x86
     Q4_K GEMV round as its GEMM does and starts the tiled matmul at 32 rows (its marker file sits
     beside the module; x86 only: the patch touches the AVX2 GEMV, the one x86 CPUs run)."""
-    import platform
-
     llama_cpp = import_llama_cpp()
     return (platform.machine().lower() in ("x86_64", "amd64")
             and Path(llama_cpp.__file__).with_name(PATCH_MARKER).is_file())

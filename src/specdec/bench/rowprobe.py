@@ -108,5 +108,6 @@ def main(argv: list[str] | None = None) -> None:
           ", ".join(f"{n}x{w}: {1e3 * batch_pass_seconds(exact, n, w, context=200, repeats=15):.1f}"
                     for n, w in ((1, 1), (4, 1), (8, 1), (16, 1), (8, 6), (16, 6))), flush=True)
 
+
 if __name__ == "__main__":
     main()
