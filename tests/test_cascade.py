@@ -41,7 +41,7 @@ def test_sampled_cascade_keeps_the_joint_law_and_a_biased_guess_rule_breaks_it(m
         for seed in seeds:
             drafter = CascadeDrafter(_near_model_drafter(target), "suffix")
             out = speculative_generate(DEEP_PROMPT, target, drafter, gamma=4, sampler=sampler, max_new_tokens=length,
-                                       seed=seed, first_target=False)
+                                       seed=seed, seed_rule="stream", first_target=False)
             samples.append(tuple(out.tokens))
             kept, guessed = kept + drafter.kept, guessed + drafter.guessed
         return samples, kept, guessed

@@ -360,7 +360,7 @@ def _sampled(kind: str, runs: int = RUNS):
     samples, off_chain, deep, none = [], 0, 0, 0
     for seed in range(runs):
         out = speculative_generate(PROMPT, target, make(model), gamma=4, sampler=sampler, max_new_tokens=LENGTH,
-                                   seed=seed, first_target=False, eos_token_ids=[])
+                                   seed=seed, seed_rule="stream", first_target=False, eos_token_ids=[])
         samples.append(tuple(out.tokens))
         for step in out.steps:
             off_chain += _off_chain(step)

@@ -157,6 +157,7 @@ def test_batched_sampling_follows_the_target_law():
     sampler = Sampler(1.0)
     joint = exact_joint(Reference(), prompt, length, sampler)
     results = generate_many([prompt], target, drafter, max_batch=16, samples=runs, seeds=list(range(runs)),
+                            seed_rule="stream",
                             sampler=sampler, max_new_tokens=length, eos_token_ids=[], gamma=3)
     samples = [tuple(r.tokens) for r in results]
     assert sum(s.num_accepted < len(s.draft_tokens) for r in results for s in r.steps) > runs  # rejections happened
@@ -186,9 +187,10 @@ def test_sequences_sharing_a_drafter_model_draft_in_one_pass_per_round(pair):
 
 
 def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output(pair):
-    """An int8 drafter rounds a row otherwise in a wide pass than alone: greedy and unseeded
-    sequences still share its passes (their outputs do not hang on draft values), a seeded sampled
-    one drafts alone, and equals the same seed's run alone."""
+    """An int8 drafter rounds a row otherwise in a wide pass than alone: greedy and seeded
+    (coupled) sequences still share its passes (their outputs do not hang on draft values) and
+    equal the seeded AR output; one seeded under the "stream" rule drafts alone, and equals the
+    same seed's run alone."""
     from specdec import TransformersModel
     from specdec.kernels import int8_supported
 
@@ -205,12 +207,19 @@ def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output
     greedy = generate_many(prompts, target, int8, max_batch=5, max_new_tokens=10, eos_token_ids=[], gamma=3)
     assert [r.tokens for r in greedy] == reference and max(widths) == 5
     widths.clear()
+    coupled = generate_many(prompts, target, int8, max_batch=5, seeds=seeds, sampler=sampler, max_new_tokens=10,
+                            eos_token_ids=[], gamma=3)
+    assert max(widths) == 5
+    for prompt, seed, result in zip(prompts, seeds, coupled):
+        ar = autoregressive_generate(prompt, target, sampler, max_new_tokens=10, eos_token_ids=[], seed=seed)
+        assert result.tokens == ar.tokens
+    widths.clear()
     seeded = generate_many(prompts, target, int8, max_batch=5, seeds=seeds, sampler=sampler, max_new_tokens=10,
-                           eos_token_ids=[], gamma=3)
-    assert not widths  # each seeded sequence drafted alone
+                           eos_token_ids=[], gamma=3, seed_rule="stream")
+    assert not widths  # each stream-seeded sequence drafted alone
     for prompt, seed, result in zip(prompts, seeds, seeded):
         alone = speculative_generate(prompt, target, int8, gamma=3, sampler=sampler, max_new_tokens=10,
-                                     eos_token_ids=[], seed=seed)
+                                     eos_token_ids=[], seed=seed, seed_rule="stream")
         assert result.tokens == alone.tokens
 
 

@@ -171,7 +171,7 @@ def test_greedy_runs_with_lenience_below_one_are_not_labelled_lossy():
 def test_debug_records_p_q_u_per_draft_token(tiny_pair):
     target, drafter = tiny_pair
     sd = speculative_generate([3, 4], target, drafter, gamma=3, sampler=Sampler(1.0), max_new_tokens=12, seed=0,
-                              eos_token_ids=[], debug=True)
+                              eos_token_ids=[], debug=True, seed_rule="stream")
     for step in sd.steps:
         if step.draft_tokens:
             p, q, u = step.info["p"], step.info["q"], step.info["u"]

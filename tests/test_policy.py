@@ -55,7 +55,8 @@ def test_only_sequences_whose_output_cannot_depend_on_draft_lengths_are_steered(
     steer = lambda **kw: Decoding([1, 2, 3], target, drafter, schedule=CostAware(), **kw).steerable  # noqa: E731
     assert isinstance(steer(), CostAware)  # greedy
     assert isinstance(steer(sampler=Sampler(0.8)), CostAware)  # sampled, no seed
-    assert steer(sampler=Sampler(0.8), seed=3) is None  # a seed pins the output only without timings
+    assert isinstance(steer(sampler=Sampler(0.8), seed=3), CostAware)  # coupled: the seeded AR output anyway
+    assert steer(sampler=Sampler(0.8), seed=3, seed_rule="stream") is None  # pinned only without timings
     assert Decoding([1, 2, 3], target, drafter, gamma=3).steerable is None  # a fixed γ is what was asked
     assert Decoding([1, 2, 3], target, None).steerable is None
 

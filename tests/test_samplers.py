@@ -200,18 +200,22 @@ PROMPT = [0, 1, 2]  # no token repeats: prompt lookup finds nothing to copy
 # number of tokens, check that the path really ran).
 PATHS = {
     "autoregressive": (lambda t, d, s, seed: autoregressive_generate(PROMPT, t, s, max_new_tokens=3, seed=seed,
+                                                                     seed_rule="stream",
                                                                      eos_token_ids=[]), 3,
                        lambda out: len(out.steps) == 3),
     "first token of the prompt pass": (
         lambda t, d, s, seed: speculative_generate(PROMPT, t, d, gamma=3, sampler=s, max_new_tokens=1, seed=seed,
+                                                   seed_rule="stream",
                                                    eos_token_ids=[], first_target=True), 1,
         lambda out: len(out.steps) == 1 and out.stats.drafter_forwards == 0),
     "empty draft": (  # lookup on a context without repeats proposes nothing: the target draws alone
         lambda t, d, s, seed: speculative_generate(PROMPT, t, LookupDrafter(), gamma=3, sampler=s, max_new_tokens=2,
-                                                   seed=seed, eos_token_ids=[], first_target=False), 2,
+                                                   seed=seed,
+                                                   seed_rule="stream", eos_token_ids=[], first_target=False), 2,
         lambda out: all(step.draft_tokens == [] for step in out.steps)),
     "verify_draft": (
         lambda t, d, s, seed: speculative_generate(PROMPT, t, d, gamma=3, sampler=s, max_new_tokens=3, seed=seed,
+                                                   seed_rule="stream",
                                                    eos_token_ids=[], first_target=False), 3,
         lambda out: len(out.steps[0].draft_tokens) == 2),
 }

@@ -67,7 +67,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(sampler, gam
     for _ in range(runs):
         seed = int(torch.randint(0, 2**62, (1,), generator=g))
         out = speculative_generate(prompt, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=length,
-                                   seed=seed, first_target=first_target)
+                                   seed=seed, seed_rule="stream", first_target=first_target)
         samples.append(tuple(out.tokens))
     assert chi_square_pvalue(samples, joint) > ALPHA
 
@@ -86,7 +86,7 @@ def test_the_joint_test_catches_a_biased_loop(monkeypatch):
     target, drafter, sampler = TableModel(5, 0), TableModel(5, 1), Sampler(1.0)
     joint = exact_joint(target, [2, 3], 2, sampler)
     samples = [tuple(speculative_generate([2, 3], target, drafter, gamma=2, sampler=sampler, max_new_tokens=2,
-                                          seed=s, first_target=False).tokens) for s in range(6_000)]
+                                          seed=s, seed_rule="stream", first_target=False).tokens) for s in range(6_000)]
     assert chi_square_pvalue(samples, joint) < 1e-6
 
 
@@ -125,7 +125,7 @@ def test_deep_rejections_and_bonus_tokens_keep_the_joint_law(drafter):
     samples, deep_rejections, deep_bonus = [], 0, 0
     for seed in range(2_500):
         out = speculative_generate(DEEP_PROMPT, target, DEEP_DRAFTERS[drafter](target), gamma=4, sampler=sampler,
-                                   max_new_tokens=length, seed=seed, first_target=False)
+                                   max_new_tokens=length, seed=seed, seed_rule="stream", first_target=False)
         samples.append(tuple(out.tokens))
         for step in out.steps:
             deep_rejections += 2 <= step.num_accepted < len(step.draft_tokens)
@@ -172,7 +172,8 @@ def test_the_joint_test_catches_a_drafter_that_reports_another_q():
 
     def pvalue(temperature):
         samples = [tuple(speculative_generate(DEEP_PROMPT, target, _MisreportingDrafter(drafter, temperature), gamma=2,
-                                              sampler=sampler, max_new_tokens=2, seed=s, first_target=False).tokens)
+                                              sampler=sampler, max_new_tokens=2, seed=s,
+                                              seed_rule="stream", first_target=False).tokens)
                    for s in range(1_500)]
         return chi_square_pvalue(samples, joint)
 
@@ -206,7 +207,8 @@ def _real_samples(target: TransformersModel, drafter: ModelDrafter, runs: int) -
     samples, rejections = [], 0
     for seed in range(runs):
         out = speculative_generate(REAL_PROMPT, target, drafter, gamma=REAL_GAMMA, sampler=Sampler(1.0),
-                                   max_new_tokens=REAL_LENGTH, seed=seed, first_target=False, eos_token_ids=[])
+                                   max_new_tokens=REAL_LENGTH, seed=seed,
+                                   seed_rule="stream", first_target=False, eos_token_ids=[])
         samples.append(tuple(out.tokens))
         rejections += sum(step.num_accepted < len(step.draft_tokens) for step in out.steps)
     return samples, rejections

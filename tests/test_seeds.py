@@ -1,4 +1,5 @@
-"""A seed pins the output: same seed, same sampled tokens, under every schedule, whatever the clock says."""
+"""A seed pins the output: same seed, same sampled tokens, under every schedule, whatever the clock
+says; under the coupled rule (the default) they are the seeded AR tokens."""
 
 import itertools
 import random
@@ -23,23 +24,31 @@ def _jittery_clock(seed: int):
     return perf_counter
 
 
-def _run(schedule_name: str, clock_seed: int, monkeypatch, drafter=None) -> list[int]:
+def _run(schedule_name: str, clock_seed: int, monkeypatch, drafter=None, seed_rule="coupled") -> list[int]:
     monkeypatch.setattr(generate.time, "perf_counter", _jittery_clock(clock_seed))
     target = TableModel(vocab=6, seed=0, sharpness=3.0)
     drafter = drafter or TableModel(vocab=6, seed=1, sharpness=3.0)
     schedule = make_schedule(schedule_name, gamma=3, gamma_min=1, gamma_max=8)
     return speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=80, seed=7,
-                                schedule=schedule, eos_token_ids=[]).tokens
+                                schedule=schedule, eos_token_ids=[], seed_rule=seed_rule).tokens
 
 
+def _ar() -> list[int]:
+    return generate.autoregressive_generate([1, 2], TableModel(vocab=6, seed=0, sharpness=3.0), Sampler(1.0),
+                                            max_new_tokens=80, seed=7, eos_token_ids=[]).tokens
+
+
+@pytest.mark.parametrize("seed_rule", ["coupled", "stream"])
 @pytest.mark.parametrize("schedule_name", SCHEDULES)
-def test_a_seed_gives_the_same_tokens_whatever_the_timings(schedule_name, monkeypatch):
-    runs = [_run(schedule_name, clock_seed, monkeypatch) for clock_seed in range(4)]
+def test_a_seed_gives_the_same_tokens_whatever_the_timings(schedule_name, seed_rule, monkeypatch):
+    runs = [_run(schedule_name, clock_seed, monkeypatch, seed_rule=seed_rule) for clock_seed in range(4)]
     assert all(run == runs[0] for run in runs), schedule_name
+    assert (runs[0] == _ar()) == (seed_rule == "coupled")  # the stream rule's draws depend on the drafts
 
 
-def test_a_seed_pins_model_free_drafters_too(monkeypatch):
-    runs = [_run("cost", clock_seed, monkeypatch, NgramDrafter(3)) for clock_seed in range(3)]
+@pytest.mark.parametrize("seed_rule", ["coupled", "stream"])
+def test_a_seed_pins_model_free_drafters_too(seed_rule, monkeypatch):
+    runs = [_run("cost", clock_seed, monkeypatch, NgramDrafter(3), seed_rule) for clock_seed in range(3)]
     assert all(run == runs[0] for run in runs)
 
 
@@ -67,13 +76,17 @@ def test_greedy_runs_under_a_seed_still_measure_costs(monkeypatch):
         speculative_generate([1, 2], target, drafter, max_new_tokens=60, seed=seed, schedule=schedule,
                              eos_token_ids=[])
         assert (schedule.measured is not None) is expect_measured
+    coupled = make_schedule("cost", gamma_max=8)
+    speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=60, seed=7,
+                         schedule=coupled, eos_token_ids=[])
+    assert coupled.measured is not None  # a coupled seed: the output does not hang on draft lengths
     sampled = make_schedule("cost", gamma_max=8)
     speculative_generate([1, 2], target, drafter, sampler=Sampler(1.0), max_new_tokens=60, seed=7,
-                         schedule=sampled, eos_token_ids=[])
-    assert sampled.measured is None  # sampling under a seed: the priors, so the output is pinned
+                         schedule=sampled, eos_token_ids=[], seed_rule="stream")
+    assert sampled.measured is None  # the stream rule under a seed: the priors, so the output is pinned
 
 
-def test_the_bench_samples_speculative_methods_unseeded(monkeypatch):
+def test_the_bench_seeds_every_exact_method(monkeypatch):
     from specdec.bench import methods
 
     seeds = {}
@@ -88,7 +101,10 @@ def test_the_bench_samples_speculative_methods_unseeded(monkeypatch):
     monkeypatch.setattr(methods, "autoregressive_generate", spy("ar"))
     target, drafter = TableModel(vocab=6, seed=0), TableModel(vocab=6, seed=1)
     settings = methods.Settings(max_new_tokens=6)
-    for method in ("ar", "sd-cost"):
+    for method in ("ar", "sd-cost", "sd-typical"):
         for temperature in (0.0, 1.0):
+            seeds.clear()
             methods.run_method(method, [1, 2], target, drafter, settings, Sampler(temperature), seed=3)
-    assert seeds == {("ar", 0.0): 3, ("ar", 1.0): 3, ("sd", 0.0): 3, ("sd", 1.0): None}
+            # typical acceptance is lossy: a seed would pin its drafts, so the bench samples it unseeded
+            expected = None if method == "sd-typical" and temperature > 0 else 3
+            assert seeds == {("ar" if method == "ar" else "sd", temperature): expected}, (method, temperature)

@@ -178,7 +178,7 @@ def test_sampled_tree_generation_matches_the_target_joint_distribution(kind):
     samples, off_main_chain, lookup_alone = [], 0, 0
     for seed in range(runs):
         out = speculative_generate(prompt, target, DRAFTERS[kind](drafter), gamma=3, sampler=sampler,
-                                   max_new_tokens=length, seed=seed, first_target=False)
+                                   max_new_tokens=length, seed=seed, seed_rule="stream", first_target=False)
         samples.append(tuple(out.tokens))
         off_main_chain += sum(1 for s in out.steps if s.path and s.path != list(range(len(s.path))))
         lookup_alone += sum(1 for s, passes in zip(out.steps, out.stats.drafter_passes_per_step)

@@ -265,7 +265,7 @@ def generate(
     from .drafters import (MODEL_FREE_TREES, CascadeDrafter, LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter,
                            check_tree_options, make_tree_drafter)
     from .drafters.cascade import STAGES as CASCADE_STAGES
-    from .generate import autoregressive_generate, speculative_generate
+    from .generate import autoregressive_generate, seed_pins_drafts, speculative_generate
     from .samplers import Sampler
     from .schedules import make_schedule
     from .verify import Typical
@@ -360,17 +360,16 @@ def generate(
                     make_drafter = lambda: CascadeDrafter(drafter_model, cascade)  # noqa: E731
                 else:
                     make_drafter = drafter_model
-                seeded_plan = plan  # a seed under sampling pins the output: no measured costs (as alone)
                 if tree != "off":
-                    plan = seeded_plan = make_schedule("fixed", gamma_max)  # a tree's depth bound
-                elif schedule == "cost":
+                    plan = make_schedule("fixed", gamma_max)  # a tree's depth bound
+                elif schedule == "cost":  # measured costs for seeded rows too: their output is coupled, not drafted
                     plan = _cost_schedule(target_model, drafter_model, gamma_max)
-            plans = None if method == Method.ar else (plan, seeded_plan)
             if online:
                 from .adapter import OnlineDistiller
 
                 OnlineDistiller(drafter_model)
-            _generate_batch(target_model, make_drafter, rows, batch_size, plans, method.value, as_json, chat, kv_budget,
+            _generate_batch(target_model, make_drafter, rows, batch_size, None if method == Method.ar else plan,
+                            method.value, as_json, chat, kv_budget,
                             online=getattr(make_drafter, "online", None))
             return
         if method == Method.sd:
@@ -396,7 +395,8 @@ def generate(
                                      vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
                 if cascade != "off":
                     drafter_used = CascadeDrafter(drafter_used, cascade)
-            if schedule == "cost" and tree == "off" and not self_spec and (seed is None or sampler.is_greedy):
+            if schedule == "cost" and tree == "off" and not self_spec and \
+                    not seed_pins_drafts(seed, sampler, lenience, acceptance):
                 plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else
                                       getattr(drafter_used, "model", drafter_used), gamma_max)
         ids = target_model.encode(prompt, chat=chat)
@@ -545,12 +545,12 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
     return rows
 
 
-def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plans, method: str,
+def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plan, method: str,
                     as_json: bool, chat: bool, kv_memory: int | None = None, online=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
-    file's order (a JSON line per prompt with --json), then one summary line. plans: (schedule,
-    schedule for seeded sampled rows), each copied per row, or None for AR; a row gets what a
-    generation of its prompt alone would get, so its output is that generation's. online: an
+    file's order (a JSON line per prompt with --json), then one summary line. plan: the schedule,
+    copied per row, or None for AR; a row's output is that of its prompt alone (greedy, or seeded:
+    the seeded AR output), whatever its batch. online: an
     `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one)."""
     import copy
     import time
@@ -560,9 +560,6 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
     engine = Engine(target_model, batch_size, kv_memory)
     requests = []
     for row in rows:
-        plan = None
-        if plans is not None:
-            plan = plans[1] if row.get("seed") is not None and not row["sampler"].is_greedy else plans[0]
         requests.append(Request(
             target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), make_drafter, sampler=row["sampler"],
             max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),

@@ -25,11 +25,12 @@ from .drafters.base import drive, one_hot
 from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
-from .samplers import GREEDY, Sampler, greedy_tokens, sample
+from .samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens, race, sample
 from .schedules import CostAware, Fixed, Schedule
 from .text import pair_mode
-from .trees import Tree, input_parents
-from .verify import Typical, sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy, verify_typical
+from .trees import Tree, depths, input_parents
+from .verify import (Typical, sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_tree, verify_tree_coupled,
+                     verify_tree_greedy, verify_typical)
 
 
 @dataclass
@@ -158,14 +159,32 @@ DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (th
 RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequence's slabs double as it grows
 
 
+SEED_RULES = ("coupled", "stream")
+
+
+def seed_pins_drafts(seed: int | None, sampler: Sampler, lenience: float = 1.0,
+                     typical: Typical | None = None, seed_rule: str = "coupled") -> bool:
+    """Whether a run's sampled output would hang on its drafts (their lengths, the drafter's exact
+    logits), so that nothing measured may size them: a seed under the "stream" rule or a lossy one
+    (lenience, typical acceptance). Greedy output is the target's argmax whatever was drafted,
+    unseeded output keeps the target's law, and a seed under the "coupled" rule ties each token to
+    noise of (seed, position) alone (`samplers.SeededNoise`): the seeded AR output, whatever was
+    drafted."""
+    if seed_rule not in SEED_RULES:
+        raise SpecdecError(f"seed_rule must be one of {', '.join(SEED_RULES)}, got {seed_rule!r}")
+    return seed is not None and not sampler.is_greedy and \
+        (seed_rule == "stream" or lenience != 1 or typical is not None)
+
+
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
                             seed: int | None = None, on_step: StepCallback | None = None,
-                            logprobs: int | None = None) -> GenerationResult:
-    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs: as
-    `speculative_generate`'s."""
+                            logprobs: int | None = None, seed_rule: str = "coupled") -> GenerationResult:
+    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs and
+    seed_rule: as `speculative_generate`'s."""
     return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
-                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs))
+                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs,
+                        seed_rule=seed_rule))
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
@@ -174,7 +193,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          first_target: bool = True, on_step: StepCallback | None = None,
                          schedule: Schedule | None = None, lenience: float = 1.0,
                          debug: bool = False, logprobs: int | None = None,
-                         typical: Typical | None = None) -> GenerationResult:
+                         typical: Typical | None = None, seed_rule: str = "coupled") -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -191,10 +210,13 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
     typical: Medusa's typical acceptance instead of rejection sampling (`verify.Typical`): LOSSY
         under sampling, greedy output unaffected; chains only.
-    seed: pins the output: the same seed gives the same tokens on the same machine, under every
-        schedule (the drafter and the verification draw from separate streams, and under sampling
-        schedules get no wall-clock timings when a seed is given, so the cost schedules keep their
-        starting thresholds; greedy runs are timed either way, their output does not depend on it).
+    seed: pins the output. Under `seed_rule="coupled"` (default) every sampled token is a coupled
+        draw (Gumbel-max, `verify_coupled`) from noise of (seed, position) alone, so the output is
+        token for token the seeded `autoregressive_generate` output on the same machine, whatever
+        the drafter, the draft lengths, the tree or the batch, and schedules keep learning from
+        timings. Under `seed_rule="stream"`, or a lossy rule (lenience, typical), the standard rule
+        draws from seeded streams: the output is pinned per method and schedule only, and
+        schedules get no timings (their starting thresholds). Unseeded runs take the standard rule.
     debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
         ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
     logprobs: None, or k >= 0: the result's `logprobs` holds, for every emitted token, the target's
@@ -210,7 +232,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
                         schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical))
+                        typical=typical, seed_rule=seed_rule))
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
@@ -269,7 +291,8 @@ class Decoding:
                  gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
-                 debug: bool = False, logprobs: int | None = None, typical: Typical | None = None):
+                 debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
+                 seed_rule: str = "coupled"):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
@@ -297,10 +320,19 @@ class Decoding:
         self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
         models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
         prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
+        # Under a seed with an exact rule, every sampled token is a coupled draw from noise of
+        # (seed, position) alone, shared by the drafter: the output is the seeded AR output.
+        self.seed_rule = seed_rule
+        pins = seed_pins_drafts(seed, sampler, lenience, typical, seed_rule)  # (checks seed_rule too)
+        self.noise = SeededNoise(seed) if seed is not None and not sampler.is_greedy and not pins else None
         # Two random streams: what the drafter draws never shifts the verification's draws.
         self.generator = _generator(seed, target.device)
-        self.draft_generator = None if drafter is None else \
-            _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
+        if drafter is None:
+            self.draft_generator = None
+        elif self.noise is not None:
+            self.draft_generator = CoupledGenerator(self.noise, seed + DRAFT_STREAM, target.device)
+        else:
+            self.draft_generator = _generator(None if seed is None else seed + DRAFT_STREAM, target.device)
         self.out = _Output(limit, limit_reason, eos, on_step)
         self.logprobs = logprobs  # None, or the top tokens each emitted token's log-probability comes with
         self.out.logprobs = None if logprobs is None else []
@@ -379,9 +411,11 @@ class Decoding:
 
     @property
     def pinned(self) -> bool:
-        """Whether a seed pins this sequence's sampled output, so that any change in its drafts (their
-        lengths, or a drafter's logits rounded otherwise) would change it."""
-        return self.seed is not None and not self.sampler.is_greedy
+        """Whether a seed pins this sequence's sampled output to its drafts, so that any change in
+        them (their lengths, or a drafter's logits rounded otherwise) would change it: only under a
+        lossy rule (lenience, typical acceptance). A seed with the exact rule couples every draw to
+        noise of (seed, position) alone, so no draft changes the output."""
+        return seed_pins_drafts(self.seed, self.sampler, self.lenience, self.typical, self.seed_rule)
 
     @property
     def steerable(self) -> CostAware | None:
@@ -438,8 +472,12 @@ class Decoding:
         stats, drafter, draft = self.stats, self.drafter, self._draft
         stats.target_seconds += pass_seconds
         stats.target_forwards += 1
+        if self.noise is not None:
+            self.noise.forget(len(self.sequence))
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
-            emitted = self.out.add(Step([], 0, int(_target_token(logits[-1], self.sampler, self.generator)), []))
+            token = _target_token(logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0]
+                                  if self.noise is not None else None)
+            emitted = self.out.add(Step([], 0, int(token), []))
             self._record_logprobs(logits, [len(logits) - 1], emitted)
             self.sequence += emitted
             self._target_only = drafter is None
@@ -450,11 +488,13 @@ class Decoding:
             return emitted
         details = {} if self.debug else None
         if self.trees:
-            path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details)
+            noise = None if self.noise is None else self._noise_rows([0] + depths(draft.parents), logits)
+            path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details, noise)
             num_accepted = len(path)
         else:
+            noise = None if self.noise is None else self._noise_rows(range(len(logits)), logits)
             num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
-                                             self.typical)
+                                             self.typical, noise)
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
@@ -476,9 +516,9 @@ class Decoding:
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])
         self.schedule.update(len(draft.tokens), num_accepted)
-        # greedy output is the same whatever the draft lengths, so timings may steer them; a seed
-        # under sampling pins the output, and draft lengths decide which random draws are used
-        if self.seed is None or self.sampler.is_greedy:
+        # greedy and coupled output are the same whatever the draft lengths, so timings may steer
+        # them; under a lossy rule a seed pins the output, and draft lengths decide which draws are used
+        if not self.pinned:
             timings = (self._drafted_at - self._step_start, drafter.forwards - self._passes,
                        time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
             (drafter if self.trees else self.schedule).timing(*timings)
@@ -490,6 +530,12 @@ class Decoding:
         self.sequence += emitted
         self._finish()
         return emitted
+
+    def _noise_rows(self, offsets, logits: torch.Tensor) -> torch.Tensor:
+        """The shared races [n, V] of the positions `offsets` past the sequence's end (the rows of
+        this pass's logits [n, V] that choose tokens there)."""
+        start = len(self.sequence)
+        return self.noise.rows([start + offset for offset in offsets], logits.shape[-1])
 
     def _finish(self) -> None:
         """A drafter that learns across generations (`SuffixDrafter.finish`, an online distiller)
@@ -524,19 +570,26 @@ def _timed(stats: GenerationStats, counter: str):
         setattr(stats, counter, getattr(stats, counter) + time.perf_counter() - began)
 
 
-def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
-    """The target's own token from logits [V] (greedy without building a one-hot row)."""
-    return greedy_tokens(logits) if sampler.is_greedy else sample(sampler.probs(logits), generator)
+def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,
+                  noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's own token from logits [V] (greedy without building a one-hot row; under a seed
+    the coupled draw with that position's races `noise` [V])."""
+    if sampler.is_greedy:
+        return greedy_tokens(logits)
+    return race(sampler.probs(logits), noise) if noise is not None else sample(sampler.probs(logits), generator)
 
 
 def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: torch.Generator,
-                 details: dict | None = None) -> tuple[list[int], int]:
-    """(accepted path as node indices, next_token) for the target's logits [N+1, V] over `tree`."""
+                 details: dict | None = None, noise: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """(accepted path as node indices, next_token) for the target's logits [N+1, V] over `tree`;
+    `noise` [N+1, V]: each row's shared races under a seed (`verify_tree_coupled`), else None."""
     if not tree.tokens:
-        return [], int(_target_token(logits[-1], sampler, generator))
+        return [], int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1]))
     tokens = torch.tensor(tree.tokens, device=logits.device)
     if sampler.is_greedy:
         last, next_token = verify_tree_greedy(greedy_tokens(logits), tokens, tree.parents)
+    elif noise is not None:
+        last, next_token = verify_tree_coupled(sampler.probs(logits), noise, tokens, tree.parents)
     else:
         if tree.probs is None and tree.scheme != "deterministic":
             raise SpecdecError(f"a sampled tree with {tree.scheme!r} siblings needs the drafter's probs")
@@ -549,16 +602,21 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
-            lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None) -> tuple[int, int]:
+            lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None,
+            noise: torch.Tensor | None = None) -> tuple[int, int]:
     """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
-    dict, also the lists "p", "q", "u" of each draft token (for the step view)."""
+    dict, also the lists "p", "q", "u" of each draft token (for the step view); `noise` [γ+1, V]:
+    each row's shared races under a seed (`verify_coupled`), else None."""
     if not draft.tokens:
-        return 0, int(_target_token(logits[-1], sampler, generator))
+        return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1]))
     tokens = torch.tensor(draft.tokens, device=logits.device)
-    if sampler.is_greedy:
-        target_tokens = greedy_tokens(logits)
-        num_accepted, next_token = verify_greedy(target_tokens, tokens)
-        if details is not None:
+    if sampler.is_greedy or noise is not None:
+        if sampler.is_greedy:
+            num_accepted, next_token = verify_greedy(greedy_tokens(logits), tokens)
+        else:
+            num_accepted, next_token = verify_coupled(sampler.probs(logits), noise, tokens)
+        if details is not None:  # one-hot p and q as under greedy: a token passes iff it is the target's
+            target_tokens = greedy_tokens(logits) if sampler.is_greedy else race(sampler.probs(logits), noise)
             matches = (target_tokens[:-1] == tokens).float()
             details.update(p=matches, q=torch.ones_like(matches), u=None)
     elif typical is not None:

@@ -148,3 +148,93 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     positive = probs > 0
     last_positive = probs.shape[-1] - 1 - positive.flip(-1).int().argmax(-1, keepdim=True)
     return torch.minimum(idx, last_positive).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeded sampling by Gumbel-max coupling (Daliri, Musco and Suresh 2024). The token at sequence
+# position s is argmax_x p(x) / E_s(x), E_s ~ Exp(1) i.i.d. per id, drawn from (seed, s) alone:
+# that is argmax log p + Gumbel, an exact draw from p. Since the noise does not depend on what
+# was drafted, a seeded output is the seeded AR output under every drafter, draft length, tree
+# shape and batch; a drafter that proposes argmax q / E_s with the same noise is accepted with
+# probability >= (1 - TV(p, q)) / (1 + TV(p, q)).
+
+_MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: (seed, position) -> one well-spread 64-bit seed
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _MIX) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """The exponential races of sequence position `position` under `seed`: [V] fp64, i.i.d.
+    Exp(1), on the CPU, a function of (seed, position, V) alone (so the same on every device)."""
+    generator = torch.Generator()
+    generator.manual_seed(_splitmix64(_splitmix64(int(seed) & _MASK) ^ int(position)))
+    uniform = torch.rand(vocab, generator=generator, dtype=torch.float64)
+    return uniform.log_().neg_()  # U = 0 gives +inf: that id never wins a race
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The coupled draw: probs [..., V], noise [..., V] (`position_noise` rows) -> tokens [...]
+    (long), argmax p / E. An exact sample from p when E is Exp(1) noise unseen by p; never an id
+    of probability 0 (unless a row is all zero, which `sample` refuses too)."""
+    if not bool((probs.sum(-1) > 0).all()):
+        raise SpecdecError("cannot sample: a row of probabilities is all zero (every token has probability 0)")
+    scores = probs.to(torch.float64) / noise.to(probs.device)
+    return scores.argmax(-1)
+
+
+class SeededNoise:
+    """One sequence's shared noise: `rows(positions, V)` -> [n, V] fp64, kept while positions
+    may be asked for again (the drafter and the target read the same rows in a step; a rejected
+    draft's rows serve the next step). `forget(below)` drops the rows of committed positions."""
+
+    def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise SpecdecError(f"seed must be an integer, got {seed!r}")
+        self.seed = seed
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def row(self, position: int, vocab: int) -> torch.Tensor:
+        key = (position, vocab)
+        if key not in self._rows:
+            self._rows[key] = position_noise(self.seed, position, vocab)
+        return self._rows[key]
+
+    def rows(self, positions, vocab: int) -> torch.Tensor:
+        return torch.stack([self.row(int(s), vocab) for s in positions])
+
+    def forget(self, below: int) -> None:
+        for key in [k for k in self._rows if k[0] < below]:
+            del self._rows[key]
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """The coupled draw from probs [V] at sequence position `position`."""
+        return int(race(probs, self.row(position, probs.shape[-1])))
+
+
+class CoupledGenerator(torch.Generator):
+    """A drafter's random source under a seed: an ordinary generator (for draws that no coupled
+    token stands for, such as a tree's extra siblings) that also carries the sequence's shared
+    noise, so that `draw` proposes each token as the target will choose its own."""
+
+    def __new__(cls, noise: SeededNoise, seed: int, device: torch.device | str = "cpu"):
+        generator = super().__new__(cls, device=device)
+        generator.manual_seed(seed)
+        generator.noise = noise
+        return generator
+
+    def __init__(self, *args, **kwargs):  # all done in __new__ (torch.Generator is a C type)
+        pass
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, position: int) -> int:
+    """A drafter's draw from q = probs [V] for sequence position `position`: coupled with the
+    target's own draw (`race` with the shared noise) under a seed, else `sample`."""
+    if isinstance(generator, CoupledGenerator):
+        return generator.noise.draw(probs, position)
+    return int(sample(probs, generator))

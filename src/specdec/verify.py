@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import SpecdecError
-from .samplers import sample
+from .samplers import race, sample
 
 
 def verify_draft(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
@@ -142,6 +142,31 @@ def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     num_accepted = matches.cumprod(-1).sum(-1)
     next_token = target_tokens.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
     return num_accepted, next_token
+
+
+def verify_coupled(target_probs: torch.Tensor, noise: torch.Tensor,
+                   draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter-invariant verification under a seed (Gumbel-max coupling; Daliri, Musco and Suresh
+    2024): the target's token at each position is its own coupled draw, and a draft token is
+    accepted iff it equals it.
+
+    Args:
+        target_probs: [..., γ+1, V] the target's p at each draft position, plus one past the end.
+        noise: [..., γ+1, V] the shared exponential races of those positions
+            (`samplers.position_noise`: a function of the seed and the position alone).
+        draft_tokens: [..., γ] (long), however they were drafted.
+    Returns:
+        num_accepted, next_token: as `verify_draft`'s.
+
+    Each emitted token is argmax p / E at its position, an exact draw from p given the tokens
+    before it, whatever the draft: the output is, token for token, the seeded autoregressive
+    output. A draft proposed as argmax q / E with the same noise is accepted with probability at
+    least (1 − TV(p, q)) / (1 + TV(p, q)), against the standard rule's 1 − TV(p, q).
+    """
+    if noise.shape != target_probs.shape:
+        raise SpecdecError(f"noise must have the shape of target_probs {tuple(target_probs.shape)}, "
+                           f"got {tuple(noise.shape)}")
+    return verify_greedy(race(target_probs, noise), draft_tokens)
 
 
 def _check_shapes(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor) -> None:
@@ -328,6 +353,27 @@ def verify_tree_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor,
         hit = (current == parents[n]) & (draft_tokens[..., n] == wanted)
         current = torch.where(hit, torch.full_like(current, n), current)
     return current, target_tokens.gather(-1, (current + 1).unsqueeze(-1)).squeeze(-1)
+
+
+def verify_tree_coupled(target_probs: torch.Tensor, noise: torch.Tensor, draft_tokens: torch.Tensor,
+                        parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_coupled` over a token tree: from the root, follow the child that equals the
+    target's coupled draw while there is one.
+
+    Args:
+        target_probs: [..., N+1, V] the target's p at the root (row 0) and at each node (n+1).
+        noise: [..., N+1, V] the races of the position each row's token would take: the root's
+            row those of the tree's first position, a node at depth d (`trees.depths`: the root's
+            children have depth 1) those d positions later.
+        draft_tokens: [..., N] (long); parents: [N].
+    Returns:
+        last_node, next_token: as `verify_tree`'s; token for token the seeded autoregressive
+        output, whatever the tree's shape or how its siblings were drawn.
+    """
+    if noise.shape != target_probs.shape:
+        raise SpecdecError(f"noise must have the shape of target_probs {tuple(target_probs.shape)}, "
+                           f"got {tuple(noise.shape)}")
+    return verify_tree_greedy(race(target_probs, noise), draft_tokens, parents)
 
 
 def _check_tree(draft_tokens: torch.Tensor, parents: list[int], target_shape: torch.Size,

@@ -4,10 +4,11 @@ method, against transformers' batching on the same model objects.
 
 Per method and level: total output tokens per second (all requests' tokens over the level's wall
 time), per-sequence tokens per second, time to first token and time per output token (p50, p99),
-tokens per target pass, and how many outputs are identical to the reference (greedy: the
-prompt's AR run alone, `ar` at level 1, one sequence per pass; sampled with seeds: the same
-method's run at level 1, each sequence alone). Levels run in turn; within each level the methods
-run in a counterbalanced order (`method_orders`), each over the whole prompt set.
+tokens per target pass, and how many outputs are identical to the reference: the prompt's AR run
+alone (`ar` at level 1, one sequence per pass), greedy or sampled with seeds (a seeded output is
+the seeded AR output whatever drafted it); transformers' sampled runs against their own level 1.
+Levels run in turn; within each level the methods run in a counterbalanced order
+(`method_orders`), each over the whole prompt set.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ def request(method: str, ids: list[int], drafters: dict, settings: Settings, sam
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
     if method == "ar":
         return Request(ids, None, **common)
-    pinned = seed is not None and not sampler.is_greedy  # a seed pins the output only without timings (as alone)
     if method == "lookup":  # under load its rows stop being free too: sized by cost, so it can back off
         return Request(ids, LookupDrafter, schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max),
                        **common)
@@ -96,9 +96,8 @@ def request(method: str, ids: list[int], drafters: dict, settings: Settings, sam
         tree = drafters["tree"]
         return Request(ids, lambda: make_tree_drafter("mixed", tree, settings.tree_nodes, settings.tree_scheme),
                        gamma=settings.gamma_max, **common)
-    costs = None if pinned else settings.pass_costs
     return Request(ids, drafters["chain"], schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max,
-                                                                          pass_costs=costs), **common)
+                                                                          pass_costs=settings.pass_costs), **common)
 
 
 def run_ours(method: str, level: int, prompts: list[list[int]], target, drafters: dict, settings: Settings,
@@ -236,8 +235,8 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
                settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
                progress=None) -> tuple[list[dict], list[LevelRun]]:
     """Every method at every level over all `prompts` -> (summaries, runs). Where level 1 is among
-    `levels`, greedy outputs are compared with `ar` at level 1, sampled ones with the same
-    method's level-1 run (seeds: seed + prompt index)."""
+    `levels`, our outputs are compared with `ar` at level 1 (sampled ones seeded: seed + prompt
+    index, so each is the seeded AR output), transformers' sampled ones with their own level-1 run."""
     seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
     runs: list[LevelRun] = []
     alone: dict[str, dict[int, list[int]]] = {}
@@ -261,7 +260,8 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
                 progress()
     summaries = []
     for run in runs:
-        reference = alone.get("ar") if sampler.is_greedy else alone.get(run.method)
+        reference = alone.get("ar") if sampler.is_greedy or not run.method.startswith("hf") else \
+            alone.get(run.method)
         summaries.append(summarize_level(run, reference))
     return summaries, runs
 

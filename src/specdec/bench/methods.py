@@ -21,7 +21,7 @@ from ..drafters.layerskip import self_skip_drafter
 from ..drafters.medusa import MedusaDrafter
 from ..eagle import load_eagle
 from ..errors import SpecdecError
-from ..generate import autoregressive_generate, speculative_generate
+from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
 from ..medusa import load_heads
 from ..passcost import PassCosts
 from ..samplers import Sampler
@@ -80,6 +80,7 @@ NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "sd-distilled", "sd-online", "ca
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 BEAM_METHODS = ("beam", "beam-sd")
+LOSSY = ("sd-typical",)  # methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
 REFERENCE = {"beam-sd": "beam"}  # the output a method must reproduce on greedy prompts (default: ar's)
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
 
@@ -246,9 +247,11 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                                                    target.eos_token_ids, seed)
         return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "llama-cpp" else None,
                       first_token_seconds=first)
-    # a seed under sampling turns off the measured-cost policies (generate.py): time what users run
+    # every exact method seeded (its output is the seeded AR output); typical acceptance's seed would
+    # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
+    typical = Typical() if method == "sd-typical" else None
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens,
-                  seed=seed if sampler.is_greedy or method == "ar" else None)
+                  seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
     elif method in BEAM_METHODS:
@@ -277,7 +280,6 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                     "suffix": lambda: SuffixDrafter(), "cascade": lambda: CascadeDrafter(drafter),
                     "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
         schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
-        typical = Typical() if method == "sd-typical" else None
         costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs,
                  "sd-distilled": settings.pass_costs, "sd-online": settings.pass_costs, "suffix": settings.free_costs,
                  "retrieval": settings.free_costs}.get(method)

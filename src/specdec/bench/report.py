@@ -34,6 +34,9 @@ def _versus(s: dict, base: str) -> str:
 def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
     identical = f"{s['identical_to_ar']}/{s['greedy_prompts']}" if "identical_to_ar" in s else \
         f"{s['identical_to_beam']}/{s['greedy_prompts']} (to beam)" if "identical_to_beam" in s else "–"
+    if "identical_sampled_to_ar" in s:
+        sampled = f"{s['identical_sampled_to_ar']}/{s['sampled_prompts']} seeded"
+        identical = sampled if identical == "–" else f"{identical}, {sampled}"
     versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost", "llama-cpp") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
               for b in baselines]
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
@@ -152,6 +155,11 @@ def render_markdown(result: dict) -> str:
                              f"{m} {d['other_token']}); target's top-2 logit gap there: {d['top2_logit_gap']:.4f}")
     elif any("identical_to_ar" in s for s in summary.values()):
         lines.append("- every greedy output is token-identical to ar")
+    mismatched = {m: s["mismatched_sampled_prompts"] for m, s in summary.items() if s.get("mismatched_sampled_prompts")}
+    if mismatched:
+        lines.append(f"- seeded sampled outputs differing from ar's: {mismatched}")
+    elif any("identical_sampled_to_ar" in s for s in summary.values()):
+        lines.append("- every seeded sampled output of our exact methods is token-identical to ar's")
     methods = list(summary)
     lines += ["", "### Per prompt (tok/s)", "", "| prompt | " + " | ".join(methods) + " |",
               "|---|" + "---|" * len(methods)]

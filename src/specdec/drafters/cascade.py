@@ -18,7 +18,7 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
-from ..samplers import Sampler, greedy_tokens, sample
+from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens, sample
 from .base import Draft, KeepGoing, Proposal
 from .lookup import find_continuation
 from .model import ModelDrafter
@@ -73,7 +73,8 @@ class CascadeDrafter(ModelDrafter):
             for i, row in enumerate(rows):
                 logits = row[:self.vocab_size]  # ids past the target's (head padding) are never proposed
                 q = None if sampler.is_greedy else sampler.probs(self._over_target_vocabulary(logits))
-                token = _draw(logits, q, guess[i] if i < len(guess) else None, generator)
+                token = _draw(logits, q, guess[i] if i < len(guess) else None, generator,
+                              len(context) + len(tokens))
                 tokens.append(token)
                 if q is not None:
                     probs.append(q)
@@ -89,14 +90,16 @@ class CascadeDrafter(ModelDrafter):
         return Draft(tokens, torch.stack(probs) if probs else None)
 
 
-def _draw(logits: torch.Tensor, q: torch.Tensor | None, guess: int | None, generator: torch.Generator) -> int:
-    """The drafter's token at one position: its argmax under greedy (q None); under sampling a
-    draw from q [V] that keeps `guess` with probability q(guess) and otherwise draws from q with
-    the guess taken out, which is a draw from q all the same."""
+def _draw(logits: torch.Tensor, q: torch.Tensor | None, guess: int | None, generator: torch.Generator,
+          position: int) -> int:
+    """The drafter's token at sequence position `position`: its argmax under greedy (q None);
+    under a seed the coupled draw from q [V] (`samplers.draw`); else a draw from q that keeps
+    `guess` with probability q(guess) and otherwise draws from q with the guess taken out, which
+    is a draw from q all the same."""
     if q is None:
         return int(greedy_tokens(logits))
-    if guess is None:
-        return int(sample(q, generator))
+    if guess is None or isinstance(generator, CoupledGenerator):
+        return draw(q, generator, position)
     u = torch.rand((), generator=generator, device=q.device)
     if u < q[guess]:
         return guess

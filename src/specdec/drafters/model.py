@@ -10,7 +10,7 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..backends.prompts import PREFILL_CHUNK
-from ..samplers import Sampler, greedy_tokens, sample
+from ..samplers import Sampler, draw, greedy_tokens
 from ..text import check_pair
 from .base import Draft, KeepGoing, Proposal, drive
 
@@ -80,7 +80,7 @@ class ModelDrafter:
                 token = int(greedy_tokens(logits))
             else:
                 q = sampler.probs(over_target)
-                token = int(sample(q, generator))
+                token = draw(q, generator, len(context) + len(tokens))
                 probs.append(q)
             tokens.append(token)
             pending = self._inputs([token])

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler, sample
+from ..samplers import Sampler, draw
 from .base import Draft, KeepGoing
 
 Counts = dict[tuple[int, ...], dict[int, int]]
@@ -86,7 +86,7 @@ class NgramDrafter:
             if sampler.is_greedy:
                 token = max(counts, key=counts.get)  # the most frequent; ties go to the first seen
             else:
-                token = int(sample(q, generator))
+                token = draw(q, generator, len(context) + len(tokens))
                 probs.append(q)
             tokens.append(token)
             extended.append(token)

@@ -28,7 +28,7 @@ import torch
 from ..backends import Backend
 from ..backends.cache import crop_cache
 from ..errors import SpecdecError
-from ..samplers import Sampler, greedy_tokens, sample
+from ..samplers import Sampler, draw, greedy_tokens, sample
 from .base import Draft, KeepGoing
 from .model import stand_in_id
 
@@ -101,7 +101,7 @@ class OtherTokenizerDrafter:
                 keep_going: KeepGoing) -> Draft:
         pending = self._catch_up(context)
         if self.mode == "intersection" or (self.mode == "auto" and not sampler.is_greedy):
-            return self._propose_shared(pending, max_tokens, sampler, generator, keep_going)
+            return self._propose_shared(pending, max_tokens, sampler, generator, keep_going, len(context))
         tokenizer = self.model.tokenizer
         drafted: list[int] = []
         while len(drafted) < max_tokens:
@@ -128,9 +128,10 @@ class OtherTokenizerDrafter:
         return ids[keep:]
 
     def _propose_shared(self, pending: list[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
-                        keep_going: KeepGoing) -> Draft:
+                        keep_going: KeepGoing, start: int) -> Draft:
         """Draft over the shared tokens: q restricted to them (renormalised by the sampler), each
-        token drawn from it and mapped, with its q, onto the target's ids."""
+        token drawn from it and mapped, with its q, onto the target's ids; `start`: the target
+        position of the first (where a seed couples the draws)."""
         mine, theirs = self.shared_tokens()
         tokens, probs = [], []
         while len(tokens) < max_tokens:
@@ -143,9 +144,10 @@ class OtherTokenizerDrafter:
                 token = int(greedy_tokens(shared))
             else:
                 q = sampler.probs(shared)
-                token = int(sample(q, generator))
                 row = q.new_zeros(self.target.vocab_size)
                 row[theirs] = q[mine]
+                # drawn over the target's ids, so that a seed's noise of that position couples it
+                token = int(mine[theirs == draw(row, generator, start + len(tokens))][0])
                 probs.append(row)
             tokens.append(int(theirs[mine == token][0]))
             pending = [token]

@@ -21,7 +21,7 @@ import torch
 from ..backends import Backend
 from ..backends.cache import cache_length
 from ..errors import SpecdecError
-from ..samplers import Sampler, greedy_tokens, sample
+from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens
 from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
 from .lookup import LookupDrafter, find_matches
@@ -113,7 +113,7 @@ class SidesDrafter(ModelDrafter):
                 self._fed.append(len(chain) - 1)
             over = self._over_target_vocabulary(logits[:self.vocab_size])
             q = (over.float().softmax(-1) if greedy else sampler.probs(over))
-            token = int(greedy_tokens(over)) if greedy else int(sample(q, generator))
+            token = int(greedy_tokens(over)) if greedy else draw(q, generator, len(context) + len(chain))
             row = None if greedy else q
             # a sampled token is accepted with min(1, p/q), which its own q predicts poorly: value it by
             # the drafter's top probability there (`sampled_value`); under greedy the two are one number
@@ -145,7 +145,8 @@ class SidesDrafter(ModelDrafter):
         count = self.width - 1
         if count <= 0:
             return []
-        if greedy or self.scheme == "deterministic":
+        # under a seed a child passes iff it is the target's coupled draw: the likeliest cover it best
+        if greedy or self.scheme == "deterministic" or isinstance(generator, CoupledGenerator):
             rest = q.clone()
             rest[token] = -1.0
             top = rest.topk(count)

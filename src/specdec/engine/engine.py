@@ -43,6 +43,7 @@ class Request:
     gamma: int = 5
     schedule: Callable[[], Schedule] | None = None
     logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
+    seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
     id: int = field(default=-1, compare=False)
 
 
@@ -277,7 +278,8 @@ class Engine:
                                "batched passes do not keep yet; run them with speculative_generate")
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                        schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs)
+                        schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
+                        seed_rule=request.seed_rule)
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:

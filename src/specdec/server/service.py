@@ -158,9 +158,8 @@ class Service:
             return Request(prompt_ids, lambda: LookaheadDrafter(*shape, policy=TreeCost(max_nodes=nodes,
                                                                                         assumed=self.assumed)),
                            **common, schedule=lambda: make_schedule("fixed", gamma))  # its trees' depth bound
-        # a seed under sampling pins the output: its draft lengths must not come from timings
-        pinned = seed is not None and not sampler.is_greedy
-        costs = None if pinned else (self.lookup_costs if method in MODEL_FREE else self.costs)
+        # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
+        costs = self.lookup_costs if method in MODEL_FREE else self.costs
         drafter = {"lookup": LookupDrafter, "suffix": lambda: SuffixDrafter(self.suffix_cache),
                    "retrieval": lambda: SuffixDrafter(self.suffix_cache, datastore=self.datastore)
                    }.get(method, self.drafter)
