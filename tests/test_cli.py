@@ -342,6 +342,24 @@ def test_generate_prompts_file_gives_each_prompt_its_single_output(need_smollm2,
         assert line["tokens"] == alone["tokens"] and line["text"] == alone["text"]
 
 
+def test_a_seed_prints_the_same_tokens_whatever_drafts_and_in_a_batch_of_8(need_smollm2, tmp_path):
+    """The seeded AR output, token for token, from the default method, a tree, prompt lookup and
+    eight copies of the prompt decoded together (Gumbel-max coupling: docs/exactness.md#seeds)."""
+    prompt = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,"
+    common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--max-new-tokens", "16", "--json"]
+    sampled = ["--temperature", "0.8", "--seed", "7"]
+    ar = _json(["generate", prompt, "--method", "ar"] + sampled + common)
+    for extra in ([], ["--tree", "mixed"], ["--drafter", "lookup"]):
+        out = _json(["generate", prompt] + sampled + common + extra)
+        assert out["tokens"] == ar["tokens"], extra
+        assert out["stats"]["drafted"] > 0, extra
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": prompt, "temperature": 0.8, "seed": 7}) + "\n" for _ in range(8)))
+    result = runner.invoke(app, ["generate", "--prompts", str(path), "--batch-size", "8"] + common)
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["tokens"] for line in result.stdout.strip().splitlines()] == [ar["tokens"]] * 8
+
+
 def test_sizes_parse_in_the_units_users_write():
     from specdec.cli import parse_bytes
 

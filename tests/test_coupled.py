@@ -46,10 +46,13 @@ def test_the_noise_is_a_function_of_seed_and_position_alone():
     a = position_noise(7, 12, 50)
     assert torch.equal(a, position_noise(7, 12, 50))
     assert not torch.equal(a, position_noise(7, 13, 50)) and not torch.equal(a, position_noise(8, 12, 50))
+    wide = position_noise(7, 12, 20_000)  # several blocks: a narrower vocabulary races its ids alike
+    assert torch.equal(wide[:50], a) and torch.equal(wide[:9000], position_noise(7, 12, 9000))
+    assert len(set(wide.tolist())) == 20_000  # no block repeats another
     noise = SeededNoise(7)
-    assert torch.equal(noise.rows([12, 13], 50), torch.stack([a, position_noise(7, 13, 50)]))
+    assert torch.equal(noise.rows([12, 13], 50), torch.stack([a, position_noise(7, 13, 50)]).float())
     noise.forget(13)
-    assert torch.equal(noise.row(13, 50), position_noise(7, 13, 50))
+    assert torch.equal(noise.row(13, 50), position_noise(7, 13, 50).float())
     # Exp(1) races: mean 1 and P(E > 1) = 1/e, over 10^5 draws (5 sigma)
     sample = torch.cat([position_noise(3, s, 1000) for s in range(100)])
     assert abs(float(sample.mean()) - 1) < 5 / len(sample) ** 0.5

@@ -19,6 +19,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from specdec import Sampler
 from specdec.cli import app as cli
 from specdec.generate import Decoding, autoregressive_generate
 from specdec.schedules import AssumedCosts
@@ -191,6 +192,32 @@ def test_seeded_sampled_choices_repeat_and_n_gives_seed_plus_i(server):
     assert one.choices[1].text == again.choices[0].text  # choice i runs seed + i
 
 
+def test_a_seed_gives_the_speculative_false_output_under_every_method(server, tiny_pair):
+    """Sampled, seeded, 4 requests in flight at once per method: each is the seeded AR run alone
+    (Gumbel-max coupling), whichever method drafted it and whatever shared its passes."""
+    url, _ = server
+    client = _client(url)
+    methods = [False, None, {"method": "lookup"}, {"method": "suffix"}, {"method": "tree", "tree_nodes": 8},
+               {"method": "lookahead", "tree_nodes": 12}]
+    seeds = [3, 4, 5, 6]
+    sampler = Sampler(temperature=0.9, top_p=0.95)
+    alone = [tiny_pair[0].decode(autoregressive_generate(PROMPTS[1], tiny_pair[0], sampler, max_new_tokens=16,
+                                                         seed=seed).tokens) for seed in seeds]
+
+    def ask(speculative, seed):
+        extra = {} if speculative is None else {"speculative": speculative}
+        return client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0.9, top_p=0.95,
+                                         seed=seed, extra_body=extra)
+
+    drafted = 0
+    with ThreadPoolExecutor(4) as pool:
+        for speculative in methods:
+            answers = list(pool.map(lambda seed: ask(speculative, seed), seeds))
+            assert [a.choices[0].text for a in answers] == alone, speculative
+            drafted += sum(a.usage.model_extra["speculative"]["drafted_tokens"] for a in answers)
+    assert drafted > 0
+
+
 def test_several_prompts_give_n_choices_each_in_order(server, tiny_pair):
     """OpenAI's completions layout: choice k answers prompt k // n; usage counts every prompt."""
     url, _ = server
@@ -275,6 +302,9 @@ def test_metrics_parse_and_add_up_to_the_responses_usage(server):
     before = _metrics(url)
     client = _client(url)
     usages = [client.completions.create(model=NAME, prompt=p, max_tokens=10, temperature=0).usage for p in PROMPTS[:3]]
+    # n > 1 and a stop string: a prompt's tokens count once, as in usage, whatever its choices did
+    usages.append(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=1.0, seed=2,
+                                            n=3, stop=["a", "e"]).usage)
     after = _metrics(url)
 
     def grew(name, **labels):
@@ -289,8 +319,8 @@ def test_metrics_parse_and_add_up_to_the_responses_usage(server):
     positions = sum(v - _metric(before, name, **dict(labels)) for (name, labels), v in after.items()
                     if name == "specdec:spec_decode_num_accepted_tokens_per_pos_total")
     assert positions == accepted
-    assert grew("specdec:requests_total", status="ok") == 3
-    assert grew("specdec:time_to_first_token_seconds_count") == 3
+    assert grew("specdec:requests_total", status="ok") == 4
+    assert grew("specdec:time_to_first_token_seconds_count") == 6  # one per choice
     assert _metric(after, "specdec:num_requests_running") == 0
 
 
@@ -333,6 +363,19 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_succeeds(serve
     assert message in error["message"] and error["param"] == param and error["type"]
     ok = _client(url).completions.create(model=NAME, prompt=[1, 2], max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("field, value, neutral", [
+    ("presence_penalty", 0.5, 0), ("frequency_penalty", -1.0, 0.0), ("repetition_penalty", 1.2, 1.0),
+    ("logit_bias", {"5": 10}, {}), ("min_p", 0.1, 0.0), ("min_tokens", 4, 0), ("ignore_eos", True, False),
+    ("stop_token_ids", [3], []), ("top_logprobs", 2, None), ("max_completion_tokens", 5, None)])
+def test_fields_the_server_does_not_honour_are_refused_by_name_never_ignored(server, field, value, neutral):
+    url, _ = server
+    body = {"prompt": [1, 2], "max_tokens": 2, "temperature": 0}
+    refused = httpx.post(url + "/v1/completions", json={**body, field: value})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    if neutral is not None:  # the value that changes nothing is taken
+        assert httpx.post(url + "/v1/completions", json={**body, field: neutral}).status_code == 200
 
 
 def test_a_servers_default_speculation_applies_to_requests_that_name_none(tiny_pair):
@@ -415,12 +458,14 @@ def test_a_client_that_disconnects_frees_its_sequence(server, tiny_pair, monkeyp
 
 
 def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
+    """NaN logits in one sequence end that request alone, as the server's fault (500), not the
+    client's (it was a 400)."""
     url, _ = server
     commit = Decoding.commit
 
     def failing(self, logits, seconds):
         if self.sequence[:2] == [13, 14]:
-            raise SpecdecError("model produced NaN logits")
+            logits = logits * float("nan")  # what broken weights give: the sampler finds it
         return commit(self, logits, seconds)
 
     monkeypatch.setattr(Decoding, "commit", failing)
@@ -428,9 +473,101 @@ def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
     with ThreadPoolExecutor(2) as pool:
         bad = pool.submit(client.completions.create, model=NAME, prompt=[13, 14, 1], max_tokens=40, temperature=0)
         good = pool.submit(client.completions.create, model=NAME, prompt=[1, 2, 3], max_tokens=40, temperature=0)
-        with pytest.raises(openai.BadRequestError, match="NaN logits"):
+        with pytest.raises(openai.InternalServerError, match="NaN logits"):
             bad.result()
         assert good.result().usage.completion_tokens == 40
+
+
+def test_an_error_between_requests_is_logged_and_the_engine_goes_on(tiny_pair, caplog):
+    """The update between requests (an online learner's) raising must not end the engine's thread
+    (it used to: /health said 200 while every later request waited for its 504)."""
+    calls = []
+
+    def failing_update():
+        calls.append(1)
+        raise RuntimeError("the learner broke")
+
+    with serving(lambda: Service(tiny_pair[0], None, limits=Limits(request_timeout=10))) as (url, app):
+        app.state.specdec["worker"].between = failing_update
+        deadline = time.monotonic() + 5
+        while not calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        reply = _client(url).completions.create(model=NAME, prompt=[1, 2], max_tokens=3, temperature=0)
+        assert reply.usage.completion_tokens == 3
+        assert httpx.get(url + "/health").status_code == 200
+    assert calls == [1]  # turned off after it failed, not retried every idle turn
+    assert "the learner broke" in caplog.text
+
+
+class _Fatal(BaseException):
+    """What no `except Exception` catches: the engine's thread ends on it."""
+
+
+def test_a_dead_engine_is_503_at_once_for_requests_in_flight_and_after_and_on_health(tiny_pair, monkeypatch, caplog):
+    with serving(lambda: Service(tiny_pair[0], None, limits=Limits(request_timeout=20))) as (url, app):
+        worker = app.state.specdec["worker"]
+
+        def fatal():
+            raise _Fatal("the thread dies")
+
+        monkeypatch.setattr(worker.engine, "step", fatal)
+        client = _client(url)
+        began = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.completions.create(model=NAME, prompt=[1, 2], max_tokens=3, temperature=0)
+        assert caught.value.status_code == 503 and time.monotonic() - began < 5  # not the 20 s timeout
+        assert caught.value.body["code"] == "engine_stopped"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "engine stopped" in health.json()["error"]["message"]
+        began = time.monotonic()
+        after = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert after.status_code == 503 and time.monotonic() - began < 5
+        assert not worker.thread.is_alive()
+    assert "the thread dies" in caplog.text
+
+
+def test_web_pages_and_foreign_host_names_are_refused_unless_allowed(tiny_pair):
+    """A page in the user's browser (it sends Origin) may not drive a keyless loopback server, nor
+    read its answers through DNS rebinding (Host names another machine)."""
+    load = lambda: Service(tiny_pair[0], None)  # noqa: E731
+    body = {"prompt": [1, 2], "max_tokens": 2, "temperature": 0}
+    with serving(load, host="127.0.0.1", cors_origins=["http://ok.example"]) as (url, app):
+        port = url.rsplit(":", 1)[1]
+        foreign = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "http://evil.example"})
+        assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "origin_not_allowed"
+        allowed = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "http://ok.example"})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://ok.example"
+        preflight = httpx.options(url + "/v1/completions", headers={
+            "Origin": "http://ok.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        assert preflight.status_code == 200
+        rebound = httpx.post(url + "/v1/completions", json=body, headers={"Host": f"evil.example:{port}"})
+        assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+        assert httpx.get(url + "/health", headers={"Host": f"attacker.example:{port}"}).status_code == 403
+        for name in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+            assert httpx.post(url + "/v1/completions", json=body, headers={"Host": name}).status_code == 200, name
+        client = _client(url)  # the openai client sends neither an Origin nor another host
+        assert client.completions.create(model=NAME, prompt=[1, 2], max_tokens=2, temperature=0).choices
+
+
+def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeypatch):
+    from specdec.server.app import api_key_from
+
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    assert api_key_from(None, None) is None
+    monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    assert api_key_from(None, None) == "from-env"
+    path = tmp_path / "key"
+    path.write_text("from-file\n")
+    assert api_key_from(None, path) == "from-file" and api_key_from("flag", None) == "flag"
+    with pytest.raises(SpecdecError, match="not both"):
+        api_key_from("flag", path)
+    path.write_text("\n")
+    with pytest.raises(SpecdecError, match="is empty"):
+        api_key_from(None, path)
+    with pytest.raises(SpecdecError, match="cannot read"):
+        api_key_from(None, tmp_path / "missing")
 
 
 def test_the_api_key_is_required_when_set(tiny_pair):
@@ -458,6 +595,16 @@ def test_health_is_503_while_loading_and_requests_are_told_to_retry(tiny_pair):
         while httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_429_forever(tiny_pair):
+    with serving(lambda: Service(tiny_pair[0], None, limits=Limits(max_waiting=2))) as (url, app):
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "n": 3})
+        assert response.status_code == 400 and "retry-after" not in response.headers
+        error = response.json()["error"]
+        assert error["param"] == "n" and "limit of 2" in error["message"]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "n": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 def test_a_full_queue_is_429_with_retry_after(tiny_pair, monkeypatch):
@@ -588,6 +735,33 @@ def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair,
         assert not worker.engine.running and not worker.engine.waiting
 
 
+def test_a_chunked_body_past_the_limit_is_413_before_it_ends_and_deep_nesting_is_400(tiny_pair):
+    """A chunked body declares no length: the server must measure it as it arrives and answer
+    413 once it passes the limit, not wait for (and hold) all of it. A deeply nested body is a
+    400 with an OpenAI error body, not a RecursionError's 500."""
+    import socket
+
+    with serving(lambda: Service(tiny_pair[0], None, limits=Limits(max_body=100_000))) as (url, app):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"[" * 8192
+            for _ in range(20):  # 160 kB sent, and the body never ends: the answer must come anyway
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        response = httpx.post(url + "/v1/completions", content=b"[" * 50_000 + b"]" * 50_000,
+                              headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text[:200]
+        error = response.json()["error"]
+        assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "magic"], "--method must be one of"),
     (["--drafter", "none"], "--method default drafts with a drafter model"),
@@ -600,6 +774,8 @@ def test_a_request_past_its_time_is_504_and_a_body_past_the_limit_413(tiny_pair,
     (["--suffix-cache-tokens", "-5"], "--suffix-cache-tokens must be >= 0"),
     (["--method", "retrieval"], "--method retrieval drafts from a datastore"),
     (["--datastore", "no-such-folder"], "no-such-folder"),
+    (["--api-key", "k", "--api-key-file", "key.txt"], "not both"),
+    (["--api-key-file", "no-such-key-file"], "cannot read it"),
 ])
 def test_serve_options_are_checked_before_loading(args, message):
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)

@@ -11,7 +11,8 @@ from .backends.transformers import TransformersModel
 from .models import load
 from .samplers import GREEDY, Sampler, logits_to_probs, sample
 from .text import check_pair
-from .verify import sibling_laws, verify_draft, verify_greedy, verify_tree, verify_tree_greedy
+from .verify import (sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_tree, verify_tree_coupled,
+                     verify_tree_greedy)
 from .drafters import (Eagle2Drafter, LookaheadDrafter, LookupDrafter, LookupTreeDrafter, MixedDrafter, ModelDrafter, NgramDrafter,
                        SequoiaDrafter, SidesDrafter, make_tree_drafter)
 from .schedules import TreeCost, make_schedule
@@ -21,7 +22,7 @@ __all__ = [
     "GREEDY", "GenerationResult", "GenerationStats", "Backend", "TransformersModel", "Engine", "Request", "generate_many", "Sampler", "SpecdecError", "Step",
     "autoregressive_generate", "beam_search_generate", "check_pair", "load", "logits_to_probs", "sample", "speculative_generate",
     "speculative_generate_encoder_decoder", "Seq2SeqModel", "LookaheadDrafter", "speculative_beam_search",
-    "verify_draft", "verify_greedy", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
+    "verify_draft", "verify_greedy", "verify_coupled", "verify_tree_coupled", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
     "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",
     "MixedDrafter", "SequoiaDrafter", "SidesDrafter", "make_tree_drafter",
 ]

@@ -839,8 +839,8 @@ def _csv(text: str) -> list[str]:
 
 @app.command()
 def bench(
-    dataset: str = typer.Option("humaneval", help="Comma-separated: humaneval, spec-bench (chat template; "
-                                "shared/data), or JSONL files with a 'prompt' or 'turns' field. Each may carry "
+    dataset: str = typer.Option("humaneval", help="Comma-separated: humaneval, spec-bench (chat template; its "
+                                "dev subset, carried), or JSONL files with a 'prompt' or 'turns' field. Each may carry "
                                 "its own limit and temperatures: NAME:LIMIT:T+T, e.g. spec-bench:1:0+1."),
     limit: int = typer.Option(20, help="Prompts per dataset (per task for datasets with tasks)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
@@ -1282,7 +1282,12 @@ def serve(
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
     port: int = typer.Option(8000, help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
+                                          "(visible in the process list: prefer --api-key-file or SPECDEC_API_KEY)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the key from this file's first "
+                                                "line."),
+    cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", help="A web origin whose pages may "
+                                                    "call the API (repeatable); requests from other pages: 403."),
     max_batch: int = typer.Option(8, "--max-batch", help="Most sequences decoded at once."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="A budget for the running sequences' KV "
                                             "caches (e.g. 2GiB); requests beyond it wait."),
@@ -1355,6 +1360,9 @@ def serve(
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
                         max_waiting=max_waiting)
+        from .server.app import api_key_from
+
+        api_key = api_key_from(api_key, api_key_file)
     except SpecdecError as exc:
         _fail(str(exc))
     import uvicorn
@@ -1396,7 +1404,7 @@ def serve(
     def stop(error: Exception) -> None:  # a model that cannot load: the server stops, the error is the exit line
         os.kill(os.getpid(), signal.SIGINT)
 
-    server = create_app(load, max_batch, budget, api_key, on_load_error=stop)
+    server = create_app(load, max_batch, budget, api_key, on_load_error=stop, cors_origins=cors_origin, host=host)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0
     uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)

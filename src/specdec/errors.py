@@ -3,3 +3,8 @@
 
 class SpecdecError(ValueError):
     """Bad input or an unusable setup, reported in words rather than a deep stack trace."""
+
+
+class ModelFault(SpecdecError):
+    """The model's own output is unusable (NaN logits, every token ruled out): a fault of the
+    weights or the dtype, not of the request that met it (the server answers 500, not 400)."""

@@ -218,7 +218,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
         draws from seeded streams: the output is pinned per method and schedule only, and
         schedules get no timings (their starting thresholds). Unseeded runs take the standard rule.
     debug: record in each `Step.info` the p(x), q(x) and uniform draw u of every draft token
-        ("p", "q", "u"; under greedy u is None and p, q are the one-hot values 0 or 1).
+        ("p", "q", "u"; under greedy and under a seed u is None and p, q are the one-hot values 0 or 1:
+        a token passes iff it is the target's own).
     logprobs: None, or k >= 0: the result's `logprobs` holds, for every emitted token, the target's
         log-probability of it and its k most likely tokens there (logprobs.py: the model's own
         distribution at temperature 1, the same whatever was drafted).

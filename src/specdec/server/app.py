@@ -19,12 +19,12 @@ from typing import Callable
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..errors import SpecdecError
+from ..errors import ModelFault, SpecdecError
 from ..generate import GenerationResult
 from .metrics import Metrics, speculation_usage
 from .schema import BadRequest, Job, parse_body, parse_job
 from .service import Service
-from .worker import QueueFull, Worker
+from .worker import EngineStopped, QueueFull, Worker
 
 POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
@@ -103,17 +103,81 @@ def _error(error: BadRequest) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+class _SameMachineOnly:
+    """ASGI middleware: a page in the user's browser can POST to a keyless loopback server, and
+    DNS rebinding lets it read the answer too. Browsers say where a request comes from (`Origin`)
+    and whom they think they ask (`Host`): a request from a page not in `origins` is refused, and
+    so, on a loopback `host`, is one addressed to another name (403, OpenAI's error body)."""
+
+    def __init__(self, app, origins: list[str], host: str | None):
+        self.app, self.origins, self.host = app, set(origins), host
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            origin, asked = headers.get("origin"), headers.get("host", "")
+            error = None
+            if origin is not None and origin not in self.origins:
+                error = BadRequest(f"requests from web pages are refused unless --cors-origin allows them; "
+                                   f"{origin!r} is not allowed", status=403, code="origin_not_allowed")
+            elif self.host in LOOPBACK and _host_name(asked) not in LOOPBACK:
+                error = BadRequest(f"this server listens on {self.host} and answers only requests addressed to "
+                                   f"it, not to {asked!r}", status=403, code="host_not_allowed")
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, its port left out ('[::1]:8000' -> '::1')."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 def _sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+API_KEY_VARIABLE = "SPECDEC_API_KEY"
+
+
+def api_key_from(flag: str | None, path=None) -> str | None:
+    """The API key: `--api-key`, else the first line of `--api-key-file`, else $SPECDEC_API_KEY,
+    else None (no key). Raises SpecdecError for two sources at once, or an unreadable or empty file."""
+    import os
+    from pathlib import Path
+
+    if flag is not None and path is not None:
+        raise SpecdecError("give the key once: --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecdecError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise SpecdecError(f"--api-key-file {path} is empty")
+        return key
+    if flag is not None:
+        if not flag.strip():
+            raise SpecdecError("--api-key is empty")
+        return flag
+    return os.environ.get(API_KEY_VARIABLE) or None
+
+
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | None = None,
                api_key: str | None = None, on_load_error: Callable[[Exception], None] | None = None,
-               steer: bool = True) -> FastAPI:
+               steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. A load that
     fails goes to `on_load_error` (the CLI stops the server), and /health says why. steer: the
     engine sizes drafts from the batch's measured costs (`Engine`; False: each request's own schedule).
+    cors_origins: the web origins whose pages may call the API (a request from any other page,
+    one with an `Origin` header, is refused: 403). host: the address listened on; on a loopback
+    address, a request naming another host (`Host`: a DNS-rebinding page) is refused (403).
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -142,12 +206,22 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdec = state
+    allowed_origins = sorted(set(cors_origins or []))
+    app.add_middleware(_SameMachineOnly, origins=allowed_origins, host=host)
+    if allowed_origins:  # outermost: answers those origins' preflights and marks their answers readable
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     def ready() -> Service:
         if state["error"] is not None:
             raise BadRequest(f"the model failed to load: {state['error']}", status=503, type="server_error")
         if state["service"] is None:
             raise BadRequest("the model is loading; retry shortly", status=503, type="server_error")
+        if state["worker"] is not None and state["worker"].dead is not None:
+            raise BadRequest(f"the engine stopped on an error ({state['worker'].dead!r}); this server serves no "
+                             "more: restart it", status=503, type="server_error", code="engine_stopped")
         return state["service"]
 
     def authorize(request: HttpRequest) -> None:
@@ -189,11 +263,14 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
                 raise BadRequest(f"the request body is {declared} bytes, over this server's limit of "
                                  f"{service.limits.max_body}", status=413, code="body_too_large")
-            body = parse_body(await request.body(), service.limits.max_body)
+            body = parse_body(await _read_body(request, service.limits.max_body), service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
             prompts = service.prompt_ids(job)
             engine_requests = [r for ids in prompts  # choice k: prompt k // n, its choice k % n
                                for r in service.requests(job, ids, service.max_new_tokens(job, len(ids)))]
+            if len(engine_requests) > service.limits.max_waiting:  # could never be queued: no retry helps
+                raise BadRequest(f"{len(prompts)} prompt(s) × n = {job.n} make {len(engine_requests)} choices, over "
+                                 f"this server's limit of {service.limits.max_waiting} queued at once", "n")
         except BadRequest as error:
             metrics.requests.labels(status="rejected").inc()
             return _error(error)
@@ -209,6 +286,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             metrics.requests.labels(status="rejected").inc()
             return _error(BadRequest(f"the server is busy: {full}; retry later", status=429, type="server_error",
                                      code="queue_full"))
+        except EngineStopped as stopped:
+            metrics.requests.labels(status="error").inc()
+            return _error(BadRequest(str(stopped), status=503, type="server_error", code="engine_stopped"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
             if isinstance(body.get("stream_options"), dict) else False
         run = _Run(service, job, chat, prompts, choices, worker, metrics, arrival, request)
@@ -226,6 +306,19 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         return await complete(request, chat=True)
 
     return app
+
+
+async def _read_body(request: HttpRequest, limit: int) -> bytes:
+    """The request's body, read as it arrives and refused (413) as soon as it passes `limit` bytes:
+    a chunked body declares no length, and reading it whole first would hold all of it in memory."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the request body is over this server's limit of {limit} bytes", status=413,
+                             code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Run:
@@ -270,7 +363,10 @@ class _Run:
                     text = self.texts[i]
                     if kind == "failed":
                         self.status = "error"
-                        status = 400 if isinstance(value, SpecdecError) else 500
+                        if isinstance(value, EngineStopped):
+                            raise BadRequest(str(value), status=503, type="server_error", code="engine_stopped")
+                        # the request's own trouble is a 400; the model's or the server's a 500
+                        status = 400 if isinstance(value, SpecdecError) and not isinstance(value, ModelFault) else 500
                         raise BadRequest(f"generation failed: {value}", status=status,
                                          type="invalid_request_error" if status == 400 else "server_error")
                     if kind == "tokens":
@@ -306,8 +402,11 @@ class _Run:
             result = GenerationResult(self.texts[i].ids, [], GenerationStats(), "stop")
         self.results[i] = result
         end = time.perf_counter()
-        self.metrics.finished(result, len(self.prompts[i // self.job.n]), self.arrival, self.choices[i].first or end,
-                              end)
+        prompt = i // self.job.n
+        counted = any(r is not None for r in self.results[prompt * self.job.n:(prompt + 1) * self.job.n]
+                      if r is not result)  # a prompt's tokens count once, as in `usage`
+        self.metrics.finished(result, 0 if counted else len(self.prompts[prompt]), self.arrival,
+                              self.choices[i].first or end, end)
 
     def usage(self) -> dict:
         done = [r for r in self.results if r is not None]

@@ -65,6 +65,8 @@ def parse_body(raw: bytes, limit: int) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # json's parser recurses once per level: thousands of [ or { overflow it
+        raise BadRequest("the request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")
     return body
@@ -159,8 +161,15 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
     if model is not None and model != model_name:
         raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                          status=404, code="model_not_found")
+    # fields this server does not honour: taken only at the value that changes nothing, else refused
+    # by name (never ignored: an answer that silently leaves out a penalty is a wrong answer)
     allowed = {"best_of": (None, 1), "echo": (None, False),
-               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,)}
+               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
+               "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, [])}
+    if not chat:
+        allowed.update(top_logprobs=(None,), max_completion_tokens=(None,))  # chat's fields
     for name, values in allowed.items():
         if not any(body.get(name) is v or body.get(name) == v and type(body.get(name)) is type(v) for v in values):
             raise BadRequest(f"{name} is not supported by this server yet", name, code="unsupported")

@@ -8,6 +8,7 @@ and a client that goes away frees its sequence within one step.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Protocol
@@ -15,9 +16,15 @@ from typing import Protocol
 from ..engine import Engine, Request
 from ..generate import GenerationResult
 
+log = logging.getLogger("specdec.server")
+
 
 class QueueFull(Exception):
     """More requests wait than the server takes (it answers 429 with Retry-After)."""
+
+
+class EngineStopped(Exception):
+    """The engine's thread has ended on an error of its own: nothing more is served (503)."""
 
 
 class Sink(Protocol):
@@ -42,6 +49,7 @@ class Worker:
 
     def __init__(self, engine: Engine, max_waiting: int = 64, on_step=None, between=None):
         self.engine, self.max_waiting, self.on_step, self.between = engine, max_waiting, on_step, between
+        self.dead: BaseException | None = None  # what ended the engine's thread, if anything did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._ids: dict[int, int] = {}  # id(sink) -> engine request id
@@ -74,6 +82,8 @@ class Worker:
         """Queue a request; raises QueueFull when `max_waiting` already wait. An invalid request
         reaches `sink.failed` (its SpecdecError) from the engine's thread."""
         with self._lock:
+            if self.dead is not None:
+                raise EngineStopped(f"the engine stopped on an error ({self.dead!r}); this server serves no more")
             if self._queued >= self.max_waiting:
                 raise QueueFull(f"{self._queued} requests are waiting, this server's limit")
             self._queued += 1
@@ -112,43 +122,76 @@ class Worker:
             self._queued -= count
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain()
-            if not self.engine.busy:
-                if self.between is not None:
-                    self.between()
-                    self._drain()
-                    if self.engine.busy:
-                        continue
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            waiting = len(self.engine.waiting)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._turn()
+                except Exception:  # outside every request's own guard: logged, and the engine goes on
+                    log.exception("the engine's loop hit an error outside any request; serving goes on")
+        except BaseException as error:  # the thread ends: say so to every request and to /health
+            log.critical("the engine's thread stopped; this server serves no more", exc_info=True)
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self.dead = error
+        stopped = EngineStopped(f"the engine stopped on an error ({error!r}); this server serves no more")
+        try:
+            self._drain()  # requests still in the inbox are told too
+        except Exception:
+            log.exception("taking in the last requests failed")
+        for sink in list(self._sinks.values()):
+            sink.failed(stopped)
+        self._sinks.clear()
+        self._ids.clear()
+
+    def _idle(self) -> None:
+        """No request in the engine: the update between requests, if any, then wait for work."""
+        if self.between is not None:
             try:
-                emitted = self.engine.step()
-            except Exception as error:  # a pass shared by every running sequence failed: they fail, the server goes on
-                self._fail_running(error)
-                continue
-            finally:
-                self._settle(waiting - len(self.engine.waiting))
-            for request_id, error in self.engine.failed.items():  # one sequence's own error
-                sink = self._sinks.pop(request_id, None)
-                if sink is not None:
-                    self._ids.pop(id(sink), None)
-                    sink.failed(error)
-            self.engine.failed.clear()
-            for request_id, ids in emitted.items():
-                sink = self._sinks.get(request_id)
-                if sink is not None and ids:
-                    logprobs = self.engine.logprobs(request_id)
-                    sink.tokens(ids, None if logprobs is None else logprobs[len(logprobs) - len(ids):])
-            for request_id in [r for r in self.engine.results if r in self._sinks]:
-                sink = self._sinks.pop(request_id)
+                self.between()
+            except Exception:  # the learner's trouble is not the requests': it stops, serving goes on
+                log.exception("the update between requests failed; it is turned off, serving goes on")
+                self.between = None
+            self._drain()
+            if self.engine.busy:
+                return
+        self._wake.wait(0.1)
+        self._wake.clear()
+
+    def _turn(self) -> None:
+        """Take in adds and cancels, then one engine step and its tokens handed out (or wait idle)."""
+        self._drain()
+        if not self.engine.busy:
+            self._idle()
+            return
+        waiting = len(self.engine.waiting)
+        try:
+            emitted = self.engine.step()
+        except Exception as error:  # a pass shared by every running sequence failed: they fail, the server goes on
+            log.exception("an engine step failed; the requests in it end with the error")
+            self._fail_running(error)
+            return
+        finally:
+            self._settle(waiting - len(self.engine.waiting))
+        for request_id, error in self.engine.failed.items():  # one sequence's own error
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
                 self._ids.pop(id(sink), None)
-                sink.done(self.engine.results.pop(request_id))
-            self.engine.results.clear()  # cancelled ones' results are nobody's
-            if self.on_step is not None:
-                self.on_step(self.engine)
+                sink.failed(error)
+        self.engine.failed.clear()
+        for request_id, ids in emitted.items():
+            sink = self._sinks.get(request_id)
+            if sink is not None and ids:
+                logprobs = self.engine.logprobs(request_id)
+                sink.tokens(ids, None if logprobs is None else logprobs[len(logprobs) - len(ids):])
+        for request_id in [r for r in self.engine.results if r in self._sinks]:
+            sink = self._sinks.pop(request_id)
+            self._ids.pop(id(sink), None)
+            sink.done(self.engine.results.pop(request_id))
+        self.engine.results.clear()  # cancelled ones' results are nobody's
+        if self.on_step is not None:
+            self.on_step(self.engine)
 
     def _fail_running(self, error: Exception) -> None:
         for request_id in list(self.engine.running) + list(self.engine.prefilling):
