@@ -294,3 +294,17 @@ def test_a_seed_rule_outside_the_two_is_refused():
     target = TableModel(vocab=3, seed=0)
     with pytest.raises(Exception, match="seed_rule"):
         speculative_generate([0, 1], target, target, sampler=Sampler(1.0), seed=1, seed_rule="coupld")
+
+
+def test_the_coupled_acceptance_formula_matches_the_races_and_sits_within_the_bounds():
+    from specdec.theory import acceptance_beta, coupled_acceptance
+
+    p, q = _laws(3, 12, 7, sharpness=1.2), _laws(3, 12, 8, sharpness=1.2)
+    exact = coupled_acceptance(p, q)
+    races = _exp_noise((DRAWS, 3, 12), 4)
+    empirical = (race(p.expand(DRAWS, -1, -1), races) == race(q.expand(DRAWS, -1, -1), races)).double().mean(0)
+    assert torch.allclose(exact.double(), empirical, atol=5 * 0.5 / DRAWS ** 0.5)
+    beta = acceptance_beta(p, q)
+    assert bool((beta / (2 - beta) <= exact + 1e-6).all() and (exact <= beta + 1e-6).all())
+    same = coupled_acceptance(p, p)
+    assert torch.allclose(same, torch.ones(3), atol=1e-5)  # a drafter that is the target always agrees

@@ -413,9 +413,9 @@ class Decoding:
     @property
     def pinned(self) -> bool:
         """Whether a seed pins this sequence's sampled output to its drafts, so that any change in
-        them (their lengths, or a drafter's logits rounded otherwise) would change it: only under a
-        lossy rule (lenience, typical acceptance). A seed with the exact rule couples every draw to
-        noise of (seed, position) alone, so no draft changes the output."""
+        them (their lengths, or a drafter's logits rounded otherwise) would change it: only under
+        `seed_rule="stream"` or a lossy rule (lenience, typical acceptance). A coupled seed ties every
+        draw to noise of (seed, position) alone, so no draft changes the output."""
         return seed_pins_drafts(self.seed, self.sampler, self.lenience, self.typical, self.seed_rule)
 
     @property

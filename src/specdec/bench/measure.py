@@ -22,7 +22,8 @@ from ..backends import Backend
 from ..generate import autoregressive_generate, speculative_generate
 from ..samplers import Sampler
 from ..text import check_pair
-from ..theory import acceptance_beta, expected_tokens, flat_verification, step_speedup, walltime_improvement
+from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, step_speedup,
+                      walltime_improvement)
 from .forward_cost import forward_ms
 
 
@@ -43,17 +44,20 @@ RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
 
 
 def measure_alpha(target: Backend, drafter: Backend, prompt: list[int], generated: list[int],
-                  sampler: Sampler) -> tuple[list[float], torch.Tensor]:
+                  sampler: Sampler) -> tuple[list[float], torch.Tensor, list[float]]:
     """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes),
-    and p(x_r) [n, RANKS] of the drafter's rank-r token x_r there: with deterministic siblings
-    (top-k children) the rank-r child is the accepted one with probability exactly p(x_r)."""
+    p(x_r) [n, RANKS] of the drafter's rank-r token x_r there (with deterministic siblings, top-k
+    children, the rank-r child is the accepted one with probability exactly p(x_r)), and a seed's
+    coupled acceptance there (`theory.coupled_acceptance`; under greedy, β itself)."""
     ids = prompt + generated
     n = len(generated)
     p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from
     drafter_logits = drafter.forward(ids[:-1], None, n)[:, :p.shape[-1]]
     q = sampler.probs(drafter_logits)
     ranked = drafter_logits.topk(RANKS, dim=-1).indices
-    return acceptance_beta(p, q).tolist(), p.gather(-1, ranked)
+    beta = acceptance_beta(p, q)
+    coupled = beta if sampler.is_greedy else coupled_acceptance(p, q)
+    return beta.tolist(), p.gather(-1, ranked), coupled.tolist()
 
 
 def tree_rows(target: Backend, drafter: Backend, prompts: list[list[int]], acceptance: list[float],
@@ -126,6 +130,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
 
     runs = {"ar": [], **{g: [] for g in gammas}}
     betas: list[float] = []
+    coupled: list[float] = []
     rank_p: list[torch.Tensor] = []
     autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
     speculative_generate(prompts[0][:16], target, drafter, gamma=2, sampler=sampler, max_new_tokens=4, seed=seed)
@@ -134,21 +139,24 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
         bar = progress.add_task("measure", total=len(prompts) * (len(gammas) + 2))
         for i, ids in enumerate(prompts):
             progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: α")
-            ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i)
+            ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i, seed_rule="stream")
             if ar.tokens:
-                beta, ranked = measure_alpha(target, drafter, ids, ar.tokens, sampler)
+                beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler)
                 betas += beta
+                coupled += agree
                 rank_p.append(ranked)
             progress.advance(bar)
             order = ["ar", *gammas]
             order = order[i % len(order):] + order[:i % len(order)]
             for g in order:
                 progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: " + ("ar" if g == "ar" else f"γ={g}"))
+                # the standard rule, whose α the theory takes (a seed's coupled draws accept less)
                 if g == "ar":
-                    result = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i)
+                    result = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i,
+                                                     seed_rule="stream")
                 else:
                     result = speculative_generate(ids, target, drafter, gamma=g, sampler=sampler,
-                                                  max_new_tokens=max_new_tokens, seed=seed + i)
+                                                  max_new_tokens=max_new_tokens, seed=seed + i, seed_rule="stream")
                 runs[g].append(result.stats)
                 progress.advance(bar)
                 if not console.is_terminal:  # a log file gets no live bar: one line per generation
@@ -180,7 +188,9 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
         t["verification_cost"] = forward_ms(target, nodes + 1, tree=True) / target_ms if nodes else 1.0
         t["predicted_here"] = step_speedup(tokens, t["depth"], c, t["verification_cost"])
         t["predicted_flat"] = step_speedup(tokens, t["depth"], c, flat_verification(nodes))
-    return {"alpha": alpha, "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
+    # a seed's coupled draws: their agreement, and Daliri et al.'s bound (1 − TV)/(1 + TV) = β/(2 − β)
+    return {"alpha": alpha, "alpha_coupled": statistics.fmean(coupled),
+            "alpha_coupled_bound": statistics.fmean(b / (2 - b) for b in betas), "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
             "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections}
@@ -190,6 +200,9 @@ def measure_markdown(m: dict) -> str:
     lines = [f"- {m['target']} ← {m['drafter']}, {m['prompts']} prompts, {m['max_new_tokens']} new tokens, "
              f"{m['sampler']}",
              f"- α = {m['alpha']:.3f} (mean Σ min(p, q) over {m['positions']} positions of the target's own text)",
+             *([f"- under a seed (coupled draws, docs/exactness.md#seeds): α = {m['alpha_coupled']:.3f} at the same "
+                f"positions (bound (1 − TV)/(1 + TV): {m['alpha_coupled_bound']:.3f})"]
+               if "alpha_coupled" in m and m["sampler"] != "greedy" else []),
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
              "| γ | expected tokens / step (iid) | measured tokens / step | acceptance | v(γ) = (γ+1)-token pass / "
              "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup | projected where wide "
