@@ -52,10 +52,10 @@ def test_sampled_cascade_keeps_the_joint_law_and_a_biased_guess_rule_breaks_it(m
 
     real = cascade._draw
 
-    def keeps_guesses(logits, q, guess, generator):  # a guess kept at the drafter's top probability instead of q(g)
+    def keeps_guesses(logits, q, guess, generator, position):  # a guess kept at q's top instead of q(g)
         if q is not None and guess is not None and torch.rand((), generator=generator) < q.max():
             return guess
-        return real(logits, q, None, generator)
+        return real(logits, q, None, generator, position)
 
     monkeypatch.setattr(cascade, "_draw", keeps_guesses)
     assert chi_square_pvalue(run(range(2_000))[0], joint) < ALPHA
