@@ -218,6 +218,10 @@ PATHS = {
                                                    seed_rule="stream",
                                                    eos_token_ids=[], first_target=False), 3,
         lambda out: len(out.steps[0].draft_tokens) == 2),
+    "verify_coupled (a seed's draws)": (
+        lambda t, d, s, seed: speculative_generate(PROMPT, t, d, gamma=3, sampler=s, max_new_tokens=3, seed=seed,
+                                                   eos_token_ids=[], first_target=False), 3,
+        lambda out: len(out.steps[0].draft_tokens) == 2),
 }
 
 
