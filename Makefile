@@ -130,7 +130,7 @@ bench-gguf: peers
 # model-free drafters on the GGUF weights against llama.cpp's plain decoding and its prompt lookup (~25 min)
 bench-free: peers
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --dtype gguf --drafter-dtype gguf \
-		--methods ar,lookup,suffix,llama-cpp,llama-cpp-lookup --max-new-tokens 128 \
+		--methods ar,lookup-fixed,suffix,llama-cpp,llama-cpp-lookup --max-new-tokens 128 \
 		--markdown docs/benchmarks/free-drafts.md --json docs/benchmarks/free-drafts.json --plot docs/benchmarks/free-drafts.png
 
 # retrieval from the standard library's datastore, beside suffix drafting, on the GGUF weights (~20 min)
@@ -197,7 +197,7 @@ bench-other-tokenizer: setup
 # (so every output is also checked token for token against AR; ~100 min)
 bench-policies: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0 \
-		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram,lookup --gamma 5 --gamma-max 20 \
+		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram-fixed,lookup-fixed --gamma 5 --gamma-max 20 \
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
 
@@ -213,7 +213,7 @@ bench-trees: setup
 # (~1 h on the 2-core EPYC)
 bench-default-tree: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:0+1 --samples 5 \
-		--methods ar,sd-cost,tree-mixed,lookup,hf-assisted,hf-lookup \
+		--methods ar,sd-cost,tree-mixed,lookup-fixed,hf-assisted,hf-lookup \
 		--gamma 5 --gamma-max 20 --max-new-tokens 128 --markdown docs/benchmarks/trees-9.md \
 		--json docs/benchmarks/trees-9.json --plot docs/benchmarks/trees-9.png
 

@@ -335,6 +335,8 @@ def test_generate_prompts_online_runs_them_one_by_one_and_learns_between_them(ca
     import json
 
     from specdec import cli
+    from specdec.methods import Parts, build
+    from specdec.spec import SpecConfig
 
     target = tiny_model(0, vocab=64, exact_rows=True)
     drafter = tiny_model(1, vocab=64, layers=1, role="drafter", exact_rows=True)
@@ -343,7 +345,8 @@ def test_generate_prompts_online_runs_them_one_by_one_and_learns_between_them(ca
     online = OnlineDistiller(drafter, min_records=1, lr=1e-2)
     prompts = ["3 4 5", "9 8 7 6", "1 2 3", "4 4 4"]
     rows = [{"prompt": p, "sampler": Sampler(0.0), "max_new_tokens": 12} for p in prompts]
-    cli._generate_batch(target, drafter, rows, 1, None, "sd", True, False, online=online)
+    speculation = build(SpecConfig("chain", schedule="fixed"), Parts(target, drafter))
+    cli._generate_batch(target, speculation, rows, 1, True, False, online=online)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for prompt, line in zip(prompts, lines):
         ids = [int(t) for t in prompt.split()]

@@ -67,7 +67,7 @@ def test_level_figures():
 
 @pytest.mark.parametrize("args,message", [
     (["--concurrency", "0"], "integers >= 1"), (["--concurrency", "a"], "integers >= 1"),
-    (["--concurrency", "1", "--methods", "ar,sd"], "with --concurrency, methods are"),
+    (["--concurrency", "1", "--methods", "ar,medusa"], "with --concurrency, methods are"),
     (["--concurrency", "1", "--temperature", "0,1"], "one --temperature"),
     (["--concurrency", "1", "--drafter-vocab", "100"], "none of --plot, --batched-rows, --drafter-vocab"),
 ])

@@ -186,7 +186,7 @@ def test_the_cli_builds_a_datastore_and_generate_drafts_from_it(tmp_path):
     (["generate", "x", "--drafter", "retrieval"], "needs a datastore"),
     (["generate", "x", "--drafter", "retrieval:no-such-folder"], "no meta.json"),
     (["profile", "x", "--drafter", "retrieval"], "needs a datastore"),
-    (["serve", "--drafter", "retrieval:somewhere"], "not one"),
+    (["serve", "--drafter", "retrieval:somewhere"], "no meta.json"),
 ])
 def test_datastore_options_are_checked_before_loading(args, message):
     from typer.testing import CliRunner

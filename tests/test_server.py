@@ -765,7 +765,8 @@ def test_a_chunked_body_past_the_limit_is_413_before_it_ends_and_deep_nesting_is
 @pytest.mark.parametrize("args, message", [
     (["--method", "magic"], "--method must be one of"),
     (["--drafter", "none"], "--method default drafts with a drafter model"),
-    (["--drafter", "lookup"], "lookup is not one"),
+    (["--drafter", "lookup", "--method", "tree"], "--drafter lookup names the lookup method"),
+    (["--drafter", "self-skip"], "the target drafting for itself runs one sequence at a time"),
     (["--dtype", "gguf", "--method", "tree"], "token trees, which need transformers' weights"),
     (["--dtype", "gguf", "--method", "lookahead"], "--method lookahead scores token trees"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),

@@ -16,6 +16,8 @@ from .verify import (sibling_laws, verify_coupled, verify_draft, verify_greedy, 
 from .drafters import (Eagle2Drafter, LookaheadDrafter, LookupDrafter, LookupTreeDrafter, MixedDrafter, ModelDrafter, NgramDrafter,
                        SequoiaDrafter, SidesDrafter, make_tree_drafter)
 from .schedules import TreeCost, make_schedule
+from .spec import SpecConfig
+from .methods import Parts, Speculation, build, resolve
 from .trees import Tree
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "speculative_generate_encoder_decoder", "Seq2SeqModel", "LookaheadDrafter", "speculative_beam_search",
     "verify_draft", "verify_greedy", "verify_coupled", "verify_tree_coupled", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
     "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",
-    "MixedDrafter", "SequoiaDrafter", "SidesDrafter", "make_tree_drafter",
+    "MixedDrafter", "SequoiaDrafter", "SidesDrafter", "make_tree_drafter", "SpecConfig", "Parts", "Speculation",
+    "build", "resolve",
 ]
 __version__ = "0.1.0"

@@ -12,17 +12,18 @@ from rich.console import Console
 
 from .backends import Backend
 from .display import DebugPrinter, StepPrinter, summary_line
-from .drafters import LookupDrafter, NgramDrafter
 from .errors import SpecdecError
 from .generate import GenerationStats, autoregressive_generate, speculative_generate
+from .methods import Parts, Speculation, build, from_options, open_files
 from .passcost import pass_costs
 from .samplers import Sampler
 from .schedules import SCHEDULES, make_schedule
 
 HELP = """commands:
-  /method sd|ar            speculative or plain autoregressive decoding
-  /drafter NAME            a model (registry name, directory, .gguf), ngram, lookup, or the target
-                           drafting for itself: medusa:DIR, eagle:DIR, self-skip[:LAYERS]
+  /method NAME             any of `specdec methods` (default, chain, lookup, tree-mixed, sd, ar, ...)
+  /drafter NAME            a model (registry name, directory, .gguf), ngram, lookup, suffix, or the
+                           target drafting for itself: medusa:DIR, eagle:DIR, self-skip[:LAYERS]
+  /tree SHAPE              the tree method's shape (sides, eagle2, sequoia, lookup, mixed, ...)
   /schedule NAME           cost, fixed, heuristic, confidence, egag
   /gamma N                 γ (fixed; start of heuristic)     /gamma-max N   (the others)
   /temperature T           0 = greedy                        /top-k K   /top-p P
@@ -32,29 +33,46 @@ HELP = """commands:
 
 
 class ChatSession:
+    """method: a method or preset (`methods.resolve`), with `drafter` (a --drafter value) and
+    `tree` on top as `spec.from_options` reads them; schedule None: the method's.
+    load_drafter(name): the drafter model of that name, loaded (called once a name)."""
+
     def __init__(self, target: Backend, load_drafter: Callable[[str], Backend], drafter: str,
-                 console: Console, method: str = "sd", schedule: str = "cost", gamma: int = 5,
+                 console: Console, method: str = "default", schedule: str | None = None, gamma: int = 5,
                  gamma_max: int = 20, sampler: Sampler | None = None, debug: bool = False,
-                 max_new_tokens: int = 256):
+                 max_new_tokens: int = 256, tree: str = "off"):
         self.target, self.load_drafter, self.console = target, load_drafter, console
         self.method, self.schedule, self.gamma, self.gamma_max = method, schedule, gamma, gamma_max
+        self.tree = tree
         self.sampler = sampler or Sampler(temperature=0.0)
         self.debug, self.max_new_tokens = debug, max_new_tokens
         self.history: list[dict] = []
         self.last: GenerationStats | None = None
         self.total_tokens, self.total_seconds = 0, 0.0
-        self._drafters: dict[str, object] = {}
+        self._models: dict[str, object] = {}
+        self._built: dict = {}
         self.drafter_name = drafter
 
-    def drafter(self):
-        name = self.drafter_name
-        if name == "ngram":
-            return NgramDrafter()
-        if name == "lookup":
-            return LookupDrafter()
-        if name not in self._drafters:
-            self._drafters[name] = self.load_drafter(name)
-        return self._drafters[name]
+    def config(self):
+        """The `SpecConfig` of the session's settings (SpecdecError where they do not fit together)."""
+        return from_options(self.method, self.drafter_name, self.tree, schedule=self.schedule, gamma=self.gamma,
+                            gamma_max=self.gamma_max)
+
+    def speculation(self) -> Speculation:
+        """The session's speculation, built once per config: its files opened, its drafter model
+        loaded (once a name) and, for the cost schedule, this machine's pass costs."""
+        config = self.config()
+        if config not in self._built:
+            open_files(config)
+            model = None
+            if config.speculative and config.needs_drafter_model():
+                if config.drafter not in self._models:
+                    self._models[config.drafter] = self.load_drafter(config.drafter)
+                model = self._models[config.drafter]
+            say = lambda m: self.console.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+            self._built[config] = build(config, Parts(self.target, model,
+                                                      costs=lambda m: pass_costs(self.target, m, say=say)))
+        return self._built[config]
 
     def handle(self, line: str) -> bool:
         """Run one command or one conversation turn; False when the session should end."""
@@ -74,15 +92,17 @@ class ChatSession:
                 return False
             if name == "help":
                 self.console.print(HELP, highlight=False)
-            elif name == "method":
-                if arg not in ("sd", "ar"):
-                    raise SpecdecError("/method takes sd or ar")
-                self.method = arg
-            elif name == "drafter":
+            elif name in ("method", "drafter", "tree"):
                 if not arg:
-                    raise SpecdecError("/drafter takes a model name, ngram, lookup, medusa:DIR, eagle:DIR or self-skip")
-                self.drafter_name = arg
-                self.drafter()  # load now, so a bad name fails here and not mid-turn
+                    raise SpecdecError(f"/{name} takes a name; /help lists what each takes")
+                attribute = "drafter_name" if name == "drafter" else name
+                before = getattr(self, attribute)
+                setattr(self, attribute, arg)
+                try:
+                    self.speculation()  # load now, so a bad name fails here and not mid-turn
+                except SpecdecError:
+                    setattr(self, attribute, before)
+                    raise
             elif name == "schedule":
                 if arg not in SCHEDULES:
                     raise SpecdecError(f"/schedule takes one of {', '.join(SCHEDULES)}")
@@ -117,23 +137,13 @@ class ChatSession:
 
     def describe(self) -> str:
         weights = f"weights {self.target.weights}"
-        if self.method == "ar":
+        config = self.config()
+        if not config.speculative:
             return f"ar · {self.sampler.describe()} · {weights}"
-        plan = make_schedule(self.schedule, self.gamma, 1, self.gamma_max).describe()
-        return (f"sd · drafter {self.drafter_name} · {plan} · {self.sampler.describe()} · {weights}" +
+        plan = self.speculation().make_schedule().describe()
+        name = "sd" if self.method == "default" else self.method
+        return (f"{name} · drafter {self.drafter_name} · {plan} · {self.sampler.describe()} · {weights}" +
                 (" · debug" if self.debug else ""))
-
-    def _schedule(self, drafter):
-        """This turn's schedule. A tree drafter sizes its own trees (the schedule only bounds their
-        depth); the cost schedule gets this machine's pass costs (passcost.py, measured once), so
-        where drafting cannot pay it drafts nothing."""
-        if hasattr(drafter, "propose_tree"):
-            return make_schedule("fixed", self.gamma_max)
-        costs = None
-        if self.schedule == "cost" and self.drafter_name.split(":")[0] not in ("medusa", "eagle", "self-skip"):
-            costs = pass_costs(self.target, None if hasattr(drafter, "propose") else drafter,
-                               say=lambda m: self.console.print(f"[dim]{m}[/]", highlight=False))
-        return make_schedule(self.schedule, self.gamma, 1, self.gamma_max, pass_costs=costs)
 
     def _turn(self, text: str) -> None:
         messages = self.history + [{"role": "user", "content": text}]
@@ -141,13 +151,15 @@ class ChatSession:
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         try:
-            if self.method == "sd":
+            config = self.config()
+            if config.speculative:
                 printer = DebugPrinter(self.target, self.console) if self.debug else StepPrinter(self.target, self.console)
-                drafter = self.drafter()
-                schedule = self._schedule(drafter)
-                result = speculative_generate(list(ids), self.target, drafter, sampler=self.sampler,
-                                              max_new_tokens=self.max_new_tokens, schedule=schedule,
-                                              on_step=printer, debug=self.debug)
+                speculation = self.speculation()
+                result = speculative_generate(list(ids), self.target, speculation.make_drafter(),
+                                              sampler=self.sampler, max_new_tokens=self.max_new_tokens,
+                                              schedule=speculation.make_schedule(), on_step=printer, debug=self.debug,
+                                              lenience=config.effective_lenience(), typical=config.typical(),
+                                              seed_rule=config.seed_rule)
             else:
                 result = autoregressive_generate(list(ids), self.target, sampler=self.sampler,
                                                  max_new_tokens=self.max_new_tokens,
@@ -160,13 +172,16 @@ class ChatSession:
         self.last = result.stats
         self.total_tokens += result.stats.new_tokens
         self.total_seconds += result.stats.wall_seconds
-        self.console.print(f"[dim]{summary_line(result.stats, self.method)}[/]", highlight=False)
+        self.console.print(f"[dim]{summary_line(result.stats, self._shown())}[/]", highlight=False)
+
+    def _shown(self) -> str:
+        return "ar" if self.method == "ar" else "sd"
 
     def _stats(self) -> None:
         if self.last is None:
             self.console.print("no reply yet", highlight=False)
             return
-        self.console.print(f"last reply: {summary_line(self.last, self.method)}", highlight=False)
+        self.console.print(f"last reply: {summary_line(self.last, self._shown())}", highlight=False)
         rate = self.total_tokens / self.total_seconds if self.total_seconds else 0.0
         self.console.print(f"session: {self.total_tokens} tokens in {self.total_seconds:.2f} s ({rate:.2f} tok/s), "
                            f"{len(self.history) // 2} turns", highlight=False)

@@ -48,14 +48,16 @@ def _drafter_weights(dtype: str, drafter: str | None, drafter_dtype: str, restri
     return drafter_dtype
 
 
-def _check_runs_on(dtype: str, what: str | None) -> None:
+def _check_runs_on(dtype: str, config) -> None:
     """One line, before any loading, where a method cannot run on the target's weights: llama.cpp's
-    backend (--dtype gguf) takes chains, not trees or self-drafting heads."""
+    backend (--dtype gguf) takes chains, not trees or self-drafting."""
+    from .methods import METHODS
     from .models import GGUF_WEIGHTS
 
-    if dtype in GGUF_WEIGHTS and what:
-        raise SpecdecError(f"{what} cannot run on --dtype gguf (llama.cpp's backend takes chain drafts only); "
-                           "use --dtype auto (transformers' weights)")
+    method = METHODS[config.method]
+    if dtype in GGUF_WEIGHTS and config.speculative and (method.trees or method.self_drafting):
+        raise SpecdecError(f"{config.method} cannot run on --dtype gguf (llama.cpp's backend takes chain drafts "
+                           "only); use --dtype auto (transformers' weights)")
 
 
 def _weights_of(drafter) -> str | None:
@@ -64,27 +66,28 @@ def _weights_of(drafter) -> str | None:
     return getattr(model, "weights", None)
 
 
-def _cost_schedule(target_model, drafter_model, gamma_max: int):
-    """The cost-aware schedule with this machine's pass costs (passcost.py: measured once, cached),
-    so that where no draft can pay it drafts nothing from the first step."""
+def _measured_costs(target_model, drafter_model):
+    """This machine's pass costs of the pair (passcost.py: measured once, cached), for the cost
+    schedule, so that where no draft can pay it drafts nothing from the first step."""
     from .passcost import pass_costs
-    from .schedules import make_schedule
 
     with err.status("measuring pass costs…"):
         costs = pass_costs(target_model, drafter_model, say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
     if costs.never_pays():
         err.print(f"[dim]drafting cannot pay on this machine (a draft accepted in full would make "
                   f"{costs.best_speedup():.2f}x plain decoding): the cost schedule drafts nothing[/]", highlight=False)
-    return make_schedule("cost", gamma_max=gamma_max, pass_costs=costs)
+    return costs
 
 
-def _chain_drafter_rows(tree: str, exact_rows: bool | None) -> bool | None:
+def _chain_drafter_rows(config, exact_rows: bool | None) -> bool | None:
     """A chain drafter model's `exact_rows`: on (unless --batched-rows), alone and in a batch
     alike, so that the engine can batch its passes across sequences and a seeded sampled prompt
     drafts the same in both. Its passes are a prompt (fed plainly either way) and then 1-2 tokens,
     where row-exact attention is one one-query call a row, as a decode step makes; a tree drafter
     keeps the default (its depth passes would pay a call per row)."""
-    if tree != "off" or exact_rows is False:
+    from .methods import METHODS
+
+    if METHODS[config.method].trees or exact_rows is False:
         return None
     return True
 
@@ -115,7 +118,9 @@ EXACT_ROWS_HELP = ("Row-exact target passes: each row of a verification pass com
                    "multi-row kernels).")
 
 
-MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval")
+METHOD_HELP = ("A method or preset (`specdec methods` lists them; the same names as serve, chat and bench): ar "
+               "(plain decoding), chain, lookup, tree, sd (a fixed γ), tree-sides, ... default: what --drafter, "
+               "--tree and --cascade name (the drafter model's chain, cost-aware).")
 
 
 def _lookahead_shape(text: str | None) -> tuple[int, int, int] | None:
@@ -126,65 +131,10 @@ def _lookahead_shape(text: str | None) -> tuple[int, int, int] | None:
         window, ngram, guesses = (int(v) for v in text.split(","))
     except ValueError:
         raise SpecdecError(f"--lookahead-shape takes W,N,G (three integers, e.g. 15,3,15), got {text!r}") from None
-    from .drafters import LookaheadDrafter
+    from .drafters.lookahead import check_shape
 
-    LookaheadDrafter(window, ngram, guesses)
+    check_shape((window, ngram, guesses))
     return window, ngram, guesses
-
-
-def open_datastore(drafter: str):
-    """The datastore a `retrieval:DIR` drafter names (opened before any model loads), else None."""
-    if drafter == "retrieval":
-        raise SpecdecError("the retrieval drafter needs a datastore: --drafter retrieval:DIR (build one with "
-                           "`specdec datastore build`)")
-    if not drafter.startswith("retrieval:"):
-        return None
-    from .datastore import Datastore
-
-    return Datastore(drafter.removeprefix("retrieval:"))
-
-
-def self_drafter_spec(spec: str):
-    """("medusa", Heads) / ("eagle", Eagle) / ("self-skip", layers or None) for a self-drafting
-    --drafter, else None; read and checked before any model loads."""
-    if spec.startswith("medusa:"):
-        from .medusa import load_heads
-
-        return "medusa", load_heads(spec.removeprefix("medusa:"))
-    if spec.startswith("eagle:"):
-        from .eagle import load_eagle
-
-        return "eagle", load_eagle(spec.removeprefix("eagle:"))
-    if spec == "self-skip":
-        return "self-skip", None
-    if spec.startswith("self-skip:"):
-        try:
-            return "self-skip", [int(part) for part in _csv(spec.removeprefix("self-skip:"))]
-        except ValueError:
-            raise SpecdecError(f"self-skip:LAYERS takes comma-separated layer numbers, got {spec!r}") from None
-    return None
-
-
-def self_drafter(spec: tuple, target_model, tree_nodes: int = 64):
-    """The drafter a `self_drafter_spec` names, for `target_model`."""
-    kind, value = spec
-    if kind == "medusa":
-        from .drafters.medusa import MedusaDrafter
-
-        return MedusaDrafter(value, max_nodes=tree_nodes)
-    if kind == "eagle":
-        from .drafters.eagle import EagleDrafter
-
-        return EagleDrafter(value, max_nodes=tree_nodes)
-    from .drafters.layerskip import self_skip_drafter
-
-    with err.status("choosing the layers to skip…"):
-        drafter = self_skip_drafter(target_model, value)
-    if drafter.search:
-        best = next(t for t in drafter.search["trials"] if t["skip"] == drafter.model.skip)
-        err.print(f"[dim]self-skip: skipping layers {drafter.model.skip} (calibration α {best['alpha']}, "
-                  f"c ≈ {best['c']})[/]", highlight=False)
-    return drafter
 
 
 TREE_HELP = ("Token tree per step, verified in one target pass: off (a chain), sides (drafter chain plus its next "
@@ -215,11 +165,12 @@ def generate(
                                 "datastore, `specdec datastore build`), which need no model; "
                                 "or the target drafting for itself: 'medusa:DIR' or 'eagle:DIR' (from `specdec "
                                 "train-heads`; token trees) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
-    method: Method = typer.Option(Method.sd, help="sd: speculative decoding; ar: plain autoregressive."),
+    method: str = typer.Option("default", help=METHOD_HELP),
     gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
-    schedule: str = typer.Option("cost", help="Draft length: cost (stop when the draft is unlikely to pay for "
-                                 "another token, from measured costs), fixed, heuristic (+2 / −1), confidence "
-                                 "(stop below τ), egag (entropy-guided)."),
+    schedule: Optional[str] = typer.Option(None, help="Draft length: cost (stop when the draft is unlikely to pay "
+                                           "for another token, from measured costs), fixed, heuristic (+2 / −1), "
+                                           "confidence (stop below τ), egag (entropy-guided). Default: the method's "
+                                           "(cost; fixed for sd)."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ (heuristic, egag)."),
     gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ (cost, heuristic, confidence, egag)."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
@@ -262,22 +213,14 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from .display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from .drafters import (MODEL_FREE_TREES, CascadeDrafter, LookupDrafter, NgramDrafter, SuffixCache, SuffixDrafter,
-                           check_tree_options, make_tree_drafter)
-    from .drafters.cascade import STAGES as CASCADE_STAGES
-    from .generate import autoregressive_generate, seed_pins_drafts, speculative_generate
+    from .generate import autoregressive_generate, speculative_generate
+    from .drafters import SuffixCache
+    from .methods import METHODS, Parts, build, open_files
     from .samplers import Sampler
-    from .schedules import make_schedule
-    from .verify import Typical
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
-        datastore = open_datastore(drafter)
-        if datastore is not None:
-            drafter = "retrieval"
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
-        if gamma < 1:
-            raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
         if prompts_file is not None:
             if prompt is not None:
                 raise SpecdecError("give a prompt or --prompts FILE, not both")
@@ -291,149 +234,120 @@ def generate(
             raise SpecdecError("--kv-memory bounds a batch: use it with --prompts")
         elif prompt is None or not prompt.strip():
             raise SpecdecError("empty prompt")
-        plan = make_schedule(schedule, gamma, gamma_min, gamma_max, egag_beta, confidence)
-        if tree != "off":
-            check_tree_options(tree, tree_nodes, tree_scheme)  # before minutes of loading
-        shape = _lookahead_shape(lookahead_shape)
-        if shape is not None and tree != "lookahead":
-            raise SpecdecError("--lookahead-shape applies to --tree lookahead")
+        if gamma < 1:
+            raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
+        config = spec_config(method, drafter, tree, cascade, schedule, lenience, typical, gamma=gamma,
+                             gamma_min=gamma_min, gamma_max=gamma_max, egag_beta=egag_beta, confidence=confidence,
+                             ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
+                             typical_epsilon=typical_epsilon, typical_delta=typical_delta,
+                             lookahead_shape=_lookahead_shape(lookahead_shape))
         if _encoder_decoder(target):
-            if prompts_file is not None or tree != "off" or chat or cascade != "off" or dtype == "gguf":
-                raise SpecdecError("an encoder-decoder target (T5, BART) takes one prompt and chain drafts: drop "
-                                   "--prompts, --tree, --chat, --cascade and --dtype gguf")
-            _generate_seq2seq(prompt, target, drafter if method == Method.sd else None, sampler, plan, dtype, device,
-                              max_new_tokens, seed, first_target, as_json, lenience,
-                              Typical(typical_epsilon, typical_delta) if typical else None)
+            _generate_seq2seq(prompt, target, config, sampler, dtype, device, max_new_tokens, seed, first_target,
+                              as_json, prompts_file is not None or chat or dtype == "gguf")
             return
-        self_spec = self_drafter_spec(drafter) if method == Method.sd else None
-        if self_spec and tree != "off":
-            raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
-        if method == Method.sd:
-            _check_runs_on(dtype, f"--tree {tree}" if tree != "off" else self_spec and f"--drafter {drafter}")
-            drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
-        acceptance = Typical(typical_epsilon, typical_delta) if typical else None
-        if cascade != "off":
-            if cascade not in CASCADE_STAGES:
-                raise SpecdecError(f"unknown --cascade {cascade!r}; use off, {', '.join(CASCADE_STAGES)}")
-            if method != Method.sd or tree != "off" or self_spec or drafter in MODEL_FREE_DRAFTERS:
-                raise SpecdecError("--cascade drafts for a drafter model's chain; use it with --drafter MODEL "
-                                   "and no --tree")
-        if typical and tree != "off":
-            raise SpecdecError("--typical applies to chain drafts only; tree verification is exact")
-        if typical and method != Method.sd:
-            raise SpecdecError("--typical changes how drafts are accepted; --method ar drafts nothing")
-        if online and (prompts_file is None or batch_size != 1 or method != Method.sd or tree != "off" or self_spec
-                       or cascade != "off" or drafter in MODEL_FREE_DRAFTERS or dtype == "gguf"):
+        open_files(config)
+        _check_runs_on(dtype, config)
+        if config.needs_drafter_model():
+            drafter_dtype = _drafter_weights(dtype, config.drafter, drafter_dtype,
+                                             bool(drafter_vocab or drafter_vocab_corpus))
+        if online and (prompts_file is None or batch_size != 1 or config.method != "chain" or dtype == "gguf"):
             raise SpecdecError("--online updates a drafter model between prompts: use it with --prompts FILE, "
                                "--batch-size 1, --drafter MODEL, chains (no --tree, --cascade) and --dtype auto")
         if prompts_file is not None:  # before minutes of loading
-            if lenience != 1 or typical:
+            if config.acceptance != "exact":
                 raise SpecdecError("--lenience and --typical apply to one generation; drop them with --prompts")
-            if self_spec:
+            if METHODS[config.method].self_drafting:
                 raise SpecdecError(f"--drafter {drafter} drafts from the target's hidden states, which batched "
                                    "passes do not keep yet; generate its prompts one at a time")
             if batch_size > 1 and exact_rows is None:
                 exact_rows = True  # a sequence's output must not depend on what shares its passes
         sequences = batch_size if prompts_file is not None else 1  # a llama.cpp model's live sequences
         target_model = _load(target, dtype, device, "target", exact_rows, sequences=sequences)
-        drafter_used = None
+        drafter_model = _load(config.drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(config, exact_rows),
+                              vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, sequences=sequences) \
+            if config.speculative and config.needs_drafter_model() else None
+        # measured costs size drafts, but not where a seed's output hangs on them (the stream rule, lossy rules)
+        pinned = prompts_file is None and _seed_pins(seed, sampler, config)
+        parts = Parts(target_model, drafter_model, costs=None if pinned else
+                      lambda model: _measured_costs(target_model, model),
+                      suffix_cache=SuffixCache() if prompts_file is not None else None)  # earlier prompts' outputs
+        speculation = build(config, parts)
         if prompts_file is not None:
-            make_drafter = None
-            if method == Method.sd:
-                drafter_model = None if drafter in MODEL_FREE_DRAFTERS or tree in MODEL_FREE_TREES else _load(
-                    drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, exact_rows),
-                    vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, sequences=sequences)
-                if tree != "off":
-                    shared = SuffixCache()  # suffix trees draft from earlier prompts' outputs too
-                    make_drafter = lambda: make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme,  # noqa: E731
-                                                             suffix_cache=shared, lookahead_shape=shape)
-                elif drafter == "ngram":
-                    make_drafter = lambda: NgramDrafter(ngram_n)  # noqa: E731
-                elif drafter == "lookup":
-                    make_drafter = LookupDrafter
-                elif drafter == "suffix":
-                    shared = SuffixCache()  # the outputs of earlier prompts, as SuffixDecoding's global tree
-                    make_drafter = lambda: SuffixDrafter(shared)  # noqa: E731
-                elif drafter == "retrieval":
-                    make_drafter = lambda: SuffixDrafter(datastore=datastore)  # noqa: E731
-                elif cascade != "off":
-                    make_drafter = lambda: CascadeDrafter(drafter_model, cascade)  # noqa: E731
-                else:
-                    make_drafter = drafter_model
-                if tree != "off":
-                    plan = make_schedule("fixed", gamma_max)  # a tree's depth bound
-                elif schedule == "cost":  # measured costs for seeded rows too: their output is coupled, not drafted
-                    plan = _cost_schedule(target_model, drafter_model, gamma_max)
             if online:
                 from .adapter import OnlineDistiller
 
                 OnlineDistiller(drafter_model)
-            _generate_batch(target_model, make_drafter, rows, batch_size, None if method == Method.ar else plan,
-                            method.value, as_json, chat, kv_budget,
-                            online=getattr(make_drafter, "online", None))
+            _generate_batch(target_model, speculation, rows, batch_size, as_json, chat, kv_budget,
+                            online=drafter_model.online if online else None)
             return
-        if method == Method.sd:
-            if self_spec:
-                drafter_used = self_drafter(self_spec, target_model, tree_nodes)
-                if self_spec[0] in ("medusa", "eagle"):
-                    plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
-            elif tree != "off":
-                drafter_model = None if tree in MODEL_FREE_TREES else _load(
-                    drafter, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
-                drafter_used = make_tree_drafter(tree, drafter_model, tree_nodes, tree_scheme, lookahead_shape=shape)
-                plan = make_schedule("fixed", gamma_max)  # a tree's depth bound; its size is the drafter's
-            elif drafter == "ngram":
-                drafter_used = NgramDrafter(ngram_n)
-            elif drafter == "lookup":
-                drafter_used = LookupDrafter()
-            elif drafter == "suffix":
-                drafter_used = SuffixDrafter()
-            elif drafter == "retrieval":
-                drafter_used = SuffixDrafter(datastore=datastore)
-            else:
-                drafter_used = _load(drafter, drafter_dtype, device, "drafter", _chain_drafter_rows(tree, exact_rows),
-                                     vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
-                if cascade != "off":
-                    drafter_used = CascadeDrafter(drafter_used, cascade)
-            if schedule == "cost" and tree == "off" and not self_spec and \
-                    not seed_pins_drafts(seed, sampler, lenience, acceptance):
-                plan = _cost_schedule(target_model, None if drafter in MODEL_FREE_DRAFTERS else
-                                      getattr(drafter_used, "model", drafter_used), gamma_max)
+        drafter_used = _first_drafter(speculation)
+        plan = speculation.make_schedule() if config.speculative else None
         ids = target_model.encode(prompt, chat=chat)
         out = Console()
         printer = None if as_json else StepPrinter(target_model, out)
-        if debug and method == Method.sd and not as_json:
+        if debug and config.speculative and not as_json:
             printer = DebugPrinter(target_model, out)
-        if printer is not None and method == Method.sd:
+        if printer is not None and config.speculative:
             err.print(LEGEND)
-        if method == Method.sd:
+        if config.speculative:
             result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
                                           max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
-                                          on_step=printer, schedule=plan, lenience=lenience, debug=debug,
-                                          typical=acceptance)
+                                          on_step=printer, schedule=plan, lenience=config.effective_lenience(),
+                                          debug=debug, typical=config.typical(), seed_rule=config.seed_rule)
         else:
             result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                              seed=seed, on_step=printer)
     except SpecdecError as exc:
         _fail(str(exc))
+    shown = "sd" if config.speculative else "ar"
     if as_json:
         stats = result.stats.to_dict()
         payload = {"text": target_model.decode(result.tokens), "tokens": result.tokens, "stats": stats,
-                   "stop_reason": result.stop_reason, "method": method.value, "target": target_model.name,
-                   "drafter": drafter_used.name if drafter_used is not None else None,
+                   "stop_reason": result.stop_reason, "method": config.method, "spec": config.to_dict(),
+                   "target": target_model.name, "drafter": drafter_used.name if drafter_used is not None else None,
                    "weights": {"target": target_model.weights, "drafter": _weights_of(drafter_used)},
-                   "sampler": sampler.describe(), "schedule": plan.describe() if method == Method.sd else None,
+                   "sampler": sampler.describe(), "schedule": plan.describe() if plan is not None else None,
                    "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info,
                               **({"parents": s.tree_parents, "path": s.path} if s.tree_parents is not None else {})}
                              for s in result.steps]}
         print(json.dumps(payload, ensure_ascii=False))
     else:
         out.print()
-        if debug and method == Method.sd:
+        if debug and config.speculative:
             out.print(target_model.decode(result.tokens), highlight=False)
-        err.print(f"[dim]{summary_line(result.stats, method.value)} · stop: {result.stop_reason} · "
+        err.print(f"[dim]{summary_line(result.stats, shown)} · stop: {result.stop_reason} · "
                   f"weights: {target_model.weights}[/]",
                   highlight=False)
+
+
+def spec_config(method: str, drafter: str | None, tree: str = "off", cascade: str = "off",
+                schedule: str | None = None, lenience: float = 1.0, typical: bool = False, **fields):
+    """The `SpecConfig` of a command's flags (`methods.from_options`)."""
+    from .methods import from_options
+
+    return from_options(method, drafter, tree, cascade, schedule, lenience, typical, **fields)
+
+
+def _seed_pins(seed, sampler, config) -> bool:
+    from .generate import seed_pins_drafts
+
+    return seed_pins_drafts(seed, sampler, config.effective_lenience(), config.typical(), config.seed_rule)
+
+
+def _first_drafter(speculation):
+    """One generation's drafter of a built speculation (None for ar); a self-skip drafter's layer
+    search is shown as it runs and its choice printed."""
+    if speculation.make_drafter is None:
+        return None
+    if speculation.config.method != "self-skip":
+        return speculation.make_drafter()
+    with err.status("choosing the layers to skip…"):
+        drafter = speculation.make_drafter()
+    if drafter.search:
+        best = next(t for t in drafter.search["trials"] if t["skip"] == drafter.model.skip)
+        err.print(f"[dim]self-skip: skipping layers {drafter.model.skip} (calibration α {best['alpha']}, "
+                  f"c ≈ {best['c']})[/]", highlight=False)
+    return drafter
 
 
 def _encoder_decoder(target: str) -> bool:
@@ -444,35 +358,39 @@ def _encoder_decoder(target: str) -> bool:
     return path.is_dir() and (path / "config.json").exists() and _is_encoder_decoder(path)
 
 
-def _generate_seq2seq(prompt: str, target: str, drafter: str | None, sampler, plan, dtype: str, device: str,
-                      max_new_tokens: int, seed: int | None, first_target: bool, as_json: bool, lenience: float,
-                      typical) -> None:
+def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, device: str, max_new_tokens: int,
+                      seed: int | None, first_target: bool, as_json: bool, refused: bool) -> None:
     """`generate` on an encoder-decoder target: the source encoded once per model, chain drafts from
-    a smaller encoder-decoder of the same vocabulary, or prompt lookup / n-gram over the output."""
+    a smaller encoder-decoder of the same vocabulary, or prompt lookup / n-gram over the output.
+    refused: options given that it does not take (--prompts, --chat, --dtype gguf)."""
     from .display import LEGEND, StepPrinter, summary_line
-    from .drafters import LookupDrafter, NgramDrafter
     from .generate import speculative_generate_encoder_decoder
+    from .methods import Parts, build
     from .models import load_seq2seq
 
+    if refused or config.method not in ("ar", "chain", "lookup", "ngram"):
+        raise SpecdecError("an encoder-decoder target (T5, BART) takes one prompt and chain drafts from an "
+                           "encoder-decoder model directory, lookup or ngram (--drafter), or none (--method ar): "
+                           "drop --prompts, --tree, --chat, --cascade and --dtype gguf")
+    if config.method == "chain" and not _encoder_decoder(config.drafter):
+        raise SpecdecError(f"an encoder-decoder target drafts with an encoder-decoder model directory, lookup or "
+                           f"ngram (--drafter), or not at all (--method ar); {config.drafter!r} is none of these")
     say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
     weights = "fp32" if dtype == "auto" else dtype
-    if drafter is not None and drafter not in ("lookup", "ngram") and not _encoder_decoder(drafter):
-        raise SpecdecError(f"an encoder-decoder target drafts with an encoder-decoder model directory, lookup or "
-                           f"ngram (--drafter), or not at all (--method ar); {drafter!r} is none of these")
     target_model = load_seq2seq(target, weights, device, say)
-    if drafter in ("lookup", "ngram"):
-        drafter_used = LookupDrafter() if drafter == "lookup" else NgramDrafter()
-    else:
-        drafter_used = None if drafter is None else load_seq2seq(drafter, weights, device, say)
+    drafter_model = load_seq2seq(config.drafter, weights, device, say) if config.method == "chain" else None
+    speculation = build(config, Parts(target_model, drafter_model))
+    drafter_used = speculation.make_drafter() if config.speculative else None
     out = Console()
     printer = None if as_json else StepPrinter(target_model, out)
-    if printer is not None and drafter is not None:
+    if printer is not None and drafter_used is not None:
         err.print(LEGEND)
-    result = speculative_generate_encoder_decoder(target_model.encode(prompt), target_model, drafter_used,
-                                                  sampler=sampler, max_new_tokens=max_new_tokens, seed=seed,
-                                                  first_target=first_target, on_step=printer, schedule=plan,
-                                                  lenience=lenience, typical=typical)
-    method = "sd" if drafter is not None else "ar"
+    result = speculative_generate_encoder_decoder(
+        target_model.encode(prompt), target_model, drafter_used, sampler=sampler, max_new_tokens=max_new_tokens,
+        seed=seed, first_target=first_target, on_step=printer,
+        schedule=speculation.make_schedule() if drafter_used is not None else None,
+        lenience=config.effective_lenience(), typical=config.typical())
+    method = "sd" if drafter_used is not None else "ar"
     if as_json:
         print(json.dumps({"text": target_model.decode(result.tokens), "tokens": result.tokens,
                           "stats": result.stats.to_dict(), "stop_reason": result.stop_reason, "method": method,
@@ -545,14 +463,13 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
     return rows
 
 
-def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: int, plan, method: str,
-                    as_json: bool, chat: bool, kv_memory: int | None = None, online=None) -> None:
+def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int, as_json: bool, chat: bool,
+                    kv_memory: int | None = None, online=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
-    file's order (a JSON line per prompt with --json), then one summary line. plan: the schedule,
-    copied per row, or None for AR; a row's output is that of its prompt alone (greedy, or seeded:
-    the seeded AR output), whatever its batch. online: an
+    file's order (a JSON line per prompt with --json), then one summary line. speculation: the
+    built `methods.Speculation`, a drafter and a schedule per row; a row's output is that of its
+    prompt alone (greedy, or seeded: the seeded AR output), whatever its batch. online: an
     `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one)."""
-    import copy
     import time
 
     from .engine import Engine, Request
@@ -561,9 +478,10 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
     requests = []
     for row in rows:
         requests.append(Request(
-            target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), make_drafter, sampler=row["sampler"],
-            max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
-            schedule=(lambda plan=plan: copy.deepcopy(plan)) if plan is not None else None))
+            target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), speculation.make_drafter,
+            sampler=row["sampler"], max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
+            schedule=speculation.make_schedule, seed_rule=speculation.config.seed_rule))
+    method = speculation.config.method
     began = time.perf_counter()
     if online is None:
         ids = [engine.add(request) for request in requests]
@@ -602,9 +520,12 @@ def _generate_batch(target_model, make_drafter, rows: list[dict], batch_size: in
 @app.command()
 def chat(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model, ngram or lookup."),
-    method: Method = typer.Option(Method.sd),
-    schedule: str = typer.Option("cost", help="cost, fixed, heuristic, confidence, egag."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model, ngram, lookup, suffix, "
+                                "medusa:DIR, eagle:DIR or self-skip[:LAYERS] (as generate's)."),
+    method: str = typer.Option("default", help=METHOD_HELP),
+    tree: str = typer.Option("off", help="The tree method's shape (as generate's --tree)."),
+    schedule: Optional[str] = typer.Option(None, help="cost, fixed, heuristic, confidence, egag (default: the "
+                                           "method's)."),
     gamma: int = typer.Option(5),
     gamma_max: int = typer.Option(20, "--gamma-max"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
@@ -622,30 +543,25 @@ def chat(
     """Chat interactively; /help lists the commands that switch method, drafter, schedule, sampler, debug."""
     from .chat import ChatSession
     from .samplers import Sampler
-    from .schedules import make_schedule
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
-        # The session builds its schedule lazily (outside this handler); a bad value must fail here,
-        # before minutes of model loading, as one error line.
-        make_schedule(schedule, gamma, 1, gamma_max)
-        if method == Method.sd:
-            _check_runs_on(dtype, self_drafter_spec(drafter) and f"--drafter {drafter}")
+        # the session builds its speculation lazily (outside this handler); a bad value must fail
+        # here, before minutes of model loading, as one error line
+        config = spec_config(method, drafter, tree, schedule=schedule, gamma=gamma, gamma_max=gamma_max)
+        _check_runs_on(dtype, config)
         drafter_dtype = _drafter_weights(dtype, drafter, drafter_dtype, bool(drafter_vocab or drafter_vocab_corpus))
         target_model = _load(target, dtype, device, "target")
         if not getattr(target_model.tokenizer, "chat_template", None):
             raise SpecdecError(f"{target_model.name} has no chat template")
+
         def load_drafter(name: str):
-            own = self_drafter_spec(name)  # medusa:DIR, eagle:DIR, self-skip[:LAYERS]
-            if own:
-                return self_drafter(own, target_model)
             return _load(name, drafter_dtype, device, "drafter", vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
 
-        session = ChatSession(target_model, load_drafter, drafter, Console(), method.value, schedule, gamma,
-                              gamma_max, sampler, debug, max_new_tokens)
-        if method == Method.sd:
-            session.drafter()  # load it now: a bad name fails before the first prompt
+        session = ChatSession(target_model, load_drafter, drafter, Console(), method, schedule, gamma,
+                              gamma_max, sampler, debug, max_new_tokens, tree)
+        session.speculation()  # load it now: a bad name fails before the first prompt
     except SpecdecError as exc:
         _fail(str(exc))
     err.print(f"[dim]{session.describe()} — /help for commands, /quit to leave[/]", highlight=False)
@@ -821,6 +737,33 @@ def install(names: list[str] = typer.Argument(None, help="Registry names (defaul
             _fail(str(exc))
 
 
+@app.command("methods")
+def methods_command(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: each name's config and summary."),
+):
+    """List the speculation methods and presets that generate, chat, serve and bench take."""
+    from rich.table import Table
+
+    from .methods import METHODS as REGISTRY, names, preset, summary
+
+    if as_json:
+        print(json.dumps({name: {"config": preset(name).to_dict(), "summary": summary(name),
+                                 "kind": "method" if name in REGISTRY else "preset"} for name in names()},
+                         ensure_ascii=False))
+        return
+    table = Table("name", "is", "what it does", title="methods (--method NAME; serve: speculative.method)",
+                  title_justify="left")
+    for name in names():
+        config = {k: v for k, v in preset(name).to_dict().items() if k != "method"}
+        kind = "method" if name in REGISTRY else preset(name).method + "".join(
+            f", {k}={v}" for k, v in config.items())
+        table.add_row(name, kind, summary(name))
+    Console().print(table)
+    err.print("[dim]options (--gamma, --tree-nodes, --schedule, ...) apply on top; `specdec bench --methods` also "
+              "takes its peers (hf*, llama-cpp*), beam, beam-sd, sd-distilled, sd-online, sd-other-tokenizer[/]",
+              highlight=False)
+
+
 @app.command()
 def models():
     """List the embedded models and whether they are installed."""
@@ -831,6 +774,15 @@ def models():
         table.add_row(spec.name, "yes" if registry.is_installed(spec.name) else "no", spec.description)
     Console().print(table)
     err.print(f"cache: {registry.home()}")
+
+
+def _skip_layers(text: str | None) -> list[int] | None:
+    """--skip-layers 5,10,15 -> [5, 10, 15]; None: chosen by the self-skip search."""
+    if not text:
+        return None
+    from .spec import from_flags
+
+    return list(from_flags(f"self-skip:{text}")["skip_layers"])
 
 
 def _csv(text: str) -> list[str]:
@@ -920,7 +872,7 @@ def bench(
         settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
                             egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
                             tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
-                            distilled=distilled, other_drafter=other_drafter, skip_layers=self_drafter_spec(f"self-skip:{skip_layers}")[1] if skip_layers else None,
+                            distilled=distilled, other_drafter=other_drafter, skip_layers=_skip_layers(skip_layers),
                             lookahead_shape=_lookahead_shape(lookahead_shape), num_beams=num_beams)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
@@ -1148,6 +1100,7 @@ def profile(
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model, or ngram / lookup / suffix / "
                                 "retrieval:DIR."),
     tree: str = typer.Option("off", help=TREE_HELP + " off: a chain under the cost schedule."),
+    method: str = typer.Option("default", help=METHOD_HELP),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens of the profiled generation."),
     widths_text: str = typer.Option("1,2,4,8,16", "--widths", help="Target pass widths to time (rows), from 1."),
     batches_text: str = typer.Option("", "--batches", help="Also time the engine's batched pass over this many "
@@ -1165,10 +1118,8 @@ def profile(
 
     from .bench.kvstorage import kv_storage_profile
     from .bench.profile import pass_profile, profile_record, time_split
-    from .drafters import (MODEL_FREE_TREES, LookupDrafter, NgramDrafter, SuffixDrafter, check_tree_options,
-                           make_tree_drafter)
     from .generate import speculative_generate
-    from .schedules import make_schedule
+    from .methods import Parts, build, open_files
 
     try:
         widths = [int(w) for w in _csv(widths_text)]
@@ -1181,13 +1132,11 @@ def profile(
     try:
         if max_new_tokens < 1:
             raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if tree != "off":
-            check_tree_options(tree, 64, "without-replacement")
-            _check_runs_on(dtype, f"--tree {tree}")
-        datastore = open_datastore(drafter)
-        if datastore is not None:
-            drafter = "retrieval"
-        model_free = drafter in MODEL_FREE_DRAFTERS
+        config = spec_config(method, drafter, tree)
+        if not config.speculative:
+            raise SpecdecError("profile times a speculative generation; --method ar drafts nothing")
+        _check_runs_on(dtype, config)
+        open_files(config)
         batched = "--batches" if batches else "--kv-storage" if kv_contexts else None
         if batched and dtype == "gguf":
             raise SpecdecError(f"{batched} times the engine's batched pass, which runs on --dtype auto weights")
@@ -1195,8 +1144,8 @@ def profile(
         if batched and not getattr(target_model, "rows_invariant", False):
             raise SpecdecError(f"{batched} needs row-exact passes for {target_model.name} (the engine's); "
                                "on this machine that is --dtype bf16 on the CPU")
-        drafter_model = None if model_free or tree in MODEL_FREE_TREES else _load(
-            drafter, _drafter_weights(dtype, drafter, drafter_dtype, False), device, "drafter")
+        drafter_model = _load(config.drafter, _drafter_weights(dtype, config.drafter, drafter_dtype, False), device,
+                              "drafter") if config.needs_drafter_model() else None
         with err.status("timing passes…"):
             passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [],
                                   batches=batches)
@@ -1204,12 +1153,10 @@ def profile(
         if kv_contexts:
             with err.status("timing KV cache storage…"):
                 kv = kv_storage_profile(target_model, kv_contexts)
-        if tree != "off":
-            drafter_used, plan, method = make_tree_drafter(tree, drafter_model), make_schedule("fixed", 20), f"tree-{tree}"
-        else:
-            drafter_used = drafter_model or {"ngram": NgramDrafter, "suffix": SuffixDrafter, "lookup": LookupDrafter,
-                                             "retrieval": lambda: SuffixDrafter(datastore=datastore)}[drafter]()
-            plan, method = _cost_schedule(target_model, drafter_model, 20), "sd-cost"
+        speculation = build(config, Parts(target_model, drafter_model,
+                                          costs=lambda model: _measured_costs(target_model, model)))
+        drafter_used, plan = _first_drafter(speculation), speculation.make_schedule()
+        method = f"tree-{config.tree}" if config.method == "tree" else "sd-cost" if method == "default" else method
         with err.status(f"generating {max_new_tokens} tokens ({method})…"):
             result = speculative_generate(target_model.encode(prompt), target_model, drafter_used,
                                           max_new_tokens=max_new_tokens, schedule=plan)
@@ -1273,11 +1220,13 @@ def profile(
 @app.command()
 def serve(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), or 'none'."),
-    method: str = typer.Option("default", help="Requests' speculation unless they say: default (the drafter "
-                               "model's chain, cost-aware), chain, lookup, suffix (suffix drafting over the "
-                               "request's text and earlier outputs), retrieval (--datastore), tree (mixed tree on the drafter), "
-                               "lookahead (lookahead decoding, no drafter model) or ar."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), 'none', or a "
+                                "model-free drafter as generate's (ngram, lookup, suffix, retrieval:DIR), which then "
+                                "is the default method."),
+    method: str = typer.Option("default", help="Requests' speculation unless they say: any method or preset of "
+                               "`specdec methods` but the self-drafting ones (default: the drafter model's chain, "
+                               "cost-aware; lookup; suffix, over the request's text and earlier outputs; retrieval, "
+                               "--datastore; tree, the mixed tree; lookahead; ar; tree-sides; sd; ...)."),
     gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree."),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
@@ -1320,14 +1269,28 @@ def serve(
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
     from .datastore import Datastore
+    from .methods import METHODS as REGISTRY, preset
     from .models import GGUF_WEIGHTS
     from .server.schema import METHODS, Speculation
     from .server.service import Limits
+    from .spec import from_flags
 
     try:
+        no_drafter = drafter in ("none", "")
+        if not no_drafter and from_flags(drafter)["method"] != "chain":  # a drafter that is no model
+            named = from_flags(drafter)
+            if REGISTRY[named["method"]].self_drafting:
+                raise SpecdecError(f"--drafter {drafter}: the target drafting for itself runs one sequence at a "
+                                   "time; the server's engine batches sequences (use generate or chat)")
+            if method not in ("default", named["method"]):
+                raise SpecdecError(f"--drafter {drafter} names the {named['method']} method; --method {method} "
+                                   "would draft otherwise (give one of them)")
+            method, no_drafter = named["method"], True
+            datastore_dir = named.get("datastore", datastore_dir)
         if method not in METHODS:
             raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-        if dtype in GGUF_WEIGHTS and method in ("tree", "lookahead"):
+        kind = preset(method).method if method != "ar" else "ar"
+        if dtype in GGUF_WEIGHTS and kind != "ar" and REGISTRY[kind].trees:
             raise SpecdecError(f"--method {method} scores token trees, which need transformers' weights; on --dtype gguf use --method default, "
                                "chain, lookup, suffix or ar")
         for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
@@ -1339,19 +1302,15 @@ def serve(
             raise SpecdecError(f"--max-prompt-tokens must be >= 1, got {max_prompt_tokens}")
         if request_timeout <= 0 or grace < 0:
             raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
-        no_drafter = drafter in ("none", "")
-        if no_drafter and method in ("default", "chain", "tree"):
+        if no_drafter and kind != "ar" and preset(method).needs_drafter_model():
             raise SpecdecError(f"--method {method} drafts with a drafter model; give --drafter, or use "
                                "--method lookup, suffix or ar")
-        if drafter in MODEL_FREE_DRAFTERS or drafter.startswith("retrieval:"):
-            raise SpecdecError(f"--drafter takes a model; {drafter} is not one (the model-free methods here: "
-                               "--method lookup or suffix)")
         if suffix_cache_tokens < 0:
             raise SpecdecError(f"--suffix-cache-tokens must be >= 0, got {suffix_cache_tokens}")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
-        if method == "retrieval" and datastore_dir is None:
+        if kind == "retrieval" and datastore_dir is None:
             raise SpecdecError("--method retrieval drafts from a datastore: give --datastore DIR")
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
         budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
@@ -1380,7 +1339,7 @@ def serve(
                                   say=say, sequences=max_batch, prompt_cache=prompt_cache)
         drafter_model = None if no_drafter else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), device=device, role="drafter",
-            exact_rows=_chain_drafter_rows("off", None), say=say, sequences=max_batch, prompt_cache=prompt_cache)
+            exact_rows=True, say=say, sequences=max_batch, prompt_cache=prompt_cache)
         costs = pass_costs(target_model, drafter_model, say) if drafter_model is not None else None
         if online:
             from .adapter import OnlineDistiller

@@ -20,23 +20,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters import LookupDrafter, make_tree_drafter
 from ..engine import Engine, Request
 from ..errors import SpecdecError
+from ..methods import METHODS as REGISTRY, Parts, build, names, preset, summary
 from ..samplers import Sampler
-from ..schedules import make_schedule
-from .methods import Settings
+from .methods import Settings, bench_config
 
-METHODS = {
-    "ar": "ours: the engine, plain decoding, one row a sequence per pass",
-    "sd-cost": "ours: the engine, drafter model, draft lengths from the batch's measured costs",
-    "lookup": "ours: the engine, prompt lookup, draft lengths from the batch's measured costs",
-    "tree-mixed": "ours: the engine, the default token tree (drafter chain with sides plus lookup branches)",
+PEERS = {
     "hf-cb": "transformers' continuous batching (generate_batch, paged attention), plain decoding",
     "hf-padded": "transformers' generate on left-padded batches of `level` prompts, plain decoding",
 }
-CHAINS = {"sd-cost"}  # methods whose drafter model runs chains: it gets row-exact passes, batched across sequences
-TREES = {"tree-mixed"}
+# ours: every registered method the engine runs (the target drafting for itself runs one sequence at a time)
+METHODS = {**{name: "ours, through the engine: " + summary(name) for name in names()
+              if not REGISTRY[preset(name).method].self_drafting}, **PEERS}
+# methods whose drafter model runs chains: it gets row-exact passes, batched across sequences
+CHAINS = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()
+          and REGISTRY[preset(name).method].chains}
+TREES = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()} - CHAINS
 
 
 @dataclass
@@ -83,27 +83,23 @@ def check_levels(levels: list[int]) -> None:
         raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {levels!r}")
 
 
-def request(method: str, ids: list[int], drafters: dict, settings: Settings, sampler: Sampler,
+def request(method: str, ids: list[int], target, drafters: dict, settings: Settings, sampler: Sampler,
             seed: int | None) -> Request:
-    """Our method's request for a prompt (`drafters`: "chain" and "tree" drafter models)."""
-    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed)
-    if method == "ar":
-        return Request(ids, None, **common)
-    if method == "lookup":  # under load its rows stop being free too: sized by cost, so it can back off
-        return Request(ids, LookupDrafter, schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max),
-                       **common)
-    if method == "tree-mixed":
-        tree = drafters["tree"]
-        return Request(ids, lambda: make_tree_drafter("mixed", tree, settings.tree_nodes, settings.tree_scheme),
-                       gamma=settings.gamma_max, **common)
-    return Request(ids, drafters["chain"], schedule=lambda: make_schedule("cost", gamma_max=settings.gamma_max,
-                                                                          pass_costs=settings.pass_costs), **common)
+    """Our method's request for a prompt (`drafters`: "chain" and "tree" drafter models). Cost
+    schedules of model-free drafters time their passes as they go (under load their rows stop
+    being free too, so they can back off)."""
+    config = bench_config(method, settings)
+    model = drafters.get("tree" if method in TREES else "chain")
+    speculation = build(config, Parts(target, model,
+                                      costs=lambda m: settings.pass_costs if m is not None else None))
+    return Request(ids, speculation.make_drafter, sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed,
+                   schedule=speculation.make_schedule, seed_rule=config.seed_rule)
 
 
 def run_ours(method: str, level: int, prompts: list[list[int]], target, drafters: dict, settings: Settings,
              sampler: Sampler, seeds: list[int | None]) -> LevelRun:
     engine = Engine(target, max_batch=level)
-    ids = [engine.add(request(method, p, drafters, settings, sampler, s)) for p, s in zip(prompts, seeds)]
+    ids = [engine.add(request(method, p, target, drafters, settings, sampler, s)) for p, s in zip(prompts, seeds)]
     began = time.perf_counter()
     results = engine.run()
     run = LevelRun(method, level, time.perf_counter() - began, target_passes=engine.passes)

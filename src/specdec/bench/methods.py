@@ -15,74 +15,46 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
 from ..beam import beam_search_generate, speculative_beam_search
-from ..drafters import CascadeDrafter, LookupDrafter, NgramDrafter, SuffixDrafter, make_tree_drafter
-from ..drafters.eagle import EagleDrafter
-from ..drafters.layerskip import self_skip_drafter
-from ..drafters.medusa import MedusaDrafter
 from ..eagle import load_eagle
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
 from ..medusa import load_heads
+from ..methods import Parts, build, names, preset, summary
 from ..passcost import PassCosts
 from ..samplers import Sampler
-from ..schedules import AssumedCosts, TreeCost, make_schedule
+from ..schedules import AssumedCosts
+from ..spec import SpecConfig
 from ..verify import Typical
 
-METHODS = {
-    "ar": "ours: autoregressive, one target pass per token",
-    "sd": "ours: drafter model, fixed γ",
-    "sd-cost": "ours: drafter model, stop when the draft is unlikely to pay for another token (measured costs)",
-    "sd-heuristic": "ours: drafter model, γ +2 after a fully accepted draft, −1 otherwise",
-    "sd-confidence": "ours: drafter model, stop drafting below the drafter's top probability τ",
-    "sd-egag": "ours: drafter model, entropy-guided adaptive γ (EGAG)",
-    "sd-stream": "sd (fixed γ) with a seed drawn as the standard rule's streams, not coupled: what coupling costs",
-    "ngram": "ours: NASD n-gram drafter built online, fixed γ",
-    "lookup": "ours: prompt lookup drafter, fixed γ",
-    "suffix": "ours: suffix drafting (SuffixDecoding) over the prompt and output, cost-aware on model-free costs",
-    "retrieval": "ours: suffix drafting over a retrieval datastore (REST; --datastore DIR) and the prompt and output",
-    "tree-sides": "ours: token tree, drafter chain plus side leaves, sized by measured cost",
-    "tree-eagle2": "ours: token tree, EAGLE-2 dynamic tree with the drafter model",
-    "tree-sequoia": "ours: token tree, Sequoia static shape from measured per-rank acceptance",
-    "tree-lookup": "ours: token tree, prompt-lookup trie over several earlier occurrences",
-    "tree-mixed": "ours: token tree, drafter chain with sides plus lookup branches (the default tree)",
-    "tree-suffix": "ours: token tree, suffix drafting's tree mode over the prompt and output",
-    "tree-mixed-suffix": "ours: token tree, drafter chain with sides plus suffix-tree branches",
-    "beam": "ours: beam search (--num-beams), greedy prompts only; row-exact on the CPU",
-    "beam-sd": "ours: speculative beam search, a drafter-model tree per beam; its output is beam's",
-    "lookahead": "ours: lookahead decoding (Jacobi window and n-gram pool), its shape from measured wide-pass costs",
-    "cascade": "sd-cost with a cascade: suffix drafting guesses the drafter model's tokens, 3 a pass",
-    "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
-    "hf-assisted-other-tokenizer": "transformers' universal assisted generation with the --other-drafter model",
-    "sd-typical": "sd-cost with Medusa's typical acceptance (ε 0.09, δ 0.3): LOSSY under sampling",
+BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
     "sd-online": "sd-cost with the drafter learning from its rejections (OSD), its adapter updated between prompts",
-    "sd-cost-flat": "sd-cost sized for assumed nearly-free wide passes (--flat-at16), not this machine's: for projections",
-    "tree-sides-flat": "tree-sides sized for assumed nearly-free wide passes (--flat-at16): for projections",
-    "tree-eagle2-flat": "tree-eagle2 sized for assumed nearly-free wide passes (--flat-at16): for projections",
-    "tree-sequoia-flat": "tree-sequoia sized for assumed nearly-free wide passes (--flat-at16): for projections",
-    "tree-mixed-flat": "tree-mixed sized for assumed nearly-free wide passes (--flat-at16): for projections",
-    "lookahead-flat": "lookahead shaped for assumed nearly-free wide passes (--flat-at16): for projections",
-    "medusa": "ours: the target drafts for itself with Medusa heads (--heads DIR), a token tree sized by cost",
-    "eagle": "ours: the target drafts for itself with an EAGLE layer (--eagle DIR), EAGLE-2 trees sized by cost",
-    "medusa-uncalibrated": "medusa with node values from the heads' raw q (no measured calibration; an ablation)",
-    "eagle-uncalibrated": "eagle with node values from the layer's raw q (no measured calibration; an ablation)",
-    "self-skip": "ours: the target drafts for itself with layers skipped (chosen at start), cost-aware γ",
+    "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
+    "beam": "ours: beam search (--num-beams), greedy prompts only; row-exact on the CPU",
+    "beam-sd": "ours: speculative beam search, a drafter-model tree per beam; its output is beam's",
+}
+OWN_MODEL_PRESET = "sd-cost"  # the config of sd-distilled, sd-online and sd-other-tokenizer
+PEER_METHODS = {
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
     "hf-assisted-fixed": "transformers generate with assistant_model, γ pinned to ours, no confidence cut",
     "hf-lookup": "transformers generate with prompt_lookup_num_tokens=γ",
+    "hf-assisted-other-tokenizer": "transformers' universal assisted generation with the --other-drafter model",
     "llama-cpp": "llama.cpp (llama-cpp-python) plain decoding on the target's GGUF",
     "llama-cpp-spec": "llama.cpp (llama-cpp-python) speculative decoding, drafter GGUF, greedy drafts ≤ 16, p_min 0.75",
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
 }
+# every name of the method registry (`specdec methods`: the same as generate, chat and serve take), then the rest
+METHODS = {**{name: "ours: " + summary(name) for name in names()}, **BENCH_ONLY, **PEER_METHODS}
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
-NEEDS_DRAFTER = {"sd", "sd-stream", "sd-cost", "sd-typical", "sd-distilled", "sd-online", "cascade", "beam-sd", "sd-heuristic", "sd-confidence", "sd-egag", "hf-assisted", "hf-assisted-fixed",
-                 "tree-sides", "tree-eagle2", "tree-sequoia", "tree-mixed", "tree-mixed-suffix", "llama-cpp-spec", "sd-cost-flat",
-                 "tree-sides-flat", "tree-eagle2-flat", "tree-sequoia-flat", "tree-mixed-flat"}
+NEEDS_DRAFTER = {name for name in names() if name != "ar" and preset(name).needs_drafter_model()} | {
+    "sd-distilled", "sd-online", "beam-sd", "hf-assisted", "hf-assisted-fixed", "llama-cpp-spec"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 BEAM_METHODS = ("beam", "beam-sd")
-LOSSY = ("sd-typical",)  # methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
-STREAM = ("sd-stream",)  # exact methods whose seed is the standard rule's streams (a seeded output of their own)
+# methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
+LOSSY = tuple(name for name in names() if preset(name).acceptance != "exact")
+# exact methods whose seed is the standard rule's streams (a seeded output of their own)
+STREAM = tuple(name for name in names() if preset(name).seed_rule == "stream")
 REFERENCE = {"beam-sd": "beam"}  # the output a method must reproduce on greedy prompts (default: ar's)
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
 
@@ -92,7 +64,7 @@ def is_peer(method: str) -> bool:
 
 
 def is_flat(method: str) -> bool:
-    return method.endswith(FLAT)
+    return method in names() and preset(method).assumed
 
 
 @dataclass
@@ -231,6 +203,26 @@ def check_methods(methods: list[str]) -> None:
                            f"{', '.join(METHODS)}")
 
 
+def bench_config(method: str, settings: Settings) -> SpecConfig:
+    """The `SpecConfig` one of our methods runs in a bench: its preset (the registry's; sd-distilled,
+    sd-online and sd-other-tokenizer: sd-cost's) with the run's options."""
+    name = OWN_MODEL_PRESET if method in BENCH_ONLY and method not in BEAM_METHODS else method
+    if name in BEAM_METHODS:
+        return SpecConfig("ar")
+    config = preset(name)
+    options = dict(gamma=settings.gamma, gamma_min=settings.gamma_min, gamma_max=settings.gamma_max,
+                   egag_beta=settings.egag_beta, confidence=settings.confidence, ngram_n=settings.ngram_n,
+                   tree_nodes=settings.tree_nodes, tree_scheme=settings.tree_scheme)
+    if config.method == "lookahead":
+        options["lookahead_shape"] = settings.lookahead_shape
+    if config.method in CHECKPOINT_OPTIONS:
+        self_drafting(settings, config.method)  # its one-line error where the folder is missing
+        options["checkpoint"] = getattr(settings, CHECKPOINT_OPTIONS[config.method][0])
+    if config.method == "self-skip" and settings.skip_layers:
+        options["skip_layers"] = tuple(settings.skip_layers)
+    return config.replace(**options).validate()
+
+
 def run_method(method: str, ids: list[int], target: TransformersModel, drafter: TransformersModel | None,
                settings: Settings, sampler: Sampler, seed: int | None = None,
                peers: PeerModels | None = None) -> Record:
@@ -251,9 +243,9 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                       first_token_seconds=first)
     # every exact method seeded (its output is the seeded AR output); typical acceptance's seed would
     # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
-    typical = Typical() if method == "sd-typical" else None
-    seed_rule = "stream" if method in STREAM else "coupled"
-    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=seed_rule,
+    config = bench_config(method, settings)
+    typical = config.typical()
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=config.seed_rule,
                   seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
@@ -263,40 +255,18 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         options = dict(num_beams=settings.num_beams, max_new_tokens=settings.max_new_tokens)
         result = beam_search_generate(ids, target, **options) if method == "beam" else \
             speculative_beam_search(ids, target, drafter, **options)
-    elif checkpoint_kind(method):
-        kind = checkpoint_kind(method)
-        policy = TreeCost(max_nodes=settings.tree_nodes, calibrate=not method.endswith("-uncalibrated"))
-        made = MedusaDrafter if kind == "medusa" else EagleDrafter
-        result = speculative_generate(ids, target, made(self_drafting(settings, kind), policy=policy),
-                                      gamma=settings.gamma_max, **common)
-    elif method == "self-skip":
-        schedule = make_schedule("cost", settings.gamma, settings.gamma_min, settings.gamma_max)
-        result = speculative_generate(ids, target, self_skip_drafter(target, settings.skip_layers or None),
-                                      schedule=schedule, **common)
-    elif method.startswith(("tree-", "lookahead")):
-        tree = make_tree_drafter(method.removeprefix("tree-").removesuffix(FLAT), drafter, settings.tree_nodes,
-                                 settings.tree_scheme, assumed=_assumed(method, settings),
-                                 lookahead_shape=settings.lookahead_shape)
-        result = speculative_generate(ids, target, tree, gamma=settings.gamma_max, **common)
     else:
-        drafters = {"ngram": lambda: NgramDrafter(settings.ngram_n), "lookup": lambda: LookupDrafter(),
-                    "suffix": lambda: SuffixDrafter(), "cascade": lambda: CascadeDrafter(drafter),
-                    "retrieval": lambda: SuffixDrafter(datastore=open_datastore(settings))}
-        schedule_name = method.removeprefix("sd-").removesuffix(FLAT) \
-            if method.startswith("sd-") and method not in STREAM else "fixed"
-        costs = {"sd-cost": settings.pass_costs, "sd-typical": settings.pass_costs, "cascade": settings.pass_costs,
-                 "sd-distilled": settings.pass_costs, "sd-online": settings.pass_costs, "suffix": settings.free_costs,
-                 "retrieval": settings.free_costs}.get(method)
-        if method in ("suffix", "retrieval", "sd-typical", "cascade", "sd-other-tokenizer", "sd-distilled", "sd-online"):
-            schedule_name = "cost"
+        drafter = OWN_DRAFTERS.get(method, drafter)
+        costs = settings.pass_costs
         if method == "sd-other-tokenizer":  # a model with another tokenizer: the loop drafts through text
             drafter, _, costs = other_drafter(settings, target)
-        schedule = make_schedule(schedule_name, settings.gamma, settings.gamma_min, settings.gamma_max,
-                                 settings.egag_beta, settings.confidence, costs, _assumed(method, settings))
-        drafter = OWN_DRAFTERS.get(method, drafter)
+        parts = Parts(target, drafter, costs=lambda model: costs if model is not None else settings.free_costs,
+                      assumed=settings.assumed,
+                      datastore=open_datastore(settings) if config.method == "retrieval" else None)
+        speculation = build(config, parts)
         with learning(method, drafter):
-            result = speculative_generate(ids, target, drafters[method]() if method in drafters else drafter,
-                                          schedule=schedule, typical=typical, **common)
+            result = speculative_generate(ids, target, speculation.make_drafter(),
+                                          schedule=speculation.make_schedule(), typical=typical, **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None
@@ -390,15 +360,6 @@ def open_datastore(settings: Settings):
     if settings.datastore not in _DATASTORES:
         _DATASTORES[settings.datastore] = Datastore(settings.datastore)
     return _DATASTORES[settings.datastore]
-
-
-def _assumed(method: str, settings: Settings) -> AssumedCosts | None:
-    if not is_flat(method):
-        return None
-    if settings.assumed is None:
-        raise SpecdecError(f"{method} needs the assumed costs (Settings.assumed; the bench sets them from the "
-                           f"pair's measured drafter cost)")
-    return settings.assumed
 
 
 _CHECKPOINTS: dict[tuple[str, str], object] = {}  # by (kind, folder)

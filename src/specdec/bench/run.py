@@ -20,10 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..backends import Backend
 from ..drafters.layerskip import choose_skipped
 from ..errors import SpecdecError
+from ..methods import names, preset
 from ..models import load
 from ..passcost import pass_costs
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
+from ..spec import MODEL_FREE_DRAFTERS
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REFERENCE, PeerModels, Record, Settings,
@@ -299,7 +301,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             + (": sd-cost will draft nothing" if settings.pass_costs.never_pays() else ""))
         costs = settings.pass_costs
         settings.assumed = AssumedCosts.flat(costs.drafter / costs.target[1], settings.flat_at16)
-    if "suffix" in methods or "retrieval" in methods:
+    if any(m in names() and preset(m).method in MODEL_FREE_DRAFTERS for m in methods):  # their cost schedules
         settings.free_costs = pass_costs(target_model, None, say)
     if settings.assumed is None and any(is_flat(m) for m in methods):  # model-free -flat methods: no drafter passes
         settings.assumed = AssumedCosts.flat(0.0, settings.flat_at16)

@@ -56,6 +56,16 @@ def lookahead_shape(rows: int) -> tuple[int, int, int]:
     return window, levels + 1, window
 
 
+def check_shape(shape: tuple) -> None:
+    """Raise SpecdecError unless (W, N, G) are all None or window >= 1, ngram >= 2, guesses >= 0."""
+    window, ngram, guesses = shape
+    if any(v is not None for v in shape):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in shape) or window < 1 or ngram < 2 \
+                or guesses < 0:
+            raise SpecdecError(f"lookahead needs window >= 1, ngram >= 2 and guesses >= 0 given together, "
+                               f"got {window!r}, {ngram!r}, {guesses!r}")
+
+
 class LookaheadDrafter:
     """Lookahead decoding's proposals as a token tree (see the module docstring).
 
@@ -68,11 +78,7 @@ class LookaheadDrafter:
     def __init__(self, window: int | None = None, ngram: int | None = None, guesses: int | None = None,
                  max_nodes: int = 64, policy: TreeCost | None = None):
         shape = (window, ngram, guesses)
-        if any(v is not None for v in shape):
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in shape) or window < 1 or ngram < 2 \
-                    or guesses < 0:
-                raise SpecdecError(f"lookahead needs window >= 1, ngram >= 2 and guesses >= 0 given together, "
-                                   f"got {window!r}, {ngram!r}, {guesses!r}")
+        check_shape(shape)
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self.shape: tuple[int, int, int] | None = shape if window is not None else None
         self.forwards = 0

@@ -30,7 +30,7 @@ class Request:
 
     drafter: None (plain decoding), a drafter model (each request drafts with it through its own
     cache), or a factory returning a fresh `Drafter` for this request (`LookupDrafter`,
-    `lambda: make_tree_drafter("mixed", model)`): a drafter holds one sequence's state.
+    `methods.build(...).make_drafter`): a drafter holds one sequence's state.
     schedule: a factory returning this request's draft-length schedule (default: fixed `gamma`).
     """
 

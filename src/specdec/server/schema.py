@@ -14,7 +14,19 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per completions request
 MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
-METHODS = ("default", "ar", "chain", "lookup", "suffix", "retrieval", "tree", "lookahead")
+
+
+def _served_methods() -> tuple[str, ...]:
+    """The names a request's `speculative.method` takes: every method and preset of the registry
+    (`specdec methods`) but those where the target drafts for itself, which run one sequence at a
+    time (the engine's batched passes keep no hidden states)."""
+    from ..methods import METHODS as REGISTRY, names, preset
+
+    return tuple(name for name in names() if not REGISTRY[preset(name).method].self_drafting)
+
+
+METHODS = _served_methods()
+SPECULATIVE_FIELDS = ("method", "gamma_max", "tree_nodes", "tree", "schedule", "gamma")
 
 
 class BadRequest(Exception):
@@ -31,11 +43,16 @@ class BadRequest(Exception):
 
 @dataclass
 class Speculation:
-    """The request's `speculative` block: which method drafts (None: plain decoding) and its limits."""
+    """The request's `speculative` block: which method or preset drafts (None: plain decoding),
+    and the `SpecConfig` fields a request may set (None: the server's). A request names no model,
+    datastore or checkpoint: those are the server's (`service.Service.config`)."""
 
     method: str | None = "default"
     gamma_max: int | None = None
     tree_nodes: int | None = None
+    tree: str | None = None
+    schedule: str | None = None
+    gamma: int | None = None
 
 
 @dataclass
@@ -86,6 +103,8 @@ def _number(body: dict, name: str, default, low: float, high: float, low_open: b
 
 
 def _speculation(value, default: Speculation) -> Speculation:
+    from ..methods import preset
+
     if value is None:
         return default
     if value is False:
@@ -93,20 +112,32 @@ def _speculation(value, default: Speculation) -> Speculation:
     if value is True:
         return default
     if not isinstance(value, dict):
-        raise BadRequest(f"speculative must be false or an object with method, gamma_max, tree_nodes; got {value!r}",
+        raise BadRequest(f"speculative must be false or an object with {', '.join(SPECULATIVE_FIELDS)}; got {value!r}",
                          "speculative")
-    unknown = set(value) - {"method", "gamma_max", "tree_nodes"}
+    unknown = set(value) - set(SPECULATIVE_FIELDS)
     if unknown:
-        raise BadRequest(f"speculative takes method, gamma_max and tree_nodes, not {sorted(unknown)}", "speculative")
+        raise BadRequest(f"speculative takes {', '.join(SPECULATIVE_FIELDS)}, not {sorted(unknown)}", "speculative")
     method = value.get("method", default.method or "default")
     if method not in METHODS:
-        raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)}; got {method!r}",
+        raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)} (`specdec methods`); got {method!r}",
                          "speculative.method")
-    if "tree_nodes" in value and method not in ("tree", "lookahead"):
+    kind = preset(method).method if method != "ar" else "ar"
+    if "tree_nodes" in value and kind not in ("tree", "lookahead"):
         raise BadRequest("speculative.tree_nodes applies to methods tree and lookahead", "speculative.tree_nodes")
-    gamma = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
+    if "tree" in value and kind != "tree":
+        raise BadRequest("speculative.tree applies to the tree method", "speculative.tree")
+    if ("schedule" in value or "gamma" in value) and kind in ("tree", "lookahead", "ar"):
+        raise BadRequest("speculative.schedule and gamma size chains; trees are sized by cost", "speculative.schedule")
+    tree = value.get("tree", default.tree if kind == "tree" else None)
+    if tree is not None and not isinstance(tree, str):
+        raise BadRequest(f"speculative.tree must be a shape's name, got {tree!r}", "speculative.tree")
+    schedule = value.get("schedule", default.schedule if kind not in ("tree", "lookahead") else None)
+    if schedule is not None and not isinstance(schedule, str):
+        raise BadRequest(f"speculative.schedule must be a schedule's name, got {schedule!r}", "speculative.schedule")
+    gamma_max = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
     nodes = _number(value, "tree_nodes", default.tree_nodes, 1, 256, integer=True)
-    return Speculation(None if method == "ar" else method, gamma, nodes)
+    gamma = _number(value, "gamma", default.gamma, 1, 32, integer=True)
+    return Speculation(None if method == "ar" else method, gamma_max, nodes, tree, schedule, gamma)
 
 
 def _stop(value) -> list[str]:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 from ..drafters.suffix import SuffixCache
 from ..engine import Request
+from ..errors import SpecdecError
+from ..methods import METHODS, Parts, build, preset
 from ..samplers import Sampler
+from ..spec import SpecConfig
 from .schema import BadRequest, Job, Speculation
-
-
-MODEL_FREE = ("lookup", "suffix", "retrieval")  # methods that draft without a model: their costs are the target's alone
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Service:
                  suffix_cache_tokens: int = 100_000, datastore=None, lookahead_rows: int | None = None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
-        if self.default.method in ("default", "chain", "tree") and drafter is None:
+        if self.default.method is not None and preset(self.default.method).needs_drafter_model() and drafter is None:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
@@ -58,7 +58,7 @@ class Service:
         self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         if datastore is not None:
             datastore.check_tokenizer(target.tokenizer, target.vocab_size)
-        elif self.default.method == "retrieval":
+        elif self.default.method is not None and preset(self.default.method).method == "retrieval":
             raise BadRequest("speculation 'retrieval' needs a datastore")
         self.datastore = datastore
         self._token_texts: dict[int, str] = {}
@@ -127,43 +127,48 @@ class Service:
             request.logprobs = job.logprobs
         return requests
 
+    def config(self, speculation: Speculation) -> SpecConfig | None:
+        """The `SpecConfig` of a request's block (None: plain decoding): its method or preset, with
+        the request's fields over the server's defaults (`default`, from `specdec serve`'s flags;
+        a request's "default" is the server's method). BadRequest where this server cannot run it."""
+        name = speculation.method
+        if name is None:
+            return None
+        if name == "default" and self.default.method not in (None, "default"):
+            name = self.default.method
+        fields = {"gamma_max": speculation.gamma_max or self.default.gamma_max or 20,
+                  "tree_nodes": speculation.tree_nodes or self.default.tree_nodes or 64,
+                  "assumed": self.assumed is not None}
+        for key in ("tree", "schedule", "gamma"):
+            if getattr(speculation, key) is not None:
+                fields[key] = getattr(speculation, key)
+        param = "speculative.method"
+        config = preset(name).replace(**fields)
+        try:
+            config.validate()
+        except SpecdecError as error:
+            raise BadRequest(str(error), "speculative") from None
+        if config.needs_drafter_model() and self.drafter is None:
+            raise BadRequest(f"speculative.method {name!r} needs a drafter model, and this server has none; "
+                             "use lookup, suffix or false", param)
+        if config.method == "retrieval" and self.datastore is None:
+            raise BadRequest(f"speculative.method {name!r} needs a datastore, and this server has none; "
+                             "use lookup, suffix or false", param)
+        if METHODS[config.method].trees and not getattr(self.target, "tree_masks", True):
+            raise BadRequest(f"speculative.method {name!r} scores token trees, which this server's backend "
+                             f"({self.target.kernels}) does not; use chain, lookup, suffix or false", param)
+        return config
+
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
                  seed: int | None) -> Request:
-        from ..drafters import LookaheadDrafter, LookupDrafter, SuffixDrafter, lookahead_shape, make_tree_drafter
-        from ..schedules import TreeCost, make_schedule
-
-        method = speculation.method
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
-        if method is None:
+        config = self.config(speculation)
+        if config is None:
             return Request(prompt_ids, None, **common)
-        gamma = speculation.gamma_max or self.default.gamma_max or 20
-        if method in ("default", "chain", "tree") and self.drafter is None:
-            raise BadRequest(f"speculative.method {method!r} needs a drafter model, and this server has none; "
-                             "use lookup, suffix or false", "speculative.method")
-        if method == "retrieval" and self.datastore is None:
-            raise BadRequest("speculative.method 'retrieval' needs a datastore, and this server has none; "
-                             "use lookup, suffix or false", "speculative.method")
-        if method in ("tree", "lookahead") and not getattr(self.target, "tree_masks", True):
-            raise BadRequest(f"speculative.method {method!r} scores token trees, which this server's backend "
-                             f"({self.target.kernels}) does not; use chain, lookup, suffix or false", "speculative.method")
-        if method == "tree":
-            nodes = speculation.tree_nodes or self.default.tree_nodes or 64
-            return Request(prompt_ids, lambda: make_tree_drafter("mixed", self.drafter, nodes, assumed=self.assumed),
-                           **common,
-                           schedule=lambda: make_schedule("fixed", gamma))  # a tree's depth bound
-        if method == "lookahead":
-            nodes = speculation.tree_nodes or self.default.tree_nodes or 64
-            shape = (None,) * 3 if self.lookahead_rows is None or self.assumed is not None else \
-                lookahead_shape(min(self.lookahead_rows, nodes))
-            return Request(prompt_ids, lambda: LookaheadDrafter(*shape, policy=TreeCost(max_nodes=nodes,
-                                                                                        assumed=self.assumed)),
-                           **common, schedule=lambda: make_schedule("fixed", gamma))  # its trees' depth bound
         # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
-        costs = self.lookup_costs if method in MODEL_FREE else self.costs
-        drafter = {"lookup": LookupDrafter, "suffix": lambda: SuffixDrafter(self.suffix_cache),
-                   "retrieval": lambda: SuffixDrafter(self.suffix_cache, datastore=self.datastore)
-                   }.get(method, self.drafter)
-        return Request(prompt_ids, drafter, **common,
-                       schedule=lambda: make_schedule("cost", gamma_max=gamma, pass_costs=costs,
-                                                      assumed=self.assumed))
-
+        built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
+                                    costs=lambda model: self.costs if model is not None else self.lookup_costs,
+                                    assumed=self.assumed, suffix_cache=self.suffix_cache, datastore=self.datastore,
+                                    lookahead_rows=self.lookahead_rows))
+        return Request(prompt_ids, built.make_drafter, **common, schedule=built.make_schedule,
+                       seed_rule=config.seed_rule)

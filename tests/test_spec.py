@@ -1,0 +1,229 @@
+"""SpecConfig and the method registry: one config, one place that assembles drafters, the same
+names everywhere (spec.py, methods.py)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from specdec import autoregressive_generate, speculative_generate
+from specdec.engine import Engine, Request
+from specdec.errors import SpecdecError
+from specdec.methods import METHODS, PRESETS, Parts, build, from_options, names, preset, resolve
+from specdec.samplers import Sampler
+from specdec.schedules import AssumedCosts
+from specdec.spec import SpecConfig, from_flags
+
+from conftest import tiny_model
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "specdec"
+PROMPT = [2, 5, 7, 9, 11, 5, 7, 9, 11, 5]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (("qwen",), {"method": "chain", "drafter": "qwen"}),
+    (("lookup",), {"method": "lookup"}),
+    (("retrieval:store",), {"method": "retrieval", "datastore": "store"}),
+    (("medusa:heads",), {"method": "medusa", "checkpoint": "heads"}),
+    (("self-skip:3,5",), {"method": "self-skip", "skip_layers": (3, 5)}),
+    (("qwen", "sides"), {"method": "tree", "tree": "sides", "drafter": "qwen"}),
+    (("qwen", "lookahead"), {"method": "lookahead"}),
+    (("qwen", "off", "lookup"), {"method": "cascade", "cascade": "lookup", "drafter": "qwen"}),
+])
+def test_todays_flags_map_onto_a_config(flags, expected):
+    assert from_flags(*flags) == expected
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("lookup", "sides"), "--tree applies to drafter models"),
+    (("suffix", "off", "lookup"), "--cascade drafts for a drafter model's chain"),
+    (("qwen", "mixed", "suffix"), "--cascade"),
+    (("retrieval",), "needs a datastore"),
+    (("self-skip:a,b",), "comma-separated layer numbers"),
+])
+def test_flags_that_do_not_fit_together_are_refused(flags, needle):
+    with pytest.raises(SpecdecError, match=re.escape(needle)):
+        from_flags(*flags)
+
+
+def test_a_preset_keeps_its_rules_and_the_flags_choose_what_drafts():
+    assert from_options("sd", "lookup").to_dict() == {"method": "lookup", "schedule": "fixed"}
+    assert from_options("default", "m").schedule == "cost"
+    assert from_options("sd-heuristic", "m", schedule="egag").schedule == "egag"  # an explicit option wins
+    assert from_options("tree", "m", "sides").tree == "sides"
+    assert from_options("tree-eagle2", "m").to_dict() == {"method": "tree", "drafter": "m", "tree": "eagle2"}
+    assert from_options("default", "m", lenience=0.5).acceptance == "lenient"
+    assert from_options("ar", "m").method == "ar"
+    for args, needle in [(("lookup", "m", "sides"), "--tree shapes the tree method"),
+                         (("tree", "lookup"), "drafts with a drafter model"),
+                         (("bogus", "m"), "unknown method 'bogus'"),
+                         (("tree", "m", "lookahead"), "its own method")]:
+        with pytest.raises(SpecdecError, match=re.escape(needle)):
+            from_options(*args)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"tree_nodes": 0}, "tree_nodes must be an integer >= 1"),
+    ({"method": "tree", "acceptance": "typical"}, "chain drafts only"),
+    ({"lookahead_shape": (4, 3, 2)}, "applies to the lookahead method"),
+    ({"method": "lookahead", "lookahead_shape": (4, 1, 2)}, "ngram >= 2"),
+    ({"schedule": "sometimes"}, "unknown schedule"),
+    ({"seed_rule": "mine"}, "unknown seed_rule"),
+    ({"acceptance": "lenient"}, "lenience below 1"),
+    ({"gamma_min": 9, "gamma_max": 4}, "is above gamma_max"),
+    ({"method": "tree", "tree": "bushy"}, "unknown tree 'bushy'"),
+    ({"method": "cascade", "cascade": "ngram"}, "unknown cascade stage"),
+    ({"method": "medusa"}, "needs its checkpoint folder"),
+])
+def test_validate_names_the_option_out_of_range(changes, needle):
+    with pytest.raises(SpecdecError, match=re.escape(needle)):
+        SpecConfig().replace(**changes).validate()
+
+
+def test_trees_and_self_drafting_are_refused_on_gguf_weights():
+    class Gguf:
+        weights = "gguf"
+
+    for config in (SpecConfig("tree"), SpecConfig("lookahead"), SpecConfig("self-skip")):
+        with pytest.raises(SpecdecError, match="gguf"):
+            config.validate(Gguf())
+    SpecConfig("chain").validate(Gguf())
+    SpecConfig("lookup").validate(Gguf())
+
+
+def test_every_name_is_a_method_or_a_preset_of_one():
+    assert len(set(names())) == len(names())
+    for name in names():
+        assert preset(name).method in METHODS
+    assert all(name not in METHODS for name in PRESETS if name != "default") and "default" not in METHODS
+
+
+def _checkpoints(target, tmp_path) -> dict:
+    from specdec.eagle import save_eagle
+    from specdec.medusa import save_heads
+    from test_eagle import _random_eagle
+    from test_self_drafting import _random_heads
+
+    save_heads(tmp_path / "heads", _random_heads(target))
+    save_eagle(tmp_path / "eagle", _random_eagle(target))
+    return {"medusa": str(tmp_path / "heads"), "eagle": str(tmp_path / "eagle")}
+
+
+def _config(name: str, checkpoints: dict) -> SpecConfig:
+    config = preset(name).replace(gamma=3, gamma_max=4, tree_nodes=12)
+    if config.method in checkpoints:
+        config = config.replace(checkpoint=checkpoints[config.method])
+    if config.method == "self-skip":
+        config = config.replace(skip_layers=(1,))
+    if config.method == "retrieval":
+        config = config.replace(datastore=None)
+    return config.validate()
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_registered_name_builds_and_is_greedy_identical_to_ar(name, tmp_path):
+    """The contract every method and preset meets: built from its config alone (plus models and
+    files), greedy output token for token the target's AR output; drafts of its own made and
+    verified where it drafts (the tiny drafter here is the target's twin, so chains pass)."""
+    target = tiny_model(0, vocab=32, layers=4, kernels="stock")  # self-skip needs layers it can skip
+    drafter = tiny_model(0, vocab=32, layers=4, kernels="stock")
+    config = _config(name, _checkpoints(target, tmp_path))
+    if config.method == "retrieval":
+        pytest.skip("retrieval: its datastore's drafting is tested in test_suffix and test_server")
+    parts = Parts(target, drafter if config.needs_drafter_model() else None,
+                  assumed=AssumedCosts(drafter=0.05, slope=0.0))
+    built = build(config, parts)
+    ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
+    if not config.speculative:
+        assert built.make_drafter is None and built.make_schedule is None
+        return
+    result = speculative_generate(PROMPT, target, built.make_drafter(), schedule=built.make_schedule(),
+                                  max_new_tokens=24, eos_token_ids=[], lenience=config.effective_lenience(),
+                                  typical=config.typical(), seed_rule=config.seed_rule)
+    assert result.tokens == ar.tokens
+    if config.method in ("chain", "cascade", "tree") and config.tree not in ("lookup", "suffix"):
+        assert result.stats.drafted > 0 and result.stats.accepted > 0  # the twin's drafts were made and kept
+
+
+@pytest.mark.parametrize("name", ["sd-cost", "lookup", "tree-sides", "suffix", "ngram-fixed", "lookahead"])
+def test_a_built_speculation_runs_in_the_engine_with_seeded_outputs_equal_to_seeded_ar(name):
+    target, drafter = tiny_model(0, vocab=32, exact_rows=True), tiny_model(1, vocab=32, layers=1, exact_rows=True)
+    config = resolve(name, gamma_max=4, tree_nodes=8)
+    built = build(config, Parts(target, drafter if config.needs_drafter_model() else None,
+                                assumed=AssumedCosts(drafter=0.05, slope=0.0)))
+    sampler = Sampler(temperature=0.9)
+    engine = Engine(target, max_batch=3)
+    ids = [engine.add(Request(PROMPT[:6 + i], built.make_drafter, sampler=sampler, max_new_tokens=16, seed=7 + i,
+                              eos_token_ids=[], schedule=built.make_schedule)) for i in range(3)]
+    results = engine.run()
+    for i, request_id in enumerate(ids):
+        alone = autoregressive_generate(PROMPT[:6 + i], target, sampler, max_new_tokens=16, seed=7 + i, eos_token_ids=[])
+        assert results[request_id].tokens == alone.tokens
+
+
+def test_a_cost_schedule_gets_the_costs_of_its_drafter_and_measures_them_once():
+    target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32, layers=1)
+    asked = []
+
+    def costs(model):
+        asked.append(model)
+        return None
+
+    for config, expected in [(SpecConfig("chain"), [drafter]), (SpecConfig("lookup"), [None]),
+                             (SpecConfig("chain", schedule="fixed"), []), (SpecConfig("tree"), [])]:
+        asked.clear()
+        built = build(config, Parts(target, drafter if config.needs_drafter_model() else None, costs=costs))
+        built.make_schedule(), built.make_schedule()
+        assert asked == expected, config.method
+
+
+def test_a_method_that_needs_a_drafter_model_says_so():
+    with pytest.raises(SpecdecError, match="drafts with a drafter model, and none is loaded"):
+        build(SpecConfig("tree"), Parts(tiny_model(0)))
+
+
+# ---------------------------------------------------------------- one assembly, one vocabulary
+
+DRAFTER_MAKERS = re.compile(r"\b(make_tree_drafter|LookupDrafter|NgramDrafter|SuffixDrafter|CascadeDrafter|"
+                            r"LookaheadDrafter|MedusaDrafter|EagleDrafter|self_skip_drafter|Eagle2Drafter|"
+                            r"SequoiaDrafter|SidesDrafter|MixedDrafter|LookupTreeDrafter|SuffixTreeDrafter)\(")
+# modules that make drafters for a purpose of their own, not from a method's name: speculative beam
+# search drafts a tree per beam, and `measure` reads acceptance off a Sequoia tree of its own
+OWN_PURPOSE = {"beam.py", "bench/measure.py"}
+
+
+def assembly_sites(root: Path = SRC) -> list[str]:
+    """Modules outside drafters/ and methods.py that construct a drafter of a method."""
+    sites = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("drafters/") or relative == "methods.py" or relative in OWN_PURPOSE:
+            continue
+        if DRAFTER_MAKERS.search(path.read_text()):
+            sites.append(relative)
+    return sites
+
+
+def test_the_method_to_drafter_assembly_lives_in_methods_py_alone(tmp_path):
+    assert assembly_sites() == []
+    copy = tmp_path / "specdec"
+    (copy / "server").mkdir(parents=True)
+    (copy / "server" / "service.py").write_text("drafter = lambda: LookupDrafter()\n")
+    assert assembly_sites(copy) == ["server/service.py"]  # the check sees a second assembly
+
+
+def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
+    from typer.testing import CliRunner
+
+    from specdec.bench.concurrency import METHODS as LOAD_METHODS
+    from specdec.bench.methods import METHODS as BENCH_METHODS
+    from specdec.cli import app
+    from specdec.server.schema import METHODS as SERVED
+
+    listed = json.loads(CliRunner().invoke(app, ["methods", "--json"]).stdout)
+    assert list(listed) == names()
+    assert set(names()) <= set(BENCH_METHODS)
+    self_drafting = {n for n in names() if METHODS[preset(n).method].self_drafting}
+    assert set(SERVED) == set(names()) - self_drafting
+    assert set(LOAD_METHODS) - {"hf-cb", "hf-padded"} == set(names()) - self_drafting
