@@ -219,16 +219,16 @@ def test_generate_with_a_tree_draws_it_and_reports_the_path(need_smollm2):
 @pytest.mark.parametrize("args,message", [
     (["generate", "x", "--tree", "forest"], "unknown tree"),
     (["generate", "x", "--tree", "sides", "--tree-scheme", "random"], "unknown sibling scheme"),
-    (["generate", "x", "--tree", "lookup", "--tree-nodes", "0"], "tree nodes must be"),
-    (["generate", "x", "--tree", "mixed", "--typical"], "--typical applies to chain drafts only"),
+    (["generate", "x", "--tree", "lookup", "--tree-nodes", "0"], "tree_nodes must be"),
+    (["generate", "x", "--tree", "mixed", "--typical"], "typical acceptance applies to chain drafts only"),
     (["generate", "x", "--typical", "--typical-epsilon", "0"], "typical acceptance needs 0 < epsilon <= 1"),
     (["generate", "x", "--typical", "--method", "ar"], "--method ar drafts nothing"),
-    (["generate", "x", "--cascade", "ngram"], "unknown --cascade 'ngram'"),
+    (["generate", "x", "--cascade", "ngram"], "unknown cascade stage 'ngram'"),
     (["generate", "x", "--cascade", "suffix", "--drafter", "lookup"], "--cascade drafts for a drafter model's chain"),
     (["generate", "x", "--cascade", "suffix", "--tree", "mixed"], "--cascade drafts for a drafter model's chain"),
     (["generate", "x", "--tree", "lookahead", "--lookahead-shape", "3,3"], "--lookahead-shape takes W,N,G"),
     (["generate", "x", "--tree", "lookahead", "--lookahead-shape", "0,2,1"], "lookahead needs window >= 1"),
-    (["generate", "x", "--tree", "lookup", "--lookahead-shape", "3,3,3"], "--lookahead-shape applies to --tree lookahead"),
+    (["generate", "x", "--tree", "lookup", "--lookahead-shape", "3,3,3"], "a lookahead shape applies to the lookahead method"),
     (["bench", "--methods", "lookahead", "--lookahead-shape", "a,b,c"], "--lookahead-shape takes W,N,G"),
 ])
 def test_tree_option_errors_are_clear(need_smollm2, args, message):

@@ -180,3 +180,37 @@ def test_loading_is_apart_from_the_backends(module):
         assert "specdec.backends.transformers" in graph[module]
     else:
         assert "specdec.models" not in graph[module]
+
+
+@pytest.mark.slow
+def test_a_built_wheel_carries_the_package_its_data_and_both_commands(tmp_path):
+    """`pip install .` and a built wheel work alone: the distribution (lossless-specdec; "specdec"
+    on the package index is another project) holds every module, the Spec-Bench data the bench
+    reads, and the `specdec` and `lossless-specdec` commands."""
+    import importlib.util
+    import subprocess
+    import sys
+    import zipfile
+
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not in this environment (the wheel is built without network)")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("lossless_specdec-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    sources = {f"specdec/{p.relative_to(SRC).as_posix()}" for p in SRC.rglob("*.py")}
+    assert sources <= names
+    assert {"specdec/bench/data/spec_bench_dev.jsonl", "specdec/bench/data/LICENSE-Spec-Bench"} <= names
+    assert "specdec = specdec.cli:main" in entry_points and "lossless-specdec = specdec.cli:main" in entry_points
+    installed = tmp_path / "installed"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(installed), str(wheel)],
+                   check=True, capture_output=True)
+    found = subprocess.run([sys.executable, "-c", "import specdec; from specdec.bench.datasets import load_prompts; "
+                            "print(specdec.__file__); print(len(load_prompts('spec-bench', 1)))"],
+                           capture_output=True, text=True, env={"PYTHONPATH": str(installed)}, cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    where, count = found.stdout.split()
+    assert Path(where).is_relative_to(installed) and int(count) == 6

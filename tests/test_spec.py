@@ -30,13 +30,16 @@ PROMPT = [2, 5, 7, 9, 11, 5, 7, 9, 11, 5]
     (("qwen", "sides"), {"method": "tree", "tree": "sides", "drafter": "qwen"}),
     (("qwen", "lookahead"), {"method": "lookahead"}),
     (("qwen", "off", "lookup"), {"method": "cascade", "cascade": "lookup", "drafter": "qwen"}),
+    (("lookup", "lookup"), {"method": "tree", "tree": "lookup"}),
+    (("qwen", "suffix"), {"method": "tree", "tree": "suffix"}),
 ])
 def test_todays_flags_map_onto_a_config(flags, expected):
     assert from_flags(*flags) == expected
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (("lookup", "sides"), "--tree applies to drafter models"),
+    (("lookup", "sides"), "--tree sides drafts with a drafter model; lookup is none"),
+    (("self-skip", "lookup"), "--tree applies to drafter models; self-skip drafts its own way"),
     (("suffix", "off", "lookup"), "--cascade drafts for a drafter model's chain"),
     (("qwen", "mixed", "suffix"), "--cascade"),
     (("retrieval",), "needs a datastore"),
@@ -227,3 +230,52 @@ def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     self_drafting = {n for n in names() if METHODS[preset(n).method].self_drafting}
     assert set(SERVED) == set(names()) - self_drafting
     assert set(LOAD_METHODS) - {"hf-cb", "hf-padded"} == set(names()) - self_drafting
+
+
+# ---------------------------------------------------------------- declared, not probed
+
+@pytest.mark.parametrize("name", [n for n in names() if n not in ("ar", "retrieval")])
+def test_every_drafter_declares_the_capabilities_its_members_show(name, tmp_path):
+    from specdec.drafters.base import capabilities_of, derived_capabilities
+
+    target = tiny_model(0, vocab=32, layers=4, kernels="stock")
+    config = _config(name, _checkpoints(target, tmp_path))
+    built = build(config, Parts(target, target if config.needs_drafter_model() else None,
+                                assumed=AssumedCosts(drafter=0.05, slope=0.0)))
+    drafter = built.make_drafter()
+    if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
+        return  # a model: the loop wraps it in a ModelDrafter, which declares its own
+    assert any("capabilities" in vars(c) for c in type(drafter).__mro__)  # declared by its class
+    assert capabilities_of(drafter) == derived_capabilities(drafter), type(drafter).__name__
+
+
+def test_the_loop_and_the_engine_read_declarations_instead_of_probing():
+    """Issue 48's bound: at most three attribute probes left in the loop and the engine (a step
+    callback's optional flush)."""
+    files = [SRC / "generate.py", *sorted((SRC / "engine").glob("*.py"))]
+    probes = sum(len(re.findall(r"\b(?:hasattr|getattr)\(", path.read_text())) for path in files)
+    assert probes <= 3, probes
+
+
+def test_a_protocol_only_drafter_still_drafts():
+    """A drafter written against the bare protocol (no `capabilities`) gets them derived once."""
+    from specdec.drafters import Draft
+
+    class Repeats:
+        name, forwards = "repeats", 0
+
+        def check_target(self, target):
+            pass
+
+        def start(self, prompt):
+            pass
+
+        def propose(self, context, max_tokens, sampler, generator, keep_going):
+            return Draft([context[-1]] * max_tokens)
+
+        def rollback(self, length):
+            pass
+
+    target = tiny_model(0, vocab=32)
+    ar = autoregressive_generate(PROMPT, target, max_new_tokens=16, eos_token_ids=[])
+    assert speculative_generate(PROMPT, target, Repeats(), max_new_tokens=16, eos_token_ids=[]).tokens == ar.tokens

@@ -17,11 +17,12 @@ from typing import Callable, Generator, Sequence
 
 import torch
 
-from .backends import Backend, Segment
+from .backends import Backend, Segment, features
 from .backends.prompts import PREFILL_CHUNK
 from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
+from .backends.transformers import TransformersModel
 from .drafters import Draft, Drafter, ModelDrafter
-from .drafters.base import drive, one_hot
+from .drafters.base import Capabilities, capabilities_of, drive, is_drafter, one_hot
 from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
@@ -95,6 +96,10 @@ class GenerationStats:
     typical: str | None = None  # typical acceptance's settings where it was used (lossy; `verify.Typical`)
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
     cached_prompt_tokens: int = 0  # prompt entries taken as an earlier sequence left them (a prompt cache)
+
+    def add_seconds(self, counter: str, seconds: float) -> None:
+        """Add `seconds` to the timer `counter` (target_seconds, drafter_seconds, ...)."""
+        self.__dict__[counter] += seconds
 
     @property
     def lossy(self) -> bool:
@@ -296,13 +301,16 @@ class Decoding:
                  seed_rule: str = "coupled"):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
-        if drafter is not None and not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):
+        if drafter is not None and not is_drafter(drafter):
             # a model: its ids as they are, or through text where its tokenizer is another
             drafter = ModelDrafter(drafter) if pair_mode(target, drafter) == "shared" else OtherTokenizerDrafter(drafter)
-        self.trees = hasattr(drafter, "propose_tree")
-        self.reads_hidden = getattr(drafter, "reads_target_hidden", False)  # self-drafting heads (Medusa, EAGLE)
+        self.features = features(target)  # what the target's backend does beyond `Backend`
+        self.can = capabilities_of(drafter) if drafter is not None else Capabilities()  # declared by its class
+        self.trees = self.can.trees
+        self.reads_hidden = self.can.reads_target_hidden  # self-drafting heads (Medusa, EAGLE)
+        self.drafter_model = drafter.model if self.can.model else None
         if drafter is not None:
-            if self.trees and not getattr(target, "tree_masks", True):
+            if self.trees and not self.features.tree_masks:
                 raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
                                    "use a chain method, or --dtype auto (transformers' weights) for trees")
             if self.trees and lenience != 1:
@@ -319,7 +327,7 @@ class Decoding:
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
         self.lenience, self.typical, self.debug = lenience, typical, debug
         self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
-        models = [target] + ([drafter.model] if getattr(drafter, "model", None) is not None else [])
+        models = [target] + ([self.drafter_model] if self.drafter_model is not None else [])
         prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
         # Under a seed with an exact rule, every sampled token is a coupled draw from noise of
         # (seed, position) alone, shared by the drafter: the output is the seeded AR output.
@@ -345,7 +353,8 @@ class Decoding:
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
         # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
-        self.online = getattr(drafter.model, "online", None) if isinstance(drafter, ModelDrafter) else None
+        self.online = self.drafter_model.online if isinstance(drafter, ModelDrafter) and \
+            isinstance(self.drafter_model, TransformersModel) else None
 
     @property
     def done(self) -> bool:
@@ -360,7 +369,7 @@ class Decoding:
     def begin(self) -> None:
         """A cache for the target, the drafter told of the prompt, the clock started; the prompt
         is then fed by `prefill_step`."""
-        if self._chunked and getattr(self.target, "prompt_cache", False):
+        if self._chunked and self.features.prompt_cache:
             # starts with the kept entries of an earlier prompt's feeding calls that this one repeats
             self.cache = self.target.new_cache(prompt=self.sequence, chunk=PREFILL_CHUNK)
             self.stats.cached_prompt_tokens = cache_length(self.cache)
@@ -370,9 +379,10 @@ class Decoding:
         reserve_cache(self.cache, reserve)
         if self.drafter is not None:
             self.drafter.start(self.sequence)
-            if self.pinned and hasattr(self.drafter, "pin"):
+            if self.pinned and self.can.pins:
                 self.drafter.pin()  # drafts that hang on other generations would change a seeded output
-            reserve_cache(getattr(self.drafter, "cache", None), reserve)  # a drafter model's
+            if self.can.model:
+                reserve_cache(self.drafter.cache, reserve)  # a drafter model's
             self.schedule.reset()
         self.out.start_clock()
         self.prefilled = False
@@ -388,7 +398,7 @@ class Decoding:
                 end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
                 self.target.prefill(self.sequence[:end + 1], self.cache)
                 self.prefilled = end >= len(self.sequence) - 1
-                if self.prefilled and hasattr(self.target, "keep_prompt"):
+                if self.prefilled and self.features.keeps_prompts:
                     self.target.keep_prompt(self.cache)  # transformers' prompt cache copies it now
             else:
                 self.target.prefill(self.sequence, self.cache)  # the same call as the AR baseline's
@@ -401,8 +411,7 @@ class Decoding:
     @property
     def _chunked(self) -> bool:
         """Whether the prompt is fed in chunks (`prefill_step`)."""
-        return getattr(self.target, "exact_rows", False) and hasattr(self.target, "forward_batch") and \
-            not self.reads_hidden
+        return self.features.exact_rows and self.features.batched and not self.reads_hidden
 
     def plan(self) -> Segment:
         """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's
@@ -425,7 +434,7 @@ class Decoding:
         without a seed; the rule that keeps timings out of seeded runs)."""
         if self.drafter is None or self.pinned:
             return None
-        policy = getattr(self.drafter, "policy", None) if self.trees else self.schedule
+        policy = self.drafter.policy if self.trees else self.schedule
         return policy if isinstance(policy, CostAware) else None
 
     @property
@@ -438,7 +447,7 @@ class Decoding:
     def batches_drafts(self) -> bool:
         """Whether this sequence's drafter passes can be left to the caller (`planning`): a drafter
         model's chains, whose passes the engine batches with other sequences' on the same model."""
-        return not self.trees and hasattr(self.drafter, "proposal")
+        return self.can.batched_passes
 
     def planning(self) -> Generator[Segment, torch.Tensor, Segment]:
         """`plan`, with the drafter model's passes left to the caller: yields each drafter pass
@@ -509,7 +518,7 @@ class Decoding:
             if not self.trees:
                 drafter.rollback(length + num_accepted)
             elif self._budget > 0:  # no tree was proposed otherwise
-                if getattr(drafter, "reads_target_tokens", False):  # lookahead: the target's argmax at every node
+                if self.can.reads_target_tokens:  # lookahead: the target's argmax at every node
                     drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
                 drafter.keep_path(length, path)
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
@@ -541,7 +550,7 @@ class Decoding:
     def _finish(self) -> None:
         """A drafter that learns across generations (`SuffixDrafter.finish`, an online distiller)
         sees the finished sequence."""
-        if self.done and hasattr(self.drafter, "finish"):
+        if self.done and self.can.finishes:
             self.drafter.finish(self.sequence)
         if self.done and self.online is not None:
             self.online.finish(id(self), self.sequence)
@@ -568,7 +577,7 @@ def _timed(stats: GenerationStats, counter: str):
     try:
         yield
     finally:
-        setattr(stats, counter, getattr(stats, counter) + time.perf_counter() - began)
+        stats.add_seconds(counter, time.perf_counter() - began)
 
 
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,

@@ -272,6 +272,8 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
     `--cascade` a cascade's stage. `schedule` None keeps the preset's; lenience < 1 and
     `typical` set the acceptance rule; `fields`: further SpecConfig fields. Validated."""
     if method == "ar":
+        if typical or lenience != 1:
+            raise SpecdecError("--typical and --lenience change how drafts are accepted; --method ar drafts nothing")
         return SpecConfig("ar")
     base = resolve(method)
     changes: dict = {}

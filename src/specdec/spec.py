@@ -217,8 +217,12 @@ def from_flags(drafter: str, tree: str = "off", cascade: str = "off") -> dict:
         raise SpecdecError("the retrieval drafter needs a datastore: --drafter retrieval:DIR (build one with "
                            "`specdec datastore build`)")
     special = special_drafter(drafter)
-    if special is not None and tree != "off":
-        raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way")
+    if tree != "off" and special is not None and special["method"] not in MODEL_FREE_DRAFTERS:
+        raise SpecdecError(f"--tree applies to drafter models; {drafter} drafts its own way (medusa, eagle: a tree)")
+    if tree != "off" and special is not None and tree not in ("lookup", "suffix", "lookahead"):
+        raise SpecdecError(f"--tree {tree} drafts with a drafter model; {drafter} is none")
+    if tree != "off" and special is not None:  # a tree that needs no model: the tree drafts
+        special = None
     if special is not None and cascade != "off":
         raise SpecdecError("--cascade drafts for a drafter model's chain; use it with --drafter MODEL and no --tree")
     if special is not None:
@@ -227,6 +231,8 @@ def from_flags(drafter: str, tree: str = "off", cascade: str = "off") -> dict:
         raise SpecdecError("--cascade drafts for a drafter model's chain; use it with --drafter MODEL and no --tree")
     if tree == "lookahead":
         return {"method": "lookahead"}
+    if tree in ("lookup", "suffix"):
+        return {"method": "tree", "tree": tree}
     if tree != "off":
         return {"method": "tree", "tree": tree, "drafter": drafter}
     if cascade != "off":

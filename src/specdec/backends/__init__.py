@@ -66,6 +66,45 @@ class Backend(Protocol):
         """Ids -> text."""
 
 
+@dataclass(frozen=True)
+class Features:
+    """What a loaded model can do beyond the `Backend` protocol, as the loops and the engine need
+    it; a backend class declares them (a `features()` method: transformers', llama.cpp's).
+
+    batched: `forward_batch` (`BatchedBackend`): several sequences' rows in one pass.
+    exact_rows: each row of a k-token pass equals a 1-token pass, bit for bit.
+    rows_invariant: ... batched passes included, whatever shares them (int8 layers: not).
+    tree_masks: `forward` takes `parents` (token trees).
+    prompt_cache: `new_cache(prompt=, chunk=)` starts from a kept earlier prompt's entries.
+    keeps_prompts: `keep_prompt(cache)` once a prompt is in (transformers' prompt store).
+    sequences: the most caches live at once (llama.cpp's streams); None: any number.
+    kv_bytes_per_token: bytes a cached position takes (the engine's budget); None: unknown.
+    """
+
+    batched: bool = False
+    exact_rows: bool = False
+    rows_invariant: bool = False
+    tree_masks: bool = True
+    prompt_cache: bool = False
+    keeps_prompts: bool = False
+    sequences: int | None = None
+    kv_bytes_per_token: int | None = None
+
+
+def features(model) -> Features:
+    """The `Features` `model` declares; for a model outside the two backends (a wrapper such as a
+    layer-skipping view, a test's stand-in), those its members show, derived once here."""
+    if callable(getattr(type(model), "features", None)):
+        return model.features()
+    exact = bool(getattr(model, "exact_rows", False))
+    return Features(batched=hasattr(model, "forward_batch"), exact_rows=exact,
+                    rows_invariant=bool(getattr(model, "rows_invariant", exact)),
+                    tree_masks=bool(getattr(model, "tree_masks", True)),
+                    prompt_cache=bool(getattr(model, "prompt_cache", False)),
+                    keeps_prompts=hasattr(model, "keep_prompt"), sequences=getattr(model, "sequences", None),
+                    kv_bytes_per_token=getattr(model, "kv_bytes_per_token", None))
+
+
 @dataclass
 class Segment:
     """One sequence's part of a batched pass (`BatchedBackend.forward_batch`): what `forward` takes

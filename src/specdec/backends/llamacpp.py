@@ -52,7 +52,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import Segment
+from . import Features, Segment
 from .prompts import Held, reusable
 from ..errors import SpecdecError
 from ..text import decode_ids, encode_text
@@ -413,6 +413,12 @@ class LlamaCppModel:
         if cache is None:
             return self._decode(ids, self.new_cache(), num_logits, piece)  # its sequence is freed on return
         return self._decode(ids, cache, num_logits, piece)
+
+    def features(self) -> Features:
+        """What this model does beyond `Backend` (`backends.Features`): batched passes over its
+        streams, each row exact where `exact_rows`; no token trees."""
+        return Features(batched=True, exact_rows=self.exact_rows, rows_invariant=self.exact_rows, tree_masks=False,
+                        prompt_cache=self.prompt_cache, sequences=self.sequences)
 
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """Several sequences' new tokens, their rows fed together (`BatchedBackend`): at most

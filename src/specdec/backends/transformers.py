@@ -20,7 +20,7 @@ from ..kernels import (Int8Linear, PackedLinear, bf16_rows_exact, cpu_has_native
 from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from ..text import decode_ids, encode_text, eos_ids
 from ..trees import tree_attention
-from . import Segment
+from . import Features, Segment
 from .cache import SegmentedCache, cache_length
 
 
@@ -199,6 +199,12 @@ class TransformersModel:
         computes: row-exact attention and no layer that switches kernels by row count (the int8
         short path, a bf16 short path over packed fp32, a frequent-token head)."""
         return self.exact_rows and self.kernels in ("stock", "onednn-packed") and self._draft_head is None
+
+    def features(self) -> Features:
+        """What this model does beyond `Backend` (`backends.Features`): batched passes, trees, its prompt cache."""
+        return Features(batched=True, exact_rows=bool(self.exact_rows), rows_invariant=self.rows_invariant,
+                        tree_masks=self.tree_masks, prompt_cache=self.prompt_cache, keeps_prompts=True,
+                        kv_bytes_per_token=self.kv_bytes_per_token)
 
     @property
     def kv_bytes_per_token(self) -> int:

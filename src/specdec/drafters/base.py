@@ -30,8 +30,65 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a drafter does beyond the `Drafter` protocol, declared by its class (a class attribute
+    `capabilities`) so that the loop and the engine read it instead of probing for members.
+
+    trees: proposes token trees (`propose_tree`, `keep_path`, and a sizing `policy` of its own)
+        instead of chains (`propose`).
+    batched_passes: `proposal(...)`, a generator that leaves its drafter-model passes to the
+        caller, so the engine batches them across sequences.
+    model: holds a drafter model (`model`, with this sequence's `cache`).
+    catches_up: keeps that model in step with the context: `lag(context)`, the tokens it has yet
+        to feed, and `caught_up`, the tokens and seconds it fed to catch up.
+    reads_target_hidden: `observe(hidden)` after the prefill and every target pass (self-drafting heads).
+    reads_target_tokens: `observe_targets(tokens)`, the target's argmax at every scored node (lookahead).
+    pins: `pin()` stops it drawing on other generations (which would change a seeded output).
+    finishes: `finish(sequence)` when its sequence ends (e.g. to share the output with later ones).
+    """
+
+    trees: bool = False
+    batched_passes: bool = False
+    model: bool = False
+    catches_up: bool = False
+    reads_target_hidden: bool = False
+    reads_target_tokens: bool = False
+    pins: bool = False
+    finishes: bool = False
+
+
+def capabilities_of(drafter) -> Capabilities:
+    """The capabilities `drafter`'s class declares; for a drafter written against the bare
+    protocol (no declaration), those its members show, derived once here."""
+    declared = getattr(type(drafter), "capabilities", None)
+    return declared if isinstance(declared, Capabilities) else derived_capabilities(drafter)
+
+
+def derived_capabilities(drafter) -> Capabilities:
+    """The capabilities `drafter`'s members show (a protocol-only drafter's; tests check every
+    declaration against it)."""
+    trees = hasattr(drafter, "propose_tree")
+    return Capabilities(trees=trees, batched_passes=not trees and hasattr(drafter, "proposal"),
+                        model=getattr(drafter, "model", None) is not None, catches_up=hasattr(drafter, "lag"),
+                        reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
+                        reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
+                        pins=hasattr(drafter, "pin"), finishes=hasattr(drafter, "finish"))
+
+
+def is_drafter(value) -> bool:
+    """Whether `value` is a drafter object (it proposes), not a model or a factory."""
+    return not isinstance(value, type) and (hasattr(value, "propose") or hasattr(value, "propose_tree"))
+
+
+def is_factory(value) -> bool:
+    """Whether `value` makes drafters (a drafter class, a lambda), not a model (which has `forward`)."""
+    return callable(value) and not hasattr(value, "forward")
+
+
 class Drafter(Protocol):
-    """What `speculative_generate` needs from a drafter."""
+    """What `speculative_generate` needs from a drafter. Optional members beyond these are
+    declared in a class attribute `capabilities` (`Capabilities`)."""
 
     name: str
     forwards: int  # drafter forward passes since `start` (0 for model-free drafters)

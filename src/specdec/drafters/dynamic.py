@@ -32,6 +32,7 @@ from ..errors import SpecdecError
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
+from .base import Capabilities
 from .model import ModelDrafter
 from .nodes import Node, to_tree
 
@@ -40,6 +41,8 @@ NOT_IN_TREE = -2  # `_fed` entry of a fed node that reranking left out of the tr
 
 class _TreeModelDrafter(ModelDrafter):
     """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
+
+    capabilities = Capabilities(trees=True, model=True, catches_up=True)
 
     def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)

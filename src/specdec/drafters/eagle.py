@@ -27,6 +27,7 @@ from ..eagle import Eagle, check_eagle_target, load_eagle
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree, tree_attention
+from .base import Capabilities
 from .dynamic import Eagle2Drafter
 from .nodes import Node
 
@@ -124,6 +125,8 @@ class EagleModel:
 
 class EagleDrafter(Eagle2Drafter):
     """EAGLE-2 dynamic trees drafted by an EAGLE layer (a checkpoint folder or a loaded `Eagle`)."""
+
+    capabilities = Capabilities(trees=True, model=True, catches_up=True, reads_target_hidden=True)
 
     reads_target_hidden = True  # speculative_generate calls `observe` after the prefill and every pass
 

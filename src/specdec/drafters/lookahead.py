@@ -34,6 +34,7 @@ from ..errors import SpecdecError
 from ..samplers import Sampler
 from ..schedules import TreeCost, tried_nodes
 from ..trees import Tree
+from .base import Capabilities
 from .nodes import Node, rank, to_tree
 
 OVERHEAD = 0.2  # a lookahead pass may cost at most this much more than a one-token pass
@@ -72,6 +73,8 @@ class LookaheadDrafter:
     window, ngram, guesses: W, N, G, all given or none (then chosen at `check_target` from the
     target's measured pass costs, or the policy's assumed ones, capped by its max_nodes).
     """
+
+    capabilities = Capabilities(trees=True, reads_target_tokens=True)
 
     reads_target_tokens = True  # `observe_targets`: the target's argmax at every node of its pass
 

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler
-from .base import Draft, KeepGoing
+from .base import Capabilities, Draft, KeepGoing
 
 
 def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int,
@@ -66,6 +66,8 @@ class LookupDrafter:
     """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first),
     copying after the latest earlier occurrence, or the first with `earliest` (transformers'
     prompt lookup: `LookupDrafter(2, 1, earliest=True)`)."""
+
+    capabilities = Capabilities()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, earliest: bool = False):
         if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):

@@ -27,11 +27,14 @@ from ..medusa import Heads, check_heads_target, load_heads
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
+from .base import Capabilities
 from .nodes import Node, rank, to_tree
 
 
 class MedusaDrafter:
     """Drafts token trees with Medusa heads (a checkpoint folder or loaded `Heads`)."""
+
+    capabilities = Capabilities(trees=True, reads_target_hidden=True)
 
     reads_target_hidden = True  # speculative_generate calls `observe` after every target pass
 

@@ -12,7 +12,7 @@ from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..backends.prompts import PREFILL_CHUNK
 from ..samplers import Sampler, draw, greedy_tokens
 from ..text import check_pair
-from .base import Draft, KeepGoing, Proposal, drive
+from .base import Capabilities, Draft, KeepGoing, Proposal, drive
 
 
 def stand_in_id(tokenizer) -> int:
@@ -29,6 +29,8 @@ class ModelDrafter:
     tokenizer (Qwen2.5-7B has 152,064 rows, Qwen2.5-0.5B 151,936): its q is given over the
     target's ids, zero on ids the drafter lacks, and ids beyond the target's are never proposed.
     """
+
+    capabilities = Capabilities(batched_passes=True, model=True, catches_up=True)
 
     def __init__(self, model: Backend):
         self.model = model

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler, draw
-from .base import Draft, KeepGoing
+from .base import Capabilities, Draft, KeepGoing
 
 Counts = dict[tuple[int, ...], dict[int, int]]
 
@@ -34,6 +34,8 @@ def count_ngrams(tokens: Sequence[int], n: int, counts: Counts | None = None, st
 class NgramDrafter:
     """n-gram assisted drafting. n: the longest n-gram (context of n-1 tokens), >= 2.
     corpus_tokens: token ids whose counts seed every generation (e.g. a tokenized corpus file)."""
+
+    capabilities = Capabilities()
 
     def __init__(self, n: int = 4, corpus_tokens: Sequence[int] | None = None, name: str | None = None):
         if not isinstance(n, int) or n < 2:

@@ -29,7 +29,7 @@ from ..backends import Backend
 from ..backends.cache import crop_cache
 from ..errors import SpecdecError
 from ..samplers import Sampler, draw, greedy_tokens, sample
-from .base import Draft, KeepGoing
+from .base import Capabilities, Draft, KeepGoing
 from .model import stand_in_id
 
 LOOKBEHIND = (8, 2)  # context tokens re-encoded with the draft's text, tried in turn
@@ -46,6 +46,8 @@ class OtherTokenizerDrafter:
     (draft over the shared tokens, q mapped onto the target's ids), or "auto" (default): text
     under greedy decoding, where q plays no part and any text can be drafted, the intersection
     under sampling."""
+
+    capabilities = Capabilities(model=True)
 
     def __init__(self, model: Backend, mode: str = "auto"):
         if getattr(model, "tokenizer", None) is None:

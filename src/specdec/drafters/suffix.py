@@ -28,7 +28,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler
-from .base import Draft, KeepGoing
+from .base import Capabilities, Draft, KeepGoing
 
 
 SEPARATOR = -1  # between the sequences an index holds: no match or continuation crosses it
@@ -247,6 +247,8 @@ class SuffixDrafter:
     falls below it (SuffixDecoding's 0.1); factor: at most factor × match length tokens (its
     max_spec_factor, 1.0); min_match: the shortest suffix match drafted from.
     """
+
+    capabilities = Capabilities(pins=True, finishes=True)
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = 24, min_prob: float = 0.1,
                  factor: float = 1.0, min_match: int = 1, datastore=None):

@@ -24,6 +24,7 @@ from ..errors import SpecdecError
 from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens
 from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
+from .base import Capabilities
 from .lookup import LookupDrafter, find_matches
 from .model import ModelDrafter
 from .nodes import Node, rank, to_tree
@@ -58,6 +59,8 @@ class SidesDrafter(ModelDrafter):
     greedy the two are one number. Only values change, never the tokens drawn or how they are
     verified: exactness does not depend on it.
     """
+
+    capabilities = Capabilities(trees=True, model=True, catches_up=True)
 
     def __init__(self, model: Backend, width: int = 3, max_nodes: int = 64,
                  scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):
@@ -247,6 +250,8 @@ class LookupTreeDrafter(_FreeTree, LookupDrafter):
     a 1-token match it rarely does.
     """
 
+    capabilities = Capabilities(trees=True)
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 4, max_nodes: int = 64,
                  policy: TreeCost | None = None):
         super().__init__(max_ngram, min_ngram)
@@ -336,6 +341,8 @@ class SuffixTreeDrafter(_FreeTree, SuffixDrafter):
     nodes join while they pay for their verification width (`TreeCost`, drafting being free).
     `MixedDrafter(model, lookup=SuffixTreeDrafter())` hangs these trees beside the model's chain.
     """
+
+    capabilities = Capabilities(trees=True, pins=True, finishes=True)
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = 24, min_prob: float = 0.1,
                  factor: float = 1.0, min_match: int = 1, datastore=None, max_nodes: int = 64,
@@ -427,6 +434,8 @@ class MixedDrafter(SidesDrafter):
     not, and what followed it then carries the draft on past the point where the model's values
     stopped it, at no drafter pass.
     """
+
+    capabilities = Capabilities(trees=True, model=True, catches_up=True, pins=True, finishes=True)
 
     def __init__(self, model: Backend, width: int = 2, max_nodes: int = 64,
                  scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..backends import Backend, Segment
+from ..backends import Backend, Segment, features
 from ..errors import SpecdecError
 from .. import generate
 from ..backends.cache import cache_length
+from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
 from ..samplers import GREEDY, Sampler
 from ..schedules import Schedule
@@ -65,17 +66,18 @@ class Engine:
     def __init__(self, target: Backend, max_batch: int = 8, kv_memory: int | None = None, steer: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecdecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        batched = hasattr(target, "forward_batch")
-        if batched and not getattr(target, "rows_invariant", getattr(target, "exact_rows", False)):
+        can = features(target)
+        batched = can.batched
+        if batched and not can.rows_invariant:
             raise SpecdecError(f"{target.name} runs without row-exact passes (or with int8 layers), so a sequence's "
                                "output would depend on what shares its passes; load it with exact_rows=True")
-        if max_batch > getattr(target, "sequences", max_batch):  # llama.cpp's: a fixed number of sequences
+        if can.sequences is not None and max_batch > can.sequences:  # llama.cpp's: a fixed number of sequences
             raise SpecdecError(f"{target.name} holds {target.sequences} sequence(s) at once, fewer than max_batch="
                                f"{max_batch}; load it with sequences={max_batch}")
         if kv_memory is not None:
             if not isinstance(kv_memory, int) or kv_memory < 1:
                 raise SpecdecError(f"kv_memory must be a number of bytes >= 1, got {kv_memory!r}")
-            if not hasattr(target, "kv_bytes_per_token"):
+            if can.kv_bytes_per_token is None:
                 raise SpecdecError(f"a KV memory budget needs the cache size per token, which {target.name}'s "
                                    "backend does not give; bound the batch with max_batch")
         self.target, self.max_batch, self.kv_memory, self._batched = target, max_batch, kv_memory, batched
@@ -93,8 +95,9 @@ class Engine:
         """Queue a request; returns its id. Its options are checked now (a clear error), its
         memory is taken when it is admitted."""
         decoding = self._decoding(request)  # validates the options; the real one is built at admission
-        drafter_model = getattr(decoding.drafter, "model", None)
-        if self.max_batch > getattr(drafter_model, "sequences", self.max_batch):
+        drafter_model = decoding.drafter_model
+        most = features(drafter_model).sequences if drafter_model is not None else None
+        if most is not None and self.max_batch > most:
             raise SpecdecError(f"the drafter {drafter_model.name} holds {drafter_model.sequences} sequence(s) at once, "
                                f"fewer than max_batch={self.max_batch}; load it with sequences={self.max_batch}")
         need = _kv_need(request, decoding) if self.kv_memory is not None else 0
@@ -128,7 +131,7 @@ class Engine:
         decoding = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
         if decoding is not None:
             decoding.cache = None
-            if decoding.drafter is not None and hasattr(decoding.drafter, "cache"):
+            if decoding.can.model:
                 decoding.drafter.cache = None
             self.reserved.pop(request_id, None)
             return True
@@ -225,7 +228,7 @@ class Engine:
         steered = [d for d in decodings if d.steerable is not None and d.drafts_next]
         if not steered:
             return None
-        lagging = [d for d in steered if hasattr(d.drafter, "lag")]
+        lagging = [d for d in steered if d.can.catches_up]
         speculate = self.costs.speculate(len(decodings), sum(d.drafter.lag(d.sequence) for d in lagging),
                                          sum(d.out.remaining for d in lagging))
         for decoding in steered:
@@ -268,12 +271,12 @@ class Engine:
 
     def _decoding(self, request: Request) -> Decoding:
         drafter = request.drafter
-        if not isinstance(drafter, type) and (hasattr(drafter, "propose") or hasattr(drafter, "propose_tree")):
+        if is_drafter(drafter):
             raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
                                f"each (e.g. {type(drafter).__name__} itself, or a lambda), or a drafter model")
-        if callable(drafter) and not hasattr(drafter, "forward"):
-            drafter = drafter()  # a factory: this request's own drafter
-        if getattr(drafter, "reads_target_hidden", False) and self._batched:
+        if is_factory(drafter):
+            drafter = drafter()  # this request's own drafter
+        if is_drafter(drafter) and capabilities_of(drafter).reads_target_hidden and self._batched:
             raise SpecdecError("self-drafting heads (Medusa, EAGLE) read the target's hidden states, which "
                                "batched passes do not keep yet; run them with speculative_generate")
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
@@ -285,8 +288,8 @@ class Engine:
 def _kv_need(request: Request, decoding: Decoding) -> int:
     """Bytes of KV cache a request can reach: its prompt, its output and the widest draft, in the
     target's cache and in its drafter model's (if it has one)."""
-    models = [decoding.target] + [m for m in [getattr(decoding.drafter, "model", None)] if m is not None]
-    return decoding.positions * sum(getattr(m, "kv_bytes_per_token", 0) for m in models)
+    models = [decoding.target] + ([decoding.drafter_model] if decoding.drafter_model is not None else [])
+    return decoding.positions * sum(features(m).kv_bytes_per_token or 0 for m in models)
 
 
 def _shares_drafter_passes(model, decoding: Decoding) -> bool:
@@ -295,9 +298,10 @@ def _shares_drafter_passes(model, decoding: Decoding) -> bool:
     otherwise in a wider pass (an int8 drafter) the sequence's output must not hang on its drafts'
     exact values: a greedy output never does, an unseeded sampled one keeps the target's law (its
     q is what its token was drawn from), a seeded one would change."""
-    if not hasattr(model, "forward_batch") or not getattr(model, "exact_rows", False):
+    can = features(model)
+    if not can.batched or not can.exact_rows:
         return False
-    return getattr(model, "rows_invariant", False) or not decoding.pinned
+    return can.rows_invariant or not decoding.pinned
 
 
 def _forwards(decoding: Decoding) -> int:
@@ -307,7 +311,7 @@ def _forwards(decoding: Decoding) -> int:
 def _caught_up(decodings: list[Decoding]) -> tuple[int, float]:
     """Tokens the drafter models of `decodings` have fed to catch up with their contexts, and the
     seconds it took, so far (`ModelDrafter.caught_up`)."""
-    sums = [getattr(d.drafter, "caught_up", (0, 0.0)) for d in decodings]
+    sums = [d.drafter.caught_up for d in decodings if d.can.catches_up]
     return sum(s[0] for s in sums), sum(s[1] for s in sums)
 
 
