@@ -279,3 +279,15 @@ def test_a_protocol_only_drafter_still_drafts():
     target = tiny_model(0, vocab=32)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=16, eos_token_ids=[])
     assert speculative_generate(PROMPT, target, Repeats(), max_new_tokens=16, eos_token_ids=[]).tokens == ar.tokens
+
+
+def test_an_engine_step_reads_as_schedule_draft_pass_verify():
+    import inspect
+
+    from specdec.engine.engine import Engine
+
+    lines = inspect.getsource(Engine.step).splitlines()
+    assert len(lines) < 15, len(lines)
+    body = "\n".join(lines)
+    order = [body.index(call) for call in ("_schedule(", "_draft(", "_score(", "_verify(", "_record(")]
+    assert order == sorted(order)

@@ -291,8 +291,8 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
             changes["tree"] = tree
         if cascade != "off":
             changes["cascade"] = cascade
-        if drafter is not None:
-            if base.needs_drafter_model() and special_drafter(drafter) is not None:
+        if drafter is not None and base.replace(**changes).needs_drafter_model():
+            if special_drafter(drafter) is not None:
                 raise SpecdecError(f"--method {method} drafts with a drafter model; --drafter {drafter} is not one")
             changes["drafter"] = drafter
     if schedule is not None:

@@ -279,6 +279,35 @@ class FasterOf:
         return self.prober.decide(better, self.waits[better])
 
 
+class WidthFit:
+    """Least-squares fit of a pass's seconds over its width (rows), t ≈ base + slope·w, from
+    (width, seconds) samples, older ones weighed down by `decay` each sample (1: all alike). The
+    one fit of pass costs: a sequence's cost-aware schedule and the engine's batch policy use it."""
+
+    def __init__(self, decay: float = 1.0):
+        self.decay = decay
+        self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t
+
+    @property
+    def samples(self) -> float:
+        """The (decayed) number of samples."""
+        return self._sums[0]
+
+    def add(self, width: float, seconds: float) -> None:
+        for i, value in enumerate((1.0, width, width * width, seconds, width * seconds)):
+            self._sums[i] = self._sums[i] * self.decay + value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(slope, base): seconds per extra row (never below 0) and of a zero-row pass; None until
+        the widths have varied enough to fit."""
+        n, sw, sww, st, swt = self._sums
+        spread = n * sww - sw * sw
+        if n <= 0 or spread < 0.25 * n * n:
+            return None
+        slope = max(0.0, (n * swt - sw * st) / spread)
+        return slope, (st - slope * sw) / n
+
+
 class CostAware(Schedule):
     """Draft while the draft so far is likely enough to survive to pay for one more token.
 
@@ -346,7 +375,7 @@ class CostAware(Schedule):
         self.tokens = self.seconds = self.draft_seconds = 0.0
         self.passes = 0
         self.drafted = self.accepted = 0
-        self._sums = [0.0] * 5  # n, Σw, Σw², Σt, Σw·t over (width, verify seconds)
+        self._widths = WidthFit()  # verify seconds over width
         self.measured: tuple[float, float, float, float] | None = None  # rate, drafter pass, slope, 1-token pass
         # draft or not; a plain probe costs more where drafting wins, so it waits longer
         self.kinds = FasterOf(self.warmup, self.probe, self.decay, {True: 4 * self.probe, False: self.probe})
@@ -396,22 +425,20 @@ class CostAware(Schedule):
             self.kinds.record(width > 1, emitted, draft_seconds + verify_seconds)
         self.tokens += emitted
         self.seconds += draft_seconds + verify_seconds
-        if self._sums[0] > 0:  # the first step's drafting includes the drafter's prompt pass: not a drafter pass
+        if self._widths.samples > 0:  # the first step's drafting includes the drafter's prompt pass: not a drafter pass
             self.draft_seconds += draft_seconds
             self.passes += drafter_passes
-        for i, v in enumerate((1.0, width, width * width, verify_seconds, width * verify_seconds)):
-            self._sums[i] += v
-        n, sw, sww, st, swt = self._sums
-        spread = n * sww - sw * sw
-        if n < self.warmup or self.seconds <= 0:
+        self._widths.add(width, verify_seconds)
+        if self._widths.samples < self.warmup or self.seconds <= 0:
             return
         if self.assumed is not None:  # known: no fit, so also where the widths never vary
             slope, one_token_pass, per_pass = self.assumed.slope, 1.0, self.assumed.drafter
-        elif spread < 0.25 * n * n:  # widths must vary
-            return
         else:
-            slope = max(0.0, (n * swt - sw * st) / spread)  # least-squares seconds per extra scored token
-            one_token_pass = (st - slope * sw) / n + slope
+            fitted = self._widths.fit()
+            if fitted is None:  # widths must vary
+                return
+            slope, base = fitted  # least-squares seconds per extra scored token
+            one_token_pass = base + slope
             per_pass = self.draft_seconds / self.passes if self.passes else 0.0
         # the best rate is at least plain decoding's (drafting nothing): a poor start must not
         # lower the bar and draw out ever longer drafts

@@ -48,6 +48,22 @@ class Request:
     id: int = field(default=-1, compare=False)
 
 
+@dataclass
+class StepPlan:
+    """What one engine step runs, as the scheduler decided it: the running requests (`ids`, their
+    `decodings`), whether they draft (`speculate`: None where the batch policy did not decide),
+    and the counters and times the step's cost record compares against."""
+
+    ids: list[int]
+    decodings: list[Decoding]
+    speculate: bool | None
+    forwards: int  # drafter passes so far, summed over the sequences
+    caught_up: tuple[int, float] | None  # drafter catch-up tokens and seconds so far
+    began: float = 0.0
+    drafted: float = 0.0
+    pass_seconds: float = 0.0
+
+
 class Engine:
     """Requests in, tokens out, one batched target pass per step.
 
@@ -142,30 +158,54 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     def step(self) -> dict[int, list[int]]:
-        """Admit, feed prompt chunks, draft, one target pass, verify, roll back -> the tokens each
-        request emitted."""
+        """Schedule, draft, one target pass, verify and roll back -> the tokens each request emitted."""
+        plan = self._schedule()
+        if plan is None:
+            return {}
+        segments = self._draft(plan)
+        logits = self._score(plan, segments)
+        emitted = self._verify(plan, logits)
+        self._record(plan, segments, emitted)
+        return emitted
+
+    def _schedule(self) -> StepPlan | None:
+        """Admit waiting requests, feed prompt chunks, and decide for the running ones whether
+        this step drafts (`_steer`) -> the plan, or None when nothing runs."""
         self._admit()
         self._prefill()
         if not self.running:
-            return {}
+            return None
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings)
-        forwards = sum(_forwards(d) for d in decodings)
-        caught_up = _caught_up(decodings) if speculate is not None else None
-        began = time.perf_counter()
-        segments = self._plan(decodings)
-        drafted = time.perf_counter()
+        return StepPlan(ids, decodings, speculate, sum(_forwards(d) for d in decodings),
+                        _caught_up(decodings) if speculate is not None else None)
+
+    def _draft(self, plan: StepPlan) -> list[Segment]:
+        """Every running sequence's draft, their drafter passes batched (`_plan`) -> what the
+        target's pass scores for each."""
+        plan.began = time.perf_counter()
+        segments = self._plan(plan.decodings)
+        plan.drafted = time.perf_counter()
+        return segments
+
+    def _score(self, plan: StepPlan, segments: list[Segment]) -> list:
+        """The one target pass over every sequence's segment -> each one's logits."""
         if self._batched:
             logits = self.target.forward_batch(segments)
         else:
             logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
-        seconds = time.perf_counter() - drafted
+        plan.pass_seconds = time.perf_counter() - plan.drafted
         self.passes += 1
+        return logits
+
+    def _verify(self, plan: StepPlan, logits: list) -> dict[int, list[int]]:
+        """Each sequence's draft verified against its logits and its caches rolled back
+        (`Decoding.commit`); a sequence's own error ends it alone; finished ones collected."""
         emitted = {}
-        for request_id, decoding, rows in zip(ids, decodings, logits):
+        for request_id, decoding, rows in zip(plan.ids, plan.decodings, logits):
             try:
-                emitted[request_id] = decoding.commit(rows, seconds)
+                emitted[request_id] = decoding.commit(rows, plan.pass_seconds)
             except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
                 self.failed[request_id] = error
                 self._drop(request_id)
@@ -174,12 +214,16 @@ class Engine:
                 self.results[request_id] = decoding.result()  # frees its cache
                 del self.running[request_id]
                 self.reserved.pop(request_id, None)
-        if self.costs is not None and speculate is not None:
-            fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(decodings), caught_up))
-            self.costs.record(len(ids), speculate, sum(map(len, emitted.values())), drafted - began,
-                              sum(_forwards(d) for d in decodings) - forwards, seconds,
-                              sum(len(s.input_ids) for s in segments), fed, catch_up_seconds)
         return emitted
+
+    def _record(self, plan: StepPlan, segments: list[Segment], emitted: dict[int, list[int]]) -> None:
+        """The step's costs, for the batch policy (`BatchCosts.record`)."""
+        if self.costs is None or plan.speculate is None:
+            return
+        fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(plan.decodings), plan.caught_up))
+        self.costs.record(len(plan.ids), plan.speculate, sum(map(len, emitted.values())), plan.drafted - plan.began,
+                          sum(_forwards(d) for d in plan.decodings) - plan.forwards, plan.pass_seconds,
+                          sum(len(s.input_ids) for s in segments), fed, catch_up_seconds)
 
     def run(self) -> dict[int, GenerationResult]:
         """Step until every request has ended -> results by request id; a request's own error

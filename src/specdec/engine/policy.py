@@ -25,7 +25,7 @@ same seed's run alone.
 
 from __future__ import annotations
 
-from ..schedules import CostAware, FasterOf
+from ..schedules import CostAware, FasterOf, WidthFit
 
 
 class BatchCosts:
@@ -41,7 +41,7 @@ class BatchCosts:
     def __init__(self, warmup: int = 1, probe: int = 8, decay: float = 0.9, probe_share: float = 0.1):
         self.warmup, self.probe, self.decay, self.probe_share = warmup, probe, decay, probe_share
         self.kinds: dict[int, FasterOf] = {}  # batch size -> drafting steps vs plain steps
-        self._fit = [0.0] * 5  # decayed n, Σw, Σw², Σt, Σw·t over (pass width, target seconds)
+        self._fit = WidthFit(decay)  # target seconds over pass width, older steps decayed
         self._draft = [0.0, 0.0]  # decayed drafter rows, drafting seconds
         self._catch_up = [0, 0.0]  # tokens drafters caught up on, seconds
         self.plain_seconds = 0.0  # spent in plain steps since the last drafting step
@@ -85,9 +85,7 @@ class BatchCosts:
         self.plain_seconds = 0.0 if drafted else self.plain_seconds + draft_seconds + target_seconds
         if caught_up:
             self._catch_up = [self._catch_up[0] + caught_up, self._catch_up[1] + catch_up_seconds]
-        sums = self._fit
-        for i, value in enumerate((1.0, width, width * width, target_seconds, width * target_seconds)):
-            sums[i] = sums[i] * self.decay + value
+        self._fit.add(width, target_seconds)
         if drafter_rows:
             self._draft = [self._draft[0] * self.decay + drafter_rows, self._draft[1] * self.decay + draft_seconds]
 
@@ -95,12 +93,11 @@ class BatchCosts:
         """(R, t_d, t_v, t_1) at `batch` sequences: the best rate measured at that size (tokens/s,
         at least plain decoding's), the seconds per drafter row, per target row, and of a pass of
         one row each; None until the target's pass has been timed at widths that differ."""
-        n, sw, sww, st, swt = self._fit
-        spread = n * sww - sw * sw
-        if n < self.warmup or spread < 0.25 * n * n:  # widths must vary
+        fitted = self._fit.fit() if self._fit.samples >= self.warmup else None
+        if fitted is None:  # widths must vary
             return None
-        slope = max(0.0, (n * swt - sw * st) / spread)
-        plain_pass = max(1e-9, (st - slope * sw) / n + slope * batch)  # every sequence scoring one row
+        slope, base = fitted
+        plain_pass = max(1e-9, base + slope * batch)  # every sequence scoring one row
         kinds = self._kinds(batch)
         rate = max(kinds.rate(True), kinds.rate(False), batch / plain_pass)
         per_row = self._draft[1] / self._draft[0] if self._draft[0] else 0.0
