@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from specdec import Sampler, autoregressive_generate, speculative_generate
-from specdec.distill import head_rows, target_fingerprint
+from specdec.training.distill import head_rows, target_fingerprint
 from specdec.drafters.eagle import EagleDrafter
-from specdec.eagle import Eagle, EagleLayer, EagleShape, EagleTrainConfig, load_eagle, save_eagle, train_eagle
+from specdec.training.eagle import Eagle, EagleLayer, EagleShape, EagleTrainConfig, load_eagle, save_eagle, train_eagle
 from specdec.errors import SpecdecError
-from specdec.medusa import save_heads
+from specdec.training.medusa import save_heads
 
 from conftest import tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue

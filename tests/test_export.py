@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from specdec.cli import app
-from specdec.distill import head_rows
+from specdec.training.distill import head_rows
 from specdec.errors import SpecdecError
 from specdec.export import export_heads
-from specdec.medusa import Heads
+from specdec.training.medusa import Heads
 
 from conftest import tiny_model
 from test_self_drafting import _random_heads

@@ -12,7 +12,7 @@ from specdec.drafters.layerskip import LayerSkipModel, choose_skipped, self_skip
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters import ModelDrafter, SidesDrafter
 from specdec.errors import SpecdecError
-from specdec.medusa import (CONFIG, WEIGHTS, Heads, MedusaHeads, TrainConfig, load_heads, save_heads,
+from specdec.training.medusa import (CONFIG, WEIGHTS, Heads, MedusaHeads, TrainConfig, load_heads, save_heads,
                             target_fingerprint, train_medusa)
 from specdec.schedules import TreeCost
 

@@ -103,8 +103,8 @@ def test_every_name_is_a_method_or_a_preset_of_one():
 
 
 def _checkpoints(target, tmp_path) -> dict:
-    from specdec.eagle import save_eagle
-    from specdec.medusa import save_heads
+    from specdec.training.eagle import save_eagle
+    from specdec.training.medusa import save_heads
     from test_eagle import _random_eagle
     from test_self_drafting import _random_heads
 

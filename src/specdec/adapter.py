@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .distill import cached, corpus_ids, finish, fit, progress_columns, read_checkpoint, save_checkpoint, target_fingerprint
+from .training.distill import cached, corpus_ids, finish, fit, progress_columns, read_checkpoint, save_checkpoint, target_fingerprint
 from .errors import SpecdecError
 from .kernels import dense_weight, differentiable_linears, set_dense_weight
 

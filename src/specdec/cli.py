@@ -597,8 +597,8 @@ def train_heads(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """Train self-drafting heads for a target (self-distillation: they learn what the target would say)."""
-    from .eagle import EagleTrainConfig, train_eagle
-    from .medusa import TrainConfig, train_medusa
+    from .training.eagle import EagleTrainConfig, train_eagle
+    from .training.medusa import TrainConfig, train_medusa
 
     try:
         if kind not in ("medusa", "eagle"):
@@ -705,7 +705,7 @@ def export_heads_command(
 ):
     """Write heads trained here in the layout another engine loads (vLLM's Medusa)."""
     from .export import check_format, export_heads
-    from .medusa import load_heads
+    from .training.medusa import load_heads
 
     try:
         check_format(fmt)  # before minutes of loading

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .distill import head_rows
+from .training.distill import head_rows
 from .errors import SpecdecError
-from .medusa import Heads, check_heads_target
+from .training.medusa import Heads, check_heads_target
 
 FORMATS = ("medusa", "eagle")
 CONFIG, WEIGHTS = "config.json", "model.safetensors"

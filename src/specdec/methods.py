@@ -187,9 +187,9 @@ def _opened(kind: str, folder: str):
         if kind == "datastore":
             from .datastore import Datastore as opener
         elif kind == "medusa":
-            from .medusa import load_heads as opener
+            from .training.medusa import load_heads as opener
         else:
-            from .eagle import load_eagle as opener
+            from .training.eagle import load_eagle as opener
         _OPENED[kind, folder] = opener(folder)
     return _OPENED[kind, folder]
 

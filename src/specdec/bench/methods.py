@@ -15,10 +15,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
 from ..beam import beam_search_generate, speculative_beam_search
-from ..eagle import load_eagle
+from ..training.eagle import load_eagle
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
-from ..medusa import load_heads
+from ..training.medusa import load_heads
 from ..methods import Parts, build, names, preset, summary
 from ..passcost import PassCosts
 from ..samplers import Sampler

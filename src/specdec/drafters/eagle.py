@@ -22,8 +22,8 @@ import torch
 
 from ..backends import Backend
 from ..backends.cache import cache_length, crop_cache
-from ..distill import head_rows
-from ..eagle import Eagle, check_eagle_target, load_eagle
+from ..training.distill import head_rows
+from ..training.eagle import Eagle, check_eagle_target, load_eagle
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree, tree_attention

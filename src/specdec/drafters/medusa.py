@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from ..distill import head_rows
+from ..training.distill import head_rows
 from ..errors import SpecdecError
-from ..medusa import Heads, check_heads_target, load_heads
+from ..training.medusa import Heads, check_heads_target, load_heads
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..errors import SpecdecError
 from .distill import bound_copy, check_checkpoint_target, fit, finish, prepare, read_checkpoint, save_checkpoint
-from .errors import SpecdecError
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..errors import SpecdecError
 from .distill import (FILES, bound_copy, check_checkpoint_target, fit, finish, head_rows, prepare,
                       read_checkpoint, save_checkpoint, target_fingerprint)  # noqa: F401 (target_fingerprint: re-exported)
-from .errors import SpecdecError
 
 WEIGHTS, CONFIG = FILES["medusa"]
 

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import registry
-from .errors import SpecdecError
+from .. import registry
+from ..errors import SpecdecError
 
 FORMAT = 1
 STATE, FEATURES = "train_state.pt", "features.pt"
@@ -159,12 +159,12 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
 def corpus_ids(tokenizer, corpus: str) -> tuple[list[int], str]:
     """Token ids of a named corpus and its identity: "stdlib" (Python's standard library sources),
     "humaneval", "spec-bench", or a text file's path."""
-    from .vocab import corpus_texts
+    from ..vocab import corpus_texts
 
     if corpus == "stdlib":
         texts, identity = corpus_texts(None)
     elif corpus in ("humaneval", "spec-bench"):
-        from .bench.datasets import load_prompts
+        from ..bench.datasets import load_prompts
 
         texts, identity = [p.text for p in load_prompts(corpus, None)], corpus
     else:
@@ -221,7 +221,7 @@ def prepare(target, corpus: str | Sequence[int], out: Path, tokens: int, seq_len
     until the checkpoint is saved) and the scored sub-vocabulary (`vocab.frequent_ids`)."""
     from rich.progress import Progress
 
-    from .vocab import frequent_ids
+    from ..vocab import frequent_ids
 
     if not hasattr(target, "_decoder"):
         raise SpecdecError(f"training needs the target's hidden states; {target.name} "
