@@ -1,0 +1,161 @@
+"""`specdec train-heads`, `distill-drafter`, `export-heads`: the target's own drafting modules and a
+drafter's adapter, trained here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import registry
+from ..errors import SpecdecError
+from .common import (app, err, _fail, _load, DRAFTER_DTYPE_HELP)
+
+
+@app.command("train-heads")
+def train_heads(
+    out: str = typer.Option(..., "--out", help="Folder to write the heads into (resumes a run stopped there)."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model the heads draft for."),
+    kind: str = typer.Option("medusa", help="medusa (K heads on the last hidden state) or eagle (a one-layer "
+                             "feature drafter)."),
+    corpus: str = typer.Option("stdlib", help="Training text: stdlib (Python's standard library sources), "
+                               "humaneval, spec-bench, or a text file."),
+    tokens: int = typer.Option(32768, help="Corpus tokens to run through the target (a tenth is held out)."),
+    heads: int = typer.Option(3, "--heads", help="Medusa: heads; head k predicts the token k+1 ahead."),
+    vocab: int = typer.Option(32768, help="Most frequent ids the loss and the drafting score."),
+    epochs: Optional[int] = typer.Option(None, help="Passes over the corpus (default: medusa 3, eagle 4)."),
+    batch: Optional[int] = typer.Option(None, help="Examples per step (default: medusa 64 positions, eagle 2 "
+                                        "sequences)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate (default: medusa 1e-3, eagle 5e-4)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per target pass while caching hidden states."),
+    unroll: int = typer.Option(2, help="EAGLE: passes per sequence, the later ones on its own predicted features."),
+    intermediate: int = typer.Option(0, help="EAGLE: MLP width (0: 8/3 of the hidden size)."),
+    seed: int = typer.Option(0),
+    dtype: str = typer.Option("auto", "--dtype", help="Target dtype while caching its hidden states (auto, bf16, fp32)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Train self-drafting heads for a target (self-distillation: they learn what the target would say)."""
+    from ..training.eagle import EagleTrainConfig, train_eagle
+    from ..training.medusa import TrainConfig, train_medusa
+
+    try:
+        if kind not in ("medusa", "eagle"):
+            raise SpecdecError(f"unknown kind of heads {kind!r}: medusa or eagle")
+        defaults = TrainConfig() if kind == "medusa" else EagleTrainConfig()
+        epochs = defaults.epochs if epochs is None else epochs
+        batch = defaults.batch if batch is None else batch
+        lr = defaults.lr if lr is None else lr
+        for name, value in (("tokens", tokens), ("heads", heads), ("vocab", vocab), ("epochs", epochs),
+                            ("batch", batch), ("unroll", unroll)):
+            if value < 1:
+                raise SpecdecError(f"--{name} must be >= 1, got {value}")
+        if not lr > 0 or intermediate < 0:
+            raise SpecdecError(f"--lr must be > 0 and --intermediate >= 0, got {lr} and {intermediate}")
+        if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
+            raise SpecdecError(f"corpus not found: {corpus} (stdlib, humaneval, spec-bench or a text file)")
+        if dtype == "gguf":
+            raise SpecdecError("training heads needs the target's hidden states: use --dtype auto, bf16 or fp32")
+        target_model = _load(target, dtype, device, "target", exact_rows=False)
+        say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+        if kind == "medusa":
+            trained = train_medusa(target_model, corpus, out, TrainConfig(
+                num_heads=heads, tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs, batch=batch, lr=lr,
+                seed=seed), say=say)
+            what = f"{trained.info['num_heads']} Medusa heads"
+        else:
+            trained = train_eagle(target_model, corpus, out, EagleTrainConfig(
+                tokens=tokens, vocab=vocab, seq_len=seq_len, epochs=epochs, batch=batch, lr=lr, seed=seed,
+                intermediate=intermediate, unroll=unroll), say=say)
+            what = "an EAGLE drafter"
+    except SpecdecError as exc:
+        _fail(str(exc))
+    info = trained.info
+    err.print(f"{what} for {info['target']} in {out}: held-out loss {info['heldout_loss']:.3f} (untrained "
+              f"{info['heldout_loss_untrained']:.3f}), top-1 per "
+              f"{'head' if kind == 'medusa' else 'depth'} " + ", ".join(f"{a:.3f}" for a in info["heldout_top1"])
+              + f"; {info['seconds']:.0f} s", highlight=False)
+
+
+@app.command("distill-drafter")
+def distill_drafter_command(
+    out: str = typer.Option(..., "--out", help="Folder to write the adapter into (resumes a run stopped there); "
+                            "use it as --drafter distilled:OUT."),
+    target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model the drafter should agree with."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model to distil (same tokenizer)."),
+    corpus: str = typer.Option("stdlib", help="Where the contexts come from: stdlib (Python's standard library "
+                               "sources), humaneval, spec-bench, or a text file."),
+    tokens: int = typer.Option(16384, help="Positions to train on: the contexts and the drafter's continuations "
+                               "(a tenth of the sequences is held out)."),
+    context: int = typer.Option(64, help="Corpus tokens each sequence starts from."),
+    continuation: int = typer.Option(64, help="Tokens the drafter samples after each context (on-policy data)."),
+    rank: int = typer.Option(8, help="LoRA rank on each projection of the drafter's layers."),
+    loss: str = typer.Option("tvd", help="tvd (1 - acceptance: the loss acceptance reads) or fkl."),
+    epochs: int = typer.Option(2),
+    batch: int = typer.Option(4, help="Sequences per optimiser step."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (cosine schedule)."),
+    seed: int = typer.Option(0),
+    drafter_dtype: str = typer.Option("auto", "--drafter-dtype", help="The drafter's weights while training; "
+                                      "train on the weights it will draft with. " + DRAFTER_DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Distil a drafter towards a target (DistillSpec): a LoRA adapter on the drafter's layers,
+    trained on the drafter's own samples scored by the target. Prints held-out acceptance before
+    and after."""
+    from ..adapter import DistillConfig, distill_drafter
+
+    try:
+        if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
+            raise SpecdecError(f"corpus not found: {corpus} (stdlib, humaneval, spec-bench or a text file)")
+        if drafter_dtype == "gguf":
+            raise SpecdecError("distillation needs the drafter's hidden states: --drafter-dtype auto, int8, bf16 or fp32")
+        config = DistillConfig(tokens=tokens, context=context, continuation=continuation, rank=rank, loss=loss,
+                               epochs=epochs, batch=batch, lr=lr, seed=seed)
+        for name in ("tokens", "context", "continuation", "rank", "epochs", "batch"):
+            if getattr(config, name) < 1:
+                raise SpecdecError(f"--{name} must be >= 1, got {getattr(config, name)}")
+        if not lr > 0 or loss not in ("tvd", "fkl"):
+            raise SpecdecError(f"--lr must be > 0 and --loss tvd or fkl, got {lr} and {loss!r}")
+        if drafter.startswith("distilled:"):
+            raise SpecdecError("distil the plain drafter model, not a distilled one")
+        target_model = _load(target, "auto", device, "target", exact_rows=False)
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        made = distill_drafter(target_model, drafter_model, corpus, out, config,
+                               say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    except SpecdecError as exc:
+        _fail(str(exc))
+    info = made.info
+    before, after = info["heldout_before"], info["heldout_after"]
+    err.print(f"an adapter for {info['drafter']} towards {info['target']} in {out} (--drafter distilled:{out}): "
+              f"held-out acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, greedy agreement "
+              f"{before['greedy_agreement']:.3f} -> {after['greedy_agreement']:.3f} over {info['heldout_tokens']} "
+              f"positions; {info['seconds']:.0f} s", highlight=False)
+
+
+@app.command("export-heads")
+def export_heads_command(
+    folder: str = typer.Argument(..., help="A folder of heads trained here (specdec train-heads --out)."),
+    out: str = typer.Option(..., "--out", help="New folder to write the exported heads into."),
+    fmt: str = typer.Option("medusa", "--format", help="medusa (vLLM's Medusa layout). eagle is refused: "
+                            "the engines' EAGLE layer differs from ours."),
+    target: Optional[str] = typer.Option(None, help="The target the heads were trained for (default: the one "
+                                         "their checkpoint names); its output-head rows are copied."),
+    dtype: str = typer.Option("auto", "--dtype", help="Target dtype: the exported head rows keep it."),
+):
+    """Write heads trained here in the layout another engine loads (vLLM's Medusa)."""
+    from ..export import check_format, export_heads
+    from ..training.medusa import load_heads
+
+    try:
+        check_format(fmt)  # before minutes of loading
+        heads = load_heads(folder)
+        if dtype == "gguf":
+            raise SpecdecError("exporting copies the target's output-head rows: use --dtype auto, bf16 or fp32")
+        target_model = _load(target or heads.info.get("target") or registry.DEFAULT_TARGET, dtype, "cpu", "target",
+                             exact_rows=False)
+        with err.status("writing…"):
+            written = export_heads(heads, target_model, out, fmt)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    err.print(f"{heads.heads.num_heads} Medusa heads for {target_model.name} in {written} (vLLM: speculative_config "
+              f"{{\"model\": \"{written}\", \"num_speculative_tokens\": {heads.heads.num_heads}}})", highlight=False)
