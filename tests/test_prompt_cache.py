@@ -104,6 +104,27 @@ def test_the_server_reports_cached_prompt_tokens():
     assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 39]
 
 
+def test_a_cache_salt_keeps_tenants_apart_in_the_prompt_cache():
+    """A prompt kept under one salt serves only requests of that salt: another tenant sees no
+    cached tokens (it cannot learn what was sent), the same tenant reuses it; outputs never change."""
+    target = tiny_model(0, exact_rows=True, name="tiny")
+    target.use_prompt_cache(2**20)
+    prompt = _ids(40, 16, 9)
+    with serving(lambda: Service(target, None, limits=Limits(max_tokens=8)), max_batch=2, steer=False) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(salt):
+            extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, **extra)
+        replies = [ask(salt) for salt in ("alice", "bob", None, "alice", "bob", None)]
+        refused = client.with_options(max_retries=0).completions.with_raw_response
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            refused.create(model="tiny", prompt=prompt, max_tokens=8, extra_body={"cache_salt": 7})
+    assert len({r.choices[0].text for r in replies}) == 1
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0, 0, 39, 39, 39]
+    assert reusable(_fed(prompt), prompt, PREFILL_CHUNK, "alice") == 0  # the check itself: salts must match
+
+
 def test_a_drafter_model_keeps_and_reuses_prompts_too():
     """A drafter model with a prompt cache feeds a prompt in the target's chunks, keeps it, and
     starts a later prompt from the whole chunks it shares; outputs (greedy, and sampled with a

@@ -127,6 +127,21 @@ def test_suffix_requests_draft_from_earlier_outputs(server, tiny_pair):
     assert again["accepted_tokens"] > first["accepted_tokens"] and again["target_passes"] < 20
 
 
+def test_suffix_drafting_never_copies_another_tenants_outputs(server, tiny_pair):
+    """Suffix drafting draws on earlier outputs of the same cache_salt only: a second tenant asking
+    what the first asked drafts as the first did on its first try (nothing of the first's answer
+    to copy), while the first tenant asking again copies its own answer."""
+    url, _ = server
+    client = _client(url)
+
+    def ask(salt):
+        return client.completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=20, temperature=0,
+                                         extra_body={"speculative": {"method": "suffix"}, "cache_salt": salt})
+    first, other, again = (ask(salt).usage.model_extra["speculative"] for salt in ("tenant-a", "tenant-b", "tenant-a"))
+    assert other["accepted_tokens"] == first["accepted_tokens"] and other["drafted_tokens"] == first["drafted_tokens"]
+    assert again["accepted_tokens"] > first["accepted_tokens"]
+
+
 class _IdTokenizer:
     """Token ids as text: enough for a datastore's tokenizer check and the server's decoding."""
 

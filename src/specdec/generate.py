@@ -298,7 +298,7 @@ class Decoding:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
                  debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
-                 seed_rule: str = "coupled"):
+                 seed_rule: str = "coupled", cache_salt: str = ""):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not is_drafter(drafter):
@@ -325,6 +325,7 @@ class Decoding:
             if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
                 raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
+        self.cache_salt = cache_salt  # prompt caches reuse only prompts kept under the same salt (a tenant's)
         self.lenience, self.typical, self.debug = lenience, typical, debug
         self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
         models = [target] + ([self.drafter_model] if self.drafter_model is not None else [])
@@ -371,13 +372,15 @@ class Decoding:
         is then fed by `prefill_step`."""
         if self._chunked and self.features.prompt_cache:
             # starts with the kept entries of an earlier prompt's feeding calls that this one repeats
-            self.cache = self.target.new_cache(prompt=self.sequence, chunk=PREFILL_CHUNK)
+            self.cache = self.target.new_cache(prompt=self.sequence, chunk=PREFILL_CHUNK, salt=self.cache_salt)
             self.stats.cached_prompt_tokens = cache_length(self.cache)
         else:
             self.cache = self.target.new_cache()
         reserve = min(self.positions, RESERVE_MAX)  # a huge max_new_tokens must not claim its memory up front
         reserve_cache(self.cache, reserve)
         if self.drafter is not None:
+            if isinstance(self.drafter, ModelDrafter):
+                self.drafter.salt = self.cache_salt
             self.drafter.start(self.sequence)
             if self.pinned and self.can.pins:
                 self.drafter.pin()  # drafts that hang on other generations would change a seeded output

@@ -297,7 +297,7 @@ class LlamaCppModel:
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
-    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None) -> LlamaCache:
+    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None, salt: str = "") -> LlamaCache:
         """An empty cache on a free sequence; with one sequence it replaces any earlier cache.
         With `prompt_cache`, `prompt` and `chunk` (the ids this cache's prompt is fed in calls of
         `chunk`, `Decoding.prefill_step`): the free stream holding the most reusable entries for
@@ -312,7 +312,7 @@ class LlamaCppModel:
                                    "sequences, or run fewer at once)")
         held, seq = None, None
         if prompt is not None and chunk and self._kept:
-            reuse, seq = max(((reusable(kept, prompt, chunk), -seq) for seq, kept in self._kept.items()))
+            reuse, seq = max(((reusable(kept, prompt, chunk, salt), -seq) for seq, kept in self._kept.items()))
             seq = -seq
             if reuse > 0:
                 held = self._kept.pop(seq)
@@ -326,7 +326,7 @@ class LlamaCppModel:
             if seq in self._owners:  # one sequence: the earlier cache loses it
                 self._live.pop(self._owners.pop(seq)[0])
         self._lib.llama_memory_seq_rm(self._memory, seq, len(held.tokens) if held else -1, -1)
-        cache = LlamaCache(self, seq, held)
+        cache = LlamaCache(self, seq, held or Held([], [], salt))
         ticket = next(self._tickets)
         self._owners[seq], self._live[ticket] = (ticket, weakref.ref(cache)), seq
         # not into a library shutting down

@@ -19,10 +19,11 @@ PREFILL_CHUNK = 256  # prompt ids fed per call (`Decoding.prefill_step`, a draft
 
 class Held:
     """The ids a sequence's cache holds, and where each of its prompt-feeding calls (a prefill,
-    while nothing else was fed) ended: the entries a later prompt may reuse (`reusable`)."""
+    while nothing else was fed) ended: the entries a later prompt may reuse (`reusable`). `salt`:
+    the tenant whose prompt it is (a request's `cache_salt`); only the same salt reuses it."""
 
-    def __init__(self, tokens: list[int], calls: list[int]):
-        self.tokens, self.calls = tokens, calls
+    def __init__(self, tokens: list[int], calls: list[int], salt: str = ""):
+        self.tokens, self.calls, self.salt = tokens, calls, salt
 
     def keep(self, length: int) -> None:
         del self.tokens[length:]
@@ -36,11 +37,13 @@ class Held:
             self.calls.append(len(prompt) - 1)
 
 
-def reusable(held: Held, prompt: Sequence[int], chunk: int) -> int:
+def reusable(held: Held, prompt: Sequence[int], chunk: int, salt: str = "") -> int:
     """How many leading cache entries of `held` a cache for `prompt` can take as they are: those
     of its prompt calls that are the very calls `prompt` would be fed in (calls of `chunk` ids
     from 0, the last one ending before prompt[-1]: `Decoding.prefill_step`), same bounds, same
     ids. Every entry then holds the bits a fresh feed would give it."""
+    if held.salt != salt:  # another tenant's prompt: its reuse would tell this one what it sent
+        return 0
     start, last = 0, len(prompt) - 1
     for end in held.calls:
         if end != min(start + chunk, last) or held.tokens[start:end] != list(prompt[start:end]):
@@ -81,22 +84,23 @@ class PromptStore:
                                                     for layer in layers):
             return
         tokens = held.tokens[:length]
-        for key in [key for key, (other, _) in self._entries.items() if other.tokens == tokens]:
+        for key in [key for key, (other, _) in self._entries.items()
+                    if other.tokens == tokens and other.salt == held.salt]:
             del self._entries[key]
         while self._entries and self.held_tokens + length > self.tokens:
             self._entries.popitem(last=False)
         copies = [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
-        self._entries[self._next] = (Held(tokens, list(held.calls)), copies)
+        self._entries[self._next] = (Held(tokens, list(held.calls), held.salt), copies)
         self._next += 1
 
     @torch.inference_mode()
-    def restore(self, cache, prompt: Sequence[int], chunk: int) -> int:
+    def restore(self, cache, prompt: Sequence[int], chunk: int, salt: str = "") -> int:
         """Give the new, empty `cache` a `held` record and the kept entries `prompt` can reuse (the
-        entry with the most) -> how many positions it now holds."""
-        cache.held = Held([], [])
+        entry with the most, of the same `salt`) -> how many positions it now holds."""
+        cache.held = Held([], [], salt)
         best, reuse = None, 0
         for key, (held, _) in self._entries.items():
-            count = reusable(held, prompt, chunk)
+            count = reusable(held, prompt, chunk, salt)
             if count > reuse:
                 best, reuse = key, count
         if best is None:
@@ -105,5 +109,5 @@ class PromptStore:
         held, copies = self._entries[best]
         for layer, (keys, values) in zip(cache.layers, copies):
             layer.update(keys[..., :reuse, :], values[..., :reuse, :])
-        cache.held = Held(held.tokens[:reuse], [end for end in held.calls if end <= reuse])
+        cache.held = Held(held.tokens[:reuse], [end for end in held.calls if end <= reuse], salt)
         return reuse

@@ -219,7 +219,7 @@ class TransformersModel:
         """All ids that end a generation: the generation config's and the tokenizer's EOS."""
         return eos_ids([getattr(self.hf, "generation_config", None), self.hf.config, self.tokenizer])
 
-    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None):
+    def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None, salt: str = ""):
         """An empty KV cache that `crop` can roll back.
 
         Sliding-window layers (Mistral, Gemma 2/3) drop keys older than their window as they go,
@@ -229,20 +229,20 @@ class TransformersModel:
         keep their keys in slabs (slab.py): a pass copies only its own keys in.
         With a prompt cache (`use_prompt_cache`), `prompt` and `chunk` (the ids this cache's prompt
         is fed in calls of `chunk`, `Decoding.prefill_step`): the cache starts with the kept
-        entries it can reuse (prompts.py).
+        entries it can reuse (prompts.py), of prompts kept under the same `salt` (a tenant's).
         """
         from .slab import slab_cache
 
         cache = slab_cache(self.hf.config)
         cache.activate_past_recording()
         if self.prompt_store is not None:
-            self.reuse_prompt(cache, prompt or [], chunk or 0)
+            self.reuse_prompt(cache, prompt or [], chunk or 0, salt)
         return cache
 
-    def reuse_prompt(self, cache, prompt: Sequence[int], chunk: int) -> int:
+    def reuse_prompt(self, cache, prompt: Sequence[int], chunk: int, salt: str = "") -> int:
         """Give the empty `cache` the kept entries `prompt` can reuse when it is fed in calls of
         `chunk` ids (with a prompt cache; prompts.py) -> how many positions it now holds."""
-        return self.prompt_store.restore(cache, prompt, chunk) if self.prompt_store is not None else 0
+        return self.prompt_store.restore(cache, prompt, chunk, salt) if self.prompt_store is not None else 0
 
     @property
     def prompt_cache(self) -> bool:

@@ -38,6 +38,7 @@ class ModelDrafter:
         self.forwards = 0
         self.cache = None
         self.caught_up = [0, 0.0]  # tokens fed to catch up with the context (prompt, plain steps), seconds
+        self.salt = ""  # the tenant whose kept prompts its model's prompt cache may reuse (Decoding's cache_salt)
         self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
         embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
         self._embedded = embeddings.num_embeddings if embeddings is not None else None
@@ -106,7 +107,7 @@ class ModelDrafter:
         """With the model's prompt cache: the kept entries this prompt can reuse, the rest fed in
         calls of PREFILL_CHUNK ids from its start, as a target's prompt is, then kept for later
         prompts (backends/prompts.py). The entries are those calls' bits either way."""
-        fed = self.model.reuse_prompt(self.cache, prompt, PREFILL_CHUNK)
+        fed = self.model.reuse_prompt(self.cache, prompt, PREFILL_CHUNK, self.salt)
         while fed < len(prompt) - 1:
             fed = min(fed + PREFILL_CHUNK, len(prompt) - 1)
             self.model.prefill(prompt[:fed + 1], self.cache)

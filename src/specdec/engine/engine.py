@@ -45,6 +45,7 @@ class Request:
     schedule: Callable[[], Schedule] | None = None
     logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
     seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
+    cache_salt: str = ""  # the tenant: prompt caches reuse only prompts kept under the same salt
     id: int = field(default=-1, compare=False)
 
 
@@ -326,7 +327,7 @@ class Engine:
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
                         schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
-                        seed_rule=request.seed_rule)
+                        seed_rule=request.seed_rule, cache_salt=request.cache_salt)
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:

@@ -14,6 +14,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per completions request
 MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
+MAX_SALT = 1024  # characters of a cache_salt
 
 
 def _served_methods() -> tuple[str, ...]:
@@ -71,6 +72,7 @@ class Job:
     stream: bool
     speculation: Speculation = field(default_factory=Speculation)
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
+    cache_salt: str = ""  # the tenant: shared caches (prompts, suffix drafting) only within one salt
 
 
 def parse_body(raw: bytes, limit: int) -> dict:
@@ -221,11 +223,23 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         stream=stream,
         speculation=_speculation(body.get("speculative"), default),
         logprobs=_logprobs(body, chat),
+        cache_salt=_cache_salt(body.get("cache_salt")),
     )
     if job.n * len(job.prompts or [None]) > MAX_CHOICES:
         raise BadRequest(f"prompts × n is {job.n * len(job.prompts)}; a request takes at most {MAX_CHOICES} choices",
                          "n")
     return job
+
+
+def _cache_salt(value) -> str:
+    """vLLM's `cache_salt`: requests share cache entries (kept prompts, earlier outputs that suffix
+    drafting copies) only with requests of the same salt, so that what one tenant sent cannot show
+    in another's `cached_tokens` or drafting counts. None: the unsalted tenant."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value or len(value) > MAX_SALT:
+        raise BadRequest(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters", "cache_salt")
+    return value
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -5,6 +5,7 @@ models are the ones given on the command line, and a request picks only among th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..drafters.suffix import SuffixCache
@@ -14,6 +15,8 @@ from ..methods import METHODS, Parts, build, preset
 from ..samplers import Sampler
 from ..spec import SpecConfig
 from .schema import BadRequest, Job, Speculation
+
+MAX_TENANTS = 32  # cache salts whose suffix caches are kept (the least recently used dropped first)
 
 
 @dataclass
@@ -55,13 +58,27 @@ class Service:
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
         self.lookahead_rows = lookahead_rows
-        self.suffix_cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
+        self.suffix_cache_tokens = suffix_cache_tokens
+        self._suffix_caches: OrderedDict[str, SuffixCache] = OrderedDict()  # by tenant (cache_salt), LRU
         if datastore is not None:
             datastore.check_tokenizer(target.tokenizer, target.vocab_size)
         elif self.default.method is not None and preset(self.default.method).method == "retrieval":
             raise BadRequest("speculation 'retrieval' needs a datastore")
         self.datastore = datastore
         self._token_texts: dict[int, str] = {}
+
+    def suffix_cache(self, salt: str = "") -> SuffixCache | None:
+        """The earlier outputs that suffix drafting draws on for the tenant `salt` (None where the
+        server keeps none): tenants never draft from each other's outputs. The most recently used
+        MAX_TENANTS tenants keep theirs, each up to `suffix_cache_tokens`."""
+        if not self.suffix_cache_tokens:
+            return None
+        if salt not in self._suffix_caches:
+            self._suffix_caches[salt] = SuffixCache(self.suffix_cache_tokens)
+            while len(self._suffix_caches) > MAX_TENANTS:
+                self._suffix_caches.popitem(last=False)
+        self._suffix_caches.move_to_end(salt)
+        return self._suffix_caches[salt]
 
     def token_text(self, token: int) -> str:
         """One token's text as `logprobs` shows it (special tokens by name; a token that is part
@@ -122,9 +139,9 @@ class Service:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
         sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p)
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                                  None if job.seed is None else job.seed + i) for i in range(job.n)]
+                                  None if job.seed is None else job.seed + i, job.cache_salt) for i in range(job.n)]
         for request in requests:
-            request.logprobs = job.logprobs
+            request.logprobs, request.cache_salt = job.logprobs, job.cache_salt
         return requests
 
     def config(self, speculation: Speculation) -> SpecConfig | None:
@@ -160,7 +177,7 @@ class Service:
         return config
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
-                 seed: int | None) -> Request:
+                 seed: int | None, cache_salt: str = "") -> Request:
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
         config = self.config(speculation)
         if config is None:
@@ -168,7 +185,8 @@ class Service:
         # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
         built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
                                     costs=lambda model: self.costs if model is not None else self.lookup_costs,
-                                    assumed=self.assumed, suffix_cache=self.suffix_cache, datastore=self.datastore,
+                                    assumed=self.assumed, suffix_cache=self.suffix_cache(cache_salt),
+                                    datastore=self.datastore,
                                     lookahead_rows=self.lookahead_rows))
         return Request(prompt_ids, built.make_drafter, **common, schedule=built.make_schedule,
                        seed_rule=config.seed_rule)
