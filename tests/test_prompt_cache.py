@@ -125,6 +125,19 @@ def test_a_cache_salt_keeps_tenants_apart_in_the_prompt_cache():
     assert reusable(_fed(prompt), prompt, PREFILL_CHUNK, "alice") == 0  # the check itself: salts must match
 
 
+def test_each_api_key_is_a_tenant_of_its_own():
+    target = tiny_model(0, exact_rows=True, name="tiny")
+    target.use_prompt_cache(2**20)
+    prompt = _ids(40, 16, 9)
+    with serving(lambda: Service(target, None, limits=Limits(max_tokens=8)), max_batch=2, steer=False,
+                 api_key=["key-a", "key-b"]) as (url, _):
+        def ask(key):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        cached = [ask(key).usage.prompt_tokens_details.cached_tokens for key in ("key-a", "key-b", "key-a", "key-b")]
+    assert cached == [0, 0, 39, 39]
+
+
 def test_a_drafter_model_keeps_and_reuses_prompts_too():
     """A drafter model with a prompt cache feeds a prompt in the target's chunks, keeps it, and
     starts a later prompt from the whole chunks it shares; outputs (greedy, and sampled with a

@@ -572,10 +572,10 @@ def test_the_api_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, mon
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     assert api_key_from(None, None) is None
     monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
-    assert api_key_from(None, None) == "from-env"
+    assert api_key_from(None, None) == ["from-env"]
     path = tmp_path / "key"
-    path.write_text("from-file\n")
-    assert api_key_from(None, path) == "from-file" and api_key_from("flag", None) == "flag"
+    path.write_text("from-file\n\n  second  \n")
+    assert api_key_from(None, path) == ["from-file", "second"] and api_key_from("flag", None) == ["flag"]
     with pytest.raises(SpecdecError, match="not both"):
         api_key_from("flag", path)
     path.write_text("\n")

@@ -32,8 +32,8 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
                                           "(visible in the process list: prefer --api-key-file or SPECDEC_API_KEY)."),
-    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the key from this file's first "
-                                                "line."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the keys from this file, one "
+                                                "per line: each client's key is a tenant of its own (cache_salt)."),
     cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", help="A web origin whose pages may "
                                                     "call the API (repeatable); requests from other pages: 403."),
     max_batch: int = typer.Option(8, "--max-batch", help="Most sequences decoded at once."),

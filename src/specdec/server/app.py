@@ -144,9 +144,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_VARIABLE = "SPECDEC_API_KEY"
 
 
-def api_key_from(flag: str | None, path=None) -> str | None:
-    """The API key: `--api-key`, else the first line of `--api-key-file`, else $SPECDEC_API_KEY,
-    else None (no key). Raises SpecdecError for two sources at once, or an unreadable or empty file."""
+def api_key_from(flag: str | None, path=None) -> list[str] | None:
+    """The API keys: `--api-key`, else every non-empty line of `--api-key-file` (one key per
+    client: each key is a tenant of its own, `cache_salt`), else $SPECDEC_API_KEY, else None (no
+    key). Raises SpecdecError for two sources at once, or an unreadable or empty file."""
     import os
     from pathlib import Path
 
@@ -157,19 +158,19 @@ def api_key_from(flag: str | None, path=None) -> str | None:
             lines = Path(path).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise SpecdecError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__})") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
+        keys = [line.strip() for line in lines if line.strip()]
+        if not keys:
             raise SpecdecError(f"--api-key-file {path} is empty")
-        return key
+        return keys
     if flag is not None:
         if not flag.strip():
             raise SpecdecError("--api-key is empty")
-        return flag
-    return os.environ.get(API_KEY_VARIABLE) or None
+        return [flag]
+    return [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else None
 
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | None = None,
-               api_key: str | None = None, on_load_error: Callable[[Exception], None] | None = None,
+               api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
                steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. A load that
@@ -224,13 +225,19 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                              "more: restart it", status=503, type="server_error", code="engine_stopped")
         return state["service"]
 
-    def authorize(request: HttpRequest) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+
+    def authorize(request: HttpRequest) -> str:
+        """Check the request's key -> its tenant ("" without keys; with several keys, each its own)."""
+        if not keys:
+            return ""
+        given = request.headers.get("authorization", "").encode()
+        # every key compared, so the time taken does not tell which one nearly matched
+        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        if not any(matches):
             raise BadRequest("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                              type="authentication_error", code="invalid_api_key")
+        return f"key{matches.index(True)}" if len(keys) > 1 else ""
 
     @app.get("/health")
     async def health():
@@ -257,7 +264,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     async def complete(request: HttpRequest, chat: bool):
         arrival = time.perf_counter()
         try:
-            authorize(request)
+            tenant = authorize(request)
             service = ready()
             declared = request.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
@@ -265,6 +272,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                                  f"{service.limits.max_body}", status=413, code="body_too_large")
             body = parse_body(await _read_body(request, service.limits.max_body), service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
+            if tenant:  # each key its own tenant; its clients' salts apart within it
+                job.cache_salt = f"{tenant}/{job.cache_salt}"
             prompts = service.prompt_ids(job)
             engine_requests = [r for ids in prompts  # choice k: prompt k // n, its choice k % n
                                for r in service.requests(job, ids, service.max_new_tokens(job, len(ids)))]
