@@ -935,3 +935,34 @@ def test_an_online_drafter_learns_between_requests_and_answers_stay_the_targets(
             while online.fresh and time.monotonic() < deadline:  # the worker updates once the engine is idle
                 time.sleep(0.05)
     assert online.updates >= 1 and drafter.adapter is not None
+
+
+def test_a_request_that_could_never_fit_the_kv_budget_is_a_400_before_the_answer_starts(tiny_pair):
+    target, drafter = tiny_pair
+    per_position = target.kv_bytes_per_token + drafter.kv_bytes_per_token
+    budget = per_position * 100  # 100 positions of both caches
+    with serving(lambda: Service(target, drafter, limits=Limits(max_tokens=8)), kv_memory=budget) as (url, _):
+        client = _client(url)
+        ok = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=8, temperature=0)
+        assert ok.usage.completion_tokens == 8
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="whole budget") as caught:
+                client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=60, temperature=0, stream=stream)
+            assert caught.value.body["param"] == "max_tokens"
+        # without drafting, only the target's cache counts: the same request fits
+        plain = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=60, temperature=0,
+                                          extra_body={"speculative": False})
+        assert plain.usage.completion_tokens == 60
+
+
+def test_the_default_kv_budget_is_a_share_of_the_memory_free_after_loading(tiny_pair, monkeypatch):
+    from specdec.server import service as module
+
+    target, drafter = tiny_pair
+    service = Service(target, drafter)
+    monkeypatch.setattr(module, "free_memory", lambda device: 10 * 2**30)
+    budget, phrase = module.auto_kv_budget(service, reserved=2 * 2**30)
+    assert budget == int(module.KV_SHARE * 8 * 2**30) and "of the 10.0 GiB free" in phrase
+    monkeypatch.setattr(module, "free_memory", lambda device: None)
+    assert module.auto_kv_budget(service)[0] is None
+    assert module.free_memory("cpu") is None or module.free_memory("cpu") > 0

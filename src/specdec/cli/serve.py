@@ -37,8 +37,10 @@ def serve(
     cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", help="A web origin whose pages may "
                                                     "call the API (repeatable); requests from other pages: 403."),
     max_batch: int = typer.Option(8, "--max-batch", help="Most sequences decoded at once."),
-    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="A budget for the running sequences' KV "
-                                            "caches (e.g. 2GiB); requests beyond it wait."),
+    kv_memory: str = typer.Option("auto", "--kv-memory", help="A budget for the running sequences' KV caches "
+                                  "(e.g. 2GiB; requests beyond it wait, one that can never fit is a 400): auto "
+                                  "(80% of the memory free once the models are in, less the prompt caches), "
+                                  "or none."),
     max_waiting: int = typer.Option(64, "--max-waiting", help="Most requests queued; beyond it, 429."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Output bound of a chat request that sets none."),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Longest prompt taken "
@@ -87,7 +89,8 @@ def serve(
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
-        budget = parse_bytes(kv_memory, "--kv-memory") if kv_memory is not None else None
+        budget = None if kv_memory == "none" else "auto" if kv_memory == "auto" else parse_bytes(kv_memory,
+                                                                                                "--kv-memory")
         if prompt_cache and dtype not in GGUF_WEIGHTS:
             prompt_cache = parse_bytes(prompt_cache_memory, "--prompt-cache-memory")
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -102,6 +105,9 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
+    if budget == "auto":
+        reserved = prompt_cache * (1 if no_drafter else 2) if type(prompt_cache) is int else 0
+        budget = lambda service: _auto_budget(service, reserved)  # noqa: E731
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
                                                cors_origins=cors_origin, host=host), host, port, grace)
 
@@ -171,6 +177,15 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
         return service
 
     return load
+
+
+def _auto_budget(service, reserved: int) -> int | None:
+    """--kv-memory auto: the budget from the memory free once the models are in, said at start."""
+    from ..server.service import auto_kv_budget
+
+    budget, phrase = auto_kv_budget(service, reserved)
+    err.print(f"[dim]{phrase}[/]", highlight=False)
+    return budget
 
 
 def _run_until_stopped(make_app, host: str, port: int, grace: float) -> None:

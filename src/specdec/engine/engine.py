@@ -333,8 +333,18 @@ class Engine:
 def _kv_need(request: Request, decoding: Decoding) -> int:
     """Bytes of KV cache a request can reach: its prompt, its output and the widest draft, in the
     target's cache and in its drafter model's (if it has one)."""
-    models = [decoding.target] + ([decoding.drafter_model] if decoding.drafter_model is not None else [])
-    return decoding.positions * sum(features(m).kv_bytes_per_token or 0 for m in models)
+    return kv_need(decoding.positions, [decoding.target, decoding.drafter_model])
+
+
+def kv_need(positions: int, models: list) -> int:
+    """Bytes of KV cache `positions` cache positions take in each of `models` (None: none)."""
+    return positions * sum(features(m).kv_bytes_per_token or 0 for m in models if m is not None)
+
+
+def kv_positions(prompt_length: int, max_new_tokens: int, drafts: bool) -> int:
+    """The cache positions a request can reach: its prompt, its output and the widest draft
+    (`Decoding.positions`, before the context caps them)."""
+    return prompt_length + max_new_tokens + (generate.DRAFT_ROOM if drafts else 0)
 
 
 def _shares_drafter_passes(model, decoding: Decoding) -> bool:

@@ -169,11 +169,13 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
     return [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else None
 
 
-def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | None = None,
+def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
                steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
-    and gives the service; the engine's worker starts then and stops at shutdown. A load that
+    and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
+    running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
+    budget; `service.auto_kv_budget`, the CLI's default). A load that
     fails goes to `on_load_error` (the CLI stops the server), and /health says why. steer: the
     engine sizes drafts from the batch's measured costs (`Engine`; False: each request's own schedule).
     cors_origins: the web origins whose pages may call the API (a request from any other page,
@@ -190,7 +192,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 
             service = load()
             online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
-            worker = Worker(Engine(service.target, max_batch, kv_memory, steer), service.limits.max_waiting,
+            budget = kv_memory(service) if callable(kv_memory) else kv_memory
+            worker = Worker(Engine(service.target, max_batch, budget, steer), service.limits.max_waiting,
                             between=online.update if online is not None else None)
             worker.start()
             state["service"], state["worker"] = service, worker
@@ -275,8 +278,11 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             if tenant:  # each key its own tenant; its clients' salts apart within it
                 job.cache_salt = f"{tenant}/{job.cache_salt}"
             prompts = service.prompt_ids(job)
-            engine_requests = [r for ids in prompts  # choice k: prompt k // n, its choice k % n
-                               for r in service.requests(job, ids, service.max_new_tokens(job, len(ids)))]
+            bounds = [service.max_new_tokens(job, len(ids)) for ids in prompts]
+            for ids, bound in zip(prompts, bounds):
+                service.check_fits(job, len(ids), bound, state["worker"].engine.kv_memory)
+            engine_requests = [r for ids, bound in zip(prompts, bounds)  # choice k: prompt k // n, its choice k % n
+                               for r in service.requests(job, ids, bound)]
             if len(engine_requests) > service.limits.max_waiting:  # could never be queued: no retry helps
                 raise BadRequest(f"{len(prompts)} prompt(s) × n = {job.n} make {len(engine_requests)} choices, over "
                                  f"this server's limit of {service.limits.max_waiting} queued at once", "n")

@@ -19,6 +19,43 @@ from .schema import BadRequest, Job, Speculation
 MAX_TENANTS = 32  # cache salts whose suffix caches are kept (the least recently used dropped first)
 
 
+KV_SHARE = 0.8  # of the memory free once the models are in, what the running sequences' KV caches may take
+
+
+def free_memory(device) -> int | None:
+    """Bytes free for new tensors on `device` now: the GPU's free memory on CUDA, the kernel's
+    MemAvailable on a Linux CPU; None where it cannot be read."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def auto_kv_budget(service: "Service", reserved: int = 0) -> tuple[int | None, str]:
+    """The KV budget a server takes by default: KV_SHARE of the memory free once its models are
+    loaded, less `reserved` (prompt caches still to fill) -> (bytes or None, a phrase for the
+    startup line). None where the backend allocates its caches up front (llama.cpp's streams) or
+    the free memory cannot be read."""
+    from ..backends import features
+
+    if features(service.target).kv_bytes_per_token is None:
+        return None, "KV caches allocated at load"
+    free = free_memory(service.target.device)
+    if free is None:
+        return None, "no KV budget (free memory unknown: give --kv-memory)"
+    budget = int(KV_SHARE * max(0, free - reserved))
+    return max(budget, 1), (f"KV budget {budget / 2**30:.1f} GiB: {KV_SHARE:.0%} of the {free / 2**30:.1f} GiB "
+                            "free after loading" + (" less the prompt caches" if reserved else ""))
+
+
 @dataclass
 class Limits:
     """max_tokens: the output bound of a chat request that names none; max_prompt_tokens: the
@@ -134,6 +171,22 @@ class Service:
                              f"{room} after the prompt's {prompt_length}", "max_tokens",
                              code="context_length_exceeded")
         return job.max_tokens
+
+    def check_fits(self, job: Job, prompt_length: int, max_new_tokens: int, budget: int | None) -> None:
+        """A 400 before the answer starts where a choice's KV caches could never fit the engine's
+        budget (they would wait forever): its prompt, its output and the widest draft, in the
+        target's cache and a drafter model's."""
+        from ..engine.engine import kv_need, kv_positions
+
+        if budget is None:
+            return
+        config = self.config(job.speculation)
+        model = self.drafter if config is not None and config.needs_drafter_model() else None
+        need = kv_need(kv_positions(prompt_length, max_new_tokens, config is not None), [self.target, model])
+        if need > budget:
+            raise BadRequest(f"this request's KV caches would take {need / 2**20:.1f} MiB, more than this server's "
+                             f"whole budget of {budget / 2**20:.1f} MiB; send a shorter prompt or lower max_tokens",
+                             "max_tokens", code="context_length_exceeded")
 
     def requests(self, job: Job, prompt_ids: list[int], max_new_tokens: int) -> list[Request]:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
