@@ -312,6 +312,34 @@ def test_text_pieces_carry_the_tokens_whose_text_they_hold():
     assert whole.add([4], final=True) == "END" and whole.released() == 3
 
 
+def test_streamed_text_is_decoded_incrementally_and_equals_the_whole_decode():
+    """A long answer costs linear decoding, not a decode of the whole output per token, and the
+    text it streams is the whole decode's, also where a character's bytes span tokens."""
+    import random
+
+    from specdec.server.app import _Text
+
+    rng = random.Random(0)
+    pieces = [bytes([b]) for b in b"abc xyz"] + ["é".encode()[:1], "é".encode()[1:], "€".encode()[:2],
+                                                   "€".encode()[2:], "ü".encode()]
+    decoded = [0]
+
+    def decode(ids):
+        decoded[0] += len(ids)
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    ids = []
+    while len(ids) < 3000:  # whole characters: a split one's bytes in order
+        k = rng.randrange(len(pieces) - 4)
+        ids += [k] if k < 7 else {7: [7, 8], 8: [9, 10], 9: [11], 10: [11]}[k]
+    text = _Text(decode, stops=[], offsets=True)
+    sent = "".join(text.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) + text.add([], final=True)
+    whole = b"".join(pieces[i] for i in ids).decode("utf-8")
+    assert sent == whole and text.text == whole
+    assert text.ends[-1] == len(whole) and text.ends == sorted(text.ends)
+    assert decoded[0] < 40 * len(ids)  # a whole decode per token would be ~len(ids)² / 2 = 4.5 million
+
+
 def test_metrics_parse_and_add_up_to_the_responses_usage(server):
     url, _ = server
     before = _metrics(url)
@@ -966,3 +994,23 @@ def test_the_default_kv_budget_is_a_share_of_the_memory_free_after_loading(tiny_
     monkeypatch.setattr(module, "free_memory", lambda device: None)
     assert module.auto_kv_budget(service)[0] is None
     assert module.free_memory("cpu") is None or module.free_memory("cpu") > 0
+
+
+def test_prompts_are_tokenised_off_the_event_loop(tiny_pair):
+    """Tokenising and chat-templating a long prompt is CPU work: it runs on a worker thread, so the
+    event loop goes on serving other streams meanwhile (checked by thread, not by a timing)."""
+    seen = []
+
+    def load():
+        service = Service(tiny_pair[0], None, limits=Limits(max_tokens=4))
+        prompt_ids = service.prompt_ids
+
+        def recorded(job):
+            seen.append(threading.current_thread())
+            return prompt_ids(job)
+        service.prompt_ids = recorded
+        return service
+
+    with serving(load) as (url, app):
+        _client(url).completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2, temperature=0)
+    assert seen and seen[0].name.startswith("asyncio")  # the loop's default executor, not the loop's own thread

@@ -55,7 +55,14 @@ class _Choice:
 class _Text:
     """Token ids to text as they come: text that may still change (an incomplete UTF-8 sequence)
     or may begin a stop string is held back until it cannot. With `offsets`, also where each
-    token's text ends (`ends`), to say which tokens a piece of text carries (`released`)."""
+    token's text ends (`ends`), to say which tokens a piece of text carries (`released`).
+
+    Decoded incrementally: each new token decodes with at most SEAM + STABLE ids before it, so a
+    long answer costs linear time, not a decode of the whole output per token (a tokenizer may
+    merge or strip at the seam: the tail is read as the difference of two decodes of a window
+    that starts SEAM tokens before the text taken as settled)."""
+
+    SEAM, STABLE = 4, 8
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str], offsets: bool = False):
         self.decode, self.stops, self.ids, self.sent = decode, stops, [], 0
@@ -63,16 +70,30 @@ class _Text:
         self.stopped = False
         self.ends: list[int] | None = [] if offsets else None
         self.final = False
+        self.text = ""
+        self._settled, self._settled_text = 0, ""  # ids[:_settled] decode to _settled_text, for good
+
+    def _push(self, token: int) -> None:
+        self.ids.append(token)
+        start = max(0, self._settled - self.SEAM)
+        head = self.decode(self.ids[start:self._settled])
+        window = self.decode(self.ids[start:])
+        tail = window[len(head):] if window.startswith(head) else self.decode(self.ids)[len(self._settled_text):]
+        self.text = self._settled_text + tail
+        if self.ends is not None:
+            self.ends.append(len(self.text))
+        if len(self.ids) - self._settled >= 2 * self.STABLE and not tail.endswith("\ufffd"):
+            settle = len(self.ids) - self.STABLE  # the window's first ids can no longer change
+            settled = self.decode(self.ids[start:settle])
+            if settled.startswith(head) and not settled.endswith("\ufffd"):  # a character's bytes not cut
+                self._settled, self._settled_text = settle, self._settled_text + settled[len(head):]
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """The next piece of text to send; after a stop string, `stopped` and nothing more."""
-        self.ids += ids
+        for token in ids:
+            self._push(token)
         self.final = final
-        text = self.decode(self.ids)
-        if self.ends is not None:
-            last = len(self.ids) - 1
-            self.ends += [len(text) if k == last else len(self.decode(self.ids[:k + 1]))
-                          for k in range(len(self.ends), len(self.ids))]
+        text = self.text
         cut = min((i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
@@ -277,7 +298,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             job = parse_job(body, chat, service.name, service.default)
             if tenant:  # each key its own tenant; its clients' salts apart within it
                 job.cache_salt = f"{tenant}/{job.cache_salt}"
-            prompts = service.prompt_ids(job)
+            # tokenising up to --max-body of text, chat template and all, is CPU work: off the event
+            # loop, so that other streams, their disconnect checks and timeouts go on meanwhile
+            prompts = await asyncio.to_thread(service.prompt_ids, job)
             bounds = [service.max_new_tokens(job, len(ids)) for ids in prompts]
             for ids, bound in zip(prompts, bounds):
                 service.check_fits(job, len(ids), bound, state["worker"].engine.kv_memory)
