@@ -1014,3 +1014,18 @@ def test_prompts_are_tokenised_off_the_event_loop(tiny_pair):
     with serving(load) as (url, app):
         _client(url).completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2, temperature=0)
     assert seen and seen[0].name.startswith("asyncio")  # the loop's default executor, not the loop's own thread
+
+
+def test_a_drafter_with_a_shorter_context_never_cuts_an_answer_silently():
+    target = tiny_model(0, exact_rows=True, name=NAME, max_positions=256)
+    drafter = tiny_model(1, layers=1, exact_rows=True, name="short-drafter", max_positions=64)
+    with serving(lambda: Service(target, drafter, limits=Limits(max_tokens=200))) as (url, _):
+        client = _client(url)
+        with pytest.raises(openai.BadRequestError, match="drafter model's context of 64") as caught:
+            client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=100, temperature=0)
+        assert caught.value.body["param"] == "max_tokens"
+        plain = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=100, temperature=0,
+                                          extra_body={"speculative": False})
+        assert plain.usage.completion_tokens == 100 and plain.choices[0].finish_reason == "length"
+        fits = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=40, temperature=0)
+        assert fits.usage.completion_tokens == 40

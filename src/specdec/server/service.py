@@ -165,12 +165,28 @@ class Service:
                              "messages" if job.messages is not None else "prompt", code="context_length_exceeded")
         room = context - prompt_length
         if job.max_tokens is None:
-            return min(self.limits.max_tokens, room)
+            return min(self.limits.max_tokens, room, self._drafter_room(job, prompt_length) or room)
         if job.max_tokens > room:
             raise BadRequest(f"max_tokens is {job.max_tokens}, but the context of {context} tokens leaves "
                              f"{room} after the prompt's {prompt_length}", "max_tokens",
                              code="context_length_exceeded")
+        drafter_room = self._drafter_room(job, prompt_length)
+        if drafter_room is not None and job.max_tokens > drafter_room:  # its answer would end there, cut
+            raise BadRequest(f"max_tokens is {job.max_tokens}, but the drafter model's context of "
+                             f"{self.drafter.max_context} tokens leaves {max(drafter_room, 0)} after the prompt; "
+                             "ask with speculative: false (or another method) for the target's whole context",
+                             "max_tokens", code="context_length_exceeded")
         return job.max_tokens
+
+    def _drafter_room(self, job: Job, prompt_length: int) -> int | None:
+        """Tokens the drafter model's context leaves after the prompt where the job's method drafts
+        with one whose context is shorter than the target's (a generation stops at the shorter
+        context); None otherwise."""
+        config = self.config(job.speculation)
+        if config is None or not config.needs_drafter_model() or \
+                self.drafter.max_context >= self.target.max_context:
+            return None
+        return self.drafter.max_context - prompt_length
 
     def check_fits(self, job: Job, prompt_length: int, max_new_tokens: int, budget: int | None) -> None:
         """A 400 before the answer starts where a choice's KV caches could never fit the engine's
