@@ -276,3 +276,38 @@ def test_engine_errors_are_clear(pair):
         generate_many([[1]], target, samples=0)
     with pytest.raises(SpecdecError, match="one per generated sequence"):
         generate_many([[1], [2]], target, seeds=[1])
+
+
+def test_a_failed_batched_pass_is_retried_one_sequence_at_a_time_and_only_a_repeat_offender_ends():
+    """Where the target's batched pass fails, each sequence is scored again alone from its cache as
+    it was: outputs stay the AR outputs token for token; a sequence whose own pass fails again
+    ends alone, the others go on. Without the retry every sequence of the step would end."""
+    target = tiny_model(0, vocab=32, exact_rows=True)
+    drafter = tiny_model(1, vocab=32, layers=1, exact_rows=True)
+    prompts = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14], [15, 16]]
+    expected = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in prompts]
+    batch, alone, calls = target.forward_batch, target.forward, [0]
+
+    def flaky(segments):  # every third batched pass fails, after writing part of its rows
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            batch(segments[:1])
+            raise RuntimeError("injected pass fault")
+        return batch(segments)
+
+    def poisoned(input_ids, cache, *args, **kwargs):  # the sequence holding id 15 fails whenever alone
+        if cache is poisoned.cache:
+            raise RuntimeError("its own fault")
+        return alone(input_ids, cache, *args, **kwargs)
+
+    target.forward_batch, target.forward = flaky, poisoned
+    poisoned.cache = None
+    engine = Engine(target, max_batch=4)
+    ids = [engine.add(Request(p, drafter, max_new_tokens=12, eos_token_ids=[])) for p in prompts]
+    engine.step()  # admits and prefills all four
+    poisoned.cache = engine.running[ids[3]].cache
+    while engine.busy:
+        engine.step()
+    assert calls[0] >= 3  # the fault fired
+    assert [engine.results[i].tokens for i in ids[:3]] == expected[:3]
+    assert ids[3] not in engine.results and "its own fault" in str(engine.failed[ids[3]])

@@ -907,7 +907,8 @@ WARM_UP = 1000  # requests before the soak's 1,000 are counted and its memory wa
 @pytest.mark.soak
 def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(tiny_pair):
     """1,000 short requests, 16 in flight (after a warm-up): about one in five dropped by its client
-    after the first token, one engine step in fifty failing, one request in twenty a bad body. Every good request
+    after the first token, one engine step in fifty failing in the target's pass (its sequences are
+    scored again alone, one in five of those failing again), one request in twenty a bad body. Every good request
     completes in full or gets a clear error (never hangs: each is bounded), bad bodies get 400s,
     /health stays ok, nothing stays in the engine, and resident memory over the second half stays
     within 5%."""
@@ -915,16 +916,21 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
 
     target, drafter = tiny_pair
     total, rss, health = 1000, [], []
-    passes = itertools.count(1)
-    forward_batch = target.forward_batch
+    passes, retries = itertools.count(1), itertools.count(1)
+    forward_batch, forward = target.forward_batch, target.forward
 
     def faulty(segments):  # one step in fifty fails inside the target's pass
         if next(passes) % FAULT_EVERY == 0:
             raise RuntimeError("injected fault")
         return forward_batch(segments)
 
+    def faulty_alone(*args, **kwargs):  # a sequence scored alone after such a failure: one in five fails again
+        if next(retries) % 5 == 0:
+            raise RuntimeError("injected fault, again")
+        return forward(*args, **kwargs)
+
     with serving(lambda: Service(target, drafter), max_batch=16) as (url, app):
-        target.forward_batch = faulty
+        target.forward_batch, target.forward = faulty, faulty_alone
         try:
             rng = random.Random(0)
             plans = [(PROMPTS[i % len(PROMPTS)], 6 + i % 7, rng.random() < 0.2, rng.random() < 0.05)
@@ -943,7 +949,7 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
                     assert response.status_code == 200
                     for line in response.iter_lines():
                         if line.startswith('data: {"error"'):
-                            return "failed"  # a clear error: the step it was in failed
+                            return "failed"  # a clear error: its pass failed, and again alone
                         if drop and line.startswith("data: {"):
                             return "dropped"
                         if line.startswith("data: {") and '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
@@ -961,7 +967,7 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
                     health.append(httpx.get(url + "/health").status_code)
                     rss.append(_rss_bytes())
         finally:
-            target.forward_batch = forward_batch
+            target.forward_batch, target.forward = forward_batch, forward
         worker = app.state.specdec["worker"]
         deadline = time.monotonic() + 10
         while worker.running or worker.engine.busy:

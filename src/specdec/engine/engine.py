@@ -11,6 +11,7 @@ pass computes them (`forward_batch`), and everything random comes from its own g
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -18,12 +19,14 @@ from typing import Callable, Sequence
 from ..backends import Backend, Segment, features
 from ..errors import SpecdecError
 from .. import generate
-from ..backends.cache import cache_length
+from ..backends.cache import cache_length, crop_cache
 from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
 from ..samplers import GREEDY, Sampler
 from ..schedules import Schedule
 from .policy import BatchCosts
+
+log = logging.getLogger("specdec.engine")
 
 @dataclass
 class Request:
@@ -104,7 +107,7 @@ class Engine:
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
         self.results: dict[int, GenerationResult] = {}
-        self.failed: dict[int, SpecdecError] = {}  # requests that ended on an error of their own
+        self.failed: dict[int, Exception] = {}  # requests that ended on an error of their own
         self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
         self.passes = 0  # target passes made (one per step with running sequences)
 
@@ -191,20 +194,44 @@ class Engine:
         return segments
 
     def _score(self, plan: StepPlan, segments: list[Segment]) -> list:
-        """The one target pass over every sequence's segment -> each one's logits."""
-        if self._batched:
-            logits = self.target.forward_batch(segments)
-        else:
-            logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
+        """The one target pass over every sequence's segment -> each one's logits. Where the pass
+        itself fails (not one sequence's own error), each sequence is scored again alone, its
+        cache first put back as it was; one that fails again ends alone (`failed`), its logits None."""
+        before = [cache_length(s.cache) for s in segments]
+        try:
+            if self._batched:
+                logits = self.target.forward_batch(segments)
+            else:
+                logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
+        except SpecdecError:
+            raise
+        except Exception:
+            log.exception("a batched target pass failed; its sequences are scored again one by one")
+            logits = [self._score_alone(request_id, segment, length)
+                      for request_id, segment, length in zip(plan.ids, segments, before)]
         plan.pass_seconds = time.perf_counter() - plan.drafted
         self.passes += 1
         return logits
+
+    def _score_alone(self, request_id: int, segment: Segment, length: int):
+        """One sequence's segment scored alone after a failed pass (row-exact passes give its rows
+        the same bits either way) -> its logits, or None where it fails again (it then ends)."""
+        crop_cache(segment.cache, length)
+        try:
+            return self.target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents,
+                                       tree_start=segment.tree_start)
+        except Exception as error:  # this sequence's own trouble: it alone ends
+            self.failed[request_id] = error
+            self._drop(request_id)
+            return None
 
     def _verify(self, plan: StepPlan, logits: list) -> dict[int, list[int]]:
         """Each sequence's draft verified against its logits and its caches rolled back
         (`Decoding.commit`); a sequence's own error ends it alone; finished ones collected."""
         emitted = {}
         for request_id, decoding, rows in zip(plan.ids, plan.decodings, logits):
+            if rows is None:  # ended when its pass failed
+                continue
             try:
                 emitted[request_id] = decoding.commit(rows, plan.pass_seconds)
             except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
