@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import List, Optional
 
@@ -89,8 +90,7 @@ def serve(
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
-        budget = None if kv_memory == "none" else "auto" if kv_memory == "auto" else parse_bytes(kv_memory,
-                                                                                                "--kv-memory")
+        budget = _kv_budget(kv_memory)
         if prompt_cache and dtype not in GGUF_WEIGHTS:
             prompt_cache = parse_bytes(prompt_cache_memory, "--prompt-cache-memory")
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
@@ -105,9 +105,9 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
-    if budget == "auto":
-        reserved = prompt_cache * (1 if no_drafter else 2) if type(prompt_cache) is int else 0
-        budget = lambda service: _auto_budget(service, reserved)  # noqa: E731
+    if budget == "auto":  # once the models are in, less what the prompt caches may fill
+        budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
+                         if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
                                                cors_origins=cors_origin, host=host), host, port, grace)
 
@@ -177,6 +177,11 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
         return service
 
     return load
+
+
+def _kv_budget(text: str):
+    """--kv-memory: bytes, None for none, or "auto" (`_auto_budget`, once the models are in)."""
+    return None if text == "none" else "auto" if text == "auto" else parse_bytes(text, "--kv-memory")
 
 
 def _auto_budget(service, reserved: int) -> int | None:

@@ -70,7 +70,8 @@ def derived_capabilities(drafter) -> Capabilities:
     declaration against it)."""
     trees = hasattr(drafter, "propose_tree")
     return Capabilities(trees=trees, batched_passes=not trees and hasattr(drafter, "proposal"),
-                        model=getattr(drafter, "model", None) is not None, catches_up=hasattr(drafter, "lag"),
+                        model=getattr(drafter, "model", None) is not None and hasattr(drafter, "cache"),
+                        catches_up=hasattr(drafter, "lag"),
                         reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
                         reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
                         pins=hasattr(drafter, "pin"), finishes=hasattr(drafter, "finish"))
