@@ -192,11 +192,14 @@ def test_a_built_wheel_carries_the_package_its_data_and_both_commands(tmp_path):
     import sys
     import zipfile
 
-    if importlib.util.find_spec("setuptools") is None:
-        pytest.skip("setuptools is not in this environment (the wheel is built without network)")
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path)], check=True, capture_output=True)
+    # with setuptools here, built as it is; else pip fetches the build backend (the package index)
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "-q", "-w", str(tmp_path),
+                            *isolation], capture_output=True, text=True)
+    if built.returncode != 0 and isolation == [] and "setuptools" in built.stderr:
+        pytest.skip("no setuptools here and the package index is out of reach: the wheel cannot be built")
+    assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("lossless_specdec-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
