@@ -58,6 +58,8 @@ def test_a_preset_keeps_its_rules_and_the_flags_choose_what_drafts():
     assert from_options("tree-eagle2", "m").to_dict() == {"method": "tree", "drafter": "m", "tree": "eagle2"}
     assert from_options("default", "m", lenience=0.5).acceptance == "lenient"
     assert from_options("ar", "m").method == "ar"
+    assert from_options("medusa-uncalibrated", "medusa:heads").to_dict() == {"method": "medusa", "checkpoint": "heads",
+                                                                            "calibrated": False}
     for args, needle in [(("lookup", "m", "sides"), "--tree shapes the tree method"),
                          (("tree", "lookup"), "drafts with a drafter model"),
                          (("bogus", "m"), "unknown method 'bogus'"),

@@ -275,7 +275,7 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
         if typical or lenience != 1:
             raise SpecdecError("--typical and --lenience change how drafts are accepted; --method ar drafts nothing")
         return SpecConfig("ar")
-    base = resolve(method)
+    base = preset(method)  # validated below, with the flags that may complete it (a checkpoint, a datastore)
     changes: dict = {}
     if base.method == "chain" and drafter is not None:
         changes.update(from_flags(drafter, tree, cascade))
@@ -291,8 +291,11 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
             changes["tree"] = tree
         if cascade != "off":
             changes["cascade"] = cascade
-        if drafter is not None and base.replace(**changes).needs_drafter_model():
-            if special_drafter(drafter) is not None:
+        special = special_drafter(drafter) if drafter is not None else None
+        if special is not None and special["method"] == base.method:  # e.g. --method medusa --drafter medusa:DIR
+            changes.update({k: v for k, v in special.items() if k != "method"})
+        elif drafter is not None and base.replace(**changes).needs_drafter_model():
+            if special is not None:
                 raise SpecdecError(f"--method {method} drafts with a drafter model; --drafter {drafter} is not one")
             changes["drafter"] = drafter
     if schedule is not None:
