@@ -72,11 +72,11 @@ class _Text:
         self.final = False
         self.text = ""
         self._settled, self._settled_text = 0, ""  # ids[:_settled] decode to _settled_text, for good
+        self._head = ""  # the decode of the SEAM ids before _settled: changes only when the text settles
 
     def _push(self, token: int) -> None:
         self.ids.append(token)
-        start = max(0, self._settled - self.SEAM)
-        head = self.decode(self.ids[start:self._settled])
+        start, head = max(0, self._settled - self.SEAM), self._head
         window = self.decode(self.ids[start:])
         tail = window[len(head):] if window.startswith(head) else self.decode(self.ids)[len(self._settled_text):]
         self.text = self._settled_text + tail
@@ -87,6 +87,7 @@ class _Text:
             settled = self.decode(self.ids[start:settle])
             if settled.startswith(head) and not settled.endswith("\ufffd"):  # a character's bytes not cut
                 self._settled, self._settled_text = settle, self._settled_text + settled[len(head):]
+                self._head = self.decode(self.ids[max(0, settle - self.SEAM):settle])
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """The next piece of text to send; after a stop string, `stopped` and nothing more."""
