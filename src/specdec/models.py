@@ -15,7 +15,7 @@ import torch
 from . import registry
 from .backends.transformers import TransformersModel
 from .errors import SpecdecError
-from .kernels import cpu_has_native_bf16, int8_supported
+from .kernels import CUDA_ROWS, cpu_has_native_bf16, int8_supported
 from .text import eos_ids
 from .vocab import check_vocab_options, restrict_drafter_vocabulary
 
@@ -82,12 +82,14 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     and .gguf files; needs the `peers` extra).
     role: "target" or "drafter"; it steers dtype="auto" (see `resolve_dtype`, `use_int8`,
     docs/kernels.md) and whether logits must be exact fp32. kernels: "auto" or "stock" (for GGUF
-    weights "auto" or "plain"); exact_rows: None (auto), True or False (see TransformersModel).
+    weights "auto" or "plain"), or "captured" (CUDA: a Llama-family model's passes as CUDA graphs,
+    `backends.captured.CapturedModel`, chains only); exact_rows: None (auto), True or False (see
+    TransformersModel; captured passes are row-exact unless False).
     vocab: (drafters) how many of the most frequent ids the output head scores (vocab.py): None
     for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
     vocab_corpus: a text file to count frequencies in (default: Python's standard library).
-    sequences: (GGUF weights) how many sequences may be live at once (`LlamaCppModel`); a
-    transformers model holds any number. prompt_cache: keep finished prompts' entries for later
+    sequences: (GGUF weights and captured passes) how many sequences may be live at once
+    (`LlamaCppModel`, `CapturedModel`); a transformers model holds any number. prompt_cache: keep finished prompts' entries for later
     prompts that start alike: on GGUF weights in free KV streams (`LlamaCppModel`), on
     transformers' as copies of up to PROMPT_CACHE_MEMORY bytes, or as many as an int says
     (`TransformersModel.use_prompt_cache`: targets and drafter models with row-exact passes, else
@@ -111,6 +113,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, role)
     int8 = use_int8(dtype, device, role)
+    if kernels == "captured":
+        _check_captured(device, torch_dtype, int8, vocab, vocab_corpus, prompt_cache)
     text = str(name_or_path)
     path = Path(text).expanduser()
     gguf_file = None
@@ -148,6 +152,13 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
         _check_loading_info(model, info)
         part = "model"
         model.to(device)
+        if kernels == "captured":
+            from .backends.captured import CapturedModel
+
+            wrapped = CapturedModel(model, tokenizer, name=name, role=role, sequences=sequences,
+                                    rows=None if exact_rows is False else CUDA_ROWS)
+            say(f"captured passes ({wrapped.kernels}), {sequences} sequence(s) of up to {wrapped.max_context} positions")
+            return _loaded(wrapped, text, name, start, say)
         wrapped = TransformersModel(model, tokenizer, name=name, role=role, kernels=kernels, exact_rows=exact_rows,
                                 int8=int8)
         if prompt_cache and wrapped.exact_rows:
@@ -164,9 +175,27 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
+    return _loaded(wrapped, text, name, start, say)
+
+
+def _loaded(wrapped, text: str, name: str, start: float, say: Callable[[str], None]):
     say(f"loaded {name} in {time.perf_counter() - start:.1f} s")
     wrapped.source = text  # what loads it again (a distilled drafter's checkpoint names its drafter so)
     return wrapped
+
+
+def _check_captured(device: torch.device, dtype: torch.dtype, int8: bool, vocab: int | None,
+                    vocab_corpus, prompt_cache) -> None:
+    """SpecdecError, before any weights load, where captured passes cannot serve."""
+    if device.type != "cuda":
+        raise SpecdecError(f"kernels='captured' replays CUDA graphs: it needs a CUDA device, not {device}; "
+                           "use kernels='auto'")
+    if int8 or dtype not in (torch.bfloat16, torch.float16):
+        raise SpecdecError("captured passes run bf16 or fp16 weights (flash attention); pass dtype='bf16'")
+    if vocab or vocab_corpus:
+        raise SpecdecError("captured passes score the whole vocabulary; drop the drafter vocabulary options")
+    if prompt_cache:
+        raise SpecdecError("captured passes keep no prompt cache yet; load without one")
 
 
 def _load_distilled(folder: str, dtype, role: str, load_base: Callable[[str], TransformersModel]) -> TransformersModel:

@@ -85,13 +85,17 @@ def _chain_drafter_rows(config, exact_rows: bool | None) -> bool | None:
 
 
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
-          vocab: int | None = None, vocab_corpus: str | None = None, sequences: int = 1):
+          vocab: int | None = None, vocab_corpus: str | None = None, sequences: int = 1, kernels: str = "auto"):
     from ..models import load
 
     with err.status(f"loading {name} ({role})…"):
         return load(name, dtype=dtype, device=device, role=role, exact_rows=exact_rows,
                     say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), vocab=vocab, vocab_corpus=vocab_corpus,
-                    sequences=sequences)
+                    sequences=sequences, kernels=kernels)
+
+
+KERNELS_HELP = ("auto (transformers' layers, picked per CPU kind), or captured: on CUDA, a Llama-family model's "
+                "passes replayed as CUDA graphs with fused kernels (bf16; chain methods; docs/kernels.md).")
 
 
 TARGET_DTYPE_HELP = ("Target weights: auto (transformers' weights: bf16 on CUDA and on CPUs with native bf16, "

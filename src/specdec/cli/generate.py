@@ -13,7 +13,7 @@ from rich.console import Console
 from .. import registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _weights_of,
-                     _measured_costs, _chain_drafter_rows, _load, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
+                     _measured_costs, _chain_drafter_rows, _load, KERNELS_HELP, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
                      DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP, EXACT_ROWS_HELP, METHOD_HELP, _lookahead_shape,
                      TREE_HELP, LOOKAHEAD_SHAPE_HELP, TREE_SCHEME_HELP, spec_config, _seed_pins, _first_drafter,
                      parse_bytes)
@@ -71,6 +71,7 @@ def generate(
     drafter_vocab_corpus: Optional[str] = typer.Option(None, "--drafter-vocab-corpus",
                                                        help=DRAFTER_VOCAB_CORPUS_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS_HELP),
     exact_rows: Optional[bool] = typer.Option(None, "--exact-rows/--batched-rows", help=EXACT_ROWS_HELP),
     tree: str = typer.Option("off", help=TREE_HELP),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a token tree (its size is chosen by "
@@ -103,7 +104,7 @@ def generate(
                               as_json, rows is not None or chat or dtype == "gguf")
             return
         exact_rows = _check_generate(config, drafter, dtype, rows is not None, batch_size, online, exact_rows)
-        vocab = dict(vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus)
+        vocab = dict(vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, kernels=_kernels(kernels))
         target_model, drafter_model = _load_pair(config, target, dtype, drafter_dtype, device, exact_rows, vocab,
                                                  batch_size if rows is not None else 1)
         # measured costs size drafts, but not where a seed's output hangs on them (the stream rule, lossy rules)
@@ -162,11 +163,18 @@ def _check_generate(config, drafter: str, dtype: str, batch: bool, batch_size: i
     return True if batch_size > 1 and exact_rows is None else exact_rows
 
 
+def _kernels(kernels: str) -> str:
+    if kernels not in ("auto", "captured"):
+        raise SpecdecError(f"--kernels is auto or captured, not {kernels!r}")
+    return kernels
+
+
 def _load_pair(config, target: str, dtype: str, drafter_dtype: str, device: str, exact_rows: bool | None,
                vocab: dict, sequences: int):
     """The target, and the drafter model where the config drafts with one (on the weights it
-    follows the target onto) -> (target model, drafter model or None)."""
-    target_model = _load(target, dtype, device, "target", exact_rows, sequences=sequences)
+    follows the target onto) -> (target model, drafter model or None). vocab: the drafter's
+    vocabulary options and both models' kernels."""
+    target_model = _load(target, dtype, device, "target", exact_rows, sequences=sequences, kernels=vocab["kernels"])
     if not (config.speculative and config.needs_drafter_model()):
         return target_model, None
     weights = _drafter_weights(dtype, config.drafter, drafter_dtype, bool(vocab["vocab"] or vocab["vocab_corpus"]))
