@@ -111,6 +111,31 @@ def test_a_cancelled_request_frees_its_cache_and_the_others_go_on(pair):
     assert [results[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
 
 
+def test_nan_logits_of_one_sequence_in_a_batched_pass_end_it_alone(pair, monkeypatch):
+    """The batched greedy argmax (`samplers.greedy_rows`, one copy to the host a step) finds one
+    sequence's NaN rows and ends that request alone, the others exact."""
+    from specdec.errors import ModelFault
+
+    target, _, _ = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
+    forward_batch = type(target).forward_batch
+
+    def failing(self, segments):  # the second prompt's sequence gets NaN logits on its second step
+        victim = engine.running.get(ids[1])
+        broken = victim is not None and victim.stats.target_forwards >= 1
+        return [rows * float("nan") if broken and s.cache is victim.cache else rows
+                for s, rows in zip(segments, forward_batch(self, segments))]
+
+    monkeypatch.setattr(type(target), "forward_batch", failing)
+    engine = Engine(target, max_batch=5)
+    ids = [engine.add(Request(p, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    with pytest.raises(ModelFault, match="NaN"):
+        engine.run()
+    assert list(engine.failed) == [ids[1]]
+    assert [engine.results[i].tokens for i in ids if i != ids[1]] == [r for i, r in zip(ids, reference) if i != ids[1]]
+
+
 def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(pair, monkeypatch):
     from specdec.generate import Decoding
 
@@ -119,10 +144,10 @@ def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(p
     reference = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
     commit = Decoding.commit
 
-    def failing(self, logits, seconds):  # the third prompt's sequence fails on its second step
+    def failing(self, logits, seconds, argmax=None):  # the third prompt's sequence fails on its second step
         if self.sequence[:len(prompts[2])] == prompts[2] and self.stats.target_forwards >= 1:
             raise SpecdecError("model produced NaN logits")
-        return commit(self, logits, seconds)
+        return commit(self, logits, seconds, argmax)
 
     monkeypatch.setattr(Decoding, "commit", failing)
     engine = Engine(target, max_batch=5)

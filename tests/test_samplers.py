@@ -161,6 +161,26 @@ def test_greedy_tokens_reject_a_row_of_minus_inf_logits():
         greedy_tokens(torch.full((2, 4), NEG))
 
 
+def test_greedy_rows_give_each_block_what_greedy_tokens_gives_it():
+    from specdec.errors import ModelFault
+    from specdec.samplers import greedy_rows, greedy_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(n, 9, generator=generator) for n in (1, 4, 2)]
+    blocks[1][2, 3] = INF
+    blocks[2][0, :4] = blocks[2][0, 4:8] = 5.0  # ties: the first largest
+    assert greedy_rows(blocks) == [greedy_tokens(b).tolist() for b in blocks]
+    nan, ruled_out = blocks[0].clone(), torch.full((2, 9), NEG)
+    nan[0, 1] = float("nan")
+    found = greedy_rows([blocks[1], nan, ruled_out, blocks[2]])
+    assert found[0] == greedy_tokens(blocks[1]).tolist() and found[3] == greedy_tokens(blocks[2]).tolist()
+    for fault, match in ((found[1], "NaN"), (found[2], "probability 0")):
+        assert isinstance(fault, ModelFault) and match in str(fault)
+        with pytest.raises(ModelFault, match=match):
+            greedy_tokens(nan if match == "NaN" else ruled_out)
+    assert greedy_rows([]) == []
+
+
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan")] * 3, [0.2, float("nan"), 0.3], [0.5, INF, 0.1],
                                  [0.5, -0.1, 0.6], [3e38, 3e38, 3e38]])
 def test_sample_rejects_rows_without_a_finite_positive_mass(row):

@@ -479,9 +479,11 @@ class Decoding:
         parents = input_parents(len(pending), draft.parents) if self.trees else None
         return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
-    def commit(self, logits: torch.Tensor, pass_seconds: float) -> list[int]:
+    def commit(self, logits: torch.Tensor, pass_seconds: float, argmax: list[int] | None = None) -> list[int]:
         """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
-        verify.py alone), roll back what was rejected, emit -> the tokens emitted."""
+        verify.py alone), roll back what was rejected, emit -> the tokens emitted. argmax: the
+        logits' rows' greedy tokens where the caller has them (`samplers.greedy_rows`, a batched
+        step's), read instead of the logits under a greedy sampler."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
         stats.target_seconds += pass_seconds
         stats.target_forwards += 1
@@ -489,7 +491,7 @@ class Decoding:
             self.noise.forget(len(self.sequence))
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
             token = _target_token(logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0]
-                                  if self.noise is not None else None)
+                                  if self.noise is not None else None, None if argmax is None else argmax[-1])
             emitted = self.out.add(Step([], 0, int(token), []))
             self._record_logprobs(logits, [len(logits) - 1], emitted)
             self.sequence += emitted
@@ -507,7 +509,7 @@ class Decoding:
         else:
             noise = None if self.noise is None else self._noise_rows(range(len(logits)), logits)
             num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
-                                             self.typical, noise)
+                                             self.typical, noise, argmax)
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
@@ -584,11 +586,12 @@ def _timed(stats: GenerationStats, counter: str):
 
 
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,
-                  noise: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's own token from logits [V] (greedy without building a one-hot row; under a seed
-    the coupled draw with that position's races `noise` [V])."""
+                  noise: torch.Tensor | None = None, argmax: int | None = None) -> torch.Tensor | int:
+    """The target's own token from logits [V] (greedy without building a one-hot row, or the
+    row's `argmax` where the caller has it; under a seed the coupled draw with that position's
+    races `noise` [V])."""
     if sampler.is_greedy:
-        return greedy_tokens(logits)
+        return greedy_tokens(logits) if argmax is None else argmax
     return race(sampler.probs(logits), noise) if noise is not None else sample(sampler.probs(logits), generator)
 
 
@@ -616,12 +619,17 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
             lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None,
-            noise: torch.Tensor | None = None) -> tuple[int, int]:
+            noise: torch.Tensor | None = None, argmax: list[int] | None = None) -> tuple[int, int]:
     """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
     dict, also the lists "p", "q", "u" of each draft token (for the step view); `noise` [γ+1, V]:
-    each row's shared races under a seed (`verify_coupled`), else None."""
+    each row's shared races under a seed (`verify_coupled`), else None; `argmax`: the rows'
+    greedy tokens where the caller has them (read instead of the logits under a greedy sampler)."""
     if not draft.tokens:
-        return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1]))
+        return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1],
+                                    None if argmax is None else argmax[-1]))
+    if sampler.is_greedy and argmax is not None and details is None:  # on the host already
+        num_accepted, next_token = verify_greedy(torch.tensor(argmax), torch.tensor(draft.tokens))
+        return int(num_accepted), int(next_token)
     tokens = torch.tensor(draft.tokens, device=logits.device)
     if sampler.is_greedy or noise is not None:
         if sampler.is_greedy:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .errors import ModelFault, SpecdecError
+
+NAN_LOGITS = "model produced NaN logits; the weights or the dtype are unusable here"
+RULED_OUT = "the model gave every token logit -inf: every token has probability 0, nothing can be sampled"
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     """
     logits = logits.float()
     if torch.isnan(logits).any():
-        raise ModelFault("model produced NaN logits; the weights or the dtype are unusable here")
+        raise ModelFault(NAN_LOGITS)
     row_max = logits.amax(-1, keepdim=True)  # [..., 1]
     _check_some_token_possible(row_max)
     if temperature == 0:
@@ -107,8 +111,32 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
 def _check_some_token_possible(row_max: torch.Tensor) -> None:
     """row_max [..., 1]: the largest logit of each row; -inf means every token is ruled out."""
     if (row_max == float("-inf")).any():
-        raise ModelFault("the model gave every token logit -inf: every token has probability 0, nothing can be "
-                         "sampled")
+        raise ModelFault(RULED_OUT)
+
+
+def greedy_rows(blocks: Sequence[torch.Tensor]) -> list[list[int] | ModelFault]:
+    """`greedy_tokens` of several sequences' logits [n_i, V] at once, with one copy to the host
+    (a batched step's argmaxes: on a GPU each sequence's own would wait for the device three
+    times) -> per block its rows' tokens, or the ModelFault `greedy_tokens` would raise for it."""
+    if not blocks:
+        return []
+    logits = torch.cat([block.float() for block in blocks])
+    tokens = logits.argmax(-1)
+    nan = torch.isnan(logits).any(-1)
+    ruled_out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) == float("-inf")
+    rows = torch.stack([tokens, nan.long(), ruled_out.long()], -1).tolist()
+    out: list[list[int] | ModelFault] = []
+    start = 0
+    for block in blocks:
+        mine = rows[start:start + len(block)]
+        start += len(block)
+        if any(row[1] for row in mine):
+            out.append(ModelFault(NAN_LOGITS))
+        elif any(row[2] for row in mine):
+            out.append(ModelFault(RULED_OUT))
+        else:
+            out.append([row[0] for row in mine])
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -118,7 +146,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     largest logit, +inf included), and raises the same SpecdecError on NaN or an all -inf row.
     """
     if torch.isnan(logits).any():
-        raise ModelFault("model produced NaN logits; the weights or the dtype are unusable here")
+        raise ModelFault(NAN_LOGITS)
     logits = logits.float()
     tokens = logits.argmax(-1)
     _check_some_token_possible(logits.gather(-1, tokens.unsqueeze(-1)))

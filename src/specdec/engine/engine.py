@@ -22,7 +22,7 @@ from .. import generate
 from ..backends.cache import cache_length, crop_cache
 from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
-from ..samplers import GREEDY, Sampler
+from ..samplers import GREEDY, Sampler, greedy_rows
 from ..schedules import Schedule
 from .policy import BatchCosts
 
@@ -229,11 +229,17 @@ class Engine:
         """Each sequence's draft verified against its logits and its caches rolled back
         (`Decoding.commit`); a sequence's own error ends it alone; finished ones collected."""
         emitted = {}
-        for request_id, decoding, rows in zip(plan.ids, plan.decodings, logits):
+        # the greedy chains' argmaxes in one copy to the host (a GPU would wait once per sequence)
+        greedy = [i for i, (d, rows) in enumerate(zip(plan.decodings, logits))
+                  if rows is not None and d.sampler.is_greedy and not d.trees]
+        argmaxes = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
+        for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
             if rows is None:  # ended when its pass failed
                 continue
             try:
-                emitted[request_id] = decoding.commit(rows, plan.pass_seconds)
+                if isinstance(argmaxes.get(i), SpecdecError):
+                    raise argmaxes[i]
+                emitted[request_id] = decoding.commit(rows, plan.pass_seconds, argmaxes.get(i))
             except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
                 self.failed[request_id] = error
                 self._drop(request_id)
