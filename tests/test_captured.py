@@ -163,3 +163,12 @@ def test_load_refuses_captured_passes_off_cuda_before_loading_weights():
     for kernels, message in (("captured", "needs a CUDA device"), ("fast", "--kernels is auto or captured")):
         result = runner.invoke(app, ["generate", "x", "--device", "cpu", "--kernels", kernels])
         assert result.exit_code != 0 and message in result.output
+
+
+def test_a_captured_model_has_every_protocol_member():
+    from specdec.backends import Backend
+    from test_layout import protocol_members
+
+    model = CapturedModel(_hf(7), None, "captured", sequences=1, capacity=64)
+    attributes, methods = protocol_members(Backend)
+    assert [name for name in sorted(attributes | set(methods)) if not hasattr(model, name)] == []

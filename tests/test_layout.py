@@ -144,12 +144,14 @@ def protocol_gaps(cls: type, protocol: type = Backend) -> list[str]:
     return gaps
 
 
-def test_both_backends_satisfy_the_protocol():
+def test_every_backend_satisfies_the_protocol():
+    from specdec.backends.captured import CapturedModel
     from specdec.backends.llamacpp import LlamaCppModel  # importable without llama-cpp-python
     from specdec.backends.transformers import TransformersModel
 
     assert protocol_gaps(TransformersModel) == []
     assert protocol_gaps(LlamaCppModel) == []
+    assert protocol_gaps(CapturedModel) == []
 
 
 def test_the_protocol_check_sees_a_missing_member_and_a_changed_signature():

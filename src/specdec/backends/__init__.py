@@ -3,6 +3,8 @@ and one file per backend behind it:
 
 - `transformers.py`: a Hugging Face causal LM (`TransformersModel`), row-exact passes, token trees;
 - `llamacpp.py`: a GGUF file's own quantized weights on llama.cpp (`LlamaCppModel`), chains only;
+- `captured.py`: a Llama-family model's passes as CUDA graphs over static buffers (`CapturedModel`),
+  with the fused kernels of `fused.py`, chains only;
 - `cache.py`: rolling either backend's KV cache back to what verification kept.
 
 `models.load` picks and builds one. tests/test_layout.py checks that both satisfy the protocol.
