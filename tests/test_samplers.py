@@ -277,3 +277,13 @@ def test_a_target_that_rules_out_every_token_is_a_clear_error_on_every_path(path
     generate, _, _ = PATHS[path]
     with pytest.raises(SpecdecError, match="every token has probability 0"):
         generate(_DeadTable(5), TableModel(5, 1), sampler, 0)
+
+
+def test_min_p_keeps_the_tokens_at_least_that_likely_against_the_top_one():
+    probs = torch.tensor([[0.5, 0.3, 0.04, 0.16]])
+    kept = Sampler(1.0, min_p=0.2).probs(probs.log())  # keeps p >= 0.1
+    torch.testing.assert_close(kept, torch.tensor([[0.5, 0.3, 0.0, 0.16]]) / 0.96)
+    assert torch.equal(Sampler(1.0, min_p=1.0).probs(probs.log()), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert Sampler(0.7, min_p=0.05).describe() == "temperature=0.7, min_p=0.05"
+    with pytest.raises(SpecdecError, match="min_p"):
+        Sampler(1.0, min_p=1.5)

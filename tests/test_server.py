@@ -410,17 +410,72 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_succeeds(serve
     assert ok.usage.completion_tokens == 3
 
 
-@pytest.mark.parametrize("field, value, neutral", [
-    ("presence_penalty", 0.5, 0), ("frequency_penalty", -1.0, 0.0), ("repetition_penalty", 1.2, 1.0),
-    ("logit_bias", {"5": 10}, {}), ("min_p", 0.1, 0.0), ("min_tokens", 4, 0), ("ignore_eos", True, False),
-    ("stop_token_ids", [3], []), ("top_logprobs", 2, None), ("max_completion_tokens", 5, None)])
-def test_fields_the_server_does_not_honour_are_refused_by_name_never_ignored(server, field, value, neutral):
+@pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("max_completion_tokens", 5)])
+def test_fields_the_server_does_not_honour_are_refused_by_name_never_ignored(server, field, value):
     url, _ = server
     body = {"prompt": [1, 2], "max_tokens": 2, "temperature": 0}
     refused = httpx.post(url + "/v1/completions", json={**body, field: value})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
-    if neutral is not None:  # the value that changes nothing is taken
-        assert httpx.post(url + "/v1/completions", json={**body, field: neutral}).status_code == 200
+    assert httpx.post(url + "/v1/completions", json={**body, field: None}).status_code == 200  # null: not given
+
+
+def test_penalties_bias_and_length_fields_are_honoured_as_ar_decoding_honours_them(server, tiny_pair):
+    """Each field shapes the target's logits at every position, drafts included: the served greedy
+    text is the AR text under the same rules (penalties.py), and differs from the plain one."""
+    from specdec.penalties import LogitRules
+
+    url, _ = server
+    target, _ = tiny_pair
+    client = _client(url)
+    prompt = [4, 9, 4, 2]
+
+    def served(**fields):
+        extra = {k: fields.pop(k) for k in list(fields) if k not in ("presence_penalty", "frequency_penalty",
+                                                                    "logit_bias")}
+        choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body=extra, **fields).choices[0]
+        return choice.text, choice.finish_reason
+
+    def alone(rules=LogitRules(), eos=None):
+        return target.decode(autoregressive_generate(prompt, target, max_new_tokens=12, rules=rules,
+                                                     eos_token_ids=eos).tokens)
+
+    plain = alone()
+    cases = [({"presence_penalty": 2.0, "frequency_penalty": 2.0}, LogitRules(presence=2.0, frequency=2.0)),
+             ({"repetition_penalty": 3.0}, LogitRules(repetition=3.0)),
+             ({"logit_bias": {"5": 100}}, LogitRules(bias=((5, 100.0),)))]
+    for fields, rules in cases:
+        assert served(**fields)[0] == alone(rules), fields
+    assert served(logit_bias={"5": 100})[0] == target.decode([5] * 12) != plain
+    # the end token (1) made likely: one token; held back by min_tokens, or ignored
+    assert served(logit_bias={"1": 100}) == (alone(LogitRules(bias=((1, 100.0),))), "stop")
+    assert served(logit_bias={"1": 100}, min_tokens=5)[0] == alone(LogitRules(bias=((1, 100.0),), min_tokens=5))
+    assert served(logit_bias={"1": 100}, ignore_eos=True) == (target.decode([1] * 12), "length")
+    first = autoregressive_generate(prompt, target, max_new_tokens=12).tokens[1]  # its second token ends it
+    assert served(stop_token_ids=[first]) == (alone(eos=[1, first]), "stop")
+    # min_p = 1 keeps only the most likely token: sampling at temperature 1 gives the greedy text
+    choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=1.0, seed=3,
+                                       extra_body={"min_p": 1.0}).choices[0]
+    assert choice.text == plain
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty", "in [-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "in (0, 10]"),
+    ({"logit_bias": {"16": 5}}, "logit_bias", "vocabulary of 16"),
+    ({"logit_bias": {"x": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"3": 101}}, "logit_bias", "[-100, 100]"),
+    ({"stop_token_ids": [99]}, "stop_token_ids", "vocabulary of 16"),
+    ({"min_tokens": -1}, "min_tokens", "in [0,"),
+    ({"min_p": 1.5}, "min_p", "in [0, 1]"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+    ({"presence_penalty": 1.0, "speculative": {"method": "tree"}}, "speculative.method", "chain drafts")])
+def test_bad_penalty_fields_are_a_400_naming_them(server, fields, param, message):
+    url, _ = server
+    response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
 
 
 def test_a_servers_default_speculation_applies_to_requests_that_name_none(tiny_pair):

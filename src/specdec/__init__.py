@@ -9,6 +9,7 @@ from .backends import Backend
 from .backends.seq2seq import Seq2SeqModel
 from .backends.transformers import TransformersModel
 from .models import load
+from .penalties import LogitRules
 from .samplers import GREEDY, Sampler, logits_to_probs, sample
 from .text import check_pair
 from .verify import (sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_tree, verify_tree_coupled,
@@ -21,7 +22,7 @@ from .methods import Parts, Speculation, build, resolve
 from .trees import Tree
 
 __all__ = [
-    "GREEDY", "GenerationResult", "GenerationStats", "Backend", "TransformersModel", "Engine", "Request", "generate_many", "Sampler", "SpecdecError", "Step",
+    "GREEDY", "GenerationResult", "LogitRules", "GenerationStats", "Backend", "TransformersModel", "Engine", "Request", "generate_many", "Sampler", "SpecdecError", "Step",
     "autoregressive_generate", "beam_search_generate", "check_pair", "load", "logits_to_probs", "sample", "speculative_generate",
     "speculative_generate_encoder_decoder", "Seq2SeqModel", "LookaheadDrafter", "speculative_beam_search",
     "verify_draft", "verify_greedy", "verify_coupled", "verify_tree_coupled", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",

@@ -26,6 +26,7 @@ from .drafters.base import Capabilities, capabilities_of, drive, is_drafter, one
 from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
+from .penalties import LogitRules
 from .samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens, race, sample
 from .schedules import CostAware, Fixed, Schedule
 from .text import pair_mode
@@ -184,12 +185,13 @@ def seed_pins_drafts(seed: int | None, sampler: Sampler, lenience: float = 1.0,
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
                             seed: int | None = None, on_step: StepCallback | None = None,
-                            logprobs: int | None = None, seed_rule: str = "coupled") -> GenerationResult:
-    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs and
-    seed_rule: as `speculative_generate`'s."""
+                            logprobs: int | None = None, seed_rule: str = "coupled",
+                            rules: LogitRules | None = None) -> GenerationResult:
+    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs,
+    seed_rule and rules: as `speculative_generate`'s."""
     return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs,
-                        seed_rule=seed_rule))
+                        seed_rule=seed_rule, rules=rules))
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
@@ -198,7 +200,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          first_target: bool = True, on_step: StepCallback | None = None,
                          schedule: Schedule | None = None, lenience: float = 1.0,
                          debug: bool = False, logprobs: int | None = None,
-                         typical: Typical | None = None, seed_rule: str = "coupled") -> GenerationResult:
+                         typical: Typical | None = None, seed_rule: str = "coupled",
+                         rules: LogitRules | None = None) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -228,6 +231,9 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     logprobs: None, or k >= 0: the result's `logprobs` holds, for every emitted token, the target's
         log-probability of it and its k most likely tokens there (logprobs.py: the model's own
         distribution at temperature 1, the same whatever was drafted).
+    rules: penalties, logit bias and a minimum length (`penalties.LogitRules`), applied to the
+        target's logits at every position before the sampler, as autoregressive decoding with the
+        same rules applies them (chains only).
 
     The output follows the target's distribution under `sampler` exactly (token for token the
     target's greedy output when the sampler is greedy). `first_target=True` makes the first token
@@ -238,7 +244,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
                         schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical, seed_rule=seed_rule))
+                        typical=typical, seed_rule=seed_rule, rules=rules))
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
@@ -298,7 +304,7 @@ class Decoding:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
                  debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
-                 seed_rule: str = "coupled", cache_salt: str = ""):
+                 seed_rule: str = "coupled", cache_salt: str = "", rules: LogitRules | None = None):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not is_drafter(drafter):
@@ -321,6 +327,9 @@ class Decoding:
                 raise SpecdecError("choose lenience or typical acceptance, not both")
             if typical is not None and not isinstance(typical, Typical):
                 raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
+            if self.trees and rules is not None and rules.active:
+                raise SpecdecError("penalties, logit bias and min_tokens apply to chain drafts only (a tree's "
+                                   "positions have other pasts); use a chain method")
             drafter.check_target(target)
             if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
                 raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
@@ -348,6 +357,10 @@ class Decoding:
         self.out.logprobs = None if logprobs is None else []
         self.stats = self.out.stats
         self.sequence = list(prompt)
+        self.prompt_length = len(prompt)
+        if rules is not None and not isinstance(rules, LogitRules):
+            raise SpecdecError(f"rules must be a penalties.LogitRules, got {rules!r}")
+        self.rules = rules if rules is not None and rules.active else None
         # cache positions the sequence can reach: its prompt, its output and the widest draft
         self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
@@ -485,6 +498,11 @@ class Decoding:
         logits' rows' greedy tokens where the caller has them (`samplers.greedy_rows`, a batched
         step's), read instead of the logits under a greedy sampler."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
+        raw = logits  # the model's own: what logprobs report
+        if self.rules is not None:
+            rows = 1 if draft is None else len(draft.tokens) + 1
+            logits = self.rules.apply(logits[-rows:], self.sequence[:self.prompt_length], self.out.tokens,
+                                      [] if draft is None else draft.tokens, self.out.eos)
         stats.target_seconds += pass_seconds
         stats.target_forwards += 1
         if self.noise is not None:
@@ -493,7 +511,7 @@ class Decoding:
             token = _target_token(logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0]
                                   if self.noise is not None else None, None if argmax is None else argmax[-1])
             emitted = self.out.add(Step([], 0, int(token), []))
-            self._record_logprobs(logits, [len(logits) - 1], emitted)
+            self._record_logprobs(raw, [len(raw) - 1], emitted)
             self.sequence += emitted
             self._target_only = drafter is None
             if self.reads_hidden:
@@ -514,7 +532,7 @@ class Decoding:
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
         if self.online is not None and not self.trees and num_accepted < len(draft.tokens):  # p where q failed
-            self.online.record(id(self), length + num_accepted, logits[num_accepted])
+            self.online.record(id(self), length + num_accepted, raw[len(raw) - len(logits) + num_accepted])
         if self.trees:
             compact_cache(self.cache, length, path)
         else:
@@ -541,7 +559,7 @@ class Decoding:
         if self.trees:
             step.tree_parents, step.path = draft.parents, path
         emitted = self.out.add(step)
-        self._record_logprobs(logits, emitted_rows(num_accepted, path if self.trees else None), emitted)
+        self._record_logprobs(raw, emitted_rows(num_accepted, path if self.trees else None), emitted)
         self.sequence += emitted
         self._finish()
         return emitted

@@ -26,12 +26,14 @@ class Sampler:
     temperature: 0 means greedy (one-hot at the argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens (0 = off).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = off).
-    top_k and top_p compose: top-k first, then top-p on what remains.
+    min_p: drop the tokens less likely than min_p times the most likely one (0.0 = off).
+    They compose in that order: top-k first, then top-p on what remains, then min-p.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -41,6 +43,8 @@ class Sampler:
             raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise SpecdecError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -48,7 +52,7 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., V] -> probabilities [..., V] in fp32, each row summing to 1."""
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def describe(self) -> str:
         if self.is_greedy:
@@ -58,6 +62,8 @@ class Sampler:
             parts.append(f"top_k={self.top_k}")
         if self.top_p < 1:
             parts.append(f"top_p={self.top_p:g}")
+        if self.min_p:
+            parts.append(f"min_p={self.min_p:g}")
         return ", ".join(parts)
 
 
@@ -65,7 +71,7 @@ GREEDY = Sampler(temperature=0.0)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0) -> torch.Tensor:
+                    top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] (fp32), every row finite and summing to 1.
 
     Infinite logits and overflowing temperatures give the limit distribution, never NaN: a row
@@ -105,6 +111,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
         drop_sorted = mass_before >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0:  # logits are shifted so that each row's largest is 0: p / p_max = exp(logit)
+        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))
     return logits.softmax(-1)
 
 

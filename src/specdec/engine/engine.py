@@ -22,6 +22,7 @@ from .. import generate
 from ..backends.cache import cache_length, crop_cache
 from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
+from ..penalties import LogitRules
 from ..samplers import GREEDY, Sampler, greedy_rows
 from ..schedules import Schedule
 from .policy import BatchCosts
@@ -49,6 +50,7 @@ class Request:
     logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
     seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
     cache_salt: str = ""  # the tenant: prompt caches reuse only prompts kept under the same salt
+    rules: LogitRules | None = None  # penalties, logit bias, min_tokens (`speculative_generate`'s rules)
     id: int = field(default=-1, compare=False)
 
 
@@ -231,7 +233,7 @@ class Engine:
         emitted = {}
         # the greedy chains' argmaxes in one copy to the host (a GPU would wait once per sequence)
         greedy = [i for i, (d, rows) in enumerate(zip(plan.decodings, logits))
-                  if rows is not None and d.sampler.is_greedy and not d.trees]
+                  if rows is not None and d.sampler.is_greedy and not d.trees and d.rules is None]
         argmaxes = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
         for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
             if rows is None:  # ended when its pass failed
@@ -360,7 +362,7 @@ class Engine:
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
                         schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
-                        seed_rule=request.seed_rule, cache_salt=request.cache_salt)
+                        seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules)
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:

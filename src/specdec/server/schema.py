@@ -9,12 +9,15 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..penalties import LogitRules
+
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 16  # prompts per completions request
 MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
 MAX_SALT = 1024  # characters of a cache_salt
+MAX_BIAS = 1024  # token ids in a logit_bias or stop_token_ids (vLLM takes any number; OpenAI's bias 300)
 
 
 def _served_methods() -> tuple[str, ...]:
@@ -73,6 +76,10 @@ class Job:
     speculation: Speculation = field(default_factory=Speculation)
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
     cache_salt: str = ""  # the tenant: shared caches (prompts, suffix drafting) only within one salt
+    min_p: float = 0.0
+    rules: LogitRules = field(default_factory=LogitRules)  # penalties, logit_bias, min_tokens
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 def parse_body(raw: bytes, limit: int) -> dict:
@@ -197,10 +204,7 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
     # fields this server does not honour: taken only at the value that changes nothing, else refused
     # by name (never ignored: an answer that silently leaves out a penalty is a wrong answer)
     allowed = {"best_of": (None, 1), "echo": (None, False),
-               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "min_p": (None, 0, 0.0),
-               "min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, [])}
+               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,)}
     if not chat:
         allowed.update(top_logprobs=(None,), max_completion_tokens=(None,))  # chat's fields
     for name, values in allowed.items():
@@ -224,11 +228,63 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         speculation=_speculation(body.get("speculative"), default),
         logprobs=_logprobs(body, chat),
         cache_salt=_cache_salt(body.get("cache_salt")),
+        min_p=_number(body, "min_p", 0.0, 0, 1),
+        rules=_rules(body),
+        ignore_eos=_flag(body, "ignore_eos"),
+        stop_token_ids=_id_list(body.get("stop_token_ids"), "stop_token_ids"),
     )
     if job.n * len(job.prompts or [None]) > MAX_CHOICES:
         raise BadRequest(f"prompts × n is {job.n * len(job.prompts)}; a request takes at most {MAX_CHOICES} choices",
                          "n")
     return job
+
+
+def _rules(body: dict) -> LogitRules:
+    """presence_penalty, frequency_penalty, repetition_penalty, logit_bias and min_tokens ->
+    `LogitRules` (applied to every position's logits, drafts included: penalties.py)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        bias = {}
+    if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
+        raise BadRequest(f"logit_bias must be an object of at most {MAX_BIAS} token ids to numbers", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        token = _token_id(key, "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}",
+                             "logit_bias")
+        pairs.append((token, float(value)))
+    return LogitRules(presence=_number(body, "presence_penalty", 0.0, -2, 2),
+                      frequency=_number(body, "frequency_penalty", 0.0, -2, 2),
+                      repetition=_number(body, "repetition_penalty", 1.0, 0, 10, low_open=True),
+                      bias=tuple(sorted(pairs)),
+                      min_tokens=_number(body, "min_tokens", 0, 0, 2 ** 31, integer=True))
+
+
+def _token_id(value, name: str) -> int:
+    """A token id given as an integer or a string of digits (JSON object keys are strings)."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 31:
+        raise BadRequest(f"{name} takes token ids (integers >= 0), got {value!r}", name)
+    return value
+
+
+def _id_list(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_BIAS:
+        raise BadRequest(f"{name} must be a list of at most {MAX_BIAS} token ids", name)
+    return [_token_id(v, name) for v in value]
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+    return value
 
 
 def _cache_salt(value) -> str:

@@ -12,6 +12,7 @@ from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
 from ..methods import METHODS, Parts, build, preset
+from ..penalties import LogitRules
 from ..samplers import Sampler
 from ..spec import SpecConfig
 from .schema import BadRequest, Job, Speculation
@@ -206,11 +207,20 @@ class Service:
 
     def requests(self, job: Job, prompt_ids: list[int], max_new_tokens: int) -> list[Request]:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
-        sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p)
+        sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p, min_p=job.min_p)
+        vocab = self.target.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in job.rules.bias]), ("stop_token_ids", job.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise BadRequest(f"{name} names a token id past this model's vocabulary of {vocab}", name)
+        ends = None
+        if job.ignore_eos or job.stop_token_ids:  # vLLM: stop_token_ids end a choice with or without ignore_eos
+            ends = ([] if job.ignore_eos else list(self.target.eos_token_ids)) + job.stop_token_ids
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                                  None if job.seed is None else job.seed + i, job.cache_salt) for i in range(job.n)]
+                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules)
+                    for i in range(job.n)]
         for request in requests:
-            request.logprobs, request.cache_salt = job.logprobs, job.cache_salt
+            request.logprobs, request.cache_salt, request.rules, request.eos_token_ids = \
+                job.logprobs, job.cache_salt, job.rules, ends
         return requests
 
     def config(self, speculation: Speculation) -> SpecConfig | None:
@@ -246,11 +256,15 @@ class Service:
         return config
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
-                 seed: int | None, cache_salt: str = "") -> Request:
+                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None) -> Request:
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
         config = self.config(speculation)
         if config is None:
             return Request(prompt_ids, None, **common)
+        if rules is not None and rules.active and METHODS[config.method].trees:
+            raise BadRequest(f"penalties, logit_bias and min_tokens apply to chain drafts; speculative.method "
+                             f"{config.method!r} drafts token trees: use chain, lookup, suffix or false",
+                             "speculative.method")
         # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
         built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
                                     costs=lambda model: self.costs if model is not None else self.lookup_costs,
