@@ -136,6 +136,52 @@ def test_nan_logits_of_one_sequence_in_a_batched_pass_end_it_alone(pair, monkeyp
     assert [engine.results[i].tokens for i in ids if i != ids[1]] == [r for i, r in zip(ids, reference) if i != ids[1]]
 
 
+def test_a_drafter_that_raises_ends_its_request_alone(pair):
+    """A bug in one request's drafter (here its third proposal raises) ends that request alone;
+    the others, drafting in the same steps, finish exactly; `run` raises it once they have."""
+    target, _, _ = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+
+    class Failing(LookupDrafter):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def propose(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("a drafter bug")
+            return super().propose(*args, **kwargs)
+
+    engine = Engine(target, max_batch=5, steer=False)
+    ids = [engine.add(Request(p, Failing if i == 3 else LookupDrafter, max_new_tokens=10, eos_token_ids=[]))
+           for i, p in enumerate(prompts)]
+    with pytest.raises(RuntimeError, match="a drafter bug"):
+        engine.run()
+    assert list(engine.failed) == [ids[3]] and not engine.running and not engine.reserved
+    assert [engine.results[i].tokens for i in ids if i != ids[3]] == [r for i, r in zip(ids, reference) if i != ids[3]]
+
+
+def test_a_failed_batched_drafter_pass_is_made_again_one_sequence_at_a_time(pair, monkeypatch):
+    target, _, other = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+    batched, calls = other.forward_batch, []
+
+    def failing_once(segments):  # the pass breaks after writing into the caches, as a real fault may
+        calls.append(len(segments))
+        out = batched(segments)
+        if len(calls) == 2:
+            raise RuntimeError("device fault")
+        return out
+
+    monkeypatch.setattr(other, "forward_batch", failing_once)
+    results = generate_many(prompts, target, other, max_batch=5, max_new_tokens=10, eos_token_ids=[], gamma=3)
+    assert len(calls) > 2 and calls[1] > 1  # the second batched drafter pass failed; later ones ran
+    assert [r.tokens for r in results] == reference
+
+
 def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(pair, monkeypatch):
     from specdec.generate import Decoding
 

@@ -169,6 +169,8 @@ class Engine:
         if plan is None:
             return {}
         segments = self._draft(plan)
+        if not plan.ids:  # every running sequence's drafting failed (each ended alone)
+            return {}
         logits = self._score(plan, segments)
         emitted = self._verify(plan, logits)
         self._record(plan, segments, emitted)
@@ -191,8 +193,13 @@ class Engine:
         """Every running sequence's draft, their drafter passes batched (`_plan`) -> what the
         target's pass scores for each."""
         plan.began = time.perf_counter()
-        segments = self._plan(plan.decodings)
+        segments = self._plan(plan.ids, plan.decodings)
         plan.drafted = time.perf_counter()
+        if any(segment is None for segment in segments):  # a sequence whose drafting failed ended alone
+            kept = [i for i, segment in enumerate(segments) if segment is not None]
+            plan.ids, plan.decodings = [plan.ids[i] for i in kept], [plan.decodings[i] for i in kept]
+            plan.speculate = None  # this step's costs are not one batch's: not recorded
+            segments = [segments[i] for i in kept]
         return segments
 
     def _score(self, plan: StepPlan, segments: list[Segment]) -> list:
@@ -223,8 +230,7 @@ class Engine:
             return self.target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents,
                                        tree_start=segment.tree_start)
         except Exception as error:  # this sequence's own trouble: it alone ends
-            self.failed[request_id] = error
-            self._drop(request_id)
+            self._fail(request_id, error, "scoring alone")
             return None
 
     def _verify(self, plan: StepPlan, logits: list) -> dict[int, list[int]]:
@@ -243,8 +249,7 @@ class Engine:
                     raise argmaxes[i]
                 emitted[request_id] = decoding.commit(rows, plan.pass_seconds, argmaxes.get(i))
             except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
-                self.failed[request_id] = error
-                self._drop(request_id)
+                self._fail(request_id, error, "verification")
                 continue
             if decoding.done:
                 self.results[request_id] = decoding.result()  # frees its cache
@@ -315,10 +320,12 @@ class Engine:
             self.costs.steer(decoding.steerable, len(decodings), speculate)
         return speculate
 
-    def _plan(self, decodings: list[Decoding]) -> list[Segment]:
+    def _plan(self, ids: list[int], decodings: list[Decoding]) -> list[Segment | None]:
         """Every sequence's `planning` run in lock step: the drafter passes of each round that share
         a drafter model go through it in one batched pass (bit for bit each sequence's own pass,
-        where that model has row-exact passes), the others one at a time -> the target segments."""
+        where that model has row-exact passes), the others one at a time -> the target segments.
+        A sequence whose drafting raises ends alone (`failed`, its segment None); a batched
+        drafter pass that fails is made again one sequence at a time, from the caches as they were."""
         plans = [d.planning() for d in decodings]
         segments: list[Segment | None] = [None] * len(plans)
         asks: dict[int, Segment] = {}
@@ -328,6 +335,17 @@ class Engine:
                 asks[i] = plans[i].send(logits)
             except StopIteration as stop:
                 segments[i] = stop.value
+            except Exception as error:  # this sequence's drafter: it alone ends
+                self._fail(ids[i], error, "drafting")
+
+        def alone(i: int, model) -> None:
+            s = current[i]
+            try:
+                logits = model.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents, tree_start=s.tree_start)
+            except Exception as error:
+                self._fail(ids[i], error, "a drafter pass")
+                return
+            advance(i, logits)
 
         for i in range(len(plans)):
             advance(i, None)
@@ -339,15 +357,32 @@ class Engine:
                 groups.setdefault(id(model), (model, []))[1].append(i)
             for model, members in groups.values():
                 shared = [i for i in members if _shares_drafter_passes(model, decodings[i])]
-                if len(shared) > 1:
-                    for i, logits in zip(shared, model.forward_batch([current[i] for i in shared])):
-                        advance(i, logits)
+                batched = self._drafter_batch(model, [current[i] for i in shared]) if len(shared) > 1 else None
+                for i, logits in zip(shared, batched or ()):
+                    advance(i, logits)
                 for i in members:
-                    if len(shared) <= 1 or i not in shared:
-                        s = current[i]
-                        advance(i, model.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents,
-                                                 tree_start=s.tree_start))
+                    if batched is None or i not in shared:
+                        alone(i, model)
         return segments
+
+    def _drafter_batch(self, model, segments: list[Segment]) -> list | None:
+        """One batched drafter pass -> each segment's logits, or None where the pass failed (its
+        caches put back as they were, for each sequence to draft alone)."""
+        before = [cache_length(s.cache) for s in segments]
+        try:
+            return model.forward_batch(segments)
+        except Exception:
+            log.exception("a batched drafter pass failed; its sequences draft again one by one")
+            for segment, length in zip(segments, before):
+                crop_cache(segment.cache, length)
+            return None
+
+    def _fail(self, request_id: int, error: Exception, where: str) -> None:
+        """End one request on an error of its own (raised by `run` once the others have ended)."""
+        if not isinstance(error, SpecdecError):
+            log.exception("%s failed for request %s; it alone ends", where, request_id, exc_info=error)
+        self.failed[request_id] = error
+        self._drop(request_id)
 
     def _decoding(self, request: Request) -> Decoding:
         drafter = request.drafter
