@@ -89,8 +89,8 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     for the default (`DRAFTER_VOCAB` where the vocabulary is over twice that), 0 for all.
     vocab_corpus: a text file to count frequencies in (default: Python's standard library).
     sequences: (GGUF weights and captured passes) how many sequences may be live at once
-    (`LlamaCppModel`, `CapturedModel`); a transformers model holds any number. prompt_cache: keep finished prompts' entries for later
-    prompts that start alike: on GGUF weights in free KV streams (`LlamaCppModel`), on
+    (`LlamaCppModel`, `CapturedModel`); a transformers model holds any number.
+    prompt_cache: keep finished prompts' entries for later prompts that start alike: on GGUF weights in free KV streams (`LlamaCppModel`), on
     transformers' as copies of up to PROMPT_CACHE_MEMORY bytes, or as many as an int says
     (`TransformersModel.use_prompt_cache`: targets and drafter models with row-exact passes, else
     none; GGUF drafters keep none).

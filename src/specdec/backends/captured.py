@@ -324,7 +324,8 @@ class CapturedModel:
         self.rows_invariant = self.exact_rows
         self._head = hf_model.get_output_embeddings().weight
         self._head_bias = getattr(hf_model.get_output_embeddings(), "bias", None)
-        self.kernels = ("cuda-graphs" if self.decoder.graphs else "static-eager") + ("+fused" if self.decoder.fused else "")
+        self.kernels = ("cuda-graphs" if self.decoder.graphs else "static-eager") + \
+            ("+fused" if self.decoder.fused else "")
         self._free = list(range(sequences - 1, -1, -1))
         self.last_hidden: torch.Tensor | None = None
         self.pass_hidden: torch.Tensor | None = None
@@ -423,11 +424,11 @@ class CapturedModel:
                 if take:
                     batch.append((i, take))
             self._run_pass(parts, batch, offsets, hidden)
-        wanted = [h[-want:] if want else h[:0] for h, (_, _, want) in
-                  zip((torch.cat(h) for h in hidden), parts)]
-        rows = torch.cat(wanted)
-        logits = self._logits(rows).split([want for _, _, want in parts]) if len(rows) else [rows.new_zeros(0)] * len(parts)
-        return list(logits), [torch.cat(h) for h in hidden]
+        states = [torch.cat(h) for h in hidden]
+        rows = torch.cat([h[len(h) - want:] for h, (_, _, want) in zip(states, parts)])
+        if not len(rows):  # prompt chunks: no logits wanted
+            return [rows.new_zeros(0)] * len(parts), states
+        return list(self._logits(rows).split([want for _, _, want in parts])), states
 
     def _run_pass(self, parts, batch: list[tuple[int, int]], offsets: list[int], hidden) -> None:
         """One pass over `batch`'s rows (part index, rows), advancing offsets and caches."""
