@@ -39,8 +39,10 @@ def test_the_batched_rules_equal_a_row_by_row_reference(rules):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 9, generator=generator) * 3
     prompt, output, continuation, ends = [1, 1, 4], [2, 5, 2], [5, 8, 2], {0, 8}
-    got = rules.apply(logits, prompt, output, continuation, ends)
-    torch.testing.assert_close(got, _reference(logits, prompt, output, continuation, ends, rules))
+    expected = _reference(logits, prompt, output, continuation, ends, rules)
+    torch.testing.assert_close(rules.apply(logits, prompt, output, continuation, ends), expected)
+    mask = rules.prompt_tokens(prompt, 9, logits.device)  # what a sequence makes once
+    torch.testing.assert_close(rules.apply(logits, mask, output, continuation, ends), expected)
     assert rules.active and not LogitRules().active
 
 

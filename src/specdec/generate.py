@@ -357,10 +357,11 @@ class Decoding:
         self.out.logprobs = None if logprobs is None else []
         self.stats = self.out.stats
         self.sequence = list(prompt)
-        self.prompt_length = len(prompt)
         if rules is not None and not isinstance(rules, LogitRules):
             raise SpecdecError(f"rules must be a penalties.LogitRules, got {rules!r}")
         self.rules = rules if rules is not None and rules.active else None
+        self._prompt_tokens = None if self.rules is None else \
+            self.rules.prompt_tokens(prompt, target.vocab_size, target.device)
         # cache positions the sequence can reach: its prompt, its output and the widest draft
         self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
@@ -501,7 +502,7 @@ class Decoding:
         raw = logits  # the model's own: what logprobs report
         if self.rules is not None:
             rows = 1 if draft is None else len(draft.tokens) + 1
-            logits = self.rules.apply(logits[-rows:], self.sequence[:self.prompt_length], self.out.tokens,
+            logits = self.rules.apply(logits[-rows:], self._prompt_tokens, self.out.tokens,
                                       [] if draft is None else draft.tokens, self.out.eos)
         stats.target_seconds += pass_seconds
         stats.target_forwards += 1

@@ -246,6 +246,14 @@ ROW_CHUNK = 32
 CUDA_ROWS = 64
 
 
+def fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H] @ weight[V, H]^T with fp32 accumulation and output (CUDA low-precision weights)."""
+    try:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):  # builds without mm's out_dtype
+        return torch.nn.functional.linear(hidden.float(), weight.float())
+
+
 def row_exact_calls(function, flat: torch.Tensor) -> torch.Tensor:
     """`function(rows)` over flat [n, K] in calls whose every row comes out as a one-token pass's
     -> [n, N]. CPU: calls of 2..ROW_CHUNK rows, the row counts at which every CPU measured computes

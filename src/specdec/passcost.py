@@ -67,6 +67,12 @@ class PassCosts:
                 "best_speedup": self.best_speedup(), "never_pays": self.never_pays()}
 
 
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (CUDA runs asynchronously; a timer must wait for it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPEATS, parents=None) -> float:
     """Median seconds of one pass over `tokens` new tokens after `context` cached ones (the cache
     cropped back after each; the first pass warms up and is not counted). parents: a tree over
@@ -74,13 +80,12 @@ def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPE
     ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]  # any ids the model embeds
     cache = model.new_cache()
     model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
     times = []
     for _ in range(repeats + 1):
-        sync()
+        sync(model.device)
         start = time.perf_counter()
         model.forward(ids[context + 1:], cache, tokens, parents=parents)
-        sync()
+        sync(model.device)
         times.append(time.perf_counter() - start)
         crop_cache(cache, context + 1)  # static: takes either backend's cache
     return statistics.median(times[1:])
@@ -97,13 +102,12 @@ def batch_pass_seconds(model, batch: int, rows: int, context: int = CONTEXT, rep
         caches.append(model.new_cache())
         model.forward(model.prefill(ids[:context + 1], caches[-1]), caches[-1], 1)
     segments = [Segment(ids[context + 1:], cache, rows) for ids, cache in zip(sequences, caches)]
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)  # CUDA runs asynchronously
     times = []
     for _ in range(repeats + 1):
-        sync()
+        sync(model.device)
         start = time.perf_counter()
         model.forward_batch(segments)
-        sync()
+        sync(model.device)
         times.append(time.perf_counter() - start)
         for cache in caches:
             crop_cache(cache, context + 1)

@@ -63,11 +63,19 @@ class LogitRules:
         """Whether these rules change anything."""
         return bool(self.presence or self.frequency or self.repetition != 1 or self.bias or self.min_tokens)
 
-    def apply(self, logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int],
+    def prompt_tokens(self, prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """[V] bool, the prompt's tokens, which the repetition penalty reaches (None where it is
+        off): what `apply` takes for `prompt`, made once per sequence rather than per step."""
+        if self.repetition == 1 or not prompt:
+            return None
+        ids = torch.tensor(sorted({t for t in prompt if t < vocab}), dtype=torch.long, device=device)
+        return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+
+    def apply(self, logits: torch.Tensor, prompt: Sequence[int] | torch.Tensor | None, output: Sequence[int],
               continuation: Sequence[int], ends: Collection[int]) -> torch.Tensor:
         """logits [R, V] of R consecutive positions, row j after prompt + output + continuation[:j]
-        (R - 1 <= len(continuation)) -> the changed logits [R, V] fp32 (a new tensor). ends: the
-        end tokens min_tokens holds back."""
+        (R - 1 <= len(continuation)) -> the changed logits [R, V] fp32 (a new tensor). prompt: its
+        ids, or `prompt_tokens`'s mask of them. ends: the end tokens min_tokens holds back."""
         rows, vocab = logits.shape
         if len(continuation) < rows - 1:
             raise SpecdecError(f"{rows} rows need {rows - 1} continuation tokens, got {len(continuation)}")
@@ -76,9 +84,10 @@ class LogitRules:
         device = logits.device
         counts = output_counts(output, continuation[:rows - 1], rows, vocab, device)
         seen = counts > 0
-        if prompt and self.repetition != 1:
-            seen = seen | torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(
-                0, torch.tensor(sorted(set(prompt)), device=device), True)
+        if prompt is not None and not torch.is_tensor(prompt):
+            prompt = self.prompt_tokens(prompt, vocab, device)
+        if prompt is not None and self.repetition != 1:
+            seen = seen | prompt
         banned = torch.arange(rows, device=device) + len(output) < self.min_tokens  # [R]
         return penalize(logits.float(), counts, seen, self.presence, self.frequency, self.repetition,
                         self._bias(vocab, device), banned, sorted(t for t in ends if t < vocab))

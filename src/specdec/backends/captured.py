@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..kernels import CUDA_ROWS, fixed_row_calls
+from ..kernels import CUDA_ROWS, fixed_row_calls, fp32_matmul
 from ..text import decode_ids, encode_text, eos_ids
 from . import Features, Segment, fused as fused_kernels
 
@@ -454,10 +454,7 @@ class CapturedModel:
         """hidden [N, H] -> logits [N, V] fp32: the head in calls of CUDA_ROWS rows with fp32
         accumulation (row-exact as the layers are)."""
         def head(rows: torch.Tensor) -> torch.Tensor:
-            try:
-                out = torch.mm(rows, self._head.t(), out_dtype=torch.float32)
-            except (RuntimeError, TypeError, NotImplementedError):  # builds without mm's out_dtype
-                out = torch.nn.functional.linear(rows.float(), self._head.float())
+            out = fp32_matmul(rows, self._head)
             return out if self._head_bias is None else out + self._head_bias.float()
         return fixed_row_calls(head, hidden, CUDA_ROWS) if self.exact_rows else head(hidden)
 

@@ -15,7 +15,7 @@ import torch
 from ..errors import SpecdecError
 from ..heads import check_output_transform, max_row_norm, output_transform
 from ..kernels import (Int8Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, has_onednn, int8_fits, int8_short_rows,
-                       fix_norm_rows, int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable,
+                       fix_norm_rows, fp32_matmul, int8_supported, pack_linears, pad_single_rows, quantize_linears, row_stable,
                        row_stable_linear)
 from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from ..text import decode_ids, encode_text, eos_ids
@@ -436,7 +436,7 @@ class TransformersModel:
             logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and exact:
-            logits = row_stable(lambda rows: _fp32_matmul(rows, self._head_weight), hidden)
+            logits = row_stable(lambda rows: fp32_matmul(rows, self._head_weight), hidden)
         elif self.device.type == "cuda":
             logits = row_stable_linear(hidden, self._head_weight).float()
         else:
@@ -451,11 +451,3 @@ class TransformersModel:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return decode_ids(self.tokenizer, ids, skip_special_tokens)
-
-
-def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [T, H] @ weight[V, H]^T with fp32 accumulation and output (CUDA low-precision weights)."""
-    try:
-        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):  # builds without mm's out_dtype
-        return torch.nn.functional.linear(hidden.float(), weight.float())

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..backends.captured import CapturedModel
-from ..passcost import batch_pass_seconds, pass_seconds
+from ..passcost import batch_pass_seconds, pass_seconds, sync
 from ..theory import expected_tokens, step_speedup
 from .rowgap import batch_gap, row_gap
 
@@ -48,21 +48,16 @@ class Report:
                 out.write(json.dumps({"section": section, **record}) + "\n")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def copy_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
     """Bytes per second a device-to-device copy moves, counting what it reads and writes (median of 10)."""
     source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     times = []
     for _ in range(12):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         target.copy_(source)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return 2 * source.numel() / statistics.median(times[2:])
 
@@ -100,10 +95,10 @@ def throughput(target, sequences: int, new_tokens: int = 128, prompt_length: int
     prompts = [torch.randint(0, target.vocab_size, (prompt_length,), generator=generator).tolist()
                for _ in range(sequences)]
     generate_many(prompts[:1], target, max_batch=1, max_new_tokens=4, eos_token_ids=[])  # warm-up
-    _sync(target.device)
+    sync(target.device)
     start = time.perf_counter()
     results = generate_many(prompts, target, max_batch=sequences, max_new_tokens=new_tokens, eos_token_ids=[])
-    _sync(target.device)
+    sync(target.device)
     return sum(len(r.tokens) for r in results) / (time.perf_counter() - start)
 
 
@@ -113,10 +108,10 @@ def ours_batch1(target, new_tokens: int = 128) -> float:
 
     prompt = torch.randint(0, target.vocab_size, (100,), generator=torch.Generator().manual_seed(7)).tolist()
     autoregressive_generate(prompt, target, max_new_tokens=8, eos_token_ids=[])
-    _sync(target.device)
+    sync(target.device)
     start = time.perf_counter()
     tokens = autoregressive_generate(prompt, target, max_new_tokens=new_tokens, eos_token_ids=[]).tokens
-    _sync(target.device)
+    sync(target.device)
     return len(tokens) / (time.perf_counter() - start)
 
 
@@ -134,10 +129,10 @@ def hf_generate(hf_model, compiled: bool, new_tokens: int = 128) -> tuple[float,
     for _ in range(2 if compiled else 1):  # compiles, then records its graphs
         hf_model.generate(ids, **options)
     warm = time.perf_counter() - began
-    _sync(ids.device)
+    sync(ids.device)
     start = time.perf_counter()
     out = hf_model.generate(ids, **options)
-    _sync(ids.device)
+    sync(ids.device)
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start), warm
 
 
