@@ -339,8 +339,8 @@ class _MislabelledEagle2(Eagle2Drafter):
                 child.prob_row = row
         return children
 
-    def propose_tree(self, *args):
-        tree = super().propose_tree(*args)
+    def tree_proposal(self, *args):
+        tree = yield from super().tree_proposal(*args)
         if tree.tokens:
             tree.scheme = "without-replacement"
         return tree

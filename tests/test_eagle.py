@@ -142,7 +142,7 @@ class _RootSpy(EagleDrafter):
         self.roots = []
 
     def _feed_root(self, context):
-        logits = super()._feed_root(context)
+        logits = yield from super()._feed_root(context)
         self.roots.append((list(context), logits.clone()))
         return logits
 

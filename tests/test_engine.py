@@ -9,7 +9,8 @@ import torch
 
 from specdec import (Engine, Request, Sampler, SpecdecError, autoregressive_generate, generate_many,
                      speculative_generate)
-from specdec.drafters import LookaheadDrafter, LookupDrafter, NgramDrafter, make_tree_drafter
+from specdec.drafters import (LookaheadDrafter, LookupDrafter, MixedDrafter, NgramDrafter, SidesDrafter,
+                              make_tree_drafter)
 from specdec.schedules import TreeCost
 
 from conftest import tiny_model
@@ -235,9 +236,10 @@ def test_batched_sampling_follows_the_target_law():
     assert chi_square_pvalue(samples, joint) > ALPHA
 
 
-def test_sequences_sharing_a_drafter_model_draft_in_one_pass_per_round(pair):
-    """The drafter model's passes are batched across sequences (lock step), and every output is
-    still its AR alone; under a seed each sampled output is still its run alone."""
+@pytest.mark.parametrize("method", ["chain", "sides", "mixed"])
+def test_sequences_sharing_a_drafter_model_draft_in_one_pass_per_round(pair, method):
+    """The drafter model's passes, a chain's or a tree's, are batched across sequences (lock step),
+    and every output is still its AR alone."""
     target, _, other = pair
     prompts = _prompts()
     widths = []
@@ -247,11 +249,16 @@ def test_sequences_sharing_a_drafter_model_draft_in_one_pass_per_round(pair):
         widths.append(len(segments))
         return batched(segments)
 
+    # unsteered, a tree in its warm-up drafts at every step
+    tree = {"sides": SidesDrafter, "mixed": MixedDrafter}.get(method)
+    drafter = other if tree is None else lambda: tree(other, policy=TreeCost(warmup=10**9, max_nodes=8))
     other.forward_batch = counting
     try:
         reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
-        results = generate_many(prompts, target, other, max_batch=5, max_new_tokens=10, eos_token_ids=[], gamma=3)
-        assert [r.tokens for r in results] == reference
+        engine = Engine(target, max_batch=5, steer=False)
+        ids = [engine.add(Request(p, drafter, max_new_tokens=10, eos_token_ids=[], gamma=3)) for p in prompts]
+        results = engine.run()
+        assert [results[i].tokens for i in ids] == reference
         assert widths and max(widths) == 5
     finally:
         del other.forward_batch

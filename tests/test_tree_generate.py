@@ -230,7 +230,12 @@ class _Demoted:
         return getattr(self.inner, name)
 
     def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
-        tree = self.inner.propose_tree(context, max_depth, sampler, generator)
+        return self._demote(self.inner.propose_tree(context, max_depth, sampler, generator))
+
+    def tree_proposal(self, context, max_depth, sampler, generator):
+        return self._demote((yield from self.inner.tree_proposal(context, max_depth, sampler, generator)))
+
+    def _demote(self, tree: Tree) -> Tree:
         roots = tree.children(-1)
         old = list(range(len(tree)))
         if len(roots) >= 2:

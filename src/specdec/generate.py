@@ -463,7 +463,8 @@ class Decoding:
     @property
     def batches_drafts(self) -> bool:
         """Whether this sequence's drafter passes can be left to the caller (`planning`): a drafter
-        model's chains, whose passes the engine batches with other sequences' on the same model."""
+        model's chains and trees, whose passes the engine batches with other sequences' on the same
+        model."""
         return self.can.batched_passes
 
     def planning(self) -> Generator[Segment, torch.Tensor, Segment]:
@@ -478,6 +479,8 @@ class Decoding:
         self._step_start, self._passes = time.perf_counter(), drafter.forwards
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])
+        elif self.trees and self.batches_drafts:
+            draft = yield from drafter.tree_proposal(self.sequence, budget, self.sampler, self.draft_generator)
         elif self.trees:
             draft = drafter.propose_tree(self.sequence, budget, self.sampler, self.draft_generator)
         elif self.batches_drafts:

@@ -37,8 +37,8 @@ class Capabilities:
 
     trees: proposes token trees (`propose_tree`, `keep_path`, and a sizing `policy` of its own)
         instead of chains (`propose`).
-    batched_passes: `proposal(...)`, a generator that leaves its drafter-model passes to the
-        caller, so the engine batches them across sequences.
+    batched_passes: `proposal(...)` (a tree drafter: `tree_proposal(...)`), a generator that
+        leaves its drafter-model passes to the caller, so the engine batches them across sequences.
     model: holds a drafter model (`model`, with this sequence's `cache`).
     catches_up: keeps that model in step with the context: `lag(context)`, the tokens it has yet
         to feed, and `caught_up`, the tokens and seconds it fed to catch up.
@@ -69,7 +69,7 @@ def derived_capabilities(drafter) -> Capabilities:
     """The capabilities `drafter`'s members show (a protocol-only drafter's; tests check every
     declaration against it)."""
     trees = hasattr(drafter, "propose_tree")
-    return Capabilities(trees=trees, batched_passes=not trees and hasattr(drafter, "proposal"),
+    return Capabilities(trees=trees, batched_passes=hasattr(drafter, "tree_proposal" if trees else "proposal"),
                         model=getattr(drafter, "model", None) is not None and hasattr(drafter, "cache"),
                         catches_up=hasattr(drafter, "lag"),
                         reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
-from ..backends import Backend
+from ..backends import Backend, Segment
 from ..backends.cache import cache_length
 from ..errors import SpecdecError
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
-from .base import Capabilities
+from .base import Capabilities, drive
 from .model import ModelDrafter
 from .nodes import Node, to_tree
 
@@ -42,7 +42,7 @@ NOT_IN_TREE = -2  # `_fed` entry of a fed node that reranking left out of the tr
 class _TreeModelDrafter(ModelDrafter):
     """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
 
-    capabilities = Capabilities(trees=True, model=True, catches_up=True)
+    capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
 
     def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)
@@ -60,23 +60,29 @@ class _TreeModelDrafter(ModelDrafter):
         self.policy.reset()
         self._fed, self._drafted, self._start = [], False, None
 
-    def _feed_root(self, context: Sequence[int]) -> torch.Tensor:
-        """One plain pass over what the drafter has not seen: its logits [V'] at the root."""
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                     generator: torch.Generator) -> Tree:
+        """Each subclass's `tree_proposal` (its drafter-model passes left to the caller, as
+        `ModelDrafter.proposal`: the engine batches them across sequences), its passes made here."""
+        return drive(self.tree_proposal(context, max_depth, sampler, generator), self.model.forward)
+
+    def _feed_root(self, context: Sequence[int]) -> Generator[Segment, torch.Tensor, torch.Tensor]:
+        """One plain pass (yielded) over what the drafter has not seen: its logits [V'] at the root."""
+        self._catch_up(context)
         pending = self._inputs(context[cache_length(self.cache):])
-        logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
+        logits = (yield Segment(pending, self.cache, 1))[-1]
         self.forwards += 1
         return logits
 
     def _feed_depth(self, nodes: list[Node], fed: list[Node], fed_parent: dict[int, int],
-                    start: int) -> torch.Tensor:
+                    start: int) -> Generator[Segment, torch.Tensor, torch.Tensor]:
         """Feed `nodes` (one depth of the tree, children of fed nodes or of the root) in one pass
-        under tree attention; appends them to `fed`. Returns their logits [len(nodes), V']."""
+        (yielded) under tree attention; appends them to `fed`. Returns their logits [len(nodes), V']."""
         for node in nodes:
             fed_parent[id(node)] = len(fed)
             fed.append(node)
         region = [fed_parent[id(self._parent[id(node)])] for node in fed]
-        logits = self.model.forward(self._inputs([n.token for n in nodes]), self.cache, num_logits=len(nodes),
-                                    parents=region, tree_start=start)
+        logits = yield Segment(self._inputs([n.token for n in nodes]), self.cache, len(nodes), region, start)
         self.forwards += 1
         return logits
 
@@ -148,23 +154,23 @@ class Eagle2Drafter(_TreeModelDrafter):
         self.width = width
         self.name = f"{model.name}+eagle2x{width}"
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
         root = Node(-1, 1.0, "deterministic")
         self._parent = {}
         fed: list[Node] = []
         keep = None
         if max_depth >= 1 and self.policy.should_draft():
-            drafted = self._grow(root, context, max_depth, sampler, fed)
+            drafted = yield from self._grow(root, context, max_depth, sampler, fed)
             keep = self._select(root, drafted)
         return self._finish(root, keep, fed, len(context))
 
     def _grow(self, root: Node, context: Sequence[int], max_depth: int, sampler: Sampler,
-              fed: list[Node]) -> list[Node]:
-        """Draft the tree under `root`, feeding its expanded nodes; returns every drafted node in
-        the order drafted (depth by depth)."""
+              fed: list[Node]) -> Generator[Segment, torch.Tensor, list[Node]]:
+        """Draft the tree under `root`, feeding its expanded nodes (each pass yielded); returns every
+        drafted node in the order drafted (depth by depth)."""
         start = len(context)
-        newest = self._expand([root], self._feed_root(context).unsqueeze(0), sampler)
+        newest = self._expand([root], (yield from self._feed_root(context)).unsqueeze(0), sampler)
         drafted = list(newest)
         fed_parent = {id(root): -1}
         for _ in range(1, max_depth):
@@ -174,7 +180,7 @@ class Eagle2Drafter(_TreeModelDrafter):
             # worth it together (for a chain, width 1, this is CostAware's rule)
             if not frontier or sum(n.value for n in frontier) < self.policy.threshold:
                 break
-            newest = self._expand(frontier, self._feed_depth(frontier, fed, fed_parent, start), sampler)
+            newest = self._expand(frontier, (yield from self._feed_depth(frontier, fed, fed_parent, start)), sampler)
             drafted += newest
         return drafted
 
@@ -406,22 +412,23 @@ class SequoiaDrafter(_TreeModelDrafter):
         best = int(rates.flatten().argmax())  # the first among equals: the shallowest, then the smallest
         return best % limit + 1, best // limit + 1
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
         self._observe(context)
         root = Node(-1, 1.0, "deterministic")
         self._parent, self._rankings = {}, {}
         fed: list[Node] = []
         if max_depth >= 1 and self.policy.should_draft():
             size, depth = self.choose(max_depth)
-            self._fill(root, context, self._tables.shape(size, depth), fed)
+            yield from self._fill(root, context, self._tables.shape(size, depth), fed)
         tree = self._finish(root, None, fed, len(context))
         self._walk = None
         return tree
 
-    def _fill(self, root: Node, context: Sequence[int], shape: list[tuple[int, int]], fed: list[Node]) -> None:
+    def _fill(self, root: Node, context: Sequence[int], shape: list[tuple[int, int]],
+              fed: list[Node]) -> Generator[Segment, torch.Tensor, None]:
         """Build the shape's nodes under `root` with the drafter's ranked tokens, feeding the
-        internal nodes one depth per pass."""
+        internal nodes one depth per pass (each yielded)."""
         acceptance = self.acceptance
         kids: dict[int, list[tuple[int, int]]] = {}  # shape index (-1: root) -> [(child index, rank)]
         for i, (parent, rank) in enumerate(shape):
@@ -429,7 +436,7 @@ class SequoiaDrafter(_TreeModelDrafter):
         built: dict[int, Node] = {-1: root}
         start, fed_parent = len(context), {id(root): -1}
         level = [-1]  # shape indices of this depth's internal nodes (the root first)
-        logits = self._feed_root(context).unsqueeze(0)
+        logits = (yield from self._feed_root(context)).unsqueeze(0)
         while level:
             following = []
             over = self._over(logits)
@@ -449,7 +456,7 @@ class SequoiaDrafter(_TreeModelDrafter):
                         following.append(child)
             level = following
             if level:
-                logits = self._feed_depth([built[i] for i in level], fed, fed_parent, start)
+                logits = yield from self._feed_depth([built[i] for i in level], fed, fed_parent, start)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         current = self._start == start and self._drafted

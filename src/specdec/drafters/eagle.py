@@ -16,11 +16,11 @@ every sampler, and greedy output is token-identical to greedy AR.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
-from ..backends import Backend
+from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..training.distill import head_rows
 from ..training.eagle import Eagle, check_eagle_target, load_eagle
@@ -126,7 +126,8 @@ class EagleModel:
 class EagleDrafter(Eagle2Drafter):
     """EAGLE-2 dynamic trees drafted by an EAGLE layer (a checkpoint folder or a loaded `Eagle`)."""
 
-    capabilities = Capabilities(trees=True, model=True, catches_up=True, reads_target_hidden=True)
+    capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True,
+                                reads_target_hidden=True)
 
     reads_target_hidden = True  # speculative_generate calls `observe` after the prefill and every pass
 
@@ -148,12 +149,12 @@ class EagleDrafter(Eagle2Drafter):
         """hidden [n, H]: the target's final hidden states at the positions its last pass committed."""
         self.model.add_features(hidden)
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
         if self.model.known_features != len(context) - 1:  # no target pass has read the context yet
             self._parent = {}
             return self._finish(Node(-1, 1.0, "deterministic"), None, [], len(context))
-        return super().propose_tree(context, max_depth, sampler, generator)
+        return (yield from super().tree_proposal(context, max_depth, sampler, generator))
 
     def keep_path(self, start: int, path: list[int]) -> None:
         drafted = self._take_last_tree(start)

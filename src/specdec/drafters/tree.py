@@ -14,17 +14,17 @@ measured costs, for its `TreeCost` policy).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
-from ..backends import Backend
+from ..backends import Backend, Segment
 from ..backends.cache import cache_length
 from ..errors import SpecdecError
 from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens
 from ..schedules import AssumedCosts, FasterOf, TreeCost, tried_nodes
 from ..trees import SCHEMES, Tree
-from .base import Capabilities
+from .base import Capabilities, drive
 from .lookup import LookupDrafter, find_matches
 from .model import ModelDrafter
 from .nodes import Node, rank, to_tree
@@ -60,7 +60,7 @@ class SidesDrafter(ModelDrafter):
     verified: exactness does not depend on it.
     """
 
-    capabilities = Capabilities(trees=True, model=True, catches_up=True)
+    capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
 
     def __init__(self, model: Backend, width: int = 3, max_nodes: int = 64,
                  scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):
@@ -87,10 +87,16 @@ class SidesDrafter(ModelDrafter):
 
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
+        return drive(self.tree_proposal(context, max_depth, sampler, generator), self.model.forward)
+
+    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
+        """`propose_tree`, its drafter-model passes left to the caller (as `ModelDrafter.proposal`):
+        the engine batches them across sequences."""
         root = Node(-1, 1.0, "deterministic")
         self._fed = []
         if max_depth >= 1 and self.policy.should_draft():
-            self._grow(root, context, max_depth, sampler, generator)
+            yield from self._grow(root, context, max_depth, sampler, generator)
             _prune(root, self._select(root))
         tree, order = to_tree(root)
         self._remember(tree, order)
@@ -102,15 +108,17 @@ class SidesDrafter(ModelDrafter):
         self._q, self._parents = [node.q for node in order], tree.parents
 
     def _grow(self, root: Node, context: Sequence[int], max_depth: int, sampler: Sampler,
-              generator: torch.Generator) -> list[Node]:
-        """Draft the chain under `root` (one drafter pass per token) with its side leaves; returns
-        the chain's nodes. The chain's tokens but the last are fed to the drafter's cache."""
+              generator: torch.Generator) -> Generator[Segment, torch.Tensor, list[Node]]:
+        """Draft the chain under `root` (one drafter pass per token, each yielded) with its side
+        leaves; returns the chain's nodes. The chain's tokens but the last are fed to the
+        drafter's cache."""
+        self._catch_up(context)
         pending = self._inputs(context[cache_length(self.cache):])
         parent, chain = root, []
         greedy = sampler.is_greedy
         acceptance = self.policy.acceptance
         while len(chain) < max_depth:
-            logits = self.model.forward(pending, self.cache, num_logits=1)[-1]
+            logits = (yield Segment(pending, self.cache, 1))[-1]
             self.forwards += 1
             if chain:
                 self._fed.append(len(chain) - 1)
@@ -435,7 +443,8 @@ class MixedDrafter(SidesDrafter):
     stopped it, at no drafter pass.
     """
 
-    capabilities = Capabilities(trees=True, model=True, catches_up=True, pins=True, finishes=True)
+    capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True, pins=True,
+                                finishes=True)
 
     def __init__(self, model: Backend, width: int = 2, max_nodes: int = 64,
                  scheme: str = "without-replacement", lookup: LookupTreeDrafter | None = None,
@@ -460,8 +469,8 @@ class MixedDrafter(SidesDrafter):
             kinds.reset()
         self.with_model, self.ngram = None, 0
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
         root = Node(-1, 1.0, "deterministic")
         self._fed, self.with_model = [], None
         proposed: list[Node] = []  # the tree's nodes that lookup proposed
@@ -475,7 +484,7 @@ class MixedDrafter(SidesDrafter):
             if self.with_model is False:
                 _prune(found, alone)
             else:
-                chain = self._grow(root, context, max_depth, sampler, generator)
+                chain = yield from self._grow(root, context, max_depth, sampler, generator)
                 _prune(root, self._select(root))
                 # lookup nodes fill what the budget leaves; they are deterministic, so any rule may pick them
                 _prune(found, self.lookup.select(found, self.policy.max_nodes - _count(root)))
