@@ -24,15 +24,15 @@ VOCAB = 4096
 @pytest.fixture(scope="module")
 def models():
     target = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
-    return target, {"chain": copy.deepcopy(target), "tree": qwen_like(torch.bfloat16, layers=1, seed=1)}
+    return target, copy.deepcopy(target)  # a drafter that agrees: drafts are accepted
 
 
 @pytest.mark.slow
 def test_every_level_keeps_every_greedy_output_of_ours_identical_to_ar_alone(models):
-    target, drafters = models
+    target, drafter = models
     prompts = [(_ids(5, VOCAB, i) * 3)[:6 + 3 * i] for i in range(5)]
     methods = ["ar", "sd-cost", "lookup", "tree-mixed", "hf-cb", "hf-padded"]
-    summaries, runs = run_levels(prompts, [1, 2, 4], methods, target, drafters, Settings(max_new_tokens=8),
+    summaries, runs = run_levels(prompts, [1, 2, 4], methods, target, drafter, Settings(max_new_tokens=8),
                                  Sampler(), 0, method_orders(methods))
     assert len(summaries) == 18 and all(s["requests"] == 5 for s in summaries)
     for s in summaries:
@@ -47,10 +47,10 @@ def test_every_level_keeps_every_greedy_output_of_ours_identical_to_ar_alone(mod
 
 @pytest.mark.slow
 def test_seeded_sampled_outputs_at_every_level_equal_level_one(models):
-    target, drafters = models
+    target, drafter = models
     prompts = [_ids(4 + i, VOCAB, 10 + i) for i in range(4)]
     methods = ["ar", "sd-cost", "tree-mixed"]
-    summaries, _ = run_levels(prompts, [1, 3], methods, target, drafters, Settings(max_new_tokens=6),
+    summaries, _ = run_levels(prompts, [1, 3], methods, target, drafter, Settings(max_new_tokens=6),
                               Sampler(temperature=1.0), 7, method_orders(methods))
     assert all(s["identical"] == 4 for s in summaries)
 

@@ -33,10 +33,8 @@ PEERS = {
 # ours: every registered method the engine runs (the target drafting for itself runs one sequence at a time)
 METHODS = {**{name: "ours, through the engine: " + summary(name) for name in names()
               if not REGISTRY[preset(name).method].self_drafting}, **PEERS}
-# methods whose drafter model runs chains: it gets row-exact passes, batched across sequences
-CHAINS = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()
-          and REGISTRY[preset(name).method].chains}
-TREES = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()} - CHAINS
+# methods with a drafter model (chains and trees): it gets row-exact passes, batched across sequences
+MODEL_DRAFTED = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()}
 
 
 @dataclass
@@ -83,23 +81,23 @@ def check_levels(levels: list[int]) -> None:
         raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {levels!r}")
 
 
-def request(method: str, ids: list[int], target, drafters: dict, settings: Settings, sampler: Sampler,
+def request(method: str, ids: list[int], target, drafter, settings: Settings, sampler: Sampler,
             seed: int | None) -> Request:
-    """Our method's request for a prompt (`drafters`: "chain" and "tree" drafter models). Cost
-    schedules of model-free drafters time their passes as they go (under load their rows stop
-    being free too, so they can back off)."""
+    """Our method's request for a prompt (`drafter`: the drafter model, or None). Cost schedules
+    of model-free drafters time their passes as they go (under load their rows stop being free
+    too, so they can back off)."""
     config = bench_config(method, settings)
-    model = drafters.get("tree" if method in TREES else "chain")
+    model = drafter if method in MODEL_DRAFTED else None
     speculation = build(config, Parts(target, model,
                                       costs=lambda m: settings.pass_costs if m is not None else None))
     return Request(ids, speculation.make_drafter, sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed,
                    schedule=speculation.make_schedule, seed_rule=config.seed_rule)
 
 
-def run_ours(method: str, level: int, prompts: list[list[int]], target, drafters: dict, settings: Settings,
+def run_ours(method: str, level: int, prompts: list[list[int]], target, drafter, settings: Settings,
              sampler: Sampler, seeds: list[int | None]) -> LevelRun:
     engine = Engine(target, max_batch=level)
-    ids = [engine.add(request(method, p, target, drafters, settings, sampler, s)) for p, s in zip(prompts, seeds)]
+    ids = [engine.add(request(method, p, target, drafter, settings, sampler, s)) for p, s in zip(prompts, seeds)]
     began = time.perf_counter()
     results = engine.run()
     run = LevelRun(method, level, time.perf_counter() - began, target_passes=engine.passes)
@@ -227,7 +225,7 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
     return out
 
 
-def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafters: dict,
+def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafter,
                settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
                progress=None) -> tuple[list[dict], list[LevelRun]]:
     """Every method at every level over all `prompts` -> (summaries, runs). Where level 1 is among
@@ -245,7 +243,7 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
             elif method == "hf-padded":
                 run = run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
             else:
-                run = run_ours(method, level, prompts, target, drafters, settings, sampler, seeds)
+                run = run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
             runs.append(run)
             if level == 1:  # one sequence per pass: each prompt alone
                 alone[method] = {r.prompt: r.tokens for r in run.records}
@@ -311,31 +309,29 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         prompts += load_prompts(name, count, tasks if name != "humaneval" else None)
     # batched passes must be row-exact on the CPU (the engine refuses the target otherwise)
     target_model = load(target, device=device, role="target", exact_rows=True, say=say)
-    drafters = {}
-    if CHAINS & set(methods):  # row-exact attention: the engine batches its passes across sequences
-        drafters["chain"] = load(drafter, dtype=drafter_dtype, device=device, role="drafter", exact_rows=True, say=say)
-        check_pair(target_model, drafters["chain"])
-        settings.pass_costs = pass_costs(target_model, drafters["chain"], say)
-    if TREES & set(methods):  # the tree drafter alone, as single-sequence runs have it
-        drafters["tree"] = load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say)
+    drafter_model = None
+    if MODEL_DRAFTED & set(methods):  # row-exact attention: the engine batches its passes across sequences
+        drafter_model = load(drafter, dtype=drafter_dtype, device=device, role="drafter", exact_rows=True, say=say)
+        check_pair(target_model, drafter_model)
+        settings.pass_costs = pass_costs(target_model, drafter_model, say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")
 
     warm = Settings(**{**vars(settings), "max_new_tokens": 8})
     orders = method_orders(methods, seed)
-    run_levels([ids[:32] for ids in encoded[:2]], [2], methods, target_model, drafters, warm, sampler, seed,
+    run_levels([ids[:32] for ids in encoded[:2]], [2], methods, target_model, drafter_model, warm, sampler, seed,
                method_orders(methods, seed))  # warm-up: first calls pay for allocations
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods))
-        summaries, _ = run_levels(encoded, levels, methods, target_model, drafters, settings, sampler, seed, orders,
+        summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed, orders,
                                   say, lambda: progress.advance(bar))
     info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
             "levels": sorted(set(levels)), "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
-            "target_dtype": target_model.weights, "drafter": drafter if drafters else None,
-            "drafter_dtype": next(iter(drafters.values())).weights if drafters else None,
+            "target_dtype": target_model.weights, "drafter": drafter if drafter_model else None,
+            "drafter_dtype": drafter_model.weights if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None,
             "method_descriptions": {m: METHODS[m] for m in methods}}
     result = {"info": info, "levels": summaries}
