@@ -20,7 +20,7 @@ def _simulate(costs: BatchCosts, batch: int, pass_seconds, drafted_tokens: float
         width = batch * (4 if speculate else 1)
         tokens = round(batch * (drafted_tokens if speculate else 1))
         costs.record(batch, speculate, tokens, 0.01 * batch if speculate else 0.0, 3 * batch if speculate else 0,
-                     pass_seconds(width), width)
+                     pass_seconds(width), width, rounds=3 if speculate else 0)
         chosen.append(speculate)
     return chosen
 
@@ -67,6 +67,28 @@ def test_a_new_batch_size_starts_from_the_nearest_ones_record():
     costs = BatchCosts()
     _simulate(costs, 8, lambda width: 0.05 * width, drafted_tokens=2.0, steps=40)  # plain wins at 8
     assert costs.speculate(7) is False and costs.kinds[7].steps(True) == costs.kinds[8].steps(True)
+
+
+def test_a_smaller_batch_drafts_where_the_measured_costs_predict_a_gain_though_a_larger_one_lost():
+    """As the batch shrinks, drafting starts to pay: a pass over a few rows costs about what one
+    row does. A size not tried yet does not inherit a larger one's verdict where the costs
+    measured so far (target pass by width, drafter rounds, tokens per drafting step) predict that
+    drafting wins there; the catch-up it would cost is weighed against what it would save."""
+    curve = lambda width: 0.2 + 0.02 * width  # noqa: E731
+    costs = BatchCosts()
+    chosen = _simulate(costs, 8, curve, drafted_tokens=2.0, steps=40)
+    assert sum(chosen[20:]) < 5  # at 8, 4 rows a sequence cost more than 2 tokens bring
+    drafting, plain = costs.predict(8)
+    assert drafting < plain and abs(plain - 8 / curve(8)) < 1e-6
+    drafting, plain = costs.predict(1)
+    assert abs(plain - 1 / curve(1)) < 1e-6 and abs(drafting - 2 / (curve(4) + 0.08)) < 1e-6  # 3 rounds of 8/300 s
+    assert costs.speculate(7) is False  # predicted to lose there too: the nearest record stands
+    # one more step like the others at 8, in which the drafters caught up on 1,000 tokens in 2 s
+    costs.record(8, True, 16, 0.08 + 2.0, 24, curve(32), 32, caught_up=1000, catch_up_seconds=2.0, rounds=3)
+    assert costs.speculate(2, lag=10_000, remaining=5) is False and costs.deferred == 1  # not worth its catch-up
+    assert costs.speculate(1) is True and costs.kinds[1].steps(True) == 0  # its own record from here
+    # its own steps decide from then on: here drafting does win at 1
+    assert sum(_simulate(costs, 1, curve, drafted_tokens=2.0, steps=40)[20:]) > 15
 
 
 def _catching_up(costs: BatchCosts, batch: int, pass_seconds, drafted_tokens: float, per_token: float,

@@ -67,6 +67,7 @@ class StepPlan:
     caught_up: tuple[int, float] | None  # drafter catch-up tokens and seconds so far
     began: float = 0.0
     drafted: float = 0.0
+    rounds: int = 0  # lock-step rounds of drafter passes
     pass_seconds: float = 0.0
 
 
@@ -193,7 +194,7 @@ class Engine:
         """Every running sequence's draft, their drafter passes batched (`_plan`) -> what the
         target's pass scores for each."""
         plan.began = time.perf_counter()
-        segments = self._plan(plan.ids, plan.decodings)
+        segments, plan.rounds = self._plan(plan.ids, plan.decodings)
         plan.drafted = time.perf_counter()
         if any(segment is None for segment in segments):  # a sequence whose drafting failed ended alone
             kept = [i for i, segment in enumerate(segments) if segment is not None]
@@ -264,7 +265,7 @@ class Engine:
         fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(plan.decodings), plan.caught_up))
         self.costs.record(len(plan.ids), plan.speculate, sum(map(len, emitted.values())), plan.drafted - plan.began,
                           sum(_forwards(d) for d in plan.decodings) - plan.forwards, plan.pass_seconds,
-                          sum(len(s.input_ids) for s in segments), fed, catch_up_seconds)
+                          sum(len(s.input_ids) for s in segments), fed, catch_up_seconds, plan.rounds)
 
     def run(self) -> dict[int, GenerationResult]:
         """Step until every request has ended -> results by request id; a request's own error
@@ -320,10 +321,11 @@ class Engine:
             self.costs.steer(decoding.steerable, len(decodings), speculate)
         return speculate
 
-    def _plan(self, ids: list[int], decodings: list[Decoding]) -> list[Segment | None]:
+    def _plan(self, ids: list[int], decodings: list[Decoding]) -> tuple[list[Segment | None], int]:
         """Every sequence's `planning` run in lock step: the drafter passes of each round that share
         a drafter model go through it in one batched pass (bit for bit each sequence's own pass,
-        where that model has row-exact passes), the others one at a time -> the target segments.
+        where that model has row-exact passes), the others one at a time -> the target segments,
+        and the number of rounds.
         A sequence whose drafting raises ends alone (`failed`, its segment None); a batched
         drafter pass that fails is made again one sequence at a time, from the caches as they were."""
         plans = [d.planning() for d in decodings]
@@ -349,7 +351,9 @@ class Engine:
 
         for i in range(len(plans)):
             advance(i, None)
+        rounds = 0
         while asks:
+            rounds += 1
             current, groups = dict(asks), {}
             asks.clear()
             for i in current:
@@ -363,7 +367,7 @@ class Engine:
                 for i in members:
                     if batched is None or i not in shared:
                         alone(i, model)
-        return segments
+        return segments, rounds
 
     def _drafter_batch(self, model, segments: list[Segment]) -> list | None:
         """One batched drafter pass -> each segment's logits, or None where the pass failed (its

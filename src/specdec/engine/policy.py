@@ -21,6 +21,14 @@ Only sequences whose output cannot depend on draft lengths are steered: greedy o
 ones, seeded or not (a seed couples each token to noise of its position: `samplers.SeededNoise`).
 A sequence seeded under `seed_rule="stream"` drafts as it would alone, so that its output is the
 same seed's run alone.
+
+Smaller batches gain more from drafting (a pass over a few rows costs about what one row does),
+so a batch size met for the first time, as sequences end and the batch shrinks, is not left to
+the record of a larger one where drafting lost: the costs measured so far predict the drafting
+rate at that size (`predict`: the target pass's fit over width, the drafter's per round, the
+tokens a drafting step commits per sequence), and where the prediction beats plain decoding the
+size drafts until its own steps have measured it. The prediction also values the catch-up of a
+switch to drafting there.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ class BatchCosts:
         self.kinds: dict[int, FasterOf] = {}  # batch size -> drafting steps vs plain steps
         self._fit = WidthFit(decay)  # target seconds over pass width, older steps decayed
         self._draft = [0.0, 0.0]  # decayed drafter rows, drafting seconds
+        self._rounds = WidthFit(decay)  # drafter seconds per lock-step round over its rows
+        self._round_sums = [0.0, 0.0]  # decayed rounds, their seconds (where rows never varied)
+        self._drafting = [0.0] * 5  # decayed over drafting steps: steps, sequences, tokens, rows, rounds
+        self._measured: set[int] = set()  # batch sizes with drafting steps of their own
         self._catch_up = [0, 0.0]  # tokens drafters caught up on, seconds
         self.plain_seconds = 0.0  # spent in plain steps since the last drafting step
         self.deferred = 0  # steps that would have drafted but for their catch-up's cost
@@ -52,9 +64,17 @@ class BatchCosts:
         """Whether this step's steered sequences should draft, at `batch` running sequences whose
         drafters lack `lag` tokens of their contexts in all, with `remaining` tokens left to make."""
         kinds = self._kinds(batch)
+        cost = self.catch_up_seconds(lag)
+        predicted = self.predict(batch) if batch not in self._measured else None
+        if predicted is not None and predicted[0] > predicted[1]:  # a size not tried, where drafting should win
+            drafting, plain = predicted
+            if cost > remaining * (1 / plain - 1 / drafting):
+                self.deferred += 1
+                return False
+            self.kinds[batch] = self._fresh()  # measured by its own steps from here
+            return True
         # a switch to drafting put off for its catch-up is due as soon as it is cheap enough
         draft = batch in self._put_off or kinds.choose()
-        cost = self.catch_up_seconds(lag)
         if not draft or cost == 0 or kinds.steps(False) == 0:
             self._put_off.discard(batch)
             return draft
@@ -77,11 +97,21 @@ class BatchCosts:
         return lag * seconds / tokens if tokens else 0.0
 
     def record(self, batch: int, drafted: bool, tokens: int, draft_seconds: float, drafter_rows: int,
-               target_seconds: float, width: int, caught_up: int = 0, catch_up_seconds: float = 0.0) -> None:
+               target_seconds: float, width: int, caught_up: int = 0, catch_up_seconds: float = 0.0,
+               rounds: int = 0) -> None:
         """One step: `batch` sequences, whether they were let draft, the tokens they committed,
-        the drafting time over `drafter_rows` drafter rows (of it, `catch_up_seconds` spent feeding
-        drafters `caught_up` tokens they lacked), and the target pass over `width` rows."""
+        the drafting time over `drafter_rows` drafter rows in `rounds` lock-step drafter passes (of
+        it, `catch_up_seconds` spent feeding drafters `caught_up` tokens they lacked), and the
+        target pass over `width` rows."""
         self._kinds(batch).record(drafted, tokens, draft_seconds - catch_up_seconds + target_seconds)
+        if drafted:
+            self._measured.add(batch)
+            decay = self.decay
+            self._drafting = [old * decay + new for old, new in zip(self._drafting, (1, batch, tokens, width, rounds))]
+            if rounds:
+                per_round = (draft_seconds - catch_up_seconds) / rounds
+                self._rounds.add(drafter_rows / rounds, per_round)
+                self._round_sums = [self._round_sums[0] * decay + 1, self._round_sums[1] * decay + per_round]
         self.plain_seconds = 0.0 if drafted else self.plain_seconds + draft_seconds + target_seconds
         if caught_up:
             self._catch_up = [self._catch_up[0] + caught_up, self._catch_up[1] + catch_up_seconds]
@@ -103,13 +133,34 @@ class BatchCosts:
         per_row = self._draft[1] / self._draft[0] if self._draft[0] else 0.0
         return rate, per_row, slope, plain_pass
 
+    def predict(self, batch: int) -> tuple[float, float] | None:
+        """(drafting, plain) tokens per second predicted at `batch` sequences from the costs
+        measured at any size: a plain step is a target pass over `batch` rows; a drafting step
+        commits the tokens per sequence that drafting steps have committed, for a target pass over
+        their rows per sequence and their rounds of drafter passes, each over `batch` rows. None
+        until both kinds' costs are measured."""
+        fitted = self._fit.fit()
+        steps, sequences, tokens, rows, rounds = self._drafting
+        if fitted is None or sequences <= 0 or not self._round_sums[0]:
+            return None
+        slope, base = fitted
+        drafter = self._rounds.fit()
+        per_round = (drafter[1] + drafter[0] * batch if drafter is not None else
+                     self._round_sums[1] / self._round_sums[0])
+        plain = batch / max(1e-9, base + slope * batch)
+        seconds = base + slope * batch * rows / sequences + max(0.0, per_round) * rounds / steps
+        return batch * tokens / sequences / max(1e-9, seconds), plain
+
     def steer(self, policy: CostAware, batch: int, draft: bool) -> None:
         """Impose this step's batch-level decision and costs on one sequence's cost-aware policy."""
         policy.impose(draft, self.costs(batch))
 
+    def _fresh(self) -> FasterOf:
+        return FasterOf(self.warmup, self.probe, self.decay, {True: self.probe, False: 2 * self.probe})
+
     def _kinds(self, batch: int) -> FasterOf:
         if batch not in self.kinds:
-            kinds = FasterOf(self.warmup, self.probe, self.decay, {True: self.probe, False: 2 * self.probe})
+            kinds = self._fresh()
             if self.kinds:  # start from the nearest batch size's record: no warm-up of its own to pay
                 nearest = self.kinds[min(self.kinds, key=lambda b: (abs(b - batch), b))]
                 kinds.sums = {kind: list(sums) for kind, sums in nearest.sums.items()}
