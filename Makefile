@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf bench-serve-hf clean
+.PHONY: setup models peers llama-server demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-serve-gguf bench-serve-hf bench-serve-speculation clean
 
 setup: $(STAMP) models
 
@@ -109,6 +109,17 @@ bench-serve-hf: setup
 	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
 		--fields 'ours-ar={"speculative": false}' --url transformers-serve=http://127.0.0.1:8766 \
 		--model transformers-serve=$$hf --json $(HF_OUT).json --markdown $(HF_OUT).md
+
+# our server alone: its default method against `speculative: false`, interleaved request by
+# request level by level, 1 to 16 in flight (docs/server.md; ~20 min on 2 cores)
+SPEC_LOAD := --concurrency 1,2,4,8,16 --requests 16 --dataset humaneval:10,spec-bench:1 --max-tokens 64 --wait 300
+SPEC_OUT := docs/benchmarks/server/speculation$(if $(filter on,$(PROMPT_CACHE)),-cached)
+bench-serve-speculation: setup
+	set -e; $(BIN)/specdec serve --max-batch 16 --port 8765 $(OURS_CACHE) 2>/dev/null & ours=$$!; \
+	trap "kill $$ours 2>/dev/null || true" EXIT; \
+	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url default=http://127.0.0.1:8765 \
+		--url ar=http://127.0.0.1:8765 --fields 'ar={"speculative": false}' --json $(SPEC_OUT).json \
+		--markdown $(SPEC_OUT).md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

@@ -48,9 +48,9 @@ def test_trees_sized_for_nearly_free_passes_grow_and_stay_exact(kind):
         out = speculative_generate(prompt, target, tree, gamma=8, max_new_tokens=48, eos_token_ids=[])
         assert out.tokens == ar.tokens  # greedy: token for token AR's, however the tree is sized
         # a step per target pass, but the first token's (first_target)
-        assert len(out.stats.widths_per_step) == len(out.stats.drafter_passes_per_step) == out.stats.target_forwards - 1
+        assert len(out.stats.widths_per_step) == len(out.stats.drafter_passes_per_step) == out.stats.target_passes - 1
         nodes[name] = sum(out.stats.nodes_per_step) / len(out.stats.nodes_per_step)
-        passes[name] = out.stats.target_forwards
+        passes[name] = out.stats.target_passes
     # where a node costs 1/80 of a pass, trees grow (where it costs a whole pass, drafting stops)
     assert nodes["flat"] > 3 and nodes["steep"] < 0.5
     assert passes["flat"] < 0.8 * passes["steep"]

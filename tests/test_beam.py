@@ -45,7 +45,7 @@ def test_speculative_beam_search_equals_beam_search(exact_pair, num_beams, lengt
             assert out.tokens == expected.tokens, (prompt, drafter)
             assert out.stop_reason == expected.stop_reason
             if drafter is same:
-                replayed += expected.stats.target_forwards - out.stats.target_forwards
+                replayed += expected.stats.target_passes - out.stats.target_passes
     assert replayed > 0  # drafts from the target's copy saved target passes: steps were replayed
 
 
@@ -83,4 +83,4 @@ def test_speculative_beam_search_equals_beam_search_on_real_smollm2(smollm2):
         expected = beam_search_generate(ids, target, num_beams=3, max_new_tokens=24)
         out = speculative_beam_search(ids, target, smollm2, num_beams=3, max_new_tokens=24)
         assert out.tokens == expected.tokens
-        assert out.stats.target_forwards < expected.stats.target_forwards
+        assert out.stats.target_passes < expected.stats.target_passes

@@ -42,13 +42,13 @@ def test_summary_ratios_acceptance_histogram_and_identity():
     assert s["sd"]["median_tokens_per_second"] == pytest.approx(4.0)  # median of 4, 3 and 4
     assert s["sd"]["aggregate_tokens_per_second"] == pytest.approx(8 / (1 + 2 / 3 + 0.5))
     assert s["sd"]["acceptance_rate"] == pytest.approx(5 / 9)
-    assert s["sd"]["tokens_per_target_forward"] == pytest.approx(8 / 4)
+    assert s["sd"]["tokens_per_target_pass"] == pytest.approx(8 / 4)
     assert s["sd"]["accepted_histogram"] == {1: 2, 3: 1}
     # identity is judged on greedy prompts only
     assert s["sd"]["identical_to_ar"] == 1 and s["sd"]["greedy_prompts"] == 2
     assert s["sd"]["mismatched_prompts"] == ["h/1@t0"]
     assert s["hf"]["identical_to_ar"] == 2
-    assert s["hf"]["tokens_per_target_forward"] is None  # not reported by that method
+    assert s["hf"]["tokens_per_target_pass"] is None  # not reported by that method
     assert s["ar"]["acceptance_rate"] is None and "identical_to_ar" not in s["ar"]
     json.dumps(s)  # the JSON report holds it as is
 
@@ -206,7 +206,7 @@ def test_sampled_generations_are_summed_into_one_record():
                first_token_seconds=0.5, target_seconds=1.2, drafter_seconds=0.7, widths_per_step=[7],
                drafter_passes_per_step=[6], temperature=1.0)
     m = merge_samples([a, b])
-    assert (m.samples, m.new_tokens, m.tokens, m.target_forwards) == (2, 12, [1, 2, 3] + [4] * 9, 5)
+    assert (m.samples, m.new_tokens, m.tokens, m.target_passes) == (2, 12, [1, 2, 3] + [4] * 9, 5)
     assert (m.drafted, m.accepted, m.accepted_per_step, m.widths_per_step) == (10, 6, [1, 0, 5], [3, 3, 7])
     assert m.wall_seconds == 4.0 and m.target_seconds == pytest.approx(2.7) and m.drafter_seconds == pytest.approx(1.1)
     # total tokens over total time, not the mean of the two rates (1.5 and 4.5 tok/s)
@@ -217,7 +217,7 @@ def test_sampled_generations_are_summed_into_one_record():
     assert merge_samples([m, a]).decode_tokens_per_second == pytest.approx((15 - 3) / (6.0 - 1.5))
     assert merge_samples([a]).decode_tokens_per_second == a.decode_tokens_per_second
     peer = Record("s/0@t1", "hf", [1], 1, 1.0, None)
-    assert merge_samples([peer, peer]).target_forwards is None  # not reported stays not reported
+    assert merge_samples([peer, peer]).target_passes is None  # not reported stays not reported
     with pytest.raises(SpecdecError, match="one method on one prompt"):
         merge_samples([a, peer])
 

@@ -111,7 +111,7 @@ def test_an_under_confident_drafter_drafts_deeper_once_its_acceptance_is_measure
         result = speculative_generate(prompt, target, made(drafter, 1, policy=policy), gamma=8,
                                       max_new_tokens=120, eos_token_ids=[], seed=0)
         assert result.tokens == autoregressive_generate(prompt, target, max_new_tokens=120, eos_token_ids=[]).tokens
-        passes += result.stats.target_forwards
+        passes += result.stats.target_passes
         tokens += len(result.tokens)
         deepest = max(deepest, *result.stats.nodes_per_step)
     per_pass = tokens / passes

@@ -28,7 +28,7 @@ def test_greedy_cascade_equals_ar_and_saves_drafter_passes(stage):
     assert result.tokens == expected
     plain = speculative_generate(prompt, target, ModelDrafter(model), gamma=6, max_new_tokens=40, eos_token_ids=[])
     assert plain.stats.drafted == result.stats.drafted  # the same drafts (the drafter is the target here)
-    assert drafter.kept > 0 and result.stats.drafter_forwards < plain.stats.drafter_forwards
+    assert drafter.kept > 0 and result.stats.drafter_passes < plain.stats.drafter_passes
 
 
 @pytest.mark.slow

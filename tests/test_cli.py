@@ -32,18 +32,18 @@ def test_generate_json_sd_equals_ar(need_smollm2):
     ar = _json(common + ["--method", "ar"])
     assert sd["tokens"] == ar["tokens"] and len(sd["tokens"]) == 12
     assert sd["text"] == ar["text"] and sd["text"]
-    for key in ("target_forwards", "drafter_forwards", "drafted", "accepted", "acceptance_rate", "wall_seconds",
+    for key in ("target_passes", "drafter_passes", "drafted", "accepted", "acceptance_rate", "wall_seconds",
                 "tokens_per_second"):
         assert key in sd["stats"]
     assert sd["stats"]["acceptance_rate"] == 1.0  # the drafter is the target itself
-    assert ar["stats"]["acceptance_rate"] is None and ar["stats"]["target_forwards"] == 12
+    assert ar["stats"]["acceptance_rate"] is None and ar["stats"]["target_passes"] == 12
 
 
 def test_generate_text_output_has_a_summary_line(need_smollm2):
     result = runner.invoke(app, ["generate", "Hi", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
                                  "--max-new-tokens", "6", "--chat", "--schedule", "fixed"])
     assert result.exit_code == 0, result.output
-    assert "tok/s" in result.output and "acceptance" in result.output and "target forwards" in result.output
+    assert "tok/s" in result.output and "acceptance" in result.output and "target passes" in result.output
 
 
 @pytest.mark.parametrize("args,message", [
@@ -108,7 +108,7 @@ def test_bench_writes_json_markdown_and_plot(need_smollm2, tmp_path, dtype):
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "r.json").read_text())
     for m in ("ar", "sd", "lookup", "hf", "hf-assisted-fixed"):
-        for key in ("median_tokens_per_second", "acceptance_rate", "tokens_per_target_forward"):
+        for key in ("median_tokens_per_second", "acceptance_rate", "tokens_per_target_pass"):
             assert key in data["summary"][m]
     assert data["info"]["target_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     assert data["summary"]["sd"]["identical_to_ar"] == 2 == data["summary"]["lookup"]["identical_to_ar"]
@@ -395,3 +395,16 @@ def test_generate_prompts_option_errors_come_before_loading(tmp_path, args, mess
     path.write_text('{"prompt": "x"}\n')
     result = runner.invoke(app, ["generate", "--prompts", str(path), "--target", "no-such-model"] + args)
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_drafter_model_gets_row_exact_passes_where_its_passes_can_batch():
+    """A chain's drafter is row-exact alone and in a batch (its passes batch, and a seeded prompt
+    drafts the same in both); a tree's only where the run batches (alone, its depth passes would
+    pay a call per row); --batched-rows turns both off."""
+    from specdec.cli.common import _drafter_rows
+    from specdec.methods import resolve
+
+    chain, tree = resolve("default"), resolve("tree-mixed")
+    assert _drafter_rows(chain, None) is True and _drafter_rows(chain, True) is True
+    assert _drafter_rows(tree, None) is None and _drafter_rows(tree, True) is True
+    assert _drafter_rows(chain, False) is None and _drafter_rows(tree, False) is None

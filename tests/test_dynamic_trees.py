@@ -88,7 +88,7 @@ def test_greedy_equals_autoregressive_and_paths_leave_the_main_chain(kind):
         assert sd.tokens == _greedy_reference(tuple(prompt))
         off_chain += sum(_off_chain(step) for step in sd.steps)
         deep += sum(len(step.path or ()) >= 2 for step in sd.steps)
-        assert sd.stats.target_forwards < 24  # the trees saved target passes
+        assert sd.stats.target_passes < 24  # the trees saved target passes
     assert off_chain >= 8, off_chain  # accepted paths that are not nodes 0..k-1 (16 and 23 today)
     assert deep >= 8, deep  # paths of 2 nodes or more (14 and 17 today)
 
@@ -149,11 +149,11 @@ def test_eagle2_tree_is_the_reference_tree(max_depth, threshold, node_threshold,
         assert values == sorted(values, reverse=True)
     assert tree.scheme == "deterministic" and tree.probs is None and len(tree) <= max_nodes
     # one drafter pass per depth grown (the kept tree may be shallower than the grown one)
-    assert drafter.forwards >= max(tree.depths)
+    assert drafter.passes >= max(tree.depths)
     if threshold == 0.99:
-        assert drafter.forwards == 1 and len(tree) >= 1
+        assert drafter.passes == 1 and len(tree) >= 1
     if threshold == 0.6:
-        assert drafter.forwards == 3 and max(tree.depths) == 3
+        assert drafter.passes == 3 and max(tree.depths) == 3
 
 
 def test_sequoia_tree_is_its_shape_filled_with_the_drafters_ranks():
@@ -171,7 +171,7 @@ def test_sequoia_tree_is_its_shape_filled_with_the_drafters_ranks():
         context = prompt + [tree.tokens[i] for i in tree.path_to(parent)]
         ranking = _fresh_logits(model, context).topk(rank + 1).indices.tolist()
         assert tree.tokens[node] == ranking[rank]
-    assert drafter.forwards == max(tree.depths)  # one pass per depth with internal nodes, the root's included
+    assert drafter.passes == max(tree.depths)  # one pass per depth with internal nodes, the root's included
 
 
 def test_sequoia_picks_the_shape_with_the_best_tokens_per_cost():

@@ -57,7 +57,7 @@ def test_requests_with_different_methods_share_passes(pair):
     results = engine.run()
     assert [results[i].tokens for i in ids] == reference
     # the copy drafts what the target says: its sequence needed fewer passes than plain decoding
-    assert results[ids[1]].stats.target_forwards < results[ids[0]].stats.target_forwards
+    assert results[ids[1]].stats.target_passes < results[ids[0]].stats.target_passes
 
 
 @pytest.mark.parametrize("drafter", ["none", "model", "tree", "lookahead"])
@@ -124,7 +124,7 @@ def test_nan_logits_of_one_sequence_in_a_batched_pass_end_it_alone(pair, monkeyp
 
     def failing(self, segments):  # the second prompt's sequence gets NaN logits on its second step
         victim = engine.running.get(ids[1])
-        broken = victim is not None and victim.stats.target_forwards >= 1
+        broken = victim is not None and victim.stats.target_passes >= 1
         return [rows * float("nan") if broken and s.cache is victim.cache else rows
                 for s, rows in zip(segments, forward_batch(self, segments))]
 
@@ -192,7 +192,7 @@ def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(p
     commit = Decoding.commit
 
     def failing(self, logits, seconds, argmax=None):  # the third prompt's sequence fails on its second step
-        if self.sequence[:len(prompts[2])] == prompts[2] and self.stats.target_forwards >= 1:
+        if self.sequence[:len(prompts[2])] == prompts[2] and self.stats.target_passes >= 1:
             raise SpecdecError("model produced NaN logits")
         return commit(self, logits, seconds, argmax)
 

@@ -28,7 +28,7 @@ def test_greedy_speculative_equals_greedy_autoregressive_on_tiny_models(tiny_pai
         assert len(sd.tokens) == 30 and sd.stop_reason == "max_new_tokens"
 
 
-def test_a_perfect_drafter_is_always_accepted_and_saves_target_forwards(tiny_pair):
+def test_a_perfect_drafter_is_always_accepted_and_saves_target_passes(tiny_pair):
     target, _ = tiny_pair
     ar = autoregressive_generate([3, 4], target, max_new_tokens=25, eos_token_ids=[])
     sd = speculative_generate([3, 4], target, target, gamma=4, max_new_tokens=25, eos_token_ids=[])
@@ -36,7 +36,7 @@ def test_a_perfect_drafter_is_always_accepted_and_saves_target_forwards(tiny_pai
     assert sd.stats.acceptance_rate == 1.0
     # 1 prompt pass, then 24 tokens in steps of 4 drafts + 1 target token; the last step has
     # only 4 tokens left, so gamma shrinks to 3 there
-    assert sd.stats.target_forwards == 1 + 5
+    assert sd.stats.target_passes == 1 + 5
     assert sd.stats.accepted_per_step == [4, 4, 4, 4, 3]
     assert sd.stats.accepted == sd.stats.drafted == 19
 
@@ -92,12 +92,12 @@ def test_stats_add_up(tiny_pair):
     assert st.new_tokens == 40 == sum(len(s.emitted) for s in sd.steps)
     assert st.drafted == sum(len(s.draft_tokens) for s in sd.steps)
     assert st.accepted == sum(st.accepted_per_step) == sum(s.num_accepted for s in sd.steps)
-    assert st.target_forwards == len(sd.steps)
-    assert st.drafter_forwards == st.drafted  # one drafter pass per drafted token
+    assert st.target_passes == len(sd.steps)
+    assert st.drafter_passes == st.drafted  # one drafter pass per drafted token
     assert 0 <= st.acceptance_rate <= 1 and st.tokens_per_second > 0 and st.wall_seconds > 0
     d = st.to_dict()
-    for key in ("target_forwards", "drafter_forwards", "drafted", "accepted", "acceptance_rate",
-                "wall_seconds", "tokens_per_second", "tokens_per_target_forward"):
+    for key in ("target_passes", "drafter_passes", "drafted", "accepted", "acceptance_rate",
+                "wall_seconds", "tokens_per_second", "tokens_per_target_pass"):
         assert key in d
 
 
@@ -139,7 +139,7 @@ def test_greedy_identical_on_the_default_pair(default_pair, default_pair_greedy)
     ids, expected = default_pair_greedy
     sd = speculative_generate(ids, target, drafter, gamma=5, max_new_tokens=len(expected))
     assert sd.tokens == expected
-    assert sd.stats.target_forwards < len(expected) / 2  # the pair really speculates
+    assert sd.stats.target_passes < len(expected) / 2  # the pair really speculates
 
 
 def test_lenience_is_validated_and_greedy_output_ignores_it(tiny_pair):
@@ -255,12 +255,12 @@ def test_the_stats_split_the_wall_clock_between_target_drafter_and_loop():
     fast_target, fast_drafter = TableModel(5, 0), TableModel(5, 1)
     slow_target, slow_drafter = Slow(5, 0), Slow(5, 1)
     ar = autoregressive_generate([1, 2], slow_target, max_new_tokens=6, eos_token_ids=[])
-    assert ar.stats.target_seconds >= 0.02 * ar.stats.target_forwards and ar.stats.drafter_seconds == 0
+    assert ar.stats.target_seconds >= 0.02 * ar.stats.target_passes and ar.stats.drafter_seconds == 0
     assert ar.stats.loop_ms_per_step < 10 and ar.stats.loop_seconds <= ar.stats.wall_seconds
     for target, drafter in ((slow_target, fast_drafter), (fast_target, slow_drafter)):
         sd = speculative_generate([1, 2], target, drafter, gamma=2, max_new_tokens=8, eos_token_ids=[])
         s = sd.stats
-        passes = s.target_forwards if target is slow_target else s.drafter_forwards
+        passes = s.target_passes if target is slow_target else s.drafter_passes
         slow_seconds = s.target_seconds if target is slow_target else s.drafter_seconds
         assert passes >= 3 and slow_seconds >= 0.02 * passes
         assert s.loop_ms_per_step < 10, s  # the sleeps were not counted as the loop's

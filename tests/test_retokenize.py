@@ -60,7 +60,7 @@ def test_another_tokenizer_is_drafted_for_through_text():
     assert other.retokenize([0, 1, 2], "ab") == [0, 1]  # 'ab' in the target's ids
     other.start(DEEP_PROMPT)
     draft = other.propose(DEEP_PROMPT, 4, Sampler(0.0), torch.Generator(), lambda n, logits: True)
-    assert len(draft.tokens) == 4 and draft.probs is None and other.forwards == 4
+    assert len(draft.tokens) == 4 and draft.probs is None and other.passes == 4
     assert draft.tokens[0] == 2  # after "…a b": the cycle goes on with c
 
 

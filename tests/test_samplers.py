@@ -227,7 +227,7 @@ PATHS = {
         lambda t, d, s, seed: speculative_generate(PROMPT, t, d, gamma=3, sampler=s, max_new_tokens=1, seed=seed,
                                                    seed_rule="stream",
                                                    eos_token_ids=[], first_target=True), 1,
-        lambda out: len(out.steps) == 1 and out.stats.drafter_forwards == 0),
+        lambda out: len(out.steps) == 1 and out.stats.drafter_passes == 0),
     "empty draft": (  # lookup on a context without repeats proposes nothing: the target draws alone
         lambda t, d, s, seed: speculative_generate(PROMPT, t, LookupDrafter(), gamma=3, sampler=s, max_new_tokens=2,
                                                    seed=seed,

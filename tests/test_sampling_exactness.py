@@ -138,7 +138,7 @@ class _MisreportingDrafter:
     """Draws each draft token from softmax(logits / temperature) of `model` but reports the
     sampler's q = softmax(logits) as the q it drew from; honest only when temperature is 1."""
 
-    name, forwards = "misreporting", 0
+    name, passes = "misreporting", 0
 
     def __init__(self, model: TableModel, temperature: float):
         self.model, self.drawn_from = model, Sampler(temperature)

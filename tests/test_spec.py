@@ -264,7 +264,7 @@ def test_a_protocol_only_drafter_still_drafts():
     from specdec.drafters import Draft
 
     class Repeats:
-        name, forwards = "repeats", 0
+        name = "repeats"
 
         def check_target(self, target):
             pass
@@ -280,7 +280,15 @@ def test_a_protocol_only_drafter_still_drafts():
 
     target = tiny_model(0, vocab=32)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=16, eos_token_ids=[])
-    assert speculative_generate(PROMPT, target, Repeats(), max_new_tokens=16, eos_token_ids=[]).tokens == ar.tokens
+    class Counted(Repeats):
+        passes = 0
+
+    class Before(Repeats):  # written for the protocol before the glossary renamed `forwards`
+        forwards = 0
+
+    assert speculative_generate(PROMPT, target, Counted(), max_new_tokens=16, eos_token_ids=[]).tokens == ar.tokens
+    with pytest.raises(SpecdecError, match="`passes`.*renamed"):
+        speculative_generate(PROMPT, target, Before(), max_new_tokens=16, eos_token_ids=[])
 
 
 def test_an_engine_step_reads_as_schedule_draft_pass_verify():

@@ -226,7 +226,7 @@ class _Demoted:
         self.name, self.model = f"{inner.name}-demoted", getattr(inner, "model", None)
         self._old: list[int] = []
 
-    def __getattr__(self, name):  # forwards, check_target, start, timing
+    def __getattr__(self, name):  # passes, check_target, start, timing
         return getattr(self.inner, name)
 
     def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
@@ -288,7 +288,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair,
     result = speculative_generate(ids, target, _Demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
                                   gamma=6, max_new_tokens=24)
     assert result.tokens == expected
-    assert result.stats.target_forwards < len(expected) / 2  # the pair really speculates
+    assert result.stats.target_passes < len(expected) / 2  # the pair really speculates
     assert _off_main_chain(result) > 0
 
 

@@ -130,7 +130,7 @@ def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: i
             caches = _fork([caches[p] for p in parents])
             with _timed(stats, "target_seconds"):
                 logits = torch.cat(model.forward_batch([Segment([t], c, 1) for t, c in zip(tokens, caches)]))
-            stats.target_forwards += 1
+            stats.target_passes += 1
     else:
         cache.batch_repeat_interleave(num_beams)
         while (step := state.advance(logits)) is not None:
@@ -138,7 +138,7 @@ def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: i
             cache.reorder_cache(torch.tensor(parents, device=model.device))
             with _timed(stats, "target_seconds"):
                 logits = model.forward_rows(torch.tensor(tokens, device=logits.device)[:, None], cache)
-            stats.target_forwards += 1
+            stats.target_passes += 1
     return _result(state, stats, start, limit_reason)
 
 
@@ -147,7 +147,7 @@ def _prompt_pass(model, prompt: list[int], num_beams: int, stats: GenerationStat
     cache = model.new_cache()
     with _timed(stats, "target_seconds"):
         logits = model.forward(model.prefill(prompt, cache), cache, num_logits=1).expand(num_beams, -1)
-    stats.target_forwards += 1
+    stats.target_passes += 1
     return cache, logits
 
 
@@ -200,7 +200,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
     row-exact batched pass. `BeamState` then advances over the scored rows: a beam whose new token
     is a child of its node in its tree has its next logits already; while every running beam
     has them the search goes on without another pass. The stats count target passes
-    (`target_forwards`) and drafted / accepted nodes (accepted: on the path of a beam after a step).
+    (`target_passes`) and drafted / accepted nodes (accepted: on the path of a beam after a step).
     """
     _check_beams(num_beams)
     if not _row_exact(target):
@@ -232,17 +232,17 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
         # draft a tree after each running beam's last token, and score them all in one pass
         contexts = [prompt + state.running[b].tolist() for b in range(num_beams)]
         with _timed(stats, "drafter_seconds"):
-            passes = sum(d.forwards for d in drafters)
+            passes = sum(d.passes for d in drafters)
             depth = max(0, min(max_depth, limit - state.length - 1))
             trees = [d.propose_tree(c, depth, GREEDY, generator) if depth else Tree([], [])
                      for d, c in zip(drafters, contexts)]
-            stats.drafter_passes_per_step.append(sum(d.forwards for d in drafters) - passes)
+            stats.drafter_passes_per_step.append(sum(d.passes for d in drafters) - passes)
         lengths = [cache_length(c) for c in caches]
         segments = [Segment([token] + tree.tokens, c, 1 + len(tree), input_parents(1, tree.parents))
                     for token, tree, c in zip(pending, trees, caches)]
         with _timed(stats, "target_seconds"):
             scored = target.forward_batch(segments)
-        stats.target_forwards += 1
+        stats.target_passes += 1
         stats.drafted += sum(len(t) for t in trees)
         stats.widths_per_step.append(sum(len(s.input_ids) for s in segments))
         # replay the search over the scored nodes: where[i] = (source beam, node; -1: its pending token)

@@ -85,10 +85,10 @@ def summary_line(stats: GenerationStats, method: str) -> str:
         parts.insert(0, f"LOSSY ({stats.lossy_reason}: not the target's distribution)")
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
-    parts.append(f"{stats.target_forwards} target forwards for {stats.new_tokens} tokens "
-                 f"({stats.tokens_per_target_forward:.2f} per forward)")
+    parts.append(f"{stats.target_passes} target passes for {stats.new_tokens} tokens "
+                 f"({stats.tokens_per_target_pass:.2f} per pass)")
     if method == "sd":
-        parts.append(f"{stats.drafter_forwards} drafter forwards")
+        parts.append(f"{stats.drafter_passes} drafter passes")
     if stats.loop_ms_per_step is not None:
         parts.append(f"loop {stats.loop_ms_per_step:.1f} ms/step")
     return " · ".join(parts)

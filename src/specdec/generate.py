@@ -37,7 +37,7 @@ from .verify import (Typical, sibling_laws, verify_coupled, verify_draft, verify
 
 @dataclass
 class Step:
-    """One target forward: what was drafted, how much was kept, and the token the target added.
+    """One target pass: what was drafted, how much was kept, and the token the target added.
 
     For a token tree, `draft_tokens` are all its nodes, `tree_parents` their parents and `path`
     the accepted nodes (num_accepted = len(path)).
@@ -81,8 +81,8 @@ class Step:
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
-    target_forwards: int = 0
-    drafter_forwards: int = 0
+    target_passes: int = 0
+    drafter_passes: int = 0
     drafted: int = 0
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)  # for trees: the accepted path's length
@@ -120,7 +120,7 @@ class GenerationStats:
     def acceptance_rate(self) -> float | None:
         """Accepted draft tokens / drafted tokens (None when nothing was drafted). For trees,
         accepted path nodes / tree nodes: it shrinks by construction as trees widen (only one
-        path can be accepted), so compare trees by tokens per target forward instead."""
+        path can be accepted), so compare trees by tokens per target pass instead."""
         return self.accepted / self.drafted if self.drafted else None
 
     @property
@@ -128,8 +128,14 @@ class GenerationStats:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
-    def tokens_per_target_forward(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+    def tokens_per_target_pass(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    # the names before the glossary (docs/glossary.md): "forward" is now "pass" everywhere
+    target_forwards = property(lambda self: self.target_passes, doc="Old name of `target_passes`.")
+    drafter_forwards = property(lambda self: self.drafter_passes, doc="Old name of `drafter_passes`.")
+    tokens_per_target_forward = property(lambda self: self.tokens_per_target_pass,
+                                         doc="Old name of `tokens_per_target_pass`.")
 
     @property
     def loop_seconds(self) -> float:
@@ -139,13 +145,13 @@ class GenerationStats:
 
     @property
     def loop_ms_per_step(self) -> float | None:
-        """`loop_seconds` per target forward (one decoding step), in ms."""
-        return 1e3 * self.loop_seconds / self.target_forwards if self.target_forwards else None
+        """`loop_seconds` per target pass (one decoding step), in ms."""
+        return 1e3 * self.loop_seconds / self.target_passes if self.target_passes else None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
-                 tokens_per_target_forward=self.tokens_per_target_forward, loop_seconds=self.loop_seconds,
+                 tokens_per_target_pass=self.tokens_per_target_pass, loop_seconds=self.loop_seconds,
                  loop_ms_per_step=self.loop_ms_per_step)
         return d
 
@@ -187,7 +193,7 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
                             seed: int | None = None, on_step: StepCallback | None = None,
                             logprobs: int | None = None, seed_rule: str = "coupled",
                             rules: LogitRules | None = None) -> GenerationResult:
-    """Generate one token per target forward, with a KV cache: the baseline to beat. logprobs,
+    """Generate one token per target pass, with a KV cache: the baseline to beat. logprobs,
     seed_rule and rules: as `speculative_generate`'s."""
     return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs,
@@ -476,7 +482,7 @@ class Decoding:
             return Segment(pending, self.cache, 1)
         drafter, stats = self.drafter, self.stats
         budget = min(self.schedule.budget(), self.out.remaining - 1)
-        self._step_start, self._passes = time.perf_counter(), drafter.forwards
+        self._step_start, self._passes = time.perf_counter(), drafter.passes
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])
         elif self.trees and self.batches_drafts:
@@ -490,7 +496,7 @@ class Decoding:
             draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
         self._drafted_at = time.perf_counter()
         stats.drafter_seconds += self._drafted_at - self._step_start
-        stats.drafter_passes_per_step.append(drafter.forwards - self._passes)
+        stats.drafter_passes_per_step.append(drafter.passes - self._passes)
         stats.widths_per_step.append(len(pending) + len(draft.tokens))
         self._draft, self._budget, self._pending = draft, budget, len(pending)
         parents = input_parents(len(pending), draft.parents) if self.trees else None
@@ -508,7 +514,7 @@ class Decoding:
             logits = self.rules.apply(logits[-rows:], self._prompt_tokens, self.out.tokens,
                                       [] if draft is None else draft.tokens, self.out.eos)
         stats.target_seconds += pass_seconds
-        stats.target_forwards += 1
+        stats.target_passes += 1
         if self.noise is not None:
             self.noise.forget(len(self.sequence))
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
@@ -556,7 +562,7 @@ class Decoding:
         # greedy and coupled output are the same whatever the draft lengths, so timings may steer
         # them; under a lossy rule a seed pins the output, and draft lengths decide which draws are used
         if not self.pinned:
-            timings = (self._drafted_at - self._step_start, drafter.forwards - self._passes,
+            timings = (self._drafted_at - self._step_start, drafter.passes - self._passes,
                        time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
             (drafter if self.trees else self.schedule).timing(*timings)
         step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})})
@@ -589,7 +595,7 @@ class Decoding:
     def result(self) -> GenerationResult:
         """The finished generation (its stats closed); the cache is let go."""
         self.cache = None
-        self.stats.drafter_forwards = self.drafter.forwards if self.drafter is not None else 0
+        self.stats.drafter_passes = self.drafter.passes if self.drafter is not None else 0
         if self.drafter is not None:
             self.stats.lenience = float(self.lenience)
             self.stats.typical = self.typical.describe() if self.typical is not None else None

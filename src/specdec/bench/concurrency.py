@@ -47,7 +47,7 @@ class LoadRecord:
     tokens: list[int]
     seconds: float | None  # from its admission to its last token (None: not said)
     first_token_seconds: float | None  # from its admission (None: not said)
-    target_forwards: int | None = None
+    target_passes: int | None = None
     drafted: int = 0
     accepted: int = 0
     tpot: float | None = None  # where the method times its tokens itself (transformers' timestamps)
@@ -104,7 +104,7 @@ def run_ours(method: str, level: int, prompts: list[list[int]], target, drafter,
     for index, request_id in enumerate(ids):
         r = results[request_id]
         run.records.append(LoadRecord(method, level, index, r.tokens, r.stats.wall_seconds, r.stats.first_token_seconds,
-                                      r.stats.target_forwards, r.stats.drafted, r.stats.accepted))
+                                      r.stats.target_passes, r.stats.drafted, r.stats.accepted))
     return run
 
 
@@ -210,14 +210,14 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
     ttft = [r.first_token_seconds for r in records]
     tpot = [r.time_per_output_token for r in records]
     per_sequence = [len(r.tokens) / r.seconds for r in records if r.seconds]
-    forwards = [r.target_forwards for r in records if r.target_forwards]
+    passes = [r.target_passes for r in records if r.target_passes]
     out = {"method": run.method, "concurrency": run.level, "requests": len(records), "output_tokens": tokens,
            "wall_seconds": run.wall_seconds, "output_tokens_per_second": tokens / run.wall_seconds,
            "per_sequence_tokens_per_second": statistics.median(per_sequence) if per_sequence else None,
            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
            "target_passes": run.target_passes,
-           "tokens_per_target_forward": tokens / sum(forwards) if forwards and len(forwards) == len(records) else None,
+           "tokens_per_target_pass": tokens / sum(passes) if passes and len(passes) == len(records) else None,
            "acceptance_rate": (sum(r.accepted for r in records) / sum(r.drafted for r in records)
                                if any(r.drafted for r in records) else None)}
     if reference is not None:
@@ -276,7 +276,7 @@ def render_levels(summaries: list[dict]) -> str:
         lines.append(f'| {s["concurrency"]} | {s["method"]} | {s["output_tokens_per_second"]:.2f} | {number(ratio)} | '
                      f'{number(s["per_sequence_tokens_per_second"])} | {number(s["ttft_p50"])} / {number(s["ttft_p99"])} | '
                      f'{number(s["tpot_p50"], 1e3, 0)} / {number(s["tpot_p99"], 1e3, 0)} | '
-                     f'{number(s["tokens_per_target_forward"])} | {identical} |')
+                     f'{number(s["tokens_per_target_pass"])} | {identical} |')
     return "\n".join(lines) + "\n"
 
 
@@ -325,8 +325,8 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods))
-        summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed, orders,
-                                  say, lambda: progress.advance(bar))
+        summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed,
+                                  orders, say, lambda: progress.advance(bar))
     info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
             "levels": sorted(set(levels)), "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,

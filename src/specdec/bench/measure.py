@@ -30,8 +30,8 @@ from .forward_cost import forward_ms
 @dataclass
 class GammaRow:
     gamma: int
-    expected_tokens: float  # per target forward, iid theory
-    measured_tokens: float  # per target forward (drafting steps only)
+    expected_tokens: float  # per target pass, iid theory
+    measured_tokens: float  # per target pass (drafting steps only)
     verification_cost: float  # v(γ): (γ+1)-token target pass / 1-token pass
     predicted_iid: float  # the paper's walltime factor
     predicted_measured_cost: float  # expected tokens / (γc + v(γ))

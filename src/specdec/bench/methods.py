@@ -111,7 +111,7 @@ class Record:
     tokens: list[int]
     new_tokens: int
     wall_seconds: float
-    target_forwards: int | None  # None where the method does not report it (transformers' peers)
+    target_passes: int | None  # None where the method does not report it (transformers' peers)
     drafted: int = 0
     accepted: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
@@ -160,7 +160,7 @@ def merge_samples(records: list[Record]) -> Record:
     first = records[0]
     return Record(first.prompt_id, first.method, [t for r in records for t in r.tokens],
                   sum(r.new_tokens for r in records), sum(r.wall_seconds for r in records),
-                  total([r.target_forwards for r in records]), sum(r.drafted for r in records),
+                  total([r.target_passes for r in records]), sum(r.drafted for r in records),
                   sum(r.accepted for r in records), [n for r in records for n in r.accepted_per_step],
                   first.dataset, first.task, first.temperature,
                   None if first_tokens is None else first_tokens / samples, [n for r in records for n in r.nodes_per_step],
@@ -270,7 +270,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None
-    return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_forwards, s.drafted,
+    return Record("", method, result.tokens, s.new_tokens, s.wall_seconds, s.target_passes, s.drafted,
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
                   widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step,

@@ -48,9 +48,9 @@ def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], dr
 def time_split(stats: GenerationStats) -> list[tuple[str, int, float]]:
     """(part, passes or steps, seconds) of a generation's wall time: the target's passes (its prompt
     pass included), the drafter's, and the loop (drafting bookkeeping, verification, rollback)."""
-    return [("target passes", stats.target_forwards, stats.target_seconds),
-            ("drafter passes", stats.drafter_forwards, stats.drafter_seconds),
-            ("decoding loop", stats.target_forwards, stats.loop_seconds)]
+    return [("target passes", stats.target_passes, stats.target_seconds),
+            ("drafter passes", stats.drafter_passes, stats.drafter_seconds),
+            ("decoding loop", stats.target_passes, stats.loop_seconds)]
 
 
 def profile_record(passes: PassProfile, stats: GenerationStats, method: str, target: Backend,

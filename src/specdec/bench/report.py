@@ -15,7 +15,7 @@ def _baselines(summary: dict) -> list[str]:
 def _columns(summary: dict) -> list[str]:
     versus = [f"median speedup vs {b}" + (" (faster on)" if b in ("hf-assisted", "sd-cost", "llama-cpp") else "")
               for b in _baselines(summary)]
-    return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance", "tokens / target forward",
+    return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance", "tokens / target pass",
             "accepted / step", "tree nodes / step", "identical to ar"]
 
 
@@ -40,7 +40,7 @@ def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
     versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost", "llama-cpp") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
               for b in baselines]
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
-            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_forward"]),
+            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_pass"]),
             _fmt(s.get("mean_accepted_per_step")), _fmt(s.get("mean_nodes_per_step"), ".1f"), identical]
 
 
@@ -178,7 +178,7 @@ def _markdown_projection(info: dict, summary: dict) -> list[str]:
     assumed = info.get("assumed_costs")
     if not projected or not assumed:
         return []
-    chain = summary.get("sd-cost", {}).get("tokens_per_target_forward")
+    chain = summary.get("sd-cost", {}).get("tokens_per_target_pass")
     lines = ["", "### Tokens per target pass, and the speedup projected where wide passes are nearly free", "",
              f"Projected: each run's own steps (tokens, target pass widths, drafter passes) priced on a machine where "
              f"scoring 16 drafted tokens costs {assumed['at16']:.2f} one-token passes and a drafter pass "
@@ -187,7 +187,7 @@ def _markdown_projection(info: dict, summary: dict) -> list[str]:
              "| method | tokens / target pass | × sd-cost's | tree nodes / step | measured vs ar here | projected vs ar |",
              "|---|---|---|---|---|---|"]
     for m, s in projected.items():
-        tpf = s.get("tokens_per_target_forward")
+        tpf = s.get("tokens_per_target_pass")
         ratio = tpf / chain if tpf and chain else None
         here = 1.0 if m == "ar" else s.get("median_speedup_vs_ar")
         lines.append(f"| {m} | {_fmt(tpf)} | {_fmt(ratio, '.2f', '×')} | {_fmt(s.get('mean_nodes_per_step'), '.1f')} | "

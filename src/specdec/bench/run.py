@@ -83,7 +83,7 @@ def _time_split(rs: list) -> dict:
     wall = sum(r.wall_seconds for r in rs)
     target, drafter = sum(r.target_seconds for r in rs), sum(r.drafter_seconds for r in rs)
     loop = max(0.0, wall - target - drafter)
-    steps = sum(r.target_forwards or 0 for r in rs)
+    steps = sum(r.target_passes or 0 for r in rs)
     return {"time_in_target": target / wall, "time_in_drafter": drafter / wall, "time_in_loop": loop / wall,
             "loop_ms_per_step": 1e3 * loop / steps if steps else None} if wall > 0 else {}
 
@@ -101,7 +101,7 @@ def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
         return {}
     return {"projected_speedup": statistics.median(
         assumed.projected_speedup(r.new_tokens, r.widths_per_step, r.drafter_passes_per_step,
-                                  r.target_forwards - len(r.widths_per_step), r.samples)  # the first tokens' passes
+                                  r.target_passes - len(r.widths_per_step), r.samples)  # the first tokens' passes
         for r in rs)}
 
 
@@ -113,7 +113,7 @@ def _median_or_none(values: list) -> float | None:
 def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts | None = None) -> dict[str, dict]:
     """Per method: median and aggregate tok/s, median time to first token and decoding rate after it,
     median per-prompt speedups vs ar, hf and hf-assisted (with a bootstrap interval, on how many
-    prompts it was faster, and decoding alone), acceptance, tokens per target forward, histogram of
+    prompts it was faster, and decoding alone), acceptance, tokens per target pass, histogram of
     accepted counts, (greedy prompts) identity to ar, and with `assumed` costs the speedup
     projected for that machine (`_projected`)."""
     by = {m: {r.prompt_id: r for r in records if r.method == m} for m in methods}
@@ -128,8 +128,8 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             "median_tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
             "aggregate_tokens_per_second": sum(r.new_tokens for r in rs) / sum(r.wall_seconds for r in rs),
             "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
-            "tokens_per_target_forward": (sum(r.new_tokens for r in rs) / sum(r.target_forwards for r in rs)
-                                          if all(r.target_forwards for r in rs) else None),
+            "tokens_per_target_pass": (sum(r.new_tokens for r in rs) / sum(r.target_passes for r in rs)
+                                          if all(r.target_passes for r in rs) else None),
             "accepted_histogram": dict(sorted(Counter(n for r in rs for n in r.accepted_per_step).items())),
             # per drafting step: accepted draft tokens (for trees, the accepted path's length) and tree nodes
             "mean_accepted_per_step": _mean([n for r in rs for n in r.accepted_per_step]),

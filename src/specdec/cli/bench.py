@@ -407,7 +407,7 @@ def _time_split_table(stats, name: str):
     rows = [[part, str(count), f"{seconds:.2f}", f"{seconds / stats.wall_seconds if stats.wall_seconds else 0.0:.0%}",
              f"{1e3 * seconds / count:.1f}" if count else ""] for part, count, seconds in time_split(stats)]
     return _table(f"{name}: {stats.new_tokens} tokens in {stats.wall_seconds:.2f} s ({stats.tokens_per_second:.2f} "
-                  f"tok/s, {stats.tokens_per_target_forward:.2f} per target pass)",
+                  f"tok/s, {stats.tokens_per_target_pass:.2f} per target pass)",
                   ("part", "passes", "seconds", "share", "ms each"), rows, left=("part",))
 
 

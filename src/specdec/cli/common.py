@@ -71,17 +71,18 @@ def _measured_costs(target_model, drafter_model):
     return costs
 
 
-def _chain_drafter_rows(config, exact_rows: bool | None) -> bool | None:
-    """A chain drafter model's `exact_rows`: on (unless --batched-rows), alone and in a batch
+def _drafter_rows(config, exact_rows: bool | None) -> bool | None:
+    """A drafter model's `exact_rows`. A chain's: on (unless --batched-rows), alone and in a batch
     alike, so that the engine can batch its passes across sequences and a seeded sampled prompt
     drafts the same in both. Its passes are a prompt (fed plainly either way) and then 1-2 tokens,
-    where row-exact attention is one one-query call a row, as a decode step makes; a tree drafter
-    keeps the default (its depth passes would pay a call per row)."""
+    where row-exact attention is one one-query call a row, as a decode step makes. A tree's: as
+    the target's, so on in a batch, where its passes join the other sequences'; alone it keeps the
+    default (its depth passes would pay a call per row)."""
     from ..methods import METHODS
 
-    if METHODS[config.method].trees or exact_rows is False:
+    if exact_rows is False:
         return None
-    return True
+    return exact_rows if METHODS[config.method].trees else True
 
 
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,

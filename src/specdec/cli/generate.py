@@ -13,7 +13,7 @@ from rich.console import Console
 from .. import registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _weights_of,
-                     _measured_costs, _chain_drafter_rows, _load, KERNELS_HELP, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
+                     _measured_costs, _drafter_rows, _load, KERNELS_HELP, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
                      DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP, EXACT_ROWS_HELP, METHOD_HELP, _lookahead_shape,
                      TREE_HELP, LOOKAHEAD_SHAPE_HELP, TREE_SCHEME_HELP, spec_config, _seed_pins, _first_drafter,
                      parse_bytes)
@@ -178,7 +178,7 @@ def _load_pair(config, target: str, dtype: str, drafter_dtype: str, device: str,
     if not (config.speculative and config.needs_drafter_model()):
         return target_model, None
     weights = _drafter_weights(dtype, config.drafter, drafter_dtype, bool(vocab["vocab"] or vocab["vocab_corpus"]))
-    return target_model, _load(config.drafter, weights, device, "drafter", _chain_drafter_rows(config, exact_rows),
+    return target_model, _load(config.drafter, weights, device, "drafter", _drafter_rows(config, exact_rows),
                                sequences=sequences, **vocab)
 
 

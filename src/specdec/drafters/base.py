@@ -7,6 +7,7 @@ from typing import Callable, Generator, Protocol, Sequence
 
 import torch
 
+from ..errors import SpecdecError
 from ..samplers import Sampler
 
 # Called after each drafted token with how many are drafted so far and the drafter's own
@@ -61,6 +62,9 @@ class Capabilities:
 def capabilities_of(drafter) -> Capabilities:
     """The capabilities `drafter`'s class declares; for a drafter written against the bare
     protocol (no declaration), those its members show, derived once here."""
+    if not hasattr(drafter, "passes"):
+        raise SpecdecError(f"the drafter {type(drafter).__name__} has no `passes` (its drafter passes since `start`, "
+                           "0 for a model-free drafter); the protocol's `forwards` was renamed `passes`")
     declared = getattr(type(drafter), "capabilities", None)
     return declared if isinstance(declared, Capabilities) else derived_capabilities(drafter)
 
@@ -92,7 +96,7 @@ class Drafter(Protocol):
     declared in a class attribute `capabilities` (`Capabilities`)."""
 
     name: str
-    forwards: int  # drafter forward passes since `start` (0 for model-free drafters)
+    passes: int  # drafter passes since `start` (0 for model-free drafters)
 
     def check_target(self, target) -> None:
         """Raise SpecdecError if this drafter cannot serve `target` (e.g. another vocabulary)."""

@@ -68,7 +68,7 @@ class CascadeDrafter(ModelDrafter):
         while not done and len(tokens) < max_tokens:
             guess = self.guess(list(context) + tokens, min(self.max_guess, max_tokens - len(tokens) - 1))
             rows = yield Segment(pending + self._inputs(guess), self.cache, len(guess) + 1)
-            self.forwards += 1
+            self.passes += 1
             self.guessed += len(guess)
             for i, row in enumerate(rows):
                 logits = row[:self.vocab_size]  # ids past the target's (head padding) are never proposed

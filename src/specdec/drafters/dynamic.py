@@ -71,7 +71,7 @@ class _TreeModelDrafter(ModelDrafter):
         self._catch_up(context)
         pending = self._inputs(context[cache_length(self.cache):])
         logits = (yield Segment(pending, self.cache, 1))[-1]
-        self.forwards += 1
+        self.passes += 1
         return logits
 
     def _feed_depth(self, nodes: list[Node], fed: list[Node], fed_parent: dict[int, int],
@@ -83,7 +83,7 @@ class _TreeModelDrafter(ModelDrafter):
             fed.append(node)
         region = [fed_parent[id(self._parent[id(node)])] for node in fed]
         logits = yield Segment(self._inputs([n.token for n in nodes]), self.cache, len(nodes), region, start)
-        self.forwards += 1
+        self.passes += 1
         return logits
 
     def _over(self, logits: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ class LookaheadDrafter:
         check_shape(shape)
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self.shape: tuple[int, int, int] | None = shape if window is not None else None
-        self.forwards = 0
+        self.passes = 0
         self.model = None
         self._name()
         self.start([])

@@ -74,7 +74,7 @@ class LookupDrafter:
             raise SpecdecError(f"lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
         self.max_ngram, self.min_ngram, self.earliest = max_ngram, min_ngram, earliest
         self.name = f"lookup-{min_ngram}..{max_ngram}" + ("-earliest" if earliest else "")
-        self.forwards = 0
+        self.passes = 0
 
     def check_target(self, target) -> None:
         pass

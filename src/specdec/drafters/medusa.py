@@ -46,7 +46,7 @@ class MedusaDrafter:
         self.width = width
         self.policy = policy or TreeCost(max_nodes=max_nodes)
         self.name = f"medusa{self.heads.heads.num_heads}"
-        self.forwards = 0
+        self.passes = 0
         self._hidden: torch.Tensor | None = None
         self._weight: torch.Tensor | None = None  # [N, H] the target's head rows for the scored ids
         self._ids: torch.Tensor | None = None  # [N] the scored ids, on the target's device
@@ -66,7 +66,7 @@ class MedusaDrafter:
         self._blocks = self.heads.heads_for(target.device, target.dtype)
 
     def start(self, prompt: Sequence[int]) -> None:
-        self.forwards = 0
+        self.passes = 0
         self._hidden = None
         self._drafted = False
         self.policy.reset()
@@ -90,7 +90,7 @@ class MedusaDrafter:
         if self._hidden is None or max_depth < 1 or not self.policy.should_draft():
             return Tree([], [])
         probs = self.head_probs(self._hidden)
-        self.forwards += 1
+        self.passes += 1
         depth_limit = min(max_depth, probs.shape[0])
         top = probs[:depth_limit].topk(min(self.width, probs.shape[1]), dim=-1)
         values, tokens = top.values.tolist(), self._ids[top.indices].tolist()  # [D][width]

@@ -35,7 +35,7 @@ class ModelDrafter:
     def __init__(self, model: Backend):
         self.model = model
         self.name = model.name
-        self.forwards = 0
+        self.passes = 0
         self.cache = None
         self.caught_up = [0, 0.0]  # tokens fed to catch up with the context (prompt, plain steps), seconds
         self.salt = ""  # the tenant whose kept prompts its model's prompt cache may reuse (Decoding's cache_salt)
@@ -53,7 +53,7 @@ class ModelDrafter:
 
     def start(self, prompt: Sequence[int]) -> None:
         self.cache = self.model.new_cache()
-        self.forwards = 0
+        self.passes = 0
 
     def lag(self, context: Sequence[int]) -> int:
         """Tokens of `context` this drafter's cache lacks: what its next proposal feeds before it
@@ -76,7 +76,7 @@ class ModelDrafter:
         pending = self._inputs(context[cache_length(self.cache):])
         while len(tokens) < max_tokens:
             logits = (yield Segment(pending, self.cache, 1))[-1]
-            self.forwards += 1
+            self.passes += 1
             logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
             over_target = self._over_target_vocabulary(logits)
             if sampler.is_greedy:

@@ -42,7 +42,7 @@ class NgramDrafter:
             raise SpecdecError(f"the n-gram drafter needs n >= 2, got {n!r}")
         self.n = n
         self.name = name or f"ngram-{n}"
-        self.forwards = 0
+        self.passes = 0
         self.vocab_size: int | None = None
         self.corpus: Counts = count_ngrams(list(corpus_tokens or []), n)
         self.online: Counts = {}

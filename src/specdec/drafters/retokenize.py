@@ -56,7 +56,7 @@ class OtherTokenizerDrafter:
             raise SpecdecError(f"unknown mode {mode!r} for a drafter of another tokenizer; use {', '.join(MODES)}")
         self.model, self.mode = model, mode
         self.name = f"{model.name} (retokenized)"
-        self.forwards = 0
+        self.passes = 0
         self.cache = None
         self.target = None
         self._held: list[int] = []  # the drafter's ids in its cache, in order
@@ -73,7 +73,7 @@ class OtherTokenizerDrafter:
 
     def start(self, prompt: Sequence[int]) -> None:
         self.cache = self.model.new_cache()
-        self.forwards = 0
+        self.passes = 0
         self._held = []
 
     def shared_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +108,7 @@ class OtherTokenizerDrafter:
         drafted: list[int] = []
         while len(drafted) < max_tokens:
             logits = self.model.forward(pending, self.cache, 1)[-1]
-            self.forwards += 1
+            self.passes += 1
             self._held += pending
             token = int(greedy_tokens(logits)) if sampler.is_greedy else int(sample(sampler.probs(logits), generator))
             drafted.append(token)
@@ -138,7 +138,7 @@ class OtherTokenizerDrafter:
         tokens, probs = [], []
         while len(tokens) < max_tokens:
             logits = self.model.forward(pending, self.cache, 1)[-1]
-            self.forwards += 1
+            self.passes += 1
             self._held += pending
             shared = logits.new_full(logits.shape, float("-inf"))
             shared[mine] = logits[mine]

@@ -262,7 +262,7 @@ class SuffixDrafter:
         self.cache, self.depth, self.min_prob, self.factor, self.min_match = cache, depth, min_prob, factor, min_match
         self.datastore = datastore
         self.name = ("retrieval" if datastore is not None else "suffix") + ("+cache" if cache is not None else "")
-        self.forwards = 0
+        self.passes = 0
         self.calibration = [RatioScale() for _ in LENGTH_BINS]
         self.start([])
 

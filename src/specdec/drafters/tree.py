@@ -119,7 +119,7 @@ class SidesDrafter(ModelDrafter):
         acceptance = self.policy.acceptance
         while len(chain) < max_depth:
             logits = (yield Segment(pending, self.cache, 1))[-1]
-            self.forwards += 1
+            self.passes += 1
             if chain:
                 self._fed.append(len(chain) - 1)
             over = self._over_target_vocabulary(logits[:self.vocab_size])

@@ -63,7 +63,7 @@ class StepPlan:
     ids: list[int]
     decodings: list[Decoding]
     speculate: bool | None
-    forwards: int  # drafter passes so far, summed over the sequences
+    passes: int  # drafter passes so far, summed over the sequences
     caught_up: tuple[int, float] | None  # drafter catch-up tokens and seconds so far
     began: float = 0.0
     drafted: float = 0.0
@@ -187,7 +187,7 @@ class Engine:
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings)
-        return StepPlan(ids, decodings, speculate, sum(_forwards(d) for d in decodings),
+        return StepPlan(ids, decodings, speculate, sum(_drafter_passes(d) for d in decodings),
                         _caught_up(decodings) if speculate is not None else None)
 
     def _draft(self, plan: StepPlan) -> list[Segment]:
@@ -264,7 +264,7 @@ class Engine:
             return
         fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(plan.decodings), plan.caught_up))
         self.costs.record(len(plan.ids), plan.speculate, sum(map(len, emitted.values())), plan.drafted - plan.began,
-                          sum(_forwards(d) for d in plan.decodings) - plan.forwards, plan.pass_seconds,
+                          sum(_drafter_passes(d) for d in plan.decodings) - plan.passes, plan.pass_seconds,
                           sum(len(s.input_ids) for s in segments), fed, catch_up_seconds, plan.rounds)
 
     def run(self) -> dict[int, GenerationResult]:
@@ -433,8 +433,8 @@ def _shares_drafter_passes(model, decoding: Decoding) -> bool:
     return can.rows_invariant or not decoding.pinned
 
 
-def _forwards(decoding: Decoding) -> int:
-    return decoding.drafter.forwards if decoding.drafter is not None else 0
+def _drafter_passes(decoding: Decoding) -> int:
+    return decoding.drafter.passes if decoding.drafter is not None else 0
 
 
 def _caught_up(decodings: list[Decoding]) -> tuple[int, float]:

@@ -450,7 +450,7 @@ class _Run:
     def usage(self) -> dict:
         done = [r for r in self.results if r is not None]
         completion = sum(len(r.tokens) for r in done)
-        passes = sum(r.stats.target_forwards for r in done)
+        passes = sum(r.stats.target_passes for r in done)
         spec = [speculation_usage(r) for r in done]
         prompt = sum(map(len, self.prompts))
         n = self.job.n

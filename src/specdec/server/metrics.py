@@ -78,5 +78,5 @@ def speculation_usage(result: GenerationResult) -> dict:
                 per_position[position] += 1
     stats = result.stats
     return {"drafts": drafts, "draft_tokens": stats.drafted, "accepted_tokens": stats.accepted,
-            "accepted_per_position": per_position, "target_passes": stats.target_forwards,
-            "tokens_per_target_pass": round(stats.tokens_per_target_forward, 3)}
+            "accepted_per_position": per_position, "target_passes": stats.target_passes,
+            "tokens_per_target_pass": round(stats.tokens_per_target_pass, 3)}
