@@ -151,6 +151,22 @@ def test_catching_up_is_charged_to_the_switch_not_to_the_drafting_rate():
     assert costs.speculate(4, lag=10_000, remaining=10) is False and costs.deferred == 1
 
 
+def test_a_sequence_whose_catch_up_would_not_repay_itself_sits_out_while_the_batch_drafts():
+    """Where drafting has been faster, a new sequence drafts only once its drafter's catch-up (its
+    prompt) costs less than drafting saves over its own remaining tokens; a probe of drafting that
+    has been losing is the batch's decision alone."""
+    costs = BatchCosts()
+    costs.record(4, True, 12, 1.0, 12, 0.5, 16, caught_up=400, catch_up_seconds=0.9)  # 20 tok/s drafting
+    costs.record(4, False, 4, 0.0, 0, 0.4, 4)  # 10 tok/s plain: drafting saves 0.05 s a token
+    assert costs.repays_catch_up(4, lag=0, remaining=1)
+    assert costs.repays_catch_up(4, lag=100, remaining=10)  # 0.225 s of catch-up, 0.5 s saved
+    assert not costs.repays_catch_up(4, lag=500, remaining=20)  # 1.125 s against 1 s
+    costs.record(4, False, 4, 0.0, 0, 0.01, 4)
+    costs.record(4, False, 4, 0.0, 0, 0.01, 4)  # plain steps now the faster: a probe decides for all
+    assert costs.kinds[4].rate(False) > costs.kinds[4].rate(True)
+    assert costs.repays_catch_up(4, lag=500, remaining=20)
+
+
 def test_a_step_of_first_tokens_only_decides_nothing():
     """The first token of each sequence comes from the target alone: such a step cannot draft,
     so it must not be timed as a drafting step (it would make drafting look as cheap as plain)."""

@@ -306,19 +306,26 @@ class Engine:
 
     def _steer(self, decodings: list[Decoding]) -> bool | None:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
-        whose output draft lengths cannot change and that may draft this step -> the decision
-        (None: no such sequence)."""
+        whose output draft lengths cannot change and that may draft this step, but for those whose
+        drafter's catch-up would cost more than drafting saves them -> the decision (None: no such
+        sequence)."""
         if self.costs is None:
             return None
         # a step of first tokens only would time plain passes as drafting: it decides nothing
         steered = [d for d in decodings if d.steerable is not None and d.drafts_next]
         if not steered:
             return None
-        lagging = [d for d in steered if d.can.catches_up]
-        speculate = self.costs.speculate(len(decodings), sum(d.drafter.lag(d.sequence) for d in lagging),
+        batch = len(decodings)
+        lags = {id(d): d.drafter.lag(d.sequence) for d in steered if d.can.catches_up}
+        # a sequence whose drafter would first catch up on more than drafting saves it (a new
+        # one's whole prompt, under load) decodes plainly while the others draft
+        sitting_out = {id(d) for d in steered if id(d) in lags and
+                       not self.costs.repays_catch_up(batch, lags[id(d)], d.out.remaining)}
+        lagging = [d for d in steered if id(d) in lags and id(d) not in sitting_out]
+        speculate = self.costs.speculate(batch, sum(lags[id(d)] for d in lagging),
                                          sum(d.out.remaining for d in lagging))
         for decoding in steered:
-            self.costs.steer(decoding.steerable, len(decodings), speculate)
+            self.costs.steer(decoding.steerable, batch, speculate and id(decoding) not in sitting_out)
         return speculate
 
     def _plan(self, ids: list[int], decodings: list[Decoding]) -> tuple[list[Segment | None], int]:

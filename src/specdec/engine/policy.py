@@ -90,6 +90,18 @@ class BatchCosts:
         self._put_off.discard(batch)
         return True
 
+    def repays_catch_up(self, batch: int, lag: int, remaining: int) -> bool:
+        """Whether one sequence, in a step where the batch drafts, should draft too: where drafting
+        has been the faster kind at `batch`, only if catching its drafter up on the `lag` tokens it
+        lacks (a new sequence: its whole prompt) costs less than drafting saves over its
+        `remaining` tokens. Otherwise (a probe, or nothing to catch up) it drafts with the batch."""
+        cost = self.catch_up_seconds(lag)
+        kinds = self._kinds(batch)
+        drafting, plain = kinds.rate(True), kinds.rate(False)
+        if cost == 0 or kinds.steps(False) == 0 or drafting <= plain or plain <= 0:
+            return True
+        return cost <= remaining * (1 / plain - 1 / drafting)
+
     def catch_up_seconds(self, lag: int) -> float:
         """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (0
         until measured: the first probes run)."""
