@@ -291,6 +291,27 @@ def test_a_protocol_only_drafter_still_drafts():
         speculative_generate(PROMPT, target, Before(), max_new_tokens=16, eos_token_ids=[])
 
 
+def test_a_subclass_overriding_the_whole_proposal_is_called_through_it():
+    """A drafter class that batches its passes (`tree_proposal`) is driven through that generator;
+    a subclass that overrides `propose_tree` must still be called through its override."""
+    from specdec.drafters import SidesDrafter
+    from specdec.drafters.base import capabilities_of
+
+    calls = []
+
+    class Watched(SidesDrafter):
+        def propose_tree(self, *args):
+            calls.append(args[1])
+            return super().propose_tree(*args)
+
+    target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
+    assert capabilities_of(SidesDrafter(drafter)).batched_passes
+    assert not capabilities_of(Watched(drafter)).batched_passes
+    ar = autoregressive_generate(PROMPT, target, max_new_tokens=12, eos_token_ids=[])
+    out = speculative_generate(PROMPT, target, Watched(drafter), max_new_tokens=12, eos_token_ids=[])
+    assert out.tokens == ar.tokens and calls
+
+
 def test_an_engine_step_reads_as_schedule_draft_pass_verify():
     import inspect
 

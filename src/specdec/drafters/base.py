@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Generator, Protocol, Sequence
 
@@ -66,7 +67,20 @@ def capabilities_of(drafter) -> Capabilities:
         raise SpecdecError(f"the drafter {type(drafter).__name__} has no `passes` (its drafter passes since `start`, "
                            "0 for a model-free drafter); the protocol's `forwards` was renamed `passes`")
     declared = getattr(type(drafter), "capabilities", None)
-    return declared if isinstance(declared, Capabilities) else derived_capabilities(drafter)
+    if not isinstance(declared, Capabilities):
+        return derived_capabilities(drafter)
+    whole, passes = ("propose_tree", "tree_proposal") if declared.trees else ("propose", "proposal")
+    if declared.batched_passes and _defined_below(type(drafter), whole, passes):
+        # a subclass that overrides the whole proposal must be called through it
+        return dataclasses.replace(declared, batched_passes=False)
+    return declared
+
+
+def _defined_below(cls: type, name: str, other: str) -> bool:
+    """Whether `cls` (or a class between it and the one defining `other`) defines `name` below
+    where `other` is defined: an override the other member does not go through."""
+    owner = lambda member: next((i for i, c in enumerate(cls.__mro__) if member in vars(c)), len(cls.__mro__))  # noqa: E731
+    return owner(name) < owner(other)
 
 
 def derived_capabilities(drafter) -> Capabilities:

@@ -322,8 +322,9 @@ class Engine:
         sitting_out = {id(d) for d in steered if id(d) in lags and
                        not self.costs.repays_catch_up(batch, lags[id(d)], d.out.remaining)}
         lagging = [d for d in steered if id(d) in lags and id(d) not in sitting_out]
-        speculate = self.costs.speculate(batch, sum(lags[id(d)] for d in lagging),
-                                         sum(d.out.remaining for d in lagging))
+        # where every one sits out, the step is a plain one (and is timed as one)
+        speculate = len(sitting_out) < len(steered) and self.costs.speculate(
+            batch, sum(lags[id(d)] for d in lagging), sum(d.out.remaining for d in lagging))
         for decoding in steered:
             self.costs.steer(decoding.steerable, batch, speculate and id(decoding) not in sitting_out)
         return speculate
