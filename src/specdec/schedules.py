@@ -297,6 +297,11 @@ class WidthFit:
         for i, value in enumerate((1.0, width, width * width, seconds, width * seconds)):
             self._sums[i] = self._sums[i] * self.decay + value
 
+    def mean(self) -> float | None:
+        """The (decayed) mean seconds of the samples, whatever their widths; None before any."""
+        n, _, _, st, _ = self._sums
+        return st / n if n > 0 else None
+
     def fit(self) -> tuple[float, float] | None:
         """(slope, base): seconds per extra row (never below 0) and of a zero-row pass; None until
         the widths have varied enough to fit."""

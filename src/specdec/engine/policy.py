@@ -52,7 +52,6 @@ class BatchCosts:
         self._fit = WidthFit(decay)  # target seconds over pass width, older steps decayed
         self._draft = [0.0, 0.0]  # decayed drafter rows, drafting seconds
         self._rounds = WidthFit(decay)  # drafter seconds per lock-step round over its rows
-        self._round_sums = [0.0, 0.0]  # decayed rounds, their seconds (where rows never varied)
         self._drafting = [0.0] * 5  # decayed over drafting steps: steps, sequences, tokens, rows, rounds
         self._measured: set[int] = set()  # batch sizes with drafting steps of their own
         self._catch_up = [0, 0.0]  # tokens drafters caught up on, seconds
@@ -68,7 +67,7 @@ class BatchCosts:
         predicted = self.predict(batch) if batch not in self._measured else None
         if predicted is not None and predicted[0] > predicted[1]:  # a size not tried, where drafting should win
             drafting, plain = predicted
-            if cost > remaining * (1 / plain - 1 / drafting):
+            if cost > _saved(remaining, drafting, plain):
                 self.deferred += 1
                 return False
             self.kinds[batch] = self._fresh()  # measured by its own steps from here
@@ -82,7 +81,7 @@ class BatchCosts:
         if drafting < plain:  # a probe
             worth = self.probe_share * self.plain_seconds
         else:
-            worth = remaining * (1 / plain - 1 / drafting) if plain > 0 else float("inf")
+            worth = _saved(remaining, drafting, plain) if plain > 0 else float("inf")
         if cost > worth:
             self._put_off.add(batch)
             self.deferred += 1
@@ -100,7 +99,7 @@ class BatchCosts:
         drafting, plain = kinds.rate(True), kinds.rate(False)
         if cost == 0 or kinds.steps(False) == 0 or drafting <= plain or plain <= 0:
             return True
-        return cost <= remaining * (1 / plain - 1 / drafting)
+        return cost <= _saved(remaining, drafting, plain)
 
     def catch_up_seconds(self, lag: int) -> float:
         """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (0
@@ -123,7 +122,6 @@ class BatchCosts:
             if rounds:
                 per_round = (draft_seconds - catch_up_seconds) / rounds
                 self._rounds.add(drafter_rows / rounds, per_round)
-                self._round_sums = [self._round_sums[0] * decay + 1, self._round_sums[1] * decay + per_round]
         self.plain_seconds = 0.0 if drafted else self.plain_seconds + draft_seconds + target_seconds
         if caught_up:
             self._catch_up = [self._catch_up[0] + caught_up, self._catch_up[1] + catch_up_seconds]
@@ -153,12 +151,12 @@ class BatchCosts:
         until both kinds' costs are measured."""
         fitted = self._fit.fit()
         steps, sequences, tokens, rows, rounds = self._drafting
-        if fitted is None or sequences <= 0 or not self._round_sums[0]:
+        mean_round = self._rounds.mean()
+        if fitted is None or sequences <= 0 or mean_round is None:
             return None
         slope, base = fitted
-        drafter = self._rounds.fit()
-        per_round = (drafter[1] + drafter[0] * batch if drafter is not None else
-                     self._round_sums[1] / self._round_sums[0])
+        drafter = self._rounds.fit()  # where rows per round never varied: their mean
+        per_round = drafter[1] + drafter[0] * batch if drafter is not None else mean_round
         plain = batch / max(1e-9, base + slope * batch)
         seconds = base + slope * batch * rows / sequences + max(0.0, per_round) * rounds / steps
         return batch * tokens / sequences / max(1e-9, seconds), plain
@@ -178,3 +176,8 @@ class BatchCosts:
                 kinds.sums = {kind: list(sums) for kind, sums in nearest.sums.items()}
             self.kinds[batch] = kinds
         return self.kinds[batch]
+
+
+def _saved(tokens: int, drafting: float, plain: float) -> float:
+    """Seconds that making `tokens` at the `drafting` rate saves against the `plain` rate (tokens/s)."""
+    return tokens * (1 / plain - 1 / drafting)
