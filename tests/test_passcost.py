@@ -7,7 +7,7 @@ import pytest
 
 from specdec import autoregressive_generate, speculative_generate
 from specdec import passcost
-from specdec.passcost import PassCosts, pass_costs
+from specdec.passcost import LoadCosts, PassCosts, load_costs, pass_costs
 from specdec.schedules import CostAware
 
 from conftest import TableModel, tiny_model
@@ -15,6 +15,12 @@ from conftest import TableModel, tiny_model
 # seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/kernels.md)
 GGUF = {1: 0.0326, 2: 0.0567, 3: 0.0746, 4: 0.109, 6: 0.158, 8: 0.218}
 BF16 = {1: 0.174, 2: 0.171}
+# batched passes on the same CPU (passcost.batch_pass_seconds, 2026-11-27): the bf16 1.5B target
+# over (sequences, rows each), and its int8 0.5B drafter's one-row rounds by sequences
+LOADED = {(1, 1): 0.1648, (1, 2): 0.1652, (1, 4): 0.1915, (2, 1): 0.1632, (2, 2): 0.1805, (2, 4): 0.2137,
+          (4, 1): 0.1939, (4, 2): 0.2210, (4, 4): 0.2790, (8, 1): 0.2199, (8, 2): 0.2878, (8, 4): 0.4185,
+          (16, 1): 0.2905, (16, 2): 0.4717}
+ROUNDS = {1: 0.0375, 2: 0.0423, 4: 0.0543, 8: 0.1107, 16: 0.1291}
 
 
 def test_the_best_case_bound_and_the_margin():
@@ -88,3 +94,35 @@ def test_a_model_free_drafters_threshold_starts_at_the_profiles_price_of_a_row()
     assert not free.keep_going(0, 0.7) and free.keep_going(0, 0.8)
     assert CostAware(20, pass_costs=PassCosts(GGUF, 0.0187)).threshold == 0.5
     assert CostAware(20).threshold == 0.5
+
+
+def test_the_batched_profile_rules_out_the_batch_sizes_where_no_draft_can_pay():
+    """Under load a pass over more rows is no longer free: with the int8 drafter, at 8 and 16
+    sequences no draft pays even at acceptance 0.8, at 1-4 one does; without a drafter's rounds
+    the bar is lower, and at a low acceptance it is not met either."""
+    profile = LoadCosts(LOADED, ROUNDS)
+    assert [profile.may_pay(b, 0.8) for b in (1, 2, 4, 8, 16)] == [True, True, True, False, False]
+    four = (1 - 0.8 ** 4) / 0.2 * 0.2199 / (0.4185 + 3 * 0.1107)
+    assert profile.best_speedup(8, 0.8) == pytest.approx(max(1.8 * 0.2199 / (0.2878 + 0.1107), four))
+    free = LoadCosts(LOADED)
+    assert free.drafter_seconds(8) == 0 and free.may_pay(8, 0.8) and not free.may_pay(8, 0.2)
+    # between the batch sizes measured, a line; past the largest, the line through the last two
+    assert profile.target_seconds(3, 1) == pytest.approx((0.1632 + 0.1939) / 2)
+    assert profile.target_seconds(32, 1) == pytest.approx(0.2905 + 2 * (0.2905 - 0.2199))
+    assert profile.target_seconds(16, 4) == pytest.approx(0.4185 + 2 * (0.4185 - 0.2790))  # 16 x 4 not measured
+    assert profile.drafter_seconds(12) == pytest.approx((0.1107 + 0.1291) / 2)
+
+
+def test_the_batched_profile_is_measured_once_per_model_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    target, drafter = tiny_model(0, vocab=32, exact_rows=True), tiny_model(1, vocab=32, layers=1, name="tiny-drafter",
+                                                                           exact_rows=True)
+    said = []
+    first = load_costs(target, drafter, say=said.append)
+    assert len(said) == 2  # the target's passes, the drafter's rounds
+    assert set(first.target) == {(b, r) for b in passcost.LOAD_BATCHES for r in passcost.LOAD_ROWS}
+    assert set(first.drafter) == set(passcost.LOAD_BATCHES) and all(t > 0 for t in first.drafter.values())
+    assert load_costs(target, drafter, say=said.append) == first and len(said) == 2  # read back
+    free = load_costs(target, None, say=said.append)
+    assert len(said) == 2 and free.target == first.target and free.drafter == {}  # the target's are shared
+    assert load_costs(TableModel(8, 0), None) is None  # one sequence a pass: no profile

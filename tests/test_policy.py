@@ -5,10 +5,12 @@ import torch
 
 from specdec import Sampler
 from specdec.engine.policy import BatchCosts
+from specdec.passcost import LoadCosts
 from specdec.generate import Decoding
 from specdec.schedules import CostAware
 
 from conftest import tiny_model
+from test_passcost import LOADED, ROUNDS
 
 
 def _simulate(costs: BatchCosts, batch: int, pass_seconds, drafted_tokens: float, steps: int = 120) -> list[bool]:
@@ -180,3 +182,32 @@ def test_a_step_of_first_tokens_only_decides_nothing():
     assert engine.costs.kinds == {}
     engine.step()
     assert list(engine.costs.kinds) == [2] and engine.costs.kinds[2].steps(True) == 1
+
+
+def test_batch_sizes_where_the_profile_says_no_draft_can_pay_decode_plainly_from_the_first_step():
+    """Learning that drafting loses costs drafting steps; with the machine's batched pass costs
+    (the int8 drafter: no draft pays at 16 sequences) there is no warm-up and no probe there,
+    while a size where drafting may pay still learns from its steps, and keeps drafting where
+    they show it faster whatever the acceptance then says."""
+    dear = lambda width: 0.05 * width  # noqa: E731
+    costs = BatchCosts(prior=LoadCosts(LOADED, ROUNDS))
+    assert not any(_simulate(costs, 16, dear, drafted_tokens=2.0, steps=40)) and costs.ruled_out == 40
+    assert sum(_simulate(BatchCosts(), 16, dear, drafted_tokens=2.0, steps=40)) >= 3  # power: unruled, it pays to learn
+    cheap = lambda width: 0.2 + 0.001 * width  # noqa: E731
+    chosen = _simulate(costs, 2, cheap, drafted_tokens=3.0, steps=40)
+    assert chosen[:3] == [True] * 3 and sum(chosen[20:]) > 15
+    costs.acceptance = lambda: 0.0  # as if the drafts now failed: no size can pay in the profile
+    assert costs.speculate(2) is True and costs.speculate(4) is False
+
+
+def test_a_low_acceptance_rules_out_a_batch_size_the_profile_allowed_at_the_prior():
+    """Prompt lookup (no drafter rounds) could pay at 8 sequences at acceptance 0.8, not at what
+    its drafting steps show (1.2 tokens a sequence for 3 drafted)."""
+    costs = BatchCosts(prior=LoadCosts(LOADED))
+    assert costs.acceptance() == 0.8 and costs.prior.may_pay(8, costs.acceptance())
+    _simulate(costs, 5, lambda width: 0.2 + 0.001 * width, drafted_tokens=1.2, steps=3)
+    measured = 1 - 1 / 1.2  # the bound from tokens a step beats 0.2 / 3 accepted
+    drafted = 15 * (0.9 ** 2 + 0.9 + 1)  # three steps of 5 sequences drafting 3 each, decayed
+    assert abs(costs.acceptance() - (measured * drafted + 0.8 * 16) / (drafted + 16)) < 1e-9
+    before = costs.ruled_out
+    assert costs.speculate(8) is False and costs.ruled_out == before + 1

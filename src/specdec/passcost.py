@@ -21,7 +21,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -39,6 +39,10 @@ WORTH = 1.1  # the least best case worth drafting for (see PassCosts.never_pays)
 CLEARLY_PAYS = 1.5  # a best case above this ends the measurement
 # Widths measured for lookahead decoding's wide passes (`flat_rows`), up to its published 121 rows.
 FLAT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# The batched profile (`load_costs`): batch sizes, and rows a sequence (a draft of up to 3 tokens:
+# under load longer drafts pay less, and where 2-4 rows do not pay no longer draft does).
+LOAD_BATCHES = (1, 2, 4, 8, 16)
+LOAD_ROWS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,58 @@ class PassCosts:
     def to_dict(self) -> dict:
         return {"target_ms": {k: 1e3 * t for k, t in self.target.items()}, "drafter_ms": 1e3 * self.drafter,
                 "best_speedup": self.best_speedup(), "never_pays": self.never_pays()}
+
+
+@dataclass(frozen=True)
+class LoadCosts:
+    """Seconds of batched passes on this machine, for the engine's batch policy
+    (`engine.policy.BatchCosts`): target[(sequences, rows)] is a target pass over `sequences`
+    sequences scoring `rows` rows each; drafter[sequences] a drafter pass of one row each (empty:
+    a model-free drafter, which costs nothing a round)."""
+
+    target: dict[tuple[int, int], float]
+    drafter: dict[int, float] = field(default_factory=dict)
+
+    def target_seconds(self, batch: int, rows: int) -> float:
+        """A target pass over `batch` sequences of `rows` rows each, interpolated (and past the
+        largest batch measured, extrapolated) linearly over the batch size."""
+        return _interpolate({b: t for (b, r), t in self.target.items() if r == rows}, batch)
+
+    def drafter_seconds(self, batch: int) -> float:
+        """One drafter round over `batch` sequences (0 for a model-free drafter)."""
+        return _interpolate(self.drafter, batch) if self.drafter else 0.0
+
+    def best_speedup(self, batch: int, acceptance: float) -> float:
+        """max over the measured draft lengths k − 1 of E_k·t(b, 1) / (t(b, k) + (k − 1)·d(b)): the
+        speedup over plain steps of `batch` sequences each drafting k − 1 tokens accepted with
+        probability `acceptance` each (E_k = (1 − α^k) / (1 − α) tokens a step)."""
+        alpha = min(max(acceptance, 0.0), 0.999)
+        plain = self.target_seconds(batch, 1)
+        rows = sorted({r for _, r in self.target if r > 1})
+        return max(((1 - alpha ** k) / (1 - alpha) * plain /
+                    (self.target_seconds(batch, k) + (k - 1) * self.drafter_seconds(batch)) for k in rows),
+                   default=0.0)
+
+    def may_pay(self, batch: int, acceptance: float) -> bool:
+        """Whether drafting at `batch` sequences could beat plain steps by `WORTH` (see
+        `PassCosts.never_pays`: below that margin it loses in practice) at that acceptance."""
+        return self.best_speedup(batch, acceptance) >= WORTH
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """The piecewise-linear curve through `points` (x -> seconds) at `x`; past either end the
+    nearest two points' line, never below the nearest point's value past the right end."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x in points:
+        return points[x]
+    right = next((i for i, v in enumerate(xs) if v > x), len(xs) - 1)
+    left = max(0, right - 1)
+    x0, x1 = xs[left], xs[max(right, 1)]
+    y0, y1 = points[x0], points[x1]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, points[xs[-1]]) if x > xs[-1] else max(y, 1e-9)
 
 
 def sync(device: torch.device) -> None:
@@ -186,6 +242,40 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
     entries[key] = {"target": {str(k): v for k, v in costs.target.items()}, "drafter": costs.drafter}
     _write_cache(entries)
     return costs
+
+
+def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | None:
+    """The batched profile (`LoadCosts`) of a target and its drafter (None: a model-free one) on
+    this machine: target passes over LOAD_BATCHES sequences of LOAD_ROWS rows each and drafter
+    rounds over LOAD_BATCHES sequences, each model's from the cache or measured now (10-30 s for
+    a 1.5B target on a CPU) and cached. None for a target that scores one sequence a pass (no
+    `forward_batch`)."""
+    if not hasattr(target, "forward_batch"):
+        return None
+    target_seconds = _batched(target, LOAD_ROWS, say)
+    drafter_seconds = {} if drafter is None else {b: t for (b, _), t in _batched(drafter, (1,), say).items()}
+    return LoadCosts(target_seconds, drafter_seconds)
+
+
+def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
+    """Seconds of `model`'s passes over LOAD_BATCHES sequences of `rows` rows each (one sequence
+    after another where it has no `forward_batch`), cached."""
+    key = _key(model) + " batched rows " + ",".join(map(str, rows))
+    entry = _read_cache().get(key)
+    wanted = {f"{b},{r}" for b in LOAD_BATCHES for r in rows}
+    if isinstance(entry, dict) and isinstance(entry.get("seconds"), dict) and set(entry["seconds"]) == wanted and \
+            all(isinstance(v, (int, float)) and v > 0 for v in entry["seconds"].values()):
+        return {tuple(map(int, k.split(","))): float(v) for k, v in entry["seconds"].items()}
+    say(f"measuring {model.name}'s batched passes once for this machine (cached in {_cache_path()})")
+    if hasattr(model, "forward_batch"):
+        seconds = {(b, r): batch_pass_seconds(model, b, r, repeats=3) for b in LOAD_BATCHES for r in rows}
+    else:
+        alone = {r: pass_seconds(model, r, repeats=3) for r in rows}
+        seconds = {(b, r): b * alone[r] for b in LOAD_BATCHES for r in rows}
+    entries = _read_cache()
+    entries[key] = {"seconds": {f"{b},{r}": v for (b, r), v in seconds.items()}}
+    _write_cache(entries)
+    return seconds
 
 
 def flat_rows(target, overhead: float, say=lambda message: None) -> int:

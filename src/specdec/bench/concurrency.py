@@ -96,7 +96,8 @@ def request(method: str, ids: list[int], target, drafter, settings: Settings, sa
 
 def run_ours(method: str, level: int, prompts: list[list[int]], target, drafter, settings: Settings,
              sampler: Sampler, seeds: list[int | None]) -> LevelRun:
-    engine = Engine(target, max_batch=level)
+    engine = Engine(target, max_batch=level,
+                    load_costs=settings.load_costs if method in MODEL_DRAFTED else settings.free_load_costs)
     ids = [engine.add(request(method, p, target, drafter, settings, sampler, s)) for p, s in zip(prompts, seeds)]
     began = time.perf_counter()
     results = engine.run()
@@ -291,7 +292,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..models import load
-    from ..passcost import pass_costs
+    from ..passcost import load_costs, pass_costs
     from ..text import check_pair
     from .datasets import load_prompts, parse_dataset
     from .run import machine_description, method_orders
@@ -314,6 +315,8 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         drafter_model = load(drafter, dtype=drafter_dtype, device=device, role="drafter", exact_rows=True, say=say)
         check_pair(target_model, drafter_model)
         settings.pass_costs = pass_costs(target_model, drafter_model, say)
+        settings.load_costs = load_costs(target_model, drafter_model, say)
+    settings.free_load_costs = load_costs(target_model, None, say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")

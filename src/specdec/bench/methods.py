@@ -20,7 +20,7 @@ from ..errors import SpecdecError
 from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
 from ..training.medusa import load_heads
 from ..methods import Parts, build, names, preset, summary
-from ..passcost import PassCosts
+from ..passcost import LoadCosts, PassCosts
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..spec import SpecConfig
@@ -98,6 +98,8 @@ class Settings:
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
+    load_costs: LoadCosts | None = None  # batched passes with the drafter model (bench --concurrency)
+    free_load_costs: LoadCosts | None = None  # batched passes with a model-free drafter (bench --concurrency)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
     lookahead_shape: tuple[int, int, int] | None = None  # the lookahead methods' (W, N, G); None: sized by cost

@@ -33,6 +33,9 @@ from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REF
                       merge_samples, online_summary, open_datastore, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
+# Settings fields that hold measurements, reported apart (not JSON as they are)
+MEASURED_SETTINGS = ("pass_costs", "free_costs", "load_costs", "free_load_costs", "assumed")
+
 SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
 
 
@@ -356,7 +359,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     own_limits = any(":" in d for d in datasets)  # then the specs say the limits
     info = {"datasets": datasets, "tasks": tasks, "limit": None if own_limits else limit, "prompts": len(prompts),
             "temperatures": list(temperatures), "seed": seed, "samples": samples,
-            "settings": {k: v for k, v in vars(settings).items() if k not in ("pass_costs", "free_costs", "assumed")},
+            "settings": {k: v for k, v in vars(settings).items() if k not in MEASURED_SETTINGS},
             "pass_costs": settings.pass_costs.to_dict() if settings.pass_costs else None,
             "assumed_costs": settings.assumed.to_dict() if settings.assumed else None,
             "target": target_model.name, "drafter": drafter_model.name if drafter_model else None,

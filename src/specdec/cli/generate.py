@@ -114,7 +114,7 @@ def generate(
                                           suffix_cache=SuffixCache() if rows is not None else None))
         if rows is not None:
             _generate_batch(target_model, speculation, rows, batch_size, as_json, chat, kv_budget,
-                            online=_online(drafter_model) if online else None)
+                            online=_online(drafter_model) if online else None, drafter_model=drafter_model)
             return
         _generate_one(target_model, speculation, prompt, sampler, max_new_tokens, seed, first_target, chat, debug,
                       as_json)
@@ -322,17 +322,25 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
 
 
 def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int, as_json: bool, chat: bool,
-                    kv_memory: int | None = None, online=None) -> None:
+                    kv_memory: int | None = None, online=None, drafter_model=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
     file's order (a JSON line per prompt with --json), then one summary line. speculation: the
     built `methods.Speculation`, a drafter and a schedule per row; a row's output is that of its
     prompt alone (greedy, or seeded: the seeded AR output), whatever its batch. online: an
-    `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one)."""
+    `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one).
+    drafter_model: the loaded drafter model, if any (with the target: the batched pass costs the
+    engine's batch policy starts from, `passcost.load_costs`)."""
     import time
 
     from ..engine import Engine, Request
 
-    engine = Engine(target_model, batch_size, kv_memory)
+    profile = None
+    if batch_size > 1 and speculation.config.method != "ar":  # where drafting cannot pay under load
+        from ..passcost import load_costs
+
+        profile = load_costs(target_model, drafter_model if speculation.config.needs_drafter_model() else None,
+                             lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    engine = Engine(target_model, batch_size, kv_memory, load_costs=profile)
     requests = [Request(target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), speculation.make_drafter,
                         sampler=row["sampler"], max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
                         schedule=speculation.make_schedule, seed_rule=speculation.config.seed_rule) for row in rows]

@@ -154,7 +154,8 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
     def load():
         from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
         from ..models import load as load_model
-        from ..passcost import flat_rows, pass_costs
+        from ..methods import preset
+        from ..passcost import flat_rows, load_costs, pass_costs
         from ..server.schema import Speculation
         from ..server.service import Service
 
@@ -173,6 +174,9 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
                           lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,
                           datastore=datastore, lookahead_rows=flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
                           if target_model.features().tree_masks else None)
+        if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
+            uses_model = preset(method).needs_drafter_model()
+            service.load_costs = load_costs(target_model, drafter_model if uses_model else None, say)
         err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch})", highlight=False)
         return service
 

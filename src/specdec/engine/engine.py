@@ -22,6 +22,7 @@ from .. import generate
 from ..backends.cache import cache_length, crop_cache
 from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
+from ..passcost import LoadCosts
 from ..penalties import LogitRules
 from ..samplers import GREEDY, Sampler, greedy_rows
 from ..schedules import Schedule
@@ -84,9 +85,13 @@ class Engine:
         wait, and one that could never fit is refused when added.
     steer: size the drafts of cost-aware requests from the batch's measured costs (`BatchCosts`);
         False leaves each to its own schedule as alone.
+    load_costs: the machine's batched pass costs of the target with the drafter most requests use
+        (`passcost.load_costs`): batch sizes where drafting cannot pay then decode plainly without
+        first paying drafting steps to learn it. None: learned from the steps alone.
     """
 
-    def __init__(self, target: Backend, max_batch: int = 8, kv_memory: int | None = None, steer: bool = True):
+    def __init__(self, target: Backend, max_batch: int = 8, kv_memory: int | None = None, steer: bool = True,
+                 load_costs: LoadCosts | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecdecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         can = features(target)
@@ -104,7 +109,7 @@ class Engine:
                 raise SpecdecError(f"a KV memory budget needs the cache size per token, which {target.name}'s "
                                    "backend does not give; bound the batch with max_batch")
         self.target, self.max_batch, self.kv_memory, self._batched = target, max_batch, kv_memory, batched
-        self.costs = BatchCosts() if steer else None
+        self.costs = BatchCosts(prior=load_costs) if steer else None
         self._ids = itertools.count()
         self.waiting: list[Request] = []
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step

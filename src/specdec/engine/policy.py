@@ -29,11 +29,30 @@ rate at that size (`predict`: the target pass's fit over width, the drafter's pe
 tokens a drafting step commits per sequence), and where the prediction beats plain decoding the
 size drafts until its own steps have measured it. The prediction also values the catch-up of a
 switch to drafting there.
+
+Learning that drafting loses costs drafting steps; at a batch size where no draft can pay that
+is all loss (a 1.5B target on a 2-core CPU: at 8 and 16 in flight each such step cost ~0.8 s more
+than a plain one, 5% of a 64-token run). So given the machine's batched pass costs
+(`passcost.LoadCosts`, measured once per pair), a batch size drafts only where they say that
+drafting could beat plain steps by 10% at the acceptance seen so far (before any,
+`ACCEPTANCE_PRIOR`), or where its own steps have shown drafting faster: elsewhere it takes plain
+steps from the first, with no warm-up and no probes. The profile is a best case (the best draft
+length, no overheads), so where it says no, measuring would only confirm it; where it says yes,
+the steps decide as above. (A size ruled out stays so until drafting elsewhere shows a higher
+acceptance.)
 """
 
 from __future__ import annotations
 
+from ..passcost import LoadCosts
 from ..schedules import CostAware, FasterOf, WidthFit
+
+# The acceptance assumed before any drafting step is measured: about the best a drafter model of
+# the target's family reaches (the 0.5B drafter of the 1.5B target: 0.83-0.88 in docs/engine.md),
+# so that only sizes where even a good drafter could not pay are ruled out unseen. It weighs as
+# PRIOR_TOKENS drafted tokens: one short first draft does not rule a size out.
+ACCEPTANCE_PRIOR = 0.8
+PRIOR_TOKENS = 16
 
 
 class BatchCosts:
@@ -44,15 +63,24 @@ class BatchCosts:
     `decay` a step so the costs follow the batch's current width).
     probe_share: the most a losing probe's drafter catch-up may cost, as a share of the plain
     steps' time since the last drafting step.
+    prior: the machine's batched pass costs with the requests' drafter (`passcost.load_costs`):
+    batch sizes where they say drafting cannot pay take plain steps unmeasured; None: every size
+    is learned from its own steps.
     """
 
-    def __init__(self, warmup: int = 1, probe: int = 8, decay: float = 0.9, probe_share: float = 0.1):
+    def __init__(self, warmup: int = 3, probe: int = 8, decay: float = 0.9, probe_share: float = 0.1,
+                 prior: LoadCosts | None = None):
         self.warmup, self.probe, self.decay, self.probe_share = warmup, probe, decay, probe_share
+        self.prior = prior
+        self.ruled_out = 0  # steps the prior kept plain
         self.kinds: dict[int, FasterOf] = {}  # batch size -> drafting steps vs plain steps
         self._fit = WidthFit(decay)  # target seconds over pass width, older steps decayed
         self._draft = [0.0, 0.0]  # decayed drafter rows, drafting seconds
         self._rounds = WidthFit(decay)  # drafter seconds per lock-step round over its rows
         self._drafting = [0.0] * 5  # decayed over drafting steps: steps, sequences, tokens, rows, rounds
+        # drafting steps' sequences, tokens and rows, decayed at every step (of either kind): the
+        # acceptance they show fades back to the prior while no step drafts, so no size is ruled out for good
+        self._accepting = [0.0] * 3
         self._measured: set[int] = set()  # batch sizes with drafting steps of their own
         self._catch_up = [0, 0.0]  # tokens drafters caught up on, seconds
         self.plain_seconds = 0.0  # spent in plain steps since the last drafting step
@@ -62,6 +90,10 @@ class BatchCosts:
     def speculate(self, batch: int, lag: int = 0, remaining: int = 0) -> bool:
         """Whether this step's steered sequences should draft, at `batch` running sequences whose
         drafters lack `lag` tokens of their contexts in all, with `remaining` tokens left to make."""
+        if self.prior is not None and not self.prior.may_pay(batch, self.acceptance()) and \
+                not self._won(batch):
+            self.ruled_out += 1
+            return False
         kinds = self._kinds(batch)
         cost = self.catch_up_seconds(lag)
         predicted = self.predict(batch) if batch not in self._measured else None
@@ -89,6 +121,26 @@ class BatchCosts:
         self._put_off.discard(batch)
         return True
 
+    def _won(self, batch: int) -> bool:
+        """Whether drafting steps at `batch` have been faster than plain ones there."""
+        kinds = self.kinds.get(batch)
+        return batch in self._measured and kinds is not None and kinds.steps(False) > 0 and \
+            kinds.rate(True) >= kinds.rate(False)
+
+    def acceptance(self) -> float:
+        """The chance a draft token is kept, as drafting steps show it (decayed at every step):
+        the larger of accepted / drafted rows (a chain's rate) and 1 − 1/(tokens a sequence per
+        step), which a chain of any length with that acceptance reaches at most (a tree's rows
+        include rejected siblings; this bound does not), averaged with `ACCEPTANCE_PRIOR` weighing
+        as `PRIOR_TOKENS` drafted tokens."""
+        sequences, tokens, rows = self._accepting
+        drafted = rows - sequences
+        if drafted <= 0:
+            return ACCEPTANCE_PRIOR
+        chain = (tokens - sequences) / drafted
+        measured = min(0.99, max(chain, 1 - sequences / tokens if tokens > 0 else 0.0))
+        return (measured * drafted + ACCEPTANCE_PRIOR * PRIOR_TOKENS) / (drafted + PRIOR_TOKENS)
+
     def repays_catch_up(self, batch: int, lag: int, remaining: int) -> bool:
         """Whether one sequence, in a step where the batch drafts, should draft too: where drafting
         has been the faster kind at `batch`, only if catching its drafter up on the `lag` tokens it
@@ -115,6 +167,8 @@ class BatchCosts:
         it, `catch_up_seconds` spent feeding drafters `caught_up` tokens they lacked), and the
         target pass over `width` rows."""
         self._kinds(batch).record(drafted, tokens, draft_seconds - catch_up_seconds + target_seconds)
+        self._accepting = [old * self.decay + (new if drafted else 0)
+                           for old, new in zip(self._accepting, (batch, tokens, width))]
         if drafted:
             self._measured.add(batch)
             decay = self.decay

@@ -215,7 +215,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             service = load()
             online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
             budget = kv_memory(service) if callable(kv_memory) else kv_memory
-            worker = Worker(Engine(service.target, max_batch, budget, steer), service.limits.max_waiting,
+            worker = Worker(Engine(service.target, max_batch, budget, steer, service.load_costs), service.limits.max_waiting,
                             between=online.update if online is not None else None)
             worker.start()
             state["service"], state["worker"] = service, worker

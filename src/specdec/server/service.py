@@ -75,6 +75,8 @@ class Service:
 
     costs: the pass costs (`passcost.pass_costs`) of (target, drafter model) and of (target,
     model-free drafter), measured once at start, for the cost-aware schedule.
+    load_costs: the batched pass costs (`passcost.load_costs`) of the target with the default
+    method's drafter, for the engine's batch policy (`Engine`); None: it learns from steps alone.
     assumed: costs taken as given instead of timed (`schedules.AssumedCosts`): drafts and trees
     sized as on a machine with those costs, the same on every run (tests).
     suffix_cache_tokens: the most tokens of earlier outputs the `suffix` method drafts from
@@ -88,13 +90,14 @@ class Service:
 
     def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
                  limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None,
-                 suffix_cache_tokens: int = 100_000, datastore=None, lookahead_rows: int | None = None):
+                 suffix_cache_tokens: int = 100_000, datastore=None, lookahead_rows: int | None = None,
+                 load_costs=None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
         self.default = default or Speculation("default" if drafter is not None else None)
         if self.default.method is not None and preset(self.default.method).needs_drafter_model() and drafter is None:
             raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
         self.limits = limits or Limits()
-        self.costs, self.lookup_costs, self.assumed = costs, lookup_costs, assumed
+        self.costs, self.lookup_costs, self.assumed, self.load_costs = costs, lookup_costs, assumed, load_costs
         self.lookahead_rows = lookahead_rows
         self.suffix_cache_tokens = suffix_cache_tokens
         self._suffix_caches: OrderedDict[str, SuffixCache] = OrderedDict()  # by tenant (cache_salt), LRU
