@@ -119,10 +119,11 @@ def test_the_batched_profile_is_measured_once_per_model_and_cached(tmp_path, mon
                                                                            exact_rows=True)
     said = []
     first = load_costs(target, drafter, say=said.append)
-    assert len(said) == 2  # the target's passes, the drafter's rounds
+    assert len(said) == 3  # the target's passes, the drafter's rounds, its catch-up pass
+    assert first.catch_up > 0
     assert set(first.target) == {(b, r) for b in passcost.LOAD_BATCHES for r in passcost.LOAD_ROWS}
     assert set(first.drafter) == set(passcost.LOAD_BATCHES) and all(t > 0 for t in first.drafter.values())
-    assert load_costs(target, drafter, say=said.append) == first and len(said) == 2  # read back
+    assert load_costs(target, drafter, say=said.append) == first and len(said) == 3  # read back
     free = load_costs(target, None, say=said.append)
-    assert len(said) == 2 and free.target == first.target and free.drafter == {}  # the target's are shared
+    assert len(said) == 3 and free.target == first.target and free.drafter == {} and free.catch_up == 0
     assert load_costs(TableModel(8, 0), None) is None  # one sequence a pass: no profile

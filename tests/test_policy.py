@@ -211,3 +211,18 @@ def test_a_low_acceptance_rules_out_a_batch_size_the_profile_allowed_at_the_prio
     assert abs(costs.acceptance() - (measured * drafted + 0.8 * 16) / (drafted + 16)) < 1e-9
     before = costs.ruled_out
     assert costs.speculate(8) is False and costs.ruled_out == before + 1
+
+
+def test_before_its_own_catch_up_is_timed_a_warm_up_weighs_the_profiles_against_what_it_could_save():
+    """At the tail of a run under load, a few sequences with long contexts and a few tokens left:
+    drafting there has never been timed, so without a profile they would all catch their drafters
+    up (seconds) to draft a handful of tokens. The profile's catch-up price and best case say to
+    wait; with many tokens left the same catch-up pays and the warm-up drafts."""
+    profile = LoadCosts(LOADED, ROUNDS, catch_up=0.0025)
+    costs = BatchCosts(prior=profile)
+    assert costs.catch_up_seconds(1644) == 1644 * 0.0025
+    assert costs.speculate(5, lag=1644, remaining=50) is False and costs.deferred == 1
+    assert costs.repays_catch_up(5, lag=330, remaining=10) is False
+    assert costs.speculate(5, lag=1644, remaining=5 * 1000) is True
+    assert costs.repays_catch_up(5, lag=330, remaining=1000) is True
+    assert BatchCosts().speculate(5, lag=1644, remaining=50) is True  # power: no profile, no price

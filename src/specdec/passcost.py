@@ -43,6 +43,7 @@ FLAT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # under load longer drafts pay less, and where 2-4 rows do not pay no longer draft does).
 LOAD_BATCHES = (1, 2, 4, 8, 16)
 LOAD_ROWS = (1, 2, 4)
+CATCH_UP = 64  # tokens of the drafter pass timed for its catch-up cost a token
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,12 @@ class LoadCosts:
     """Seconds of batched passes on this machine, for the engine's batch policy
     (`engine.policy.BatchCosts`): target[(sequences, rows)] is a target pass over `sequences`
     sequences scoring `rows` rows each; drafter[sequences] a drafter pass of one row each (empty:
-    a model-free drafter, which costs nothing a round)."""
+    a model-free drafter, which costs nothing a round); catch_up: seconds a token of a
+    drafter pass over CATCH_UP tokens, what feeding a drafter the context it missed costs."""
 
     target: dict[tuple[int, int], float]
     drafter: dict[int, float] = field(default_factory=dict)
+    catch_up: float = 0.0
 
     def target_seconds(self, batch: int, rows: int) -> float:
         """A target pass over `batch` sequences of `rows` rows each, interpolated (and past the
@@ -253,8 +256,24 @@ def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | No
     if not hasattr(target, "forward_batch"):
         return None
     target_seconds = _batched(target, LOAD_ROWS, say)
-    drafter_seconds = {} if drafter is None else {b: t for (b, _), t in _batched(drafter, (1,), say).items()}
-    return LoadCosts(target_seconds, drafter_seconds)
+    if drafter is None:
+        return LoadCosts(target_seconds)
+    rounds = {b: t for (b, _), t in _batched(drafter, (1,), say).items()}
+    return LoadCosts(target_seconds, rounds, _catch_up(drafter, say))
+
+
+def _catch_up(drafter, say) -> float:
+    """Seconds a token of one `drafter` pass over CATCH_UP tokens, cached."""
+    key = _key(drafter) + f" catch-up {CATCH_UP}"
+    entry = _read_cache().get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("seconds"), (int, float)) and entry["seconds"] > 0:
+        return float(entry["seconds"])
+    say(f"measuring {drafter.name}'s catch-up passes once for this machine (cached in {_cache_path()})")
+    seconds = pass_seconds(drafter, CATCH_UP, repeats=3) / CATCH_UP
+    entries = _read_cache()
+    entries[key] = {"seconds": seconds}
+    _write_cache(entries)
+    return seconds
 
 
 def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:

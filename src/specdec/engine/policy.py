@@ -38,8 +38,13 @@ drafting could beat plain steps by 10% at the acceptance seen so far (before any
 `ACCEPTANCE_PRIOR`), or where its own steps have shown drafting faster: elsewhere it takes plain
 steps from the first, with no warm-up and no probes. The profile is a best case (the best draft
 length, no overheads), so where it says no, measuring would only confirm it; where it says yes,
-the steps decide as above. (A size ruled out stays so until drafting elsewhere shows a higher
-acceptance.)
+the steps decide as above. (The acceptance measured fades back toward the prior while no step
+drafts, so a size ruled out at a low acceptance is tried again after a long run of plain steps.) The
+profile also prices a catch-up before the drafter's own is measured (its pass over 64 tokens),
+and where drafting is not yet compared with plain steps at a size, a warm-up, or a sequence
+joining it, whose catch-up costs more than the profile's best case would save over the tokens
+left, waits: at the tail of a 16-in-flight run, five sequences' drafters once caught up on 1,644
+tokens (4.2 s) to draft a few tokens each.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class BatchCosts:
             return True
         # a switch to drafting put off for its catch-up is due as soon as it is cheap enough
         draft = batch in self._put_off or kinds.choose()
+        if draft and cost > 0 and kinds.steps(False) == 0 and cost > self._prior_saved(batch, remaining):
+            self.deferred += 1  # a warm-up not worth its catch-up, by the profile
+            return False
         if not draft or cost == 0 or kinds.steps(False) == 0:
             self._put_off.discard(batch)
             return draft
@@ -145,19 +153,34 @@ class BatchCosts:
         """Whether one sequence, in a step where the batch drafts, should draft too: where drafting
         has been the faster kind at `batch`, only if catching its drafter up on the `lag` tokens it
         lacks (a new sequence: its whole prompt) costs less than drafting saves over its
-        `remaining` tokens. Otherwise (a probe, or nothing to catch up) it drafts with the batch."""
+        `remaining` tokens; where the kinds are not compared at `batch` yet, only if it costs less
+        than the profile's best case would save (`prior`; none: it drafts). Otherwise (a probe, or
+        nothing to catch up) it drafts with the batch."""
         cost = self.catch_up_seconds(lag)
         kinds = self._kinds(batch)
         drafting, plain = kinds.rate(True), kinds.rate(False)
-        if cost == 0 or kinds.steps(False) == 0 or drafting <= plain or plain <= 0:
+        if cost > 0 and (kinds.steps(False) == 0 or plain <= 0):  # not measured here: the profile's word
+            return cost <= self._prior_saved(batch, remaining)
+        if cost == 0 or drafting <= plain:
             return True
         return cost <= _saved(remaining, drafting, plain)
 
+    def _prior_saved(self, batch: int, remaining: int) -> float:
+        """Seconds drafting could save over `remaining` tokens at `batch` sequences, by the profile
+        at its best draft length and the acceptance seen (inf without a profile: then nothing is
+        known against which to weigh a catch-up)."""
+        if self.prior is None:
+            return float("inf")
+        speedup = self.prior.best_speedup(batch, self.acceptance())
+        return remaining * self.prior.target_seconds(batch, 1) * max(0.0, 1 - 1 / speedup) if speedup > 0 else 0.0
+
     def catch_up_seconds(self, lag: int) -> float:
-        """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (0
-        until measured: the first probes run)."""
+        """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (until
+        measured, the profile's; without a profile 0: the first probes run)."""
         tokens, seconds = self._catch_up
-        return lag * seconds / tokens if tokens else 0.0
+        if tokens:
+            return lag * seconds / tokens
+        return lag * self.prior.catch_up if self.prior is not None else 0.0
 
     def record(self, batch: int, drafted: bool, tokens: int, draft_seconds: float, drafter_rows: int,
                target_seconds: float, width: int, caught_up: int = 0, catch_up_seconds: float = 0.0,
