@@ -370,7 +370,7 @@ def test_llama_cpp_peers_in_a_bench_run(tmp_path):
     build_from_corpus(str(corpus), tokenizer, len(tokenizer), tmp_path / "ds")
     result = run_benchmark(["humaneval:1:0+1"], None, ["ar", "sd", "suffix", "retrieval", "llama-cpp", "llama-cpp-spec",
                                                        "llama-cpp-lookup"], "smollm2-135m",
-                           "smollm2-135m", Settings(max_new_tokens=16, gamma=3, datastore=str(tmp_path / "ds")),
+                           "smollm2-135m", Settings(max_new_tokens=16, spec={"gamma": 3}, datastore=str(tmp_path / "ds")),
                            dtype="gguf", drafter_dtype="gguf", json_path=str(tmp_path / "bench.json"))
     summary = result["summary"]
     assert result["info"]["target_dtype"] == "gguf" and result["info"]["llama_cpp"]

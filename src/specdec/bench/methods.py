@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -77,19 +77,20 @@ class PeerModels:
     llama: object | None = None
 
 
+# The SpecConfig fields a bench run sets for all of our methods (lookahead_shape: the lookahead
+# methods' only), over each preset's values; the rest are the presets' own
+RUN_OPTIONS = ("gamma", "gamma_min", "gamma_max", "egag_beta", "confidence", "ngram_n", "tree_nodes", "tree_scheme",
+               "lookahead_shape")
+SPEC_DEFAULTS = {f.name: f.default for f in fields(SpecConfig) if f.name in RUN_OPTIONS}
+
+
 @dataclass
 class Settings:
-    """What every method shares in one run."""
+    """What every method shares in one run. spec: SpecConfig options (`RUN_OPTIONS`) by name,
+    SpecConfig's defaults for those not given (`option`)."""
 
     max_new_tokens: int = 128
-    gamma: int = 5
-    gamma_min: int = 1
-    gamma_max: int = 20
-    egag_beta: float = 0.0
-    confidence: float = 0.4
-    ngram_n: int = 4
-    tree_nodes: int = 64
-    tree_scheme: str = "without-replacement"
+    spec: dict = field(default_factory=dict)
     heads: str | None = None  # Medusa heads' folder (the medusa method)
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     datastore: str | None = None  # a retrieval datastore's folder (the retrieval method)
@@ -102,8 +103,16 @@ class Settings:
     free_load_costs: LoadCosts | None = None  # batched passes with a model-free drafter (bench --concurrency)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
-    lookahead_shape: tuple[int, int, int] | None = None  # the lookahead methods' (W, N, G); None: sized by cost
     num_beams: int = 4  # beam and beam-sd
+
+    def __post_init__(self):
+        unknown = set(self.spec) - set(RUN_OPTIONS)
+        if unknown:
+            raise SpecdecError(f"bench settings: {', '.join(sorted(unknown))} not among {', '.join(RUN_OPTIONS)}")
+
+    def option(self, name: str):
+        """The run's value of SpecConfig field `name` (one of `RUN_OPTIONS`)."""
+        return self.spec.get(name, SPEC_DEFAULTS[name])
 
 
 @dataclass
@@ -212,11 +221,8 @@ def bench_config(method: str, settings: Settings) -> SpecConfig:
     if name in BEAM_METHODS:
         return SpecConfig("ar")
     config = preset(name)
-    options = dict(gamma=settings.gamma, gamma_min=settings.gamma_min, gamma_max=settings.gamma_max,
-                   egag_beta=settings.egag_beta, confidence=settings.confidence, ngram_n=settings.ngram_n,
-                   tree_nodes=settings.tree_nodes, tree_scheme=settings.tree_scheme)
-    if config.method == "lookahead":
-        options["lookahead_shape"] = settings.lookahead_shape
+    options = {name: settings.option(name) for name in RUN_OPTIONS
+               if name != "lookahead_shape" or config.method == "lookahead"}
     if config.method in CHECKPOINT_OPTIONS:
         self_drafting(settings, config.method)  # its one-line error where the folder is missing
         options["checkpoint"] = getattr(settings, CHECKPOINT_OPTIONS[config.method][0])
@@ -395,7 +401,7 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
                                              "tokenizer": model.tokenizer,
                                              "assistant_tokenizer": drafter.tokenizer if drafter else None},
              "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
-             "hf-lookup": {"prompt_lookup_num_tokens": settings.gamma}}
+             "hf-lookup": {"prompt_lookup_num_tokens": settings.option("gamma")}}
     if drafter is not None:
         # transformers reads these from the *assistant's* generation config and may carry state
         # across calls (a "heuristic" schedule keeps its grown γ): set them afresh on every call
@@ -404,7 +410,7 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
             config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
             config.assistant_confidence_threshold = 0.4
         else:
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = settings.gamma, "constant"
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = settings.option("gamma"), "constant"
             config.assistant_confidence_threshold = 0.0
     if sampler.is_greedy:
         sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .methods import BASELINES
+from .methods import BASELINES, RUN_OPTIONS, SPEC_DEFAULTS
 
 
 def _baselines(summary: dict) -> list[str]:
@@ -100,14 +100,16 @@ def render_markdown(result: dict) -> str:
     """The whole report: settings, the overall table, one table per group, histograms, mismatches."""
     info, summary = result["info"], result["summary"]
     st = info["settings"]
+    options = {**SPEC_DEFAULTS, **{k: st[k] for k in RUN_OPTIONS if k in st}, **st.get("spec", {})}  # older runs: flat
     lines = [f"- datasets: {', '.join(info['datasets'])} ({info['prompts']} prompts"
              + (f", at most {info['limit']} per task" if info.get("limit") else "") + "); temperatures: "
              + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}"
              + (f"; {info['samples']} generations per method of each sampled prompt, summed"
                 if info.get("samples", 1) > 1 and any(t > 0 for t in info["temperatures"]) else ""),
-             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {st['gamma']} (fixed), "
-             f"γ in [{st['gamma_min']}, {st['gamma_max']}] (heuristic, egag; confidence and cost up to γ_max), "
-             f"confidence τ = {st['confidence']:g}, EGAG β = {st['egag_beta']:g}, n-gram n = {st['ngram_n']}",
+             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {options['gamma']} (fixed), "
+             f"γ in [{options['gamma_min']}, {options['gamma_max']}] (heuristic, egag; confidence and cost up to "
+             f"γ_max), confidence τ = {options['confidence']:g}, EGAG β = {options['egag_beta']:g}, "
+             f"n-gram n = {options['ngram_n']}",
              f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
              f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']}"
              + (f", head over {info['drafter_vocab']} frequent ids" if info.get("drafter_vocab") else "") + ")",

@@ -99,11 +99,12 @@ def bench(
         check_tree_options("mixed", tree_nodes, tree_scheme)
         if not flat_at16 >= 1:
             raise SpecdecError(f"--flat-at16 must be >= 1 (a wide pass costs at least a 1-token one), got {flat_at16}")
-        settings = Settings(max_new_tokens=max_new_tokens, gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max,
-                            egag_beta=egag_beta, confidence=confidence, ngram_n=ngram_n, tree_nodes=tree_nodes,
-                            tree_scheme=tree_scheme, flat_at16=flat_at16, heads=heads, eagle=eagle, datastore=datastore,
-                            distilled=distilled, other_drafter=other_drafter, skip_layers=_skip_layers(skip_layers),
-                            lookahead_shape=_lookahead_shape(lookahead_shape), num_beams=num_beams)
+        spec = dict(gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max, egag_beta=egag_beta, confidence=confidence,
+                    ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
+                    lookahead_shape=_lookahead_shape(lookahead_shape))
+        settings = Settings(max_new_tokens=max_new_tokens, spec=spec, flat_at16=flat_at16, heads=heads, eagle=eagle,
+                            datastore=datastore, distilled=distilled, other_drafter=other_drafter,
+                            skip_layers=_skip_layers(skip_layers), num_beams=num_beams)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
         if concurrency is not None:
