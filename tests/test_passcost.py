@@ -127,3 +127,16 @@ def test_the_batched_profile_is_measured_once_per_model_and_cached(tmp_path, mon
     free = load_costs(target, None, say=said.append)
     assert len(said) == 3 and free.target == first.target and free.drafter == {} and free.catch_up == 0
     assert load_costs(TableModel(8, 0), None) is None  # one sequence a pass: no profile
+
+
+def test_a_model_that_holds_few_sequences_is_profiled_at_the_batches_it_holds(tmp_path, monkeypatch):
+    """llama.cpp's model holds a fixed number of sequences (the server's max batch): the profile
+    measures the batch sizes it can hold, and extrapolates past them."""
+    import dataclasses
+
+    monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    target = tiny_model(0, vocab=32, exact_rows=True)
+    held = dataclasses.replace(target.features(), sequences=2)
+    monkeypatch.setattr(target, "features", lambda: held)
+    profile = load_costs(target, None)
+    assert {b for b, _ in profile.target} == {1, 2} and profile.target_seconds(16, 1) > 0

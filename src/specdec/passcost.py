@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from . import registry
-from .backends import Backend
+from .backends import Backend, features
 from .backends.cache import crop_cache
 
 # Target pass widths measured: drafts of up to 7 tokens. Where none of these pays, a longer one
@@ -253,7 +253,7 @@ def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | No
     rounds over LOAD_BATCHES sequences, each model's from the cache or measured now (10-30 s for
     a 1.5B target on a CPU) and cached. None for a target that scores one sequence a pass (no
     `forward_batch`)."""
-    if not hasattr(target, "forward_batch"):
+    if not features(target).batched:
         return None
     target_seconds = _batched(target, LOAD_ROWS, say)
     if drafter is None:
@@ -277,20 +277,23 @@ def _catch_up(drafter, say) -> float:
 
 
 def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
-    """Seconds of `model`'s passes over LOAD_BATCHES sequences of `rows` rows each (one sequence
-    after another where it has no `forward_batch`), cached."""
-    key = _key(model) + " batched rows " + ",".join(map(str, rows))
+    """Seconds of `model`'s passes over LOAD_BATCHES sequences (those it can hold: llama.cpp's
+    holds a fixed number) of `rows` rows each (one sequence after another where it does not
+    batch), cached."""
+    can = features(model)
+    batches = [b for b in LOAD_BATCHES if can.sequences is None or b <= can.sequences]
+    key = _key(model) + " batched rows " + ",".join(map(str, rows)) + " sequences " + ",".join(map(str, batches))
     entry = _read_cache().get(key)
-    wanted = {f"{b},{r}" for b in LOAD_BATCHES for r in rows}
+    wanted = {f"{b},{r}" for b in batches for r in rows}
     if isinstance(entry, dict) and isinstance(entry.get("seconds"), dict) and set(entry["seconds"]) == wanted and \
             all(isinstance(v, (int, float)) and v > 0 for v in entry["seconds"].values()):
         return {tuple(map(int, k.split(","))): float(v) for k, v in entry["seconds"].items()}
     say(f"measuring {model.name}'s batched passes once for this machine (cached in {_cache_path()})")
-    if hasattr(model, "forward_batch"):
-        seconds = {(b, r): batch_pass_seconds(model, b, r, repeats=3) for b in LOAD_BATCHES for r in rows}
+    if can.batched:
+        seconds = {(b, r): batch_pass_seconds(model, b, r, repeats=3) for b in batches for r in rows}
     else:
         alone = {r: pass_seconds(model, r, repeats=3) for r in rows}
-        seconds = {(b, r): b * alone[r] for b in LOAD_BATCHES for r in rows}
+        seconds = {(b, r): b * alone[r] for b in batches for r in rows}
     entries = _read_cache()
     entries[key] = {"seconds": {f"{b},{r}": v for (b, r), v in seconds.items()}}
     _write_cache(entries)
