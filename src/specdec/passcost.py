@@ -264,16 +264,9 @@ def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | No
 
 def _catch_up(drafter, say) -> float:
     """Seconds a token of one `drafter` pass over CATCH_UP tokens, cached."""
-    key = _key(drafter) + f" catch-up {CATCH_UP}"
-    entry = _read_cache().get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("seconds"), (int, float)) and entry["seconds"] > 0:
-        return float(entry["seconds"])
-    say(f"measuring {drafter.name}'s catch-up passes once for this machine (cached in {_cache_path()})")
-    seconds = pass_seconds(drafter, CATCH_UP, repeats=3) / CATCH_UP
-    entries = _read_cache()
-    entries[key] = {"seconds": seconds}
-    _write_cache(entries)
-    return seconds
+    return float(_remembered(_key(drafter) + f" catch-up {CATCH_UP}", lambda v: isinstance(v, (int, float)) and v > 0,
+                             lambda: pass_seconds(drafter, CATCH_UP, repeats=3) / CATCH_UP,
+                             f"{drafter.name}'s catch-up passes", say))
 
 
 def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
@@ -282,20 +275,31 @@ def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
     batch), cached."""
     can = features(model)
     batches = [b for b in LOAD_BATCHES if can.sequences is None or b <= can.sequences]
-    key = _key(model) + " batched rows " + ",".join(map(str, rows)) + " sequences " + ",".join(map(str, batches))
-    entry = _read_cache().get(key)
     wanted = {f"{b},{r}" for b in batches for r in rows}
-    if isinstance(entry, dict) and isinstance(entry.get("seconds"), dict) and set(entry["seconds"]) == wanted and \
-            all(isinstance(v, (int, float)) and v > 0 for v in entry["seconds"].values()):
-        return {tuple(map(int, k.split(","))): float(v) for k, v in entry["seconds"].items()}
-    say(f"measuring {model.name}'s batched passes once for this machine (cached in {_cache_path()})")
-    if can.batched:
-        seconds = {(b, r): batch_pass_seconds(model, b, r, repeats=3) for b in batches for r in rows}
-    else:
+
+    def measure() -> dict[str, float]:
+        if can.batched:
+            return {f"{b},{r}": batch_pass_seconds(model, b, r, repeats=3) for b in batches for r in rows}
         alone = {r: pass_seconds(model, r, repeats=3) for r in rows}
-        seconds = {(b, r): b * alone[r] for b in batches for r in rows}
-    entries = _read_cache()
-    entries[key] = {"seconds": {f"{b},{r}": v for (b, r), v in seconds.items()}}
+        return {f"{b},{r}": b * alone[r] for b in batches for r in rows}
+
+    seconds = _remembered(
+        _key(model) + " batched rows " + ",".join(map(str, rows)) + " sequences " + ",".join(map(str, batches)),
+        lambda v: isinstance(v, dict) and set(v) == wanted and all(isinstance(t, (int, float)) and t > 0
+                                                                   for t in v.values()),
+        measure, f"{model.name}'s batched passes", say)
+    return {tuple(map(int, k.split(","))): float(v) for k, v in seconds.items()}
+
+
+def _remembered(key: str, valid, measure, what: str, say):
+    """The cached seconds under `key` where `valid` takes them, else `measure()`d now and cached."""
+    entry = _read_cache().get(key)
+    if isinstance(entry, dict) and valid(entry.get("seconds")):
+        return entry["seconds"]
+    say(f"measuring {what} once for this machine (cached in {_cache_path()})")
+    seconds = measure()
+    entries = _read_cache()  # re-read: another process may have written meanwhile
+    entries[key] = {"seconds": seconds}
     _write_cache(entries)
     return seconds
 
