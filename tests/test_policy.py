@@ -155,18 +155,37 @@ def test_catching_up_is_charged_to_the_switch_not_to_the_drafting_rate():
 
 def test_a_sequence_whose_catch_up_would_not_repay_itself_sits_out_while_the_batch_drafts():
     """Where drafting has been faster, a new sequence drafts only once its drafter's catch-up (its
-    prompt) costs less than drafting saves over its own remaining tokens; a probe of drafting that
-    has been losing is the batch's decision alone."""
+    prompt) costs less than its drafting saves the batch over its own remaining tokens; a probe of
+    drafting that has been losing is the batch's decision alone."""
     costs = BatchCosts()
     costs.record(4, True, 12, 1.0, 12, 0.5, 16, caught_up=400, catch_up_seconds=0.9)  # 20 tok/s drafting
-    costs.record(4, False, 4, 0.0, 0, 0.4, 4)  # 10 tok/s plain: drafting saves 0.05 s a token
+    costs.record(4, False, 4, 0.0, 0, 0.4, 4)  # 10 tok/s plain
+    # drafting, a sequence makes 3 tokens a drafting step of 0.6 s for 4 sequences, sitting out 1:
+    # each of its tokens drafted saves the batch 2/3 of a quarter of such a step, 0.1 s
     assert costs.repays_catch_up(4, lag=0, remaining=1)
-    assert costs.repays_catch_up(4, lag=100, remaining=10)  # 0.225 s of catch-up, 0.5 s saved
-    assert not costs.repays_catch_up(4, lag=500, remaining=20)  # 1.125 s against 1 s
+    assert costs.repays_catch_up(4, lag=100, remaining=10)  # 0.225 s of catch-up, 1 s saved
+    assert costs.repays_catch_up(4, lag=500, remaining=15)  # 1.125 s against 1.5 s
+    assert not costs.repays_catch_up(4, lag=500, remaining=10)  # 1.125 s against 1 s
     costs.record(4, False, 4, 0.0, 0, 0.01, 4)
     costs.record(4, False, 4, 0.0, 0, 0.01, 4)  # plain steps now the faster: a probe decides for all
     assert costs.kinds[4].rate(False) > costs.kinds[4].rate(True)
-    assert costs.repays_catch_up(4, lag=500, remaining=20)
+    assert costs.repays_catch_up(4, lag=500, remaining=10)
+
+
+def test_a_long_prompt_joins_the_drafting_where_sitting_out_would_cost_the_batch_more():
+    """Two in flight, drafting at 14 tok/s (3 tokens a sequence a step) against 10 tok/s plain; a
+    709-token prompt joins with 64 tokens to make. Its drafter's catch-up, 2.8 s, is less than
+    the 9.2 s of the batch's time its sitting out through drafting steps would waste; the batch's
+    rates alone (64 tokens at 14 against 10 tok/s: 1.8 s) would keep it plain for all 64 tokens,
+    as they did at 2 in flight in one bench run (22 s for that request against 14.5 s alone)."""
+    costs = BatchCosts()
+    for _ in range(10):
+        costs.record(2, True, 6, 0.13, 6, 0.3, 8, rounds=3)  # 6 tokens in 0.43 s
+        costs.record(2, False, 2, 0.0, 0, 0.2, 2)
+    costs.record(2, True, 6, 0.13 + 3.9, 6, 0.3, 8, caught_up=1000, catch_up_seconds=3.9, rounds=3)
+    assert costs.catch_up_seconds(709) > 2.7
+    assert costs.repays_catch_up(2, lag=709, remaining=64)
+    assert not costs.repays_catch_up(2, lag=709, remaining=8)  # near its end: not worth its catch-up
 
 
 def test_a_step_of_first_tokens_only_decides_nothing():
@@ -226,3 +245,36 @@ def test_before_its_own_catch_up_is_timed_a_warm_up_weighs_the_profiles_against_
     assert costs.speculate(5, lag=1644, remaining=5 * 1000) is True
     assert costs.repays_catch_up(5, lag=330, remaining=1000) is True
     assert BatchCosts().speculate(5, lag=1644, remaining=50) is True  # power: no profile, no price
+
+
+def test_a_probe_near_the_end_waits_where_no_draft_could_repay_its_catch_up():
+    """A probe of drafting that has been losing may spend a tenth of the plain time on catching
+    its drafters up; but with few tokens left even the profile's best case cannot repay that, so
+    at a run's tail (a 16-in-flight run down to 6 sequences once paid 0.9 s of catch-up for 9
+    tokens) it waits. Without a profile nothing bounds the saving, and the probe comes."""
+    dear = lambda width: 0.05 * width  # noqa: E731
+    probes = {}
+    for prior in (None, LoadCosts(LOADED, ROUNDS)):
+        costs = BatchCosts(prior=prior)
+        for _ in range(3):  # drafting measured, and slower than plain steps
+            costs.record(1, True, 2, 0.11, 3, dear(4), 4, caught_up=50, catch_up_seconds=0.1, rounds=3)
+        drafted = 0
+        for _ in range(60):
+            draft = costs.speculate(1, lag=50, remaining=1)
+            drafted += draft
+            costs.record(1, draft, 2 if draft else 1, 0.11 if draft else 0.0, 3 if draft else 0,
+                         dear(4 if draft else 1), 4 if draft else 1, caught_up=50 if draft else 0,
+                         catch_up_seconds=0.1 if draft else 0.0, rounds=3 if draft else 0)
+        probes[prior is None] = drafted
+    assert probes[True] > 0 and probes[False] == 0
+
+
+def test_a_warm_up_at_a_shrunken_batch_waits_where_the_tokens_left_cannot_repay_its_catch_up():
+    """Seeded T = 0.8 at 8 in flight: once the batch was down to 6 sequences with ~180 tokens left
+    among them, three warm-up drafting steps made the drafters catch up on ~470 tokens (1.85 s)
+    and saved nothing. A plain step makes 6 tokens a pass, so the best case saves ~0.6 s there."""
+    costs = BatchCosts(prior=LoadCosts(LOADED, ROUNDS, catch_up=0.0039))
+    _simulate(costs, 8, lambda width: 0.23 + 0.02 * (width - 8), drafted_tokens=2.0, steps=100)  # ruled out: 23 s plain
+    assert costs.prior.may_pay(6, costs.acceptance())  # the profile alone would let 6 try
+    assert costs.speculate(6, lag=470, remaining=180) is False and costs.deferred == 1
+    assert costs.speculate(6, lag=470, remaining=1800) is True  # long outputs left: the catch-up pays

@@ -15,7 +15,8 @@ a probe of drafting pays that for every sequence in the batch, seconds on a CPU.
 timed apart (steps that drafted are rated without it) and charged to the switch: drafting that
 has been faster resumes when its catch-up, at the measured seconds per token, costs less than it
 would save over the batch's remaining tokens; a probe of drafting that has been losing waits
-until its catch-up costs at most `probe_share` of the plain steps' time since drafting last ran.
+until its catch-up costs at most `probe_share` of the plain steps' time since drafting last ran,
+and (given the machine's profile, below) at most what the best draft could save in the tokens left.
 
 Only sequences whose output cannot depend on draft lengths are steered: greedy ones, and sampled
 ones, seeded or not (a seed couples each token to noise of its position: `samplers.SeededNoise`).
@@ -118,8 +119,8 @@ class BatchCosts:
             self._put_off.discard(batch)
             return draft
         drafting, plain = kinds.rate(True), kinds.rate(False)
-        if drafting < plain:  # a probe
-            worth = self.probe_share * self.plain_seconds
+        if drafting < plain:  # a probe: never worth more than drafting could save in the tokens left
+            worth = min(self.probe_share * self.plain_seconds, self._prior_saved(batch, remaining))
         else:
             worth = _saved(remaining, drafting, plain) if plain > 0 else float("inf")
         if cost > worth:
@@ -163,16 +164,28 @@ class BatchCosts:
             return cost <= self._prior_saved(batch, remaining)
         if cost == 0 or drafting <= plain:
             return True
-        return cost <= _saved(remaining, drafting, plain)
+        return cost <= self._joining_saves(remaining, drafting)
+
+    def _joining_saves(self, remaining: int, drafting: float) -> float:
+        """Seconds one sequence saves the batch by drafting with it over its `remaining` tokens,
+        where the batch drafts at `drafting` tokens a second: sitting out, it makes one token a
+        drafting step; drafting, E (the tokens a sequence a drafting step), so its slot is free
+        remaining·(1 − 1/E) steps sooner, each worth E / `drafting` seconds of the batch's time.
+        (Not the batch's plain rate against its drafting one: a drafting step is as long with the
+        sequence sitting out, whose alternative is one token of such a step, not a plain step.)"""
+        sequences, tokens = self._drafting[1], self._drafting[2]
+        per_sequence = tokens / sequences if sequences > 0 else 1.0
+        return remaining * max(0.0, per_sequence - 1) / drafting
 
     def _prior_saved(self, batch: int, remaining: int) -> float:
         """Seconds drafting could save over `remaining` tokens at `batch` sequences, by the profile
         at its best draft length and the acceptance seen (inf without a profile: then nothing is
-        known against which to weigh a catch-up)."""
+        known against which to weigh a catch-up). Plain steps make `batch` tokens a pass."""
         if self.prior is None:
             return float("inf")
         speedup = self.prior.best_speedup(batch, self.acceptance())
-        return remaining * self.prior.target_seconds(batch, 1) * max(0.0, 1 - 1 / speedup) if speedup > 0 else 0.0
+        plain = remaining / batch * self.prior.target_seconds(batch, 1)
+        return plain * max(0.0, 1 - 1 / speedup) if speedup > 0 else 0.0
 
     def catch_up_seconds(self, lag: int) -> float:
         """What feeding `lag` tokens to the drafters costs, at the measured seconds per token (until
@@ -203,13 +216,14 @@ class BatchCosts:
         if caught_up:
             self._catch_up = [self._catch_up[0] + caught_up, self._catch_up[1] + catch_up_seconds]
         self._fit.add(width, target_seconds)
-        if drafter_rows:
-            self._draft = [self._draft[0] * self.decay + drafter_rows, self._draft[1] * self.decay + draft_seconds]
+        if drafter_rows:  # the catch-up is the switch's cost, not a drafted row's
+            self._draft = [self._draft[0] * self.decay + drafter_rows,
+                           self._draft[1] * self.decay + draft_seconds - catch_up_seconds]
 
     def costs(self, batch: int) -> tuple[float, float, float, float] | None:
         """(R, t_d, t_v, t_1) at `batch` sequences: the best rate measured at that size (tokens/s,
-        at least plain decoding's), the seconds per drafter row, per target row, and of a pass of
-        one row each; None until the target's pass has been timed at widths that differ."""
+        at least plain decoding's), the seconds per drafter row (`_row_seconds`), per target row,
+        and of a pass of one row each; None until the target's pass has been timed at widths that differ."""
         fitted = self._fit.fit() if self._fit.samples >= self.warmup else None
         if fitted is None:  # widths must vary
             return None
@@ -217,8 +231,19 @@ class BatchCosts:
         plain_pass = max(1e-9, base + slope * batch)  # every sequence scoring one row
         kinds = self._kinds(batch)
         rate = max(kinds.rate(True), kinds.rate(False), batch / plain_pass)
-        per_row = self._draft[1] / self._draft[0] if self._draft[0] else 0.0
-        return rate, per_row, slope, plain_pass
+        return rate, self._row_seconds(batch), slope, plain_pass
+
+    def _row_seconds(self, batch: int) -> float:
+        """What one drafted row costs at `batch` sequences: a lock-step round over a row each,
+        shared by them (from the fit of rounds over their rows, once rows per round have varied),
+        else the mean drafting seconds per row measured. Not a round alone: with the same bar, the
+        other sequences draft about as long, so a round's cost is shared; charging each row a whole
+        round kept drafts at 2 in flight to 1-2 tokens where alone they ran to 5-7."""
+        fitted = self._rounds.fit()
+        if fitted is not None:
+            slope, base = fitted
+            return max(0.0, base + slope * batch) / batch
+        return self._draft[1] / self._draft[0] if self._draft[0] else 0.0
 
     def predict(self, batch: int) -> tuple[float, float] | None:
         """(drafting, plain) tokens per second predicted at `batch` sequences from the costs
