@@ -389,3 +389,23 @@ def test_a_failed_batched_pass_is_retried_one_sequence_at_a_time_and_only_a_repe
     assert calls[0] >= 3  # the fault fired
     assert [engine.results[i].tokens for i in ids[:3]] == expected[:3]
     assert ids[3] not in engine.results and "its own fault" in str(engine.failed[ids[3]])
+
+
+def test_generate_many_takes_the_machines_batched_pass_costs(pair):
+    """With a profile in which no draft can pay at any batch size (drafter rounds dearer than the
+    target's pass), `generate_many` decodes plainly from the first step; without it, the same
+    run drafts to learn that. The outputs are AR's either way."""
+    from specdec.passcost import LoadCosts
+    from specdec.schedules import CostAware
+
+    target, same, _ = pair
+    prompts = _prompts()
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens for p in prompts]
+    dear = LoadCosts({(b, r): 0.01 * b * r for b in (1, 2, 4) for r in (1, 2, 4)}, {b: 1.0 for b in (1, 2, 4)})
+    drafted = {}
+    for profile in (None, dear):
+        results = generate_many(prompts, target, same, max_batch=5, max_new_tokens=10, eos_token_ids=[],
+                                schedule=CostAware, load_costs=profile)
+        assert [r.tokens for r in results] == reference
+        drafted[profile is None] = sum(r.stats.drafted for r in results)
+    assert drafted[True] > 0 and drafted[False] == 0

@@ -54,7 +54,7 @@ def test_profiles_are_measured_once_and_cached_per_pair(tmp_path, monkeypatch):
     assert len(data) == 2
     # a damaged entry or file is measured again, never trusted
     key = next(k for k in data if k.endswith("model-free"))
-    data[key]["target"] = {"1": -1.0}
+    data[key]["seconds"]["target"] = {"1": -1.0}
     (tmp_path / "pass-costs.json").write_text(json.dumps(data))
     pass_costs(target, None, say=said.append)
     assert len(said) == 3

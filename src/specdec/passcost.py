@@ -231,20 +231,17 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
     measured in order until one shows that drafting clearly pays (`CLEARLY_PAYS`): past that,
     more widths cannot change what the schedule does with the profile."""
     key = _key(target) + " <- " + (_key(drafter) if drafter is not None else "model-free")
-    entry = _read_cache().get(key)
-    if _valid(entry):
-        return PassCosts({int(k): float(v) for k, v in entry["target"].items()}, float(entry["drafter"]))
-    say(f"measuring pass costs once for this machine and pair (cached in {_cache_path()})")
-    seconds, drafter_pass = {1: pass_seconds(target, 1)}, 0.0 if drafter is None else pass_seconds(drafter, 1)
-    for width in WIDTHS[1:]:
-        seconds[width] = pass_seconds(target, width)
-        if PassCosts(seconds, drafter_pass).best_speedup() > CLEARLY_PAYS:
-            break
-    costs = PassCosts(seconds, drafter_pass)
-    entries = _read_cache()  # re-read: another process may have written meanwhile
-    entries[key] = {"target": {str(k): v for k, v in costs.target.items()}, "drafter": costs.drafter}
-    _write_cache(entries)
-    return costs
+
+    def measure() -> dict:
+        seconds, drafter_pass = {1: pass_seconds(target, 1)}, 0.0 if drafter is None else pass_seconds(drafter, 1)
+        for width in WIDTHS[1:]:
+            seconds[width] = pass_seconds(target, width)
+            if PassCosts(seconds, drafter_pass).best_speedup() > CLEARLY_PAYS:
+                break
+        return {"target": {str(k): v for k, v in seconds.items()}, "drafter": drafter_pass}
+
+    entry = _remembered(key, _valid, measure, "pass costs", say)
+    return PassCosts({int(k): float(v) for k, v in entry["target"].items()}, float(entry["drafter"]))
 
 
 def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | None:
@@ -309,20 +306,18 @@ def flat_rows(target, overhead: float, say=lambda message: None) -> int:
     1 + `overhead` one-token passes, on this machine (lookahead decoding's budget): widths of
     FLAT_WIDTHS measured in order up to the first that costs more, never extrapolated; cached
     with the pass-cost profiles."""
-    key = _key(target) + " <- lookahead widths"
-    entry = _read_cache().get(key)
-    if _valid(entry) and entry.get("overhead", -1) >= overhead:
-        seconds = {int(k): float(v) for k, v in entry["target"].items()}
-    else:
-        say(f"measuring wide passes once for this machine (cached in {_cache_path()})")
+    def measure() -> dict:
         seconds = {1: pass_seconds(target, 1)}
         for width in FLAT_WIDTHS[1:]:
             seconds[width] = pass_seconds(target, width, repeats=3)
             if seconds[width] > (1 + overhead) * seconds[1]:
                 break
-        entries = _read_cache()
-        entries[key] = {"target": {str(k): v for k, v in seconds.items()}, "drafter": 0.0, "overhead": overhead}
-        _write_cache(entries)
+        return {"target": {str(k): v for k, v in seconds.items()}, "drafter": 0.0, "overhead": overhead}
+
+    # widths were measured up to the first over the overhead then asked for: a larger one needs more
+    entry = _remembered(_key(target) + " <- lookahead widths",
+                        lambda v: _valid(v) and v.get("overhead", -1) >= overhead, measure, "wide passes", say)
+    seconds = {int(k): float(v) for k, v in entry["target"].items()}
     return affordable_rows(lambda width: seconds[width] / seconds[1], sorted(seconds), overhead)
 
 

@@ -3,11 +3,11 @@
 Alone, the cost-aware rule (`schedules.CostAware`) drafts a token while its chance of surviving,
 P_k, pays for its cost at the rate the generation makes: P_k >= R·(t_d + t_v). In a batch every
 term is the batch's: R is the committed tokens per second of the whole batch (goodput), t_v the
-time one more row adds to the shared target pass at its current width, t_d the time one more
-drafted row adds to the drafter's passes (batched across sequences too). As the batch grows, R
-grows faster than the pass's cost, so the bar rises and drafts shrink; where no draft pays, the
-measured comparison of steps that drafted with steps that did not (`FasterOf`, kept per batch
-size) stops drafting altogether. All of it is learned from the engine's own steps.
+time one more row adds to the shared target pass at its current width, t_d a drafted row's share
+of a lock-step drafter round over a row of each sequence (the drafter's passes are batched too).
+As the batch grows, R grows faster than the pass's cost, so the bar rises and drafts shrink;
+where no draft pays, the measured comparison of steps that drafted with steps that did not
+(`FasterOf`, kept per batch size) stops drafting altogether. All of it is learned from the engine's own steps.
 
 A drafter model that sat out plain steps must first catch up on their tokens (and on its
 sequence's prompt, the first time), a pass over all of them: under load, where plain steps win,
