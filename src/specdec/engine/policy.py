@@ -7,7 +7,8 @@ time one more row adds to the shared target pass at its current width, t_d a dra
 of a lock-step drafter round over a row of each sequence (the drafter's passes are batched too).
 As the batch grows, R grows faster than the pass's cost, so the bar rises and drafts shrink;
 where no draft pays, the measured comparison of steps that drafted with steps that did not
-(`FasterOf`, kept per batch size) stops drafting altogether. All of it is learned from the engine's own steps.
+(`FasterOf`, kept per batch size) stops drafting altogether. All of it is learned from the
+engine's own steps.
 
 A drafter model that sat out plain steps must first catch up on their tokens (and on its
 sequence's prompt, the first time), a pass over all of them: under load, where plain steps win,
@@ -223,7 +224,8 @@ class BatchCosts:
     def costs(self, batch: int) -> tuple[float, float, float, float] | None:
         """(R, t_d, t_v, t_1) at `batch` sequences: the best rate measured at that size (tokens/s,
         at least plain decoding's), the seconds per drafter row (`_row_seconds`), per target row,
-        and of a pass of one row each; None until the target's pass has been timed at widths that differ."""
+        and of a pass of one row each; None until the target's pass has been timed at widths that
+        differ."""
         fitted = self._fit.fit() if self._fit.samples >= self.warmup else None
         if fitted is None:  # widths must vary
             return None
