@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from specdec import autoregressive_generate, speculative_generate
-from specdec.drafters.dynamic import Eagle2Drafter
+from specdec.drafters.eagle2 import Eagle2Drafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.medusa import MedusaDrafter
-from specdec.drafters.tree import SidesDrafter
+from specdec.drafters.sides import SidesDrafter
 from specdec.errors import SpecdecError
 from specdec.schedules import Calibration, TreeCost, tried_nodes
 

@@ -1,4 +1,4 @@
-"""EAGLE-2 and Sequoia tree drafters (drafters/dynamic.py) and Sequoia's shape programme.
+"""EAGLE-2 and Sequoia tree drafters (drafters/eagle2.py, drafters/sequoia.py) and Sequoia's shape programme.
 
 - Greedy speculative decoding with either drafter is token for token greedy autoregressive
   decoding on tiny random Llamas, and some accepted paths leave the main chain.
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.drafters.dynamic import Eagle2Drafter, SequoiaDrafter, _ShapeTables, sequoia_shape
+from specdec.drafters.eagle2 import Eagle2Drafter
+from specdec.drafters.sequoia import SequoiaDrafter, _ShapeTables, sequoia_shape
 from specdec.schedules import TreeCost
 from specdec.theory import expected_tree_tokens
 from specdec.trees import Tree

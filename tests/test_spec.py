@@ -9,6 +9,7 @@ import pytest
 
 from specdec import autoregressive_generate, speculative_generate
 from specdec.engine import Engine, Request
+from specdec.drafters.base import Capabilities, Drafter
 from specdec.errors import SpecdecError
 from specdec.methods import METHODS, PRESETS, Parts, build, from_options, names, preset, resolve
 from specdec.samplers import Sampler
@@ -249,6 +250,58 @@ def test_every_drafter_declares_the_capabilities_its_members_show(name, tmp_path
         return  # a model: the loop wraps it in a ModelDrafter, which declares its own
     assert any("capabilities" in vars(c) for c in type(drafter).__mro__)  # declared by its class
     assert capabilities_of(drafter) == derived_capabilities(drafter), type(drafter).__name__
+    assert isinstance(drafter, Drafter), type(drafter).__name__  # the contract's base class
+
+
+def _drafter_classes(module) -> list[str]:
+    """The public drafter classes `module` defines (not imports)."""
+    import inspect
+
+    return [name for name, cls in inspect.getmembers(module, inspect.isclass)
+            if cls.__module__ == module.__name__ and issubclass(cls, Drafter) and cls is not Drafter
+            and not name.startswith("_")]
+
+
+def test_one_drafter_per_file():
+    import importlib
+    import types
+
+    for path in sorted((SRC / "drafters").glob("*.py")):
+        module = importlib.import_module(f"specdec.drafters.{path.stem}")
+        assert len(_drafter_classes(module)) <= 1, (path.name, _drafter_classes(module))
+    two = types.ModuleType("two")  # the check sees a second drafter in a file
+    for name in ("A", "B"):
+        setattr(two, name, type(name, (Drafter,), {"__module__": "two"}))
+    assert _drafter_classes(two) == ["A", "B"]
+
+
+def test_acceptance_by_position_is_counted_alike_for_every_drafter():
+    """A drafter whose first token is always the target's and whose second never is: accepted
+    at position 1 every time, at 2 and 3 never; the server's usage reports the same counts."""
+    from specdec.drafters import Draft
+    from specdec.server.metrics import speculation_usage
+
+    target = tiny_model(0, vocab=32)
+    ar = autoregressive_generate(PROMPT, target, max_new_tokens=16, eos_token_ids=[]).tokens
+
+    class FirstRight(Drafter):
+        capabilities = Capabilities()
+
+        def start(self, prompt):
+            self.prompt = len(prompt)
+
+        def propose(self, context, max_tokens, sampler, generator, keep_going):
+            at = len(context) - self.prompt
+            right = ar[at]
+            return Draft([right, (ar[at + 1] + 1) % 32, right][:max_tokens]) if at + 1 < len(ar) else Draft([])
+
+    out = speculative_generate(PROMPT, target, FirstRight(), max_new_tokens=16, eos_token_ids=[], gamma=3)
+    assert out.tokens == ar
+    drafts = len(out.stats.accepted_per_step)
+    assert drafts >= 5 and out.stats.drafted_at[:2] == [drafts] * 2  # the last draft may be cut by the limit
+    assert out.stats.accepted_at == [drafts, 0, 0] and out.stats.acceptance_by_position == [1.0, 0.0, 0.0]
+    assert speculation_usage(out)["accepted_per_position"] == [drafts]
+    assert out.stats.to_dict()["acceptance_by_position"] == [1.0, 0.0, 0.0]
 
 
 def test_the_loop_and_the_engine_read_declarations_instead_of_probing():

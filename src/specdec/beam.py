@@ -22,6 +22,7 @@ import torch
 
 from .backends import Backend, Segment
 from .backends.cache import cache_length, compact_cache
+from .drafters.base import accept_draft
 from .errors import SpecdecError
 from .generate import GenerationResult, GenerationStats, _timed, _validate
 from .samplers import GREEDY
@@ -264,7 +265,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
             path = trees[b].path_to(node) if node >= 0 else []
             compact_cache(cache_i, lengths[b] + 1, path)
             if trees[b].tokens:
-                drafter_i.keep_path(len(contexts[b]), path)
+                accept_draft(drafter_i, True, len(contexts[b]), path)
             stats.accepted += len(path)
         pending = tokens
 

@@ -22,7 +22,7 @@ from .backends.prompts import PREFILL_CHUNK
 from .backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
 from .backends.transformers import TransformersModel
 from .drafters import Draft, Drafter, ModelDrafter
-from .drafters.base import Capabilities, capabilities_of, drive, is_drafter, one_hot
+from .drafters.base import Capabilities, accept_draft, capabilities_of, drive, is_drafter, one_hot
 from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
@@ -89,6 +89,9 @@ class GenerationStats:
     nodes_per_step: list[int] = field(default_factory=list)  # tree nodes scored per step (trees only)
     widths_per_step: list[int] = field(default_factory=list)  # tokens in each step's target pass (speculative)
     drafter_passes_per_step: list[int] = field(default_factory=list)  # the drafter's passes in each step
+    # by draft position (a tree's depth) i + 1: the drafts that reached it, and those accepted there
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
     first_token_seconds: float | None = None  # until the first new token was known (prompt pass included)
     target_seconds: float = 0.0  # inside the target's passes (its prompt pass included)
@@ -115,6 +118,23 @@ class GenerationStats:
         if not self.lossy:
             return ""
         return self.typical if self.typical is not None else f"lenience {self.lenience:g}"
+
+    def count_positions(self, depth: int, accepted: int) -> None:
+        """One draft `depth` tokens deep (a chain's length, a tree's depth), `accepted` of them kept."""
+        grow = depth - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(depth):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """[i]: of the drafts that reached position i + 1 (a chain's token, a tree's depth), the
+        share whose accepted prefix reached it: the same statistic for every drafter (vLLM's per-position
+        acceptance)."""
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -151,6 +171,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
+                 acceptance_by_position=self.acceptance_by_position,
                  tokens_per_target_pass=self.tokens_per_target_pass, loop_seconds=self.loop_seconds,
                  loop_ms_per_step=self.loop_ms_per_step)
         return d
@@ -547,15 +568,13 @@ class Decoding:
             compact_cache(self.cache, length, path)
         else:
             crop_cache(self.cache, length + num_accepted)
+        accepted = path if self.trees else range(num_accepted)
         with _timed(stats, "drafter_seconds"):
-            if not self.trees:
-                drafter.rollback(length + num_accepted)
-            elif self._budget > 0:  # no tree was proposed otherwise
-                if self.can.reads_target_tokens:  # lookahead: the target's argmax at every node
-                    drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
-                drafter.keep_path(length, path)
+            if self.can.reads_target_tokens and self._budget > 0:  # lookahead: the target's argmax at every node
+                drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
+            if not self.trees or self._budget > 0:  # a tree drafter proposed no tree otherwise
+                accept_draft(drafter, self.trees, length, accepted)
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
-                accepted = path if self.trees else range(num_accepted)
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])
         self.schedule.update(len(draft.tokens), num_accepted)
@@ -727,6 +746,8 @@ class _Output:
         self.stats.accepted += accepted
         if step.draft_tokens:
             self.stats.accepted_per_step.append(accepted)
+            self.stats.count_positions(max(depths(step.tree_parents)) if step.tree_parents is not None
+                                       else len(step.draft_tokens), accepted)
         if step.tree_parents is not None:
             self.stats.nodes_per_step.append(len(step.draft_tokens))
         if self.stop_reason is None and self.remaining <= 0:

@@ -65,7 +65,7 @@ def tree_rows(target: Backend, drafter: Backend, prompts: list[list[int]], accep
     """For each tree size: the tokens per step that `theory.expected_tree_tokens` predicts for the
     best tree of that size (Sequoia's shape under the measured per-rank acceptance, depth <= 8),
     and the tokens per step measured running that shape (Sequoia drafter, acceptance pinned)."""
-    from ..drafters.dynamic import SequoiaDrafter, sequoia_shape
+    from ..drafters.sequoia import SequoiaDrafter, sequoia_shape
     from ..schedules import TreeCost
     from ..theory import expected_tree_tokens
     from ..trees import depths
@@ -96,7 +96,7 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
     1 + E[accepted] under the per-rank `acceptance` (Sequoia's dynamic programme, every size up to
     `max_nodes` and depth limit up to `max_depth`), cost d·c + v(n) for a tree of n nodes and
     depth limit d (one drafter pass per level); a chain is the tree of rank-0 children only."""
-    from ..drafters.dynamic import _ShapeTables
+    from ..drafters.sequoia import _ShapeTables
 
     tables = _ShapeTables(acceptance, max_nodes, max_depth)
     chain = max((step_speedup(expected_tokens(acceptance[0], g), g, c, flat_verification(g, at16)), g)

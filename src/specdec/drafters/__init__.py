@@ -4,7 +4,8 @@ A drafter proposes up to n tokens after a context, with the distribution q each 
 from (or None when the proposal is deterministic: q is then one-hot at each token, which keeps
 rejection sampling exact). The loop in `generate.py` knows nothing else about it.
 
-Tree drafters (tree.py, dynamic.py; self-drafting in medusa.py, eagle.py) propose a token tree
+Tree drafters (sides.py, mixed.py, lookup_tree.py, suffix_tree.py, eagle2.py, sequoia.py,
+lookahead.py; self-drafting in medusa.py, eagle.py) propose a token tree
 instead; `make_tree_drafter` builds one by name (the CLI's `--tree`, the bench's `tree-*` methods).
 """
 
@@ -16,14 +17,18 @@ from ..schedules import AssumedCosts, TreeCost
 from ..trees import SCHEMES
 from .base import Draft, Drafter, KeepGoing
 from .cascade import CascadeDrafter
-from .dynamic import Eagle2Drafter, SequoiaDrafter, sequoia_shape
+from .eagle2 import Eagle2Drafter
 from .lookahead import LookaheadDrafter, lookahead_shape
 from .lookup import LookupDrafter
+from .lookup_tree import LookupTreeDrafter
+from .mixed import MixedDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .retokenize import OtherTokenizerDrafter
+from .sequoia import SequoiaDrafter, sequoia_shape
+from .sides import SidesDrafter
 from .suffix import SuffixCache, SuffixDrafter, SuffixIndex
-from .tree import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
+from .suffix_tree import SuffixTreeDrafter
 
 __all__ = ["CascadeDrafter", "Draft", "Drafter", "Eagle2Drafter", "KeepGoing", "SequoiaDrafter", "sequoia_shape",
            "LookaheadDrafter", "lookahead_shape", "LookupDrafter",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Generator, Protocol, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -92,7 +92,12 @@ def derived_capabilities(drafter) -> Capabilities:
                         catches_up=hasattr(drafter, "lag"),
                         reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
                         reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
-                        pins=hasattr(drafter, "pin"), finishes=hasattr(drafter, "finish"))
+                        pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"))
+
+
+def _own(drafter, member: str) -> bool:
+    """Whether `drafter` has `member` of its own, not the `Drafter` base's default."""
+    return hasattr(drafter, member) and getattr(type(drafter), member, None) is not getattr(Drafter, member, None)
 
 
 def is_drafter(value) -> bool:
@@ -105,26 +110,71 @@ def is_factory(value) -> bool:
     return callable(value) and not hasattr(value, "forward")
 
 
-class Drafter(Protocol):
-    """What `speculative_generate` needs from a drafter. Optional members beyond these are
-    declared in a class attribute `capabilities` (`Capabilities`)."""
+class Drafter:
+    """The base of every drafter: the contract the decoding loop drives.
 
-    name: str
-    passes: int  # drafter passes since `start` (0 for model-free drafters)
+    - `start(prompt)`: a new generation; `prompt` is its context.
+    - `propose(context, max_tokens, sampler, generator, keep_going) -> Draft` (a chain), or, where
+      the class declares `capabilities.trees`, `propose_tree(context, max_depth, sampler,
+      generator) -> trees.Tree`.
+    - `accept(start, path)`: what verification kept of the last draft (`accept_draft`).
+    - `finish(sequence)`: the generation ended (called where the class declares `finishes`).
+
+    Members beyond these are declared in a class attribute `capabilities` (`Capabilities`), never
+    probed. What every drafter reports the same way (tokens drafted and accepted, by position;
+    drafter passes and seconds) the loop counts in `GenerationStats`. A class written against
+    these members alone, without inheriting, still drafts (its capabilities are then derived
+    from its members once, `derived_capabilities`).
+    """
+
+    name: str = "drafter"
+    passes: int = 0  # drafter passes since `start` (0 for model-free drafters)
 
     def check_target(self, target) -> None:
         """Raise SpecdecError if this drafter cannot serve `target` (e.g. another vocabulary)."""
 
     def start(self, prompt: Sequence[int]) -> None:
         """Forget the previous generation; `prompt` is the new context."""
+        raise NotImplementedError
 
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
         """Up to `max_tokens` (>= 1) tokens to follow `context` (every token emitted so far, prompt
         included). An empty draft is allowed: the target then emits one token on its own."""
+        raise NotImplementedError
+
+    def accept(self, start: int, path: Sequence[int]) -> None:
+        """Verification kept the nodes `path` of the last draft, proposed after `context[:start]`
+        (a chain's kept nodes are 0, 1, ..., k-1): a chain drafter rolls back to the context's
+        first start + k tokens (`rollback`), a tree drafter keeps the path (`keep_path`)."""
+        if _declared_trees(self):
+            self.keep_path(start, list(path))
+        else:
+            self.rollback(start + len(path))
 
     def rollback(self, length: int) -> None:
-        """Only `context[:length]` of the last proposal's context + draft was kept."""
+        """A chain drafter's state after `accept`: only `context[:length]` of the last proposal's
+        context + draft was kept. Nothing to do for a drafter that keeps no state of its drafts."""
+
+    def finish(self, sequence: Sequence[int]) -> None:
+        """The generation ended with `sequence` (prompt and output): declared by `finishes`, for a
+        drafter that learns across generations."""
+
+
+def accept_draft(drafter, trees: bool, start: int, path: Sequence[int]) -> None:
+    """Tell `drafter` what verification kept of its last draft (`Drafter.accept`), also where it
+    was written against the members alone (its `rollback` or `keep_path`)."""
+    if isinstance(drafter, Drafter):
+        drafter.accept(start, path)
+    elif trees:
+        drafter.keep_path(start, list(path))
+    else:
+        drafter.rollback(start + len(path))
+
+
+def _declared_trees(drafter) -> bool:
+    declared = getattr(type(drafter), "capabilities", None)
+    return declared.trees if isinstance(declared, Capabilities) else hasattr(drafter, "propose_tree")
 
 
 # A proposal that leaves its model passes to the caller: it yields each pass it needs (a

@@ -28,7 +28,7 @@ from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree, tree_attention
 from .base import Capabilities
-from .dynamic import Eagle2Drafter
+from .eagle2 import Eagle2Drafter
 from .nodes import Node
 
 

@@ -34,7 +34,7 @@ from ..errors import SpecdecError
 from ..samplers import Sampler
 from ..schedules import TreeCost, tried_nodes
 from ..trees import Tree
-from .base import Capabilities
+from .base import Capabilities, Drafter
 from .nodes import Node, rank, to_tree
 
 OVERHEAD = 0.2  # a lookahead pass may cost at most this much more than a one-token pass
@@ -67,7 +67,7 @@ def check_shape(shape: tuple) -> None:
                                f"got {window!r}, {ngram!r}, {guesses!r}")
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     """Lookahead decoding's proposals as a token tree (see the module docstring).
 
     window, ngram, guesses: W, N, G, all given or none (then chosen at `check_target` from the

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler
-from .base import Capabilities, Draft, KeepGoing
+from .base import Capabilities, Draft, Drafter, KeepGoing
 
 
 def find_continuation(context: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int,
@@ -62,7 +62,7 @@ def find_matches(context: Sequence[int], max_ngram: int, min_ngram: int, max_tok
     return found
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Prompt lookup, trying suffixes of max_ngram down to min_ngram tokens (longest match first),
     copying after the latest earlier occurrence, or the first with `earliest` (transformers'
     prompt lookup: `LookupDrafter(2, 1, earliest=True)`)."""

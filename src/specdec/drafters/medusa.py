@@ -27,11 +27,11 @@ from ..training.medusa import Heads, check_heads_target, load_heads
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
-from .base import Capabilities
+from .base import Capabilities, Drafter
 from .nodes import Node, rank, to_tree
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Drafts token trees with Medusa heads (a checkpoint folder or loaded `Heads`)."""
 
     capabilities = Capabilities(trees=True, reads_target_hidden=True)

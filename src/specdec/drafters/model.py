@@ -12,7 +12,7 @@ from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..backends.prompts import PREFILL_CHUNK
 from ..samplers import Sampler, draw, greedy_tokens
 from ..text import check_pair
-from .base import Capabilities, Draft, KeepGoing, Proposal, drive
+from .base import Capabilities, Draft, Drafter, KeepGoing, Proposal, drive
 
 
 def stand_in_id(tokenizer) -> int:
@@ -22,7 +22,7 @@ def stand_in_id(tokenizer) -> int:
                  if isinstance(i, int)), 0)
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with `model` autoregressively, keeping its own KV cache in step with the target's.
 
     The drafter may pad its output head to another width than the target's while sharing its

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler, draw
-from .base import Capabilities, Draft, KeepGoing
+from .base import Capabilities, Draft, Drafter, KeepGoing
 
 Counts = dict[tuple[int, ...], dict[int, int]]
 
@@ -31,7 +31,7 @@ def count_ngrams(tokens: Sequence[int], n: int, counts: Counts | None = None, st
     return counts
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """n-gram assisted drafting. n: the longest n-gram (context of n-1 tokens), >= 2.
     corpus_tokens: token ids whose counts seed every generation (e.g. a tokenized corpus file)."""
 

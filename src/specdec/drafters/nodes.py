@@ -61,3 +61,62 @@ def rank(node: Node) -> None:
     node.children.sort(key=lambda c: -c.value)
     for child in node.children:
         rank(child)
+
+
+def merge(into: Node, other: Node, proposed: list[Node]) -> None:
+    """Add `other`'s subtrees under `into`, sharing the nodes whose tokens agree (a model node
+    keeps its own law and takes the larger of the two values); appends to `proposed` the node
+    that stands for each of `other`'s.
+
+    The added nodes rank after every existing sibling. That is what keeps sampled verification
+    exact: whether a lookup token gets a node of its own then depends only on its earlier
+    siblings (it is dropped when one of them carries it), so its law given them is one-hot. Were
+    it ranked before a sampled sibling it might later coincide with, its presence would tell
+    about that later draw, whose law would no longer be the one verification assumes. Dropping
+    a one-hot duplicate is lossless: its earlier twin's rejection left p = 0 at that token, so
+    its own rejection would not change the residual.
+    """
+    for child in other.children:
+        same = into.child(child.token)
+        if same is None:
+            into.children.append(child)
+            proposed += subtree(child)
+        else:
+            same.value = max(same.value, child.value)
+            same.ngram = max(same.ngram, child.ngram)
+            if same.ratio is None:
+                same.ratio = child.ratio  # a suffix node's count ratio, for its calibration
+            proposed.append(same)
+            merge(same, child, proposed)
+
+
+def subtree(node: Node) -> list[Node]:
+    return [node] + [n for child in node.children for n in subtree(child)]
+
+
+def prune(node: Node, keep: set[int]) -> None:
+    """Drop the children (and their subtrees) not in `keep`."""
+    node.children = [c for c in node.children if id(c) in keep]
+    for child in node.children:
+        prune(child, keep)
+
+
+def count_nodes(node: Node) -> int:
+    return sum(1 + count_nodes(c) for c in node.children)
+
+
+def closed(root: Node, keep: set[int]) -> set[int]:
+    """`keep` with every kept node's ancestors (so the tree stays connected)."""
+    closed: set[int] = set()
+
+    def visit(node: Node) -> bool:
+        any_kept = False
+        for child in node.children:
+            below = visit(child)
+            if below or id(child) in keep:
+                closed.add(id(child))
+                any_kept = True
+        return any_kept
+
+    visit(root)
+    return closed

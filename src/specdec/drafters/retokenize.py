@@ -29,7 +29,7 @@ from ..backends import Backend
 from ..backends.cache import crop_cache
 from ..errors import SpecdecError
 from ..samplers import Sampler, draw, greedy_tokens, sample
-from .base import Capabilities, Draft, KeepGoing
+from .base import Capabilities, Draft, Drafter, KeepGoing
 from .model import stand_in_id
 
 LOOKBEHIND = (8, 2)  # context tokens re-encoded with the draft's text, tried in turn
@@ -39,7 +39,7 @@ MODES = ("auto", "text", "intersection")
 _SHARED: dict[tuple, tuple] = {}  # (tokenizers' ids, head widths, device) -> (tokenizers, shared tokens)
 
 
-class OtherTokenizerDrafter:
+class OtherTokenizerDrafter(Drafter):
     """Drafts with `model`, whose tokenizer differs from the target's.
 
     mode: "text" (draft text, re-encoded with the target's tokenizer; q one-hot), "intersection"

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler
-from .base import Capabilities, Draft, KeepGoing
+from .base import Capabilities, Draft, Drafter, KeepGoing
 
 
 SEPARATOR = -1  # between the sequences an index holds: no match or continuation crosses it
@@ -237,7 +237,7 @@ def length_bin(length: int) -> int:
     return sum(length >= edge for edge in LENGTH_BINS) - 1
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """SuffixDecoding's chain drafter over this request's prompt and output, and over a shared
     `SuffixCache` of earlier outputs (optional; `generate --prompts` and the server share one),
     and over a retrieval datastore (optional: `datastore.Datastore`, REST's corpus; with it

@@ -67,16 +67,10 @@ class Metrics:
 
 def speculation_usage(result: GenerationResult) -> dict:
     """A choice's speculation, as its response's `usage` and the metrics report it."""
-    per_position: list[int] = []
-    drafts = 0
-    for step in result.steps:
-        if step.draft_tokens:
-            drafts += 1
-            for position in range(step.num_accepted):
-                if position == len(per_position):
-                    per_position.append(0)
-                per_position[position] += 1
-    stats = result.stats
-    return {"drafts": drafts, "draft_tokens": stats.drafted, "accepted_tokens": stats.accepted,
+    stats = result.stats  # counted by the loop for every drafter alike (`GenerationStats.accepted_at`)
+    per_position = list(stats.accepted_at)
+    while per_position and not per_position[-1]:
+        per_position.pop()
+    return {"drafts": len(stats.accepted_per_step), "draft_tokens": stats.drafted, "accepted_tokens": stats.accepted,
             "accepted_per_position": per_position, "target_passes": stats.target_passes,
             "tokens_per_target_pass": round(stats.tokens_per_target_pass, 3)}

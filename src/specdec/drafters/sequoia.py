@@ -1,21 +1,11 @@
-"""Tree drafters whose shape is decided per step (EAGLE-2) or by an acceptance model (Sequoia).
+"""Sequoia's static tree shapes (Chen et al. 2024), filled in by the drafter model.
 
-- `Eagle2Drafter`: EAGLE-2's dynamic trees (Li et al. 2024) with the small drafter model. The
-  tree grows one depth per drafter pass: the top-K nodes of the newest depth by path value (the
-  product of the drafter's calibrated q along the path) are fed together under tree attention,
-  and each gets its top-K tokens as children; then the best nodes of everything drafted are kept
-  (reranking), as many as pay for their verification width (`TreeCost`).
-- `SequoiaDrafter`: Sequoia's static shapes (Chen et al. 2024). `sequoia_shape` is the tree that
-  maximises the expected number of accepted tokens under the positional acceptance model
-  (a rank-r child is the accepted one with probability acceptance[r], given its parent was),
-  found by dynamic programming; its size is chosen for the measured pass costs and the
-  per-rank acceptance is measured as the generation runs. The drafter model fills the shape
-  in: a rank-r child is the r-th best token of the drafter's q at its parent.
-
-Both trees are deterministic (top-k siblings: one-hot laws), so they are exact under any
-sampler (verify.py), and `probs` is None. Both keep the drafter's KV cache in step with the
-target's: the tree's internal nodes are fed after the context (`tree_start`), and `keep_path`
-gathers the accepted path's entries into place (`ModelDrafter.keep_path`).
+`sequoia_shape` is the tree that maximises the expected number of accepted tokens under the
+positional acceptance model (a rank-r child is the accepted one with probability acceptance[r],
+given its parent was), found by dynamic programming; its size is chosen for the measured pass
+costs and the per-rank acceptance is measured as the generation runs. The drafter model fills
+the shape in: a rank-r child is the r-th best token of the drafter's q at its parent.
+Deterministic (top-k siblings), so exact under any sampler (verify.py).
 """
 
 from __future__ import annotations
@@ -27,196 +17,13 @@ from typing import Generator, Sequence
 import torch
 
 from ..backends import Backend, Segment
-from ..backends.cache import cache_length
 from ..errors import SpecdecError
 from ..samplers import Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
-from .base import Capabilities, drive
-from .model import ModelDrafter
-from .nodes import Node, to_tree
+from .nodes import Node, rank, subtree
+from .tree_model import TreeModelDrafter
 
-NOT_IN_TREE = -2  # `_fed` entry of a fed node that reranking left out of the tree (never on a path)
-
-
-class _TreeModelDrafter(ModelDrafter):
-    """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
-
-    capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
-
-    def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
-        super().__init__(model)
-        self.policy = policy or TreeCost(max_nodes=max_nodes)
-        self._fed: list[int] = []  # tree node held at drafter cache position start + i (NOT_IN_TREE: none)
-        self._drafted = False  # whether the last tree had any node
-        self._parent: dict[int, Node] = {}  # id(node) -> its parent, for the tree being drafted
-        self._root: Node | None = None
-        self._start: int | None = None  # len(context) of the last proposed tree (None: answered)
-        self._nodes: list[Node] = []  # the last tree's nodes, in its order
-        self._parents: list[int] = []  # and their parents
-
-    def start(self, prompt: Sequence[int]) -> None:
-        super().start(prompt)
-        self.policy.reset()
-        self._fed, self._drafted, self._start = [], False, None
-
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        """Each subclass's `tree_proposal` (its drafter-model passes left to the caller, as
-        `ModelDrafter.proposal`: the engine batches them across sequences), its passes made here."""
-        return drive(self.tree_proposal(context, max_depth, sampler, generator), self.model.forward)
-
-    def _feed_root(self, context: Sequence[int]) -> Generator[Segment, torch.Tensor, torch.Tensor]:
-        """One plain pass (yielded) over what the drafter has not seen: its logits [V'] at the root."""
-        self._catch_up(context)
-        pending = self._inputs(context[cache_length(self.cache):])
-        logits = (yield Segment(pending, self.cache, 1))[-1]
-        self.passes += 1
-        return logits
-
-    def _feed_depth(self, nodes: list[Node], fed: list[Node], fed_parent: dict[int, int],
-                    start: int) -> Generator[Segment, torch.Tensor, torch.Tensor]:
-        """Feed `nodes` (one depth of the tree, children of fed nodes or of the root) in one pass
-        (yielded) under tree attention; appends them to `fed`. Returns their logits [len(nodes), V']."""
-        for node in nodes:
-            fed_parent[id(node)] = len(fed)
-            fed.append(node)
-        region = [fed_parent[id(self._parent[id(node)])] for node in fed]
-        logits = yield Segment(self._inputs([n.token for n in nodes]), self.cache, len(nodes), region, start)
-        self.passes += 1
-        return logits
-
-    def _over(self, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter logits [..., V'] -> [..., V_target]: -inf (q = 0) on the target's ids the drafter
-        lacks, and no id past the target's (head padding) is ever proposed."""
-        logits = logits[..., :self.vocab_size]
-        missing = (self.vocab_size or 0) - logits.shape[-1]
-        return logits if missing <= 0 else torch.cat([logits, logits.new_full((*logits.shape[:-1], missing),
-                                                                               float("-inf"))], -1)
-
-    def _finish(self, root: Node, keep: set[int] | None, fed: list[Node], start: int) -> Tree:
-        tree, order = to_tree(root, keep)
-        index = {id(node): i for i, node in enumerate(order)}
-        self._fed = [index.get(id(node), NOT_IN_TREE) for node in fed]
-        self._drafted = bool(tree.tokens)
-        self._root, self._nodes, self._start, self._parents = root, order, start, tree.parents
-        return tree
-
-    def _take_last_tree(self, start: int) -> bool:
-        """Whether keep_path(start, ...) answers the last proposed tree and it had nodes. The loop
-        skips propose_tree when no draft fits (its last step): the last tree is then not the step's."""
-        current, self._start = self._start == start, None
-        if not current:
-            self._fed, self._drafted = [], False
-        return self._drafted
-
-    def keep_path(self, start: int, path: list[int]) -> None:
-        drafted = self._take_last_tree(start)
-        super().keep_path(start, path, self._fed)
-        self._learn(drafted, path)
-
-    def _learn(self, drafted: bool, path: list[int]) -> None:
-        """Tell the policy what became of the last tree's nodes."""
-        if drafted and self._nodes[0].q is not None:  # a tree of the drafter's q (not Sequoia's ranks)
-            self.policy.record_tree([node.q for node in self._nodes], self._parents, path)
-
-    def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
-               emitted: int) -> None:
-        self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
-
-
-class Eagle2Drafter(_TreeModelDrafter):
-    """EAGLE-2 dynamic draft trees (Li et al. 2024) with a small drafter model.
-
-    Per step: a plain pass over what the drafter has not seen gives q at the root, whose top
-    `width` tokens are the depth-1 nodes. Then, one drafter pass per depth: the `width` nodes of
-    the newest depth with the highest path value (the product of q along the path) are fed
-    together under tree attention, and each gets its top `width` tokens as children. Growth
-    stops at `max_depth`, or when those `width` nodes together are worth less than a drafter
-    pass (`policy.threshold`; their children's values sum to at most theirs). Reranking then
-    keeps the nodes of highest value, while they pay for their verification width (value >=
-    `policy.node_threshold`) and at most `policy.max_nodes`, the root's best child always (a
-    step that drafts drafts something); a node's value never exceeds its parent's, so the kept
-    set is closed under ancestors.
-
-    Values are the drafter's q at temperature 1 under a greedy sampler, and the sampler's q
-    (`sampler.probs`: temperature, top-k, top-p) otherwise: with deterministic siblings the
-    chance that a node is accepted given its parent was is exactly the target's sampled p of
-    its token, which the drafter's q under the same sampler estimates, mapped to the acceptance
-    measured so far at that q (`TreeCost.acceptance`, for drafters whose q is not calibrated).
-    Tokens with q = 0 are never drafted.
-    """
-
-    def __init__(self, model: Backend, width: int = 4, max_nodes: int = 64, policy: TreeCost | None = None):
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-            raise SpecdecError(f"EAGLE-2 tree width (top-k) must be an integer >= 1, got {width!r}")
-        super().__init__(model, policy, max_nodes)
-        self.width = width
-        self.name = f"{model.name}+eagle2x{width}"
-
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
-        root = Node(-1, 1.0, "deterministic")
-        self._parent = {}
-        fed: list[Node] = []
-        keep = None
-        if max_depth >= 1 and self.policy.should_draft():
-            drafted = yield from self._grow(root, context, max_depth, sampler, fed)
-            keep = self._select(root, drafted)
-        return self._finish(root, keep, fed, len(context))
-
-    def _grow(self, root: Node, context: Sequence[int], max_depth: int, sampler: Sampler,
-              fed: list[Node]) -> Generator[Segment, torch.Tensor, list[Node]]:
-        """Draft the tree under `root`, feeding its expanded nodes (each pass yielded); returns every
-        drafted node in the order drafted (depth by depth)."""
-        start = len(context)
-        newest = self._expand([root], (yield from self._feed_root(context)).unsqueeze(0), sampler)
-        drafted = list(newest)
-        fed_parent = {id(root): -1}
-        for _ in range(1, max_depth):
-            # stable: among equal values the earlier drafted (a better-ranked sibling) first
-            frontier = sorted(newest, key=lambda n: -n.value)[:self.width]
-            # a depth costs one drafter pass however many nodes it expands: it pays when they are
-            # worth it together (for a chain, width 1, this is CostAware's rule)
-            if not frontier or sum(n.value for n in frontier) < self.policy.threshold:
-                break
-            newest = self._expand(frontier, (yield from self._feed_depth(frontier, fed, fed_parent, start)), sampler)
-            drafted += newest
-        return drafted
-
-    def _expand(self, parents: list[Node], logits: torch.Tensor, sampler: Sampler) -> list[Node]:
-        """Each parent's top `width` tokens of q (from its logits row) as its children, best first."""
-        children = []
-        over = self._over(logits)
-        q = over.float().softmax(-1) if sampler.is_greedy else sampler.probs(over)
-        top = q.topk(min(self.width, q.shape[-1]), dim=-1)
-        acceptance = self.policy.acceptance
-        for parent, probs, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
-            for prob, token in zip(probs, tokens):
-                if prob <= 0:
-                    break
-                child = Node(int(token), parent.value * acceptance(prob), "deterministic", q=prob)
-                parent.children.append(child)
-                self._parent[id(child)] = parent
-                children.append(child)
-        return children
-
-    def _select(self, root: Node, drafted: list[Node]) -> set[int]:
-        """Reranking: the drafted nodes by falling value (ties: earlier drafted first, so an
-        ancestor before its descendants) while they pay, each only after its parent."""
-        keep: set[int] = set()
-        threshold, limit = self.policy.node_threshold, self.policy.max_nodes
-        for i, node in sorted(enumerate(drafted), key=lambda item: (-item[1].value, item[0])):
-            if len(keep) >= limit or (node.value < threshold and keep):
-                break
-            parent = self._parent[id(node)]
-            if parent is root or id(parent) in keep:
-                keep.add(id(node))
-        return keep
-
-
-# ---------------------------------------------------------------------------------------------
-# Sequoia
 
 PRIOR_ACCEPTANCE = (0.6, 0.15, 0.07, 0.03, 0.02, 0.01, 0.01, 0.005)
 
@@ -322,7 +129,7 @@ def sequoia_shape(acceptance: Sequence[float], max_nodes: int, max_depth: int) -
     return tables.shape(size, tables.max_depth)
 
 
-class SequoiaDrafter(_TreeModelDrafter):
+class SequoiaDrafter(TreeModelDrafter):
     """Sequoia's static tree shapes (Chen et al. 2024), filled in by the drafter model.
 
     Each step takes the shape that maximises (1 + E[accepted](size, depth)) / (cost of the step)
