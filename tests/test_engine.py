@@ -12,6 +12,7 @@ from specdec import (Engine, Request, Sampler, SpecdecError, autoregressive_gene
 from specdec.drafters import (LookaheadDrafter, LookupDrafter, MixedDrafter, NgramDrafter, SidesDrafter,
                               make_tree_drafter)
 from specdec.schedules import TreeCost
+from specdec.verify import verify_ragged
 
 from conftest import tiny_model
 from test_rows import _ids, qwen_like
@@ -77,6 +78,40 @@ def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
             alone = speculative_generate(prompt, target, drafter_alone, gamma=3, sampler=sampler, max_new_tokens=10,
                                          eos_token_ids=[], seed=seed)
         assert result.tokens == alone.tokens
+
+
+def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, monkeypatch):
+    """Greedy and seeded chains (and plain sequences) are verified together, one `verify_ragged`
+    call a step; unseeded sampling and trees verify alone. Every output as alone."""
+    import specdec.engine.engine as engine_module
+
+    target, same, other = pair
+    prompts, sampler = _prompts(), Sampler(temperature=1.0, top_k=50)
+    calls = []
+
+    def counted(targets, drafts):
+        calls.append(len(drafts))
+        return verify_ragged(targets, drafts)
+
+    monkeypatch.setattr(engine_module, "verify_ragged", counted)
+    requests = [Request(prompts[0], other, max_new_tokens=10, eos_token_ids=[], gamma=3),
+                Request(prompts[1], same, sampler, max_new_tokens=10, eos_token_ids=[], gamma=3, seed=5),
+                Request(prompts[2], None, sampler, max_new_tokens=10, eos_token_ids=[], seed=6),
+                Request(prompts[3], other, sampler, max_new_tokens=10, eos_token_ids=[], gamma=3),  # unseeded
+                Request(prompts[4], lambda: make_tree_drafter("sides", other), max_new_tokens=10, eos_token_ids=[])]
+    engine = Engine(target, max_batch=5)
+    ids = [engine.add(r) for r in requests]
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    assert len(calls) == steps and max(calls) == 3  # the greedy chain, the seeded chain, the seeded plain one
+    greedy = autoregressive_generate(prompts[0], target, max_new_tokens=10, eos_token_ids=[]).tokens
+    seeded = speculative_generate(prompts[1], target, same, gamma=3, sampler=sampler, max_new_tokens=10,
+                                  eos_token_ids=[], seed=5).tokens
+    plain = autoregressive_generate(prompts[2], target, sampler, max_new_tokens=10, eos_token_ids=[], seed=6).tokens
+    tree = autoregressive_generate(prompts[4], target, max_new_tokens=10, eos_token_ids=[]).tokens
+    assert [engine.results[ids[i]].tokens for i in (0, 1, 2, 4)] == [greedy, seeded, plain, tree]
 
 
 def test_steps_stream_each_requests_tokens_and_admission_waits_at_max_batch(pair):

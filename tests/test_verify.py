@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from specdec import SpecdecError, sample, verify_draft
-from specdec.verify import verify_greedy
+from specdec.verify import verify_greedy, verify_ragged
 
 TRIALS = 1_000_000
 ALPHA = 1e-4
@@ -210,6 +210,26 @@ def test_verify_greedy_equals_verify_draft_with_one_hot_p():
     assert set(n.tolist()) == set(range(gamma + 1))
     with pytest.raises(SpecdecError, match="target_tokens"):
         verify_greedy(target_tokens[:, :gamma], draft_tokens)
+
+
+def test_verify_ragged_equals_each_chain_verified_alone():
+    """One call over chains of lengths 0..5 gives each one's `verify_greedy` result; a vocabulary
+    of 3 makes a padding position that matched (pads of one value) show at once."""
+    g = torch.Generator().manual_seed(1)
+    targets, drafts = [], []
+    for _ in range(300):
+        gamma = int(torch.randint(0, 6, (1,), generator=g))
+        target = torch.randint(0, 3, (gamma + 1,), generator=g)
+        draft = torch.where(torch.rand(gamma, generator=g) < 0.8, target[:gamma], torch.randint(0, 3, (gamma,), generator=g))
+        targets.append(target.tolist())
+        drafts.append(draft.tolist())
+    num, nxt = verify_ragged(targets, drafts)
+    alone = [verify_greedy(torch.tensor(t), torch.tensor(d)) for t, d in zip(targets, drafts)]
+    assert num == [int(n) for n, _ in alone] and nxt == [int(x) for _, x in alone]
+    assert {n for n, d in zip(num, drafts) if n == len(d)} and {n for n, d in zip(num, drafts) if n < len(d)}
+    assert verify_ragged([], []) == ([], [])
+    with pytest.raises(SpecdecError, match="sequence 1: 2 target tokens for a draft of 2"):
+        verify_ragged([[1], [1, 2]], [[], [1, 2]])
 
 
 def _first_emitted(p, q, lenience, trials, seed):

@@ -523,11 +523,11 @@ class Decoding:
         parents = input_parents(len(pending), draft.parents) if self.trees else None
         return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
-    def commit(self, logits: torch.Tensor, pass_seconds: float, argmax: list[int] | None = None) -> list[int]:
+    def commit(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:
         """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
-        verify.py alone), roll back what was rejected, emit -> the tokens emitted. argmax: the
-        logits' rows' greedy tokens where the caller has them (`samplers.greedy_rows`, a batched
-        step's), read instead of the logits under a greedy sampler."""
+        verify.py alone), roll back what was rejected, emit -> the tokens emitted. decided: the
+        draft's (num_accepted, next_token) where the caller verified it already, with other
+        sequences' in one call (`verifies_by_tokens`, `verify.verify_ragged`: a batched step's)."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
         raw = logits  # the model's own: what logprobs report
         if self.rules is not None:
@@ -539,8 +539,8 @@ class Decoding:
         if self.noise is not None:
             self.noise.forget(len(self.sequence))
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
-            token = _target_token(logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0]
-                                  if self.noise is not None else None, None if argmax is None else argmax[-1])
+            token = decided[1] if decided is not None else _target_token(
+                logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0] if self.noise is not None else None)
             emitted = self.out.add(Step([], 0, int(token), []))
             self._record_logprobs(raw, [len(raw) - 1], emitted)
             self.sequence += emitted
@@ -555,10 +555,12 @@ class Decoding:
             noise = None if self.noise is None else self._noise_rows([0] + depths(draft.parents), logits)
             path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details, noise)
             num_accepted = len(path)
+        elif decided is not None:
+            num_accepted, next_token = decided
         else:
             noise = None if self.noise is None else self._noise_rows(range(len(logits)), logits)
             num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
-                                             self.typical, noise, argmax)
+                                             self.typical, noise)
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
@@ -592,6 +594,25 @@ class Decoding:
         self.sequence += emitted
         self._finish()
         return emitted
+
+    @property
+    def verifies_by_tokens(self) -> bool:
+        """Whether the target's own token at each row of the next pass decides this sequence's
+        step (a chain, or no draft, under a greedy sampler or a seed's coupled draws, no logit
+        rules, no step details): a batched step then verifies it with the other such sequences
+        in one call (`verify.verify_ragged`) and commits the decision."""
+        return not self.trees and self.rules is None and not self.debug and \
+            (self.sampler.is_greedy or self.noise is not None)
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        """The planned draft's tokens (none for a step that scores the target's token alone)."""
+        return [] if self._draft is None else self._draft.tokens
+
+    def own_tokens(self, logits: torch.Tensor) -> list[int]:
+        """The target's own token at each row of this sequence's logits [n, V] under a seed: the
+        sampler's probabilities raced against each row's position noise (`verify_coupled`'s)."""
+        return race(self.sampler.probs(logits), self._noise_rows(range(len(logits)), logits)).tolist()
 
     def _noise_rows(self, offsets, logits: torch.Tensor) -> torch.Tensor:
         """The shared races [n, V] of the positions `offsets` past the sequence's end (the rows of
@@ -633,12 +654,11 @@ def _timed(stats: GenerationStats, counter: str):
 
 
 def _target_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,
-                  noise: torch.Tensor | None = None, argmax: int | None = None) -> torch.Tensor | int:
-    """The target's own token from logits [V] (greedy without building a one-hot row, or the
-    row's `argmax` where the caller has it; under a seed the coupled draw with that position's
-    races `noise` [V])."""
+                  noise: torch.Tensor | None = None) -> torch.Tensor | int:
+    """The target's own token from logits [V] (greedy without building a one-hot row; under a
+    seed the coupled draw with that position's races `noise` [V])."""
     if sampler.is_greedy:
-        return greedy_tokens(logits) if argmax is None else argmax
+        return greedy_tokens(logits)
     return race(sampler.probs(logits), noise) if noise is not None else sample(sampler.probs(logits), generator)
 
 
@@ -666,17 +686,12 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
             lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None,
-            noise: torch.Tensor | None = None, argmax: list[int] | None = None) -> tuple[int, int]:
+            noise: torch.Tensor | None = None) -> tuple[int, int]:
     """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
     dict, also the lists "p", "q", "u" of each draft token (for the step view); `noise` [γ+1, V]:
-    each row's shared races under a seed (`verify_coupled`), else None; `argmax`: the rows'
-    greedy tokens where the caller has them (read instead of the logits under a greedy sampler)."""
+    each row's shared races under a seed (`verify_coupled`), else None."""
     if not draft.tokens:
-        return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1],
-                                    None if argmax is None else argmax[-1]))
-    if sampler.is_greedy and argmax is not None and details is None:  # on the host already
-        num_accepted, next_token = verify_greedy(torch.tensor(argmax), torch.tensor(draft.tokens))
-        return int(num_accepted), int(next_token)
+        return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1]))
     tokens = torch.tensor(draft.tokens, device=logits.device)
     if sampler.is_greedy or noise is not None:
         if sampler.is_greedy:

@@ -7,6 +7,7 @@ of trials per second.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -142,6 +143,37 @@ def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     num_accepted = matches.cumprod(-1).sum(-1)
     next_token = target_tokens.gather(-1, num_accepted.unsqueeze(-1)).squeeze(-1)
     return num_accepted, next_token
+
+
+def verify_ragged(target_tokens: Sequence[Sequence[int]],
+                  draft_tokens: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """`verify_greedy` over a ragged batch of chains in one call, for a batched step where the
+    target's own token at each row decides (greedy, or a seed's coupled draws: `verify_coupled`).
+
+    Args:
+        target_tokens: B sequences, the b-th [γ_b + 1]: the target's token at each of its rows.
+        draft_tokens: B sequences, the b-th [γ_b] (γ_b >= 0): its draft.
+    Returns:
+        num_accepted, next_token: [B] each, as `verify_greedy`'s for each sequence alone.
+
+    Drafts are padded with -1 and targets with -2, so no padding position ever matches.
+    """
+    if len(target_tokens) != len(draft_tokens):
+        raise SpecdecError(f"{len(target_tokens)} sequences of target tokens for {len(draft_tokens)} drafts")
+    for b, (target, draft) in enumerate(zip(target_tokens, draft_tokens)):
+        if len(target) != len(draft) + 1:
+            raise SpecdecError(f"sequence {b}: {len(target)} target tokens for a draft of {len(draft)}; "
+                               "give one per draft token and one past it")
+    if not draft_tokens:
+        return [], []
+    width = max(len(draft) for draft in draft_tokens)
+    targets = torch.full((len(draft_tokens), width + 1), -2, dtype=torch.long)
+    drafts = torch.full((len(draft_tokens), width), -1, dtype=torch.long)
+    for b, (target, draft) in enumerate(zip(target_tokens, draft_tokens)):
+        targets[b, :len(target)] = torch.as_tensor(list(target), dtype=torch.long)
+        drafts[b, :len(draft)] = torch.as_tensor(list(draft), dtype=torch.long)
+    num_accepted, next_token = verify_greedy(targets, drafts)
+    return num_accepted.tolist(), next_token.tolist()
 
 
 def verify_coupled(target_probs: torch.Tensor, noise: torch.Tensor,

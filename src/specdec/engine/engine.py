@@ -2,8 +2,9 @@
 
 One step: admit waiting requests up to `max_batch`, feed about a chunk's worth of admitted prompts,
 let every running sequence draft (`Decoding.planning`, the drafter model's passes batched across
-sequences), score all of their new tokens in one target pass, verify and roll back each sequence
-on its own (`Decoding.commit`), and free what finished. A sequence's
+sequences), score all of their new tokens in one target pass, verify the greedy and seeded chains
+in one call over the ragged batch (`verify.verify_ragged`; trees and unseeded sampling each alone),
+roll back each sequence (`Decoding.commit`), and free what finished. A sequence's
 output does not depend on what shares its passes: its rows are computed bit for bit as its own
 pass computes them (`forward_batch`), and everything random comes from its own generators.
 """
@@ -26,6 +27,7 @@ from ..passcost import LoadCosts
 from ..penalties import LogitRules
 from ..samplers import GREEDY, Sampler, greedy_rows
 from ..schedules import Schedule
+from ..verify import verify_ragged
 from .policy import BatchCosts
 
 log = logging.getLogger("specdec.engine")
@@ -240,20 +242,18 @@ class Engine:
             return None
 
     def _verify(self, plan: StepPlan, logits: list) -> dict[int, list[int]]:
-        """Each sequence's draft verified against its logits and its caches rolled back
+        """Each sequence's draft verified against its logits, in one call over the ragged batch
+        where the target's own tokens decide (`_decide`), and its caches rolled back
         (`Decoding.commit`); a sequence's own error ends it alone; finished ones collected."""
         emitted = {}
-        # the greedy chains' argmaxes in one copy to the host (a GPU would wait once per sequence)
-        greedy = [i for i, (d, rows) in enumerate(zip(plan.decodings, logits))
-                  if rows is not None and d.sampler.is_greedy and not d.trees and d.rules is None]
-        argmaxes = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
+        decided = _decide(plan.decodings, logits)
         for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
             if rows is None:  # ended when its pass failed
                 continue
             try:
-                if isinstance(argmaxes.get(i), SpecdecError):
-                    raise argmaxes[i]
-                emitted[request_id] = decoding.commit(rows, plan.pass_seconds, argmaxes.get(i))
+                if isinstance(decided.get(i), SpecdecError):
+                    raise decided[i]
+                emitted[request_id] = decoding.commit(rows, plan.pass_seconds, decided.get(i))
             except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
                 self._fail(request_id, error, "verification")
                 continue
@@ -415,6 +415,30 @@ class Engine:
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
                         schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
                         seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules)
+
+
+def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | SpecdecError]:
+    """The step's verification for every sequence whose target tokens decide it (greedy or seeded
+    chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
+    in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
+    The others (trees, unseeded sampling, logit rules) are verified by their own `commit`."""
+    chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits)) if rows is not None and d.verifies_by_tokens]
+    greedy = [i for i in chosen if decodings[i].sampler.is_greedy]
+    # the greedy rows' argmaxes in one copy to the host (a GPU would wait once per sequence)
+    tokens: dict[int, list[int] | SpecdecError] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
+    for i in chosen:
+        if i not in tokens:
+            try:
+                tokens[i] = decodings[i].own_tokens(logits[i])
+            except SpecdecError as error:
+                tokens[i] = error
+    decided: dict[int, tuple[int, int] | SpecdecError] = {i: t for i, t in tokens.items() if isinstance(t, SpecdecError)}
+    ready = [i for i in chosen if i not in decided]
+    # a plain step's pass scores its pending tokens: the last row is the target's token
+    drafts = [decodings[i].draft_tokens for i in ready]
+    targets = [tokens[i][len(tokens[i]) - len(draft) - 1:] for i, draft in zip(ready, drafts)]
+    decided.update(zip(ready, zip(*verify_ragged(targets, drafts))))
+    return decided
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:
