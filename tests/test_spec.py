@@ -144,7 +144,7 @@ def test_every_registered_name_builds_and_is_greedy_identical_to_ar(name, tmp_pa
     if not config.speculative:
         assert built.make_drafter is None and built.make_schedule is None
         return
-    result = speculative_generate(PROMPT, target, built.make_drafter(), schedule=built.make_schedule(),
+    result = speculative_generate(PROMPT, target, built.make_drafter(), schedule=built.schedule(),
                                   max_new_tokens=24, eos_token_ids=[], lenience=config.effective_lenience(),
                                   typical=config.typical(), seed_rule=config.seed_rule)
     assert result.tokens == ar.tokens
@@ -180,7 +180,7 @@ def test_a_cost_schedule_gets_the_costs_of_its_drafter_and_measures_them_once():
                              (SpecConfig("chain", schedule="fixed"), []), (SpecConfig("tree"), [])]:
         asked.clear()
         built = build(config, Parts(target, drafter if config.needs_drafter_model() else None, costs=costs))
-        built.make_schedule(), built.make_schedule()
+        built.schedule(), built.schedule()
         assert asked == expected, config.method
 
 
@@ -363,6 +363,32 @@ def test_a_subclass_overriding_the_whole_proposal_is_called_through_it():
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=12, eos_token_ids=[])
     out = speculative_generate(PROMPT, target, Watched(drafter), max_new_tokens=12, eos_token_ids=[])
     assert out.tokens == ar.tokens and calls
+
+
+def test_one_draft_length_policy_for_chains_and_trees():
+    """The loop drives one policy: a chain's schedule, or a tree drafter's own TreeCost (no
+    fixed schedule standing in as the tree's depth bound); `gamma` only lowers that bound."""
+    from specdec.drafters import SidesDrafter
+    from specdec.generate import Decoding
+    from specdec.schedules import Fixed, TreeCost
+
+    target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
+    built = build(SpecConfig("tree", tree="sides", gamma_max=7), Parts(target, drafter))
+    assert built.make_schedule is None and built.make_drafter().policy.gamma == 7
+    tree = SidesDrafter(drafter, policy=TreeCost(max_depth=3, warmup=10**9))
+    decoding = Decoding(PROMPT, target, tree)
+    assert decoding.schedule is tree.policy and decoding.steerable is tree.policy
+    chain = Decoding(PROMPT, target, drafter, schedule=Fixed(4))
+    assert isinstance(chain.schedule, Fixed) and chain.schedule.gamma == 4
+    with pytest.raises(SpecdecError, match="sizes its drafts by its own policy"):
+        Decoding(PROMPT, target, tree, schedule=Fixed(4))
+    ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
+    twin = tiny_model(0, vocab=32)  # drafts what the target says: trees run to their depth bound
+    for gamma, bound in [(None, 3), (2, 2)]:
+        out = speculative_generate(PROMPT, target, SidesDrafter(twin, policy=TreeCost(max_depth=3, warmup=10**9)),
+                                   gamma=gamma, max_new_tokens=24, eos_token_ids=[])
+        assert out.tokens == ar.tokens
+        assert max(out.stats.accepted_per_step) == bound and len(out.stats.drafted_at) == bound
 
 
 def test_an_engine_step_reads_as_schedule_draft_pass_verify():

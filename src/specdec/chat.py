@@ -140,7 +140,7 @@ class ChatSession:
         config = self.config()
         if not config.speculative:
             return f"ar · {self.sampler.describe()} · {weights}"
-        plan = self.speculation().make_schedule().describe()
+        plan = self.speculation().describe_sizing()
         name = "sd" if self.method == "default" else self.method
         return (f"{name} · drafter {self.drafter_name} · {plan} · {self.sampler.describe()} · {weights}" +
                 (" · debug" if self.debug else ""))
@@ -157,7 +157,7 @@ class ChatSession:
                 speculation = self.speculation()
                 result = speculative_generate(list(ids), self.target, speculation.make_drafter(),
                                               sampler=self.sampler, max_new_tokens=self.max_new_tokens,
-                                              schedule=speculation.make_schedule(), on_step=printer, debug=self.debug,
+                                              schedule=speculation.schedule(), on_step=printer, debug=self.debug,
                                               lenience=config.effective_lenience(), typical=config.typical(),
                                               seed_rule=config.seed_rule)
             else:

@@ -187,6 +187,7 @@ class GenerationResult:
 
 
 StepCallback = Callable[[Step], None]
+DEFAULT_GAMMA = 5  # a chain's fixed draft length where neither gamma nor a schedule is given
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
 DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (the trees' default node cap)
 RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequence's slabs double as it grows
@@ -222,7 +223,7 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
-                         gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
+                         gamma: int | None = None, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
                          schedule: Schedule | None = None, lenience: float = 1.0,
@@ -235,12 +236,14 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     drafter: a smaller model (any `Backend`, same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
-        `gamma` (or the schedule's budget) then bounds the tree's depth, the drafter its size.
+        Its own cost policy (`drafter.policy`, a `TreeCost`) sizes the tree, up to its depth bound
+        (`gamma`, where given, lowers it).
         A drafter with `reads_target_hidden` (Medusa heads, EAGLE) is handed, after the prefill
         and every target pass, the target's final hidden states [n, H] at the positions that pass
         committed, in order (`observe`): the drafter then holds one per sequence position but the
         last, the last one being where the target chose the newest token.
-    schedule: how many tokens to draft per step (schedules.py); default: a fixed `gamma`.
+    gamma: a chain's fixed draft length where no schedule is given (default 5); a tree's depth bound.
+    schedule: how many tokens a chain drafts per step (schedules.py); default: a fixed `gamma`.
     lenience: 1 (default) is exact; l in (0, 1) accepts more drafts and is LOSSY under sampling
         (no token gets more than p/l; see `verify_draft`); greedy output is unaffected.
     typical: Medusa's typical acceptance instead of rejection sampling (`verify.Typical`): LOSSY
@@ -327,7 +330,7 @@ class Decoding:
     """
 
     def __init__(self, prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter | None = None, *,
-                 gamma: int = 5, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
+                 gamma: int | None = None, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
                  debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
@@ -363,7 +366,18 @@ class Decoding:
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
         self.cache_salt = cache_salt  # prompt caches reuse only prompts kept under the same salt (a tenant's)
         self.lenience, self.typical, self.debug = lenience, typical, debug
-        self.schedule = (schedule or Fixed(gamma)) if drafter is not None else None
+        # the one draft-length policy the loop drives: a chain's schedule, a tree drafter's own TreeCost
+        # (which also prices its nodes); `gamma` then only lowers the tree's depth bound
+        if drafter is None:
+            self.schedule = None
+        elif self.trees:
+            if schedule is not None:
+                raise SpecdecError(f"the tree drafter {drafter.name} sizes its drafts by its own policy "
+                                   "(its `policy`, a TreeCost); bound the tree's depth with gamma instead of a schedule")
+            self.schedule = drafter.policy
+        else:
+            self.schedule = schedule or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
+        self._depth = gamma if self.trees else None
         models = [target] + ([self.drafter_model] if self.drafter_model is not None else [])
         prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
         # Under a seed with an exact rule, every sampled token is a coupled draw from noise of
@@ -478,8 +492,7 @@ class Decoding:
         without a seed; the rule that keeps timings out of seeded runs)."""
         if self.drafter is None or self.pinned:
             return None
-        policy = self.drafter.policy if self.trees else self.schedule
-        return policy if isinstance(policy, CostAware) else None
+        return self.schedule if isinstance(self.schedule, CostAware) else None
 
     @property
     def drafts_next(self) -> bool:
@@ -502,7 +515,7 @@ class Decoding:
             self._draft = None
             return Segment(pending, self.cache, 1)
         drafter, stats = self.drafter, self.stats
-        budget = min(self.schedule.budget(), self.out.remaining - 1)
+        budget = min(self.schedule.budget(), self._depth or self.out.remaining, self.out.remaining - 1)
         self._step_start, self._passes = time.perf_counter(), drafter.passes
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])

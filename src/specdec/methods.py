@@ -110,13 +110,24 @@ class Parts:
 @dataclass
 class Speculation:
     """A built speculation: `make_drafter()` gives one sequence's drafter (a drafter model itself
-    for chains, which the engine batches across sequences), `make_schedule()` its draft-length
-    schedule (a tree's depth bound for tree methods). Both None for `ar`. As the engine's
-    `Request(ids, speculation.make_drafter, schedule=speculation.make_schedule)`."""
+    for chains, which the engine batches across sequences), `make_schedule()` a chain's draft-length
+    schedule. `make_schedule` is None for tree methods (the tree drafter's own `TreeCost` sizes
+    its trees) and both are None for `ar`. As the engine's `Request(ids, speculation.make_drafter,
+    schedule=speculation.make_schedule)`."""
 
     config: SpecConfig
     make_drafter: Callable[[], object] | None
     make_schedule: Callable[[], object] | None
+
+    def schedule(self):
+        """A new chain schedule, or None (a tree method's drafter sizes its own drafts; `ar`)."""
+        return None if self.make_schedule is None else self.make_schedule()
+
+    def describe_sizing(self) -> str:
+        """How the drafts are sized, in words (the schedule's, or the tree policy's)."""
+        if self.make_schedule is not None:
+            return self.make_schedule().describe()
+        return "" if self.make_drafter is None else self.make_drafter().policy.describe()
 
 
 def build(config: SpecConfig, parts: Parts) -> Speculation:
@@ -130,8 +141,8 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
     make_drafter = _DRAFTERS[config.method](config, parts)
     from .schedules import make_schedule
 
-    if METHODS[config.method].trees:
-        return Speculation(config, make_drafter, lambda: make_schedule("fixed", config.gamma_max))  # the depth bound
+    if METHODS[config.method].trees:  # a tree drafter's own TreeCost sizes its drafts, up to gamma_max deep
+        return Speculation(config, make_drafter, None)
     costs = None  # measured once here, shared by every schedule made
     if config.schedule == "cost" and parts.costs is not None and config.method != "self-skip":
         costs = parts.costs(parts.drafter_model if METHODS[config.method].drafter_model else None)
@@ -210,7 +221,7 @@ def _tree(config, parts):
 
     assumed = _assumed(config, parts)
     return lambda: make_tree_drafter(config.tree, parts.drafter_model, config.tree_nodes, config.tree_scheme,
-                                     assumed=assumed, suffix_cache=parts.suffix_cache)
+                                     assumed=assumed, suffix_cache=parts.suffix_cache, max_depth=config.gamma_max)
 
 
 def _lookahead(config, parts):
@@ -220,7 +231,8 @@ def _lookahead(config, parts):
     shape = config.lookahead_shape
     if shape is None and parts.lookahead_rows is not None and assumed is None:
         shape = lookahead_shape(min(parts.lookahead_rows, config.tree_nodes))
-    return lambda: make_tree_drafter("lookahead", None, config.tree_nodes, assumed=assumed, lookahead_shape=shape)
+    return lambda: make_tree_drafter("lookahead", None, config.tree_nodes, assumed=assumed, lookahead_shape=shape,
+                                     max_depth=config.gamma_max)
 
 
 def _self_drafting(config, parts):
@@ -230,7 +242,8 @@ def _self_drafting(config, parts):
 
     checkpoint = _opened(config.method, config.checkpoint)
     made = MedusaDrafter if config.method == "medusa" else EagleDrafter
-    return lambda: made(checkpoint, policy=TreeCost(max_nodes=config.tree_nodes, calibrate=config.calibrated))
+    return lambda: made(checkpoint, policy=TreeCost(max_depth=config.gamma_max, max_nodes=config.tree_nodes,
+                                                    calibrate=config.calibrated))
 
 
 def _self_skip(config, parts):

@@ -569,6 +569,11 @@ class TreeCost(CostAware):
         super().reset()
         self.calibrated.reset()
 
+    def budget(self) -> int:
+        """The tree's depth bound (`max_depth`). Whether to draft at all the tree drafter asks
+        (`should_draft`) once a step as it grows, since its decision also picks what it grows."""
+        return self.gamma
+
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
         """After verifying a tree: each node's drafter probability `q` (given its parent; None: a
         node not to count), the tree's `parents` and the accepted `path`; counts the tried nodes."""

@@ -274,7 +274,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         speculation = build(config, parts)
         with learning(method, drafter):
             result = speculative_generate(ids, target, speculation.make_drafter(),
-                                          schedule=speculation.make_schedule(), typical=typical, **common)
+                                          schedule=speculation.schedule(), typical=typical, **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None

@@ -359,7 +359,7 @@ def _profiled_generation(config, target_model, drafter_model, prompt: str, max_n
     open_files(config)
     speculation = build(config, Parts(target_model, drafter_model,
                                       costs=lambda model: _measured_costs(target_model, model)))
-    drafter_used, plan = _first_drafter(speculation), speculation.make_schedule()
+    drafter_used, plan = _first_drafter(speculation), speculation.schedule()
     with err.status(f"generating {max_new_tokens} tokens ({name})…"):
         return speculative_generate(target_model.encode(prompt), target_model, drafter_used,
                                     max_new_tokens=max_new_tokens, schedule=plan)

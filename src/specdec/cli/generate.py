@@ -197,7 +197,7 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
 
     config = speculation.config
     drafter_used = _first_drafter(speculation)
-    plan = speculation.make_schedule() if config.speculative else None
+    plan = speculation.schedule() if config.speculative else None  # None for a tree: its drafter's policy sizes it
     out = Console()
     printer = None if as_json else (DebugPrinter if debug and config.speculative else StepPrinter)(target_model, out)
     if printer is not None and config.speculative:
@@ -223,11 +223,12 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
 
 def _result_json(result, config, target_model, drafter_used, sampler, plan) -> dict:
     """`generate --json`'s object: the text, tokens, stats, what ran, and every step."""
+    sizing = plan if plan is not None or not config.speculative else drafter_used.policy  # a tree's own TreeCost
     return {"text": target_model.decode(result.tokens), "tokens": result.tokens, "stats": result.stats.to_dict(),
             "stop_reason": result.stop_reason, "method": config.method, "spec": config.to_dict(),
             "target": target_model.name, "drafter": drafter_used.name if drafter_used is not None else None,
             "weights": {"target": target_model.weights, "drafter": _weights_of(drafter_used)},
-            "sampler": sampler.describe(), "schedule": plan.describe() if plan is not None else None,
+            "sampler": sampler.describe(), "schedule": sizing.describe() if sizing is not None else None,
             "steps": [{"drafted": s.draft_tokens, "accepted": s.num_accepted, "next": s.next_token, **s.info,
                        **({"parents": s.tree_parents, "path": s.path} if s.tree_parents is not None else {})}
                       for s in result.steps]}
@@ -271,7 +272,7 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
     result = speculative_generate_encoder_decoder(
         target_model.encode(prompt), target_model, drafter_used, sampler=sampler, max_new_tokens=max_new_tokens,
         seed=seed, first_target=first_target, on_step=printer,
-        schedule=speculation.make_schedule() if drafter_used is not None else None,
+        schedule=speculation.schedule() if drafter_used is not None else None,
         lenience=config.effective_lenience(), typical=config.typical())
     method = "sd" if drafter_used is not None else "ar"
     if as_json:

@@ -64,13 +64,13 @@ def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
 def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 64,
                       scheme: str = "without-replacement", width: int | None = None,
                       assumed: AssumedCosts | None = None, suffix_cache: SuffixCache | None = None,
-                      lookahead_shape: tuple[int, int, int] | None = None):
-    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`,
-    or by `assumed` costs (sized for another machine, see `AssumedCosts`). `suffix_cache`: earlier
-    outputs the suffix trees also draft from (shared by the drafters of one run or server).
-    `lookahead_shape`: lookahead's (W, N, G), in place of the one sized by cost."""
+                      lookahead_shape: tuple[int, int, int] | None = None, max_depth: int = 32):
+    """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`
+    and `max_depth`, or by `assumed` costs (sized for another machine, see `AssumedCosts`).
+    `suffix_cache`: earlier outputs the suffix trees also draft from (shared by the drafters of
+    one run or server). `lookahead_shape`: lookahead's (W, N, G), in place of the one sized by cost."""
     check_tree_options(kind, max_nodes, scheme)
-    policy = TreeCost(max_nodes=max_nodes, assumed=assumed)
+    policy = TreeCost(max_depth=max_depth, max_nodes=max_nodes, assumed=assumed)
     if kind == "lookup":
         return LookupTreeDrafter(policy=policy)
     if kind == "suffix":

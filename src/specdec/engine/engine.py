@@ -48,7 +48,7 @@ class Request:
     max_new_tokens: int = 128
     eos_token_ids: Sequence[int] | None = None
     seed: int | None = None
-    gamma: int = 5
+    gamma: int | None = None  # a chain's fixed draft length without a schedule (default 5); a tree's depth bound
     schedule: Callable[[], Schedule] | None = None
     logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
     seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
