@@ -382,6 +382,8 @@ def test_one_draft_length_policy_for_chains_and_trees():
     assert isinstance(chain.schedule, Fixed) and chain.schedule.gamma == 4
     with pytest.raises(SpecdecError, match="sizes its drafts by its own policy"):
         Decoding(PROMPT, target, tree, schedule=Fixed(4))
+    with pytest.raises(SpecdecError, match="depth bound"):
+        Decoding(PROMPT, target, tree, gamma=0)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
     twin = tiny_model(0, vocab=32)  # drafts what the target says: trees run to their depth bound
     for gamma, bound in [(None, 3), (2, 2)]:

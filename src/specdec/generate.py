@@ -236,7 +236,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     drafter: a smaller model (any `Backend`, same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
-        Its own cost policy (`drafter.policy`, a `TreeCost`) sizes the tree, up to its depth bound
+        its own cost policy (`drafter.policy`, a `TreeCost`) sizes the tree, up to its depth bound
         (`gamma`, where given, lowers it).
         A drafter with `reads_target_hidden` (Medusa heads, EAGLE) is handed, after the prefill
         and every target pass, the target's final hidden states [n, H] at the positions that pass
@@ -377,6 +377,8 @@ class Decoding:
             self.schedule = drafter.policy
         else:
             self.schedule = schedule or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
+        if self.trees and gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+            raise SpecdecError(f"gamma (the tree's depth bound) must be an integer >= 1, got {gamma!r}")
         self._depth = gamma if self.trees else None
         models = [target] + ([self.drafter_model] if self.drafter_model is not None else [])
         prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
