@@ -275,6 +275,21 @@ def test_one_drafter_per_file():
     assert _drafter_classes(two) == ["A", "B"]
 
 
+def test_a_draft_is_a_chain_or_a_tree():
+    """One proposal type: a chain's parents are None (the tree -1, 0, 1, ...), a `Tree` is a Draft."""
+    from specdec.drafters import Draft
+    from specdec.trees import Tree
+
+    assert Draft([4, 5]).parents is None
+    tree = Tree.chain([4, 5])
+    assert isinstance(tree, Draft) and tree.parents == [-1, 0] and tree.is_chain()
+    assert Draft([4, 5], parents=[-1, -1]).parents == [-1, -1]
+    with pytest.raises(SpecdecError, match="one parent per token"):
+        Draft([4, 5], parents=[-1])
+    with pytest.raises(SpecdecError, match="needs its parents"):
+        Tree([4], None)
+
+
 def test_acceptance_by_position_is_counted_alike_for_every_drafter():
     """A drafter whose first token is always the target's and whose second never is: accepted
     at position 1 every time, at 2 and 3 never; the server's usage reports the same counts."""

@@ -535,7 +535,7 @@ class Decoding:
         stats.drafter_passes_per_step.append(drafter.passes - self._passes)
         stats.widths_per_step.append(len(pending) + len(draft.tokens))
         self._draft, self._budget, self._pending = draft, budget, len(pending)
-        parents = input_parents(len(pending), draft.parents) if self.trees else None
+        parents = None if draft.parents is None else input_parents(len(pending), draft.parents)
         return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
     def commit(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:

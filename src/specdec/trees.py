@@ -28,8 +28,32 @@ SCHEMES = ("iid", "without-replacement", "deterministic")
 
 
 @dataclass
-class Tree:
-    """A draft tree.
+class Draft:
+    """A proposal, a chain or a tree.
+
+    tokens:  [n] token ids.
+    probs:   [n, V] the q each token was drawn from, or None when the drafter proposes
+             deterministically (q one-hot at each token) or the sampler is greedy (verification
+             then only compares tokens).
+    parents: [n] each token's parent (< its own index; -1: the root, the last committed token),
+             or None for a chain: the tree whose parents are -1, 0, 1, ... (`Tree.chain`).
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __post_init__(self):
+        if self.parents is not None:
+            check_parents(self.parents)
+            if len(self.tokens) != len(self.parents):
+                raise SpecdecError(f"a tree needs one parent per token: {len(self.tokens)} tokens, "
+                                   f"{len(self.parents)} parents")
+
+
+@dataclass(init=False)
+class Tree(Draft):
+    """A draft tree: a `Draft` with its parents, and what sizing and verification need besides.
 
     tokens:  [N] token ids.
     parents: [N] index of each node's parent (< its own index), -1 for children of the root.
@@ -41,17 +65,19 @@ class Tree:
              node (a mixed tree: a sampled model chain with deterministic lookup branches).
     """
 
-    tokens: list[int]
-    parents: list[int]
-    probs: torch.Tensor | None = None
     values: list[float] = field(default_factory=list)
     scheme: str | list[str] = "deterministic"
 
+    def __init__(self, tokens: list[int], parents: list[int], probs: torch.Tensor | None = None,
+                 values: list[float] | None = None, scheme: str | list[str] = "deterministic"):
+        self.tokens, self.parents, self.probs = tokens, parents, probs
+        self.values, self.scheme = list(values) if values else [], scheme
+        self.__post_init__()
+
     def __post_init__(self):
-        check_parents(self.parents)
-        if len(self.tokens) != len(self.parents):
-            raise SpecdecError(f"a tree needs one parent per token: {len(self.tokens)} tokens, "
-                               f"{len(self.parents)} parents")
+        if self.parents is None:
+            raise SpecdecError("a tree needs its parents (a chain: Tree.chain)")
+        super().__post_init__()
         schemes = [self.scheme] if isinstance(self.scheme, str) else list(self.scheme)
         if any(kind not in SCHEMES for kind in schemes) or (not isinstance(self.scheme, str) and
                                                               len(schemes) != len(self.tokens)):

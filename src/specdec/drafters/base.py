@@ -10,6 +10,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..samplers import Sampler
+from ..trees import Draft  # the proposal type, chain or tree (a `trees.Tree` is one)
 
 # Called after each drafted token with how many are drafted so far and the drafter's own
 # (untempered) logits [V] for the last one, or a float (a model-free drafter's estimate of the
@@ -18,18 +19,6 @@ from ..samplers import Sampler
 # it may ask first with 0 drafted: False drafts nothing. Draft-length schedules (schedules.py)
 # provide it.
 KeepGoing = Callable[[int, "torch.Tensor | float | None"], bool]
-
-
-@dataclass
-class Draft:
-    """A proposal: `tokens` [n], and `probs` [n, V] the q each token was sampled from.
-
-    probs is None when the drafter proposes deterministically (q one-hot at each token) or
-    when the sampler is greedy (verification then only compares tokens).
-    """
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
