@@ -389,7 +389,10 @@ def test_one_draft_length_policy_for_chains_and_trees():
 
     target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
     built = build(SpecConfig("tree", tree="sides", gamma_max=7), Parts(target, drafter))
-    assert built.make_schedule is None and built.make_drafter().policy.gamma == 7
+    assert built.make_schedule is None and built.schedule() is None and built.make_drafter().policy.gamma == 7
+    assert built.describe_sizing().startswith("tree cost-aware") and "depth <= 7" in built.describe_sizing()
+    chain_built = build(SpecConfig("chain", schedule="fixed", gamma=4), Parts(target, drafter))
+    assert chain_built.schedule().gamma == 4 and chain_built.describe_sizing() == "fixed γ=4"
     tree = SidesDrafter(drafter, policy=TreeCost(max_depth=3, warmup=10**9))
     decoding = Decoding(PROMPT, target, tree)
     assert decoding.schedule is tree.policy and decoding.steerable is tree.policy
