@@ -563,10 +563,10 @@ def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
     url, _ = server
     commit = Decoding.commit
 
-    def failing(self, logits, seconds, argmax=None):
+    def failing(self, logits, seconds, decided=None):
         if self.sequence[:2] == [13, 14]:  # what broken weights give: the sampler finds it
             return commit(self, logits * float("nan"), seconds)
-        return commit(self, logits, seconds, argmax)
+        return commit(self, logits, seconds, decided)
 
     monkeypatch.setattr(Decoding, "commit", failing)
     client = _client(url)

@@ -382,7 +382,7 @@ def test_a_subclass_overriding_the_whole_proposal_is_called_through_it():
 
 def test_one_draft_length_policy_for_chains_and_trees():
     """The loop drives one policy: a chain's schedule, or a tree drafter's own TreeCost (no
-    fixed schedule standing in as the tree's depth bound); `gamma` only lowers that bound."""
+    fixed schedule standing in as the tree's depth bound); `gamma`, where given, is that bound."""
     from specdec.drafters import SidesDrafter
     from specdec.generate import Decoding
     from specdec.schedules import Fixed, TreeCost
@@ -403,9 +403,9 @@ def test_one_draft_length_policy_for_chains_and_trees():
     with pytest.raises(SpecdecError, match="depth bound"):
         Decoding(PROMPT, target, tree, gamma=0)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
-    twin = tiny_model(0, vocab=32)  # drafts what the target says: trees run to their depth bound
-    for gamma, bound in [(None, 3), (2, 2)]:
-        out = speculative_generate(PROMPT, target, SidesDrafter(twin, policy=TreeCost(max_depth=3, warmup=10**9)),
+    twin = tiny_model(0, vocab=32)  # drafts what the target says: trees run to their depth bound (up to 3)
+    for gamma, bound in [(None, 2), (1, 1), (3, 3)]:  # its values stop the chain at 3 here
+        out = speculative_generate(PROMPT, target, SidesDrafter(twin, policy=TreeCost(max_depth=2, warmup=10**9)),
                                    gamma=gamma, max_new_tokens=24, eos_token_ids=[])
         assert out.tokens == ar.tokens
         assert max(out.stats.accepted_per_step) == bound and len(out.stats.drafted_at) == bound

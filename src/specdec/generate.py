@@ -237,7 +237,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
         its own cost policy (`drafter.policy`, a `TreeCost`) sizes the tree, up to its depth bound
-        (`gamma`, where given, lowers it).
+        (`gamma`, where given, in place of the policy's own).
         A drafter with `reads_target_hidden` (Medusa heads, EAGLE) is handed, after the prefill
         and every target pass, the target's final hidden states [n, H] at the positions that pass
         committed, in order (`observe`): the drafter then holds one per sequence position but the
@@ -367,13 +367,13 @@ class Decoding:
         self.cache_salt = cache_salt  # prompt caches reuse only prompts kept under the same salt (a tenant's)
         self.lenience, self.typical, self.debug = lenience, typical, debug
         # the one draft-length policy the loop drives: a chain's schedule, a tree drafter's own TreeCost
-        # (which also prices its nodes); `gamma` then only lowers the tree's depth bound
+        # (which also prices its nodes); `gamma`, where given, is then the tree's depth bound in place of its own
         if drafter is None:
             self.schedule = None
         elif self.trees:
             if schedule is not None:
                 raise SpecdecError(f"the tree drafter {drafter.name} sizes its drafts by its own policy "
-                                   "(its `policy`, a TreeCost); bound the tree's depth with gamma instead of a schedule")
+                                   "(its `policy`, a TreeCost); give the tree's depth bound as gamma instead of a schedule")
             self.schedule = drafter.policy
         else:
             self.schedule = schedule or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
@@ -517,7 +517,7 @@ class Decoding:
             self._draft = None
             return Segment(pending, self.cache, 1)
         drafter, stats = self.drafter, self.stats
-        budget = min(self.schedule.budget(), self._depth or self.out.remaining, self.out.remaining - 1)
+        budget = min(self.schedule.budget() if self._depth is None else self._depth, self.out.remaining - 1)
         self._step_start, self._passes = time.perf_counter(), drafter.passes
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])

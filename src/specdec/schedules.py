@@ -555,7 +555,7 @@ class TreeCost(CostAware):
 
     name = "tree-cost"
 
-    def __init__(self, max_depth: int = 32, max_nodes: int = 64, threshold: float = 0.5,
+    def __init__(self, max_depth: int = 5, max_nodes: int = 64, threshold: float = 0.5,
                  node_threshold: float = 0.2, warmup: int = 3, probe: int = 8, decay: float = 0.9,
                  calibrate: bool = True, assumed: AssumedCosts | None = None):
         _check_gamma("max_nodes", max_nodes)

@@ -68,7 +68,7 @@ class SpecConfig:
     tree, tree_nodes, tree_scheme: the `tree` method's shape (`drafters.TREES`), its node budget
         (also lookahead's, medusa's and eagle's) and how sampled trees draw siblings.
     schedule, gamma, gamma_min, gamma_max, egag_beta, confidence: a chain's draft length
-        (`schedules.make_schedule`); gamma_max also bounds a tree's depth (its `TreeCost.max_depth`).
+        (`schedules.make_schedule`); gamma_max also bounds a tree's depth (its TreeCost's `max_depth`).
     acceptance: exact (rejection sampling), lenient (`lenience` < 1) or typical (`typical_epsilon`,
         `typical_delta`): the last two are LOSSY under sampling and take chains only.
     seed_rule: what a seed pins (`speculative_generate`): coupled (the seeded AR output whatever

@@ -1,4 +1,4 @@
-"""Drafters: whatever proposes tokens for the target to verify, behind one small protocol.
+"""Drafters: whatever proposes tokens for the target to verify, behind one small base class (`Drafter`).
 
 A drafter proposes up to n tokens after a context, with the distribution q each was drawn
 from (or None when the proposal is deterministic: q is then one-hot at each token, which keeps
@@ -64,7 +64,7 @@ def check_tree_options(kind: str, max_nodes: int, scheme: str) -> None:
 def make_tree_drafter(kind: str, model: Backend | None = None, max_nodes: int = 64,
                       scheme: str = "without-replacement", width: int | None = None,
                       assumed: AssumedCosts | None = None, suffix_cache: SuffixCache | None = None,
-                      lookahead_shape: tuple[int, int, int] | None = None, max_depth: int = 32):
+                      lookahead_shape: tuple[int, int, int] | None = None, max_depth: int = 5):
     """A tree drafter by name (see TREES), sized by measured cost (`TreeCost`) up to `max_nodes`
     and `max_depth`, or by `assumed` costs (sized for another machine, see `AssumedCosts`).
     `suffix_cache`: earlier outputs the suffix trees also draft from (shared by the drafters of

@@ -1,4 +1,4 @@
-"""The drafter protocol and the proposal it returns."""
+"""The drafter base class, the capabilities a drafter declares, and how the loop drives its passes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ KeepGoing = Callable[[int, "torch.Tensor | float | None"], bool]
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a drafter does beyond the `Drafter` protocol, declared by its class (a class attribute
+    """What a drafter does beyond the `Drafter` base class, declared by its class (a class attribute
     `capabilities`) so that the loop and the engine read it instead of probing for members.
 
     trees: proposes token trees (`propose_tree`, `keep_path`, and a sizing `policy` of its own)
@@ -51,10 +51,10 @@ class Capabilities:
 
 def capabilities_of(drafter) -> Capabilities:
     """The capabilities `drafter`'s class declares; for a drafter written against the bare
-    protocol (no declaration), those its members show, derived once here."""
+    members (no declaration), those its members show, derived once here."""
     if not hasattr(drafter, "passes"):
         raise SpecdecError(f"the drafter {type(drafter).__name__} has no `passes` (its drafter passes since `start`, "
-                           "0 for a model-free drafter); the protocol's `forwards` was renamed `passes`")
+                           "0 for a model-free drafter); the drafter contract's `forwards` was renamed `passes`")
     declared = getattr(type(drafter), "capabilities", None)
     if not isinstance(declared, Capabilities):
         return derived_capabilities(drafter)

@@ -104,8 +104,7 @@ class MixedDrafter(SidesDrafter):
 
     def check_target(self, target) -> None:
         super().check_target(target)
-        if hasattr(self.lookup, "check_target"):
-            self.lookup.check_target(target)  # a datastore's tokenizer
+        self.lookup.check_target(target)  # a datastore's tokenizer
 
     def pin(self) -> None:
         """A seeded sampled generation: the branches draft from its own text alone (`SuffixDrafter.pin`)."""
@@ -114,8 +113,7 @@ class MixedDrafter(SidesDrafter):
 
     def finish(self, sequence: Sequence[int]) -> None:
         """The generation ended: its output joins the branches' shared cache, if they keep one."""
-        if hasattr(self.lookup, "finish"):
-            self.lookup.finish(sequence)
+        self.lookup.finish(sequence)  # the base's does nothing: prompt lookup keeps no cache
 
     def _extend(self, chain: list[Node], context: Sequence[int], max_depth: int, budget: int,
                 proposed: list[Node]) -> None:

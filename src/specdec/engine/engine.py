@@ -421,8 +421,11 @@ def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int
     """The step's verification for every sequence whose target tokens decide it (greedy or seeded
     chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
     in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
-    The others (trees, unseeded sampling, logit rules) are verified by their own `commit`."""
-    chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits)) if rows is not None and d.verifies_by_tokens]
+    The others (trees, unseeded sampling, logit rules, step details) are verified by their own
+    `commit`, as is a sequence whose pass returned other than a row per draft token and one more
+    (its `commit` then raises its own error)."""
+    chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits))
+              if rows is not None and d.verifies_by_tokens and len(rows) == len(d.draft_tokens) + 1]
     greedy = [i for i in chosen if decodings[i].sampler.is_greedy]
     # the greedy rows' argmaxes in one copy to the host (a GPU would wait once per sequence)
     tokens: dict[int, list[int] | SpecdecError] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
@@ -434,10 +437,8 @@ def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int
                 tokens[i] = error
     decided: dict[int, tuple[int, int] | SpecdecError] = {i: t for i, t in tokens.items() if isinstance(t, SpecdecError)}
     ready = [i for i in chosen if i not in decided]
-    # a plain step's pass scores its pending tokens: the last row is the target's token
-    drafts = [decodings[i].draft_tokens for i in ready]
-    targets = [tokens[i][len(tokens[i]) - len(draft) - 1:] for i, draft in zip(ready, drafts)]
-    decided.update(zip(ready, zip(*verify_ragged(targets, drafts))))
+    decided.update(zip(ready, zip(*verify_ragged([tokens[i] for i in ready],
+                                                 [decodings[i].draft_tokens for i in ready]))))
     return decided
 
 
