@@ -265,7 +265,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
             path = trees[b].path_to(node) if node >= 0 else []
             compact_cache(cache_i, lengths[b] + 1, path)
             if trees[b].tokens:
-                accept_draft(drafter_i, True, len(contexts[b]), path)
+                accept_draft(drafter_i, len(contexts[b]), path)
             stats.accepted += len(path)
         pending = tokens
 

@@ -590,7 +590,7 @@ class Decoding:
             if self.can.reads_target_tokens and self._budget > 0:  # lookahead: the target's argmax at every node
                 drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
             if not self.trees or self._budget > 0:  # a tree drafter proposed no tree otherwise
-                accept_draft(drafter, self.trees, length, accepted)
+                accept_draft(drafter, length, accepted)
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])

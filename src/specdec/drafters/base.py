@@ -150,15 +150,13 @@ class Drafter:
         drafter that learns across generations."""
 
 
-def accept_draft(drafter, trees: bool, start: int, path: Sequence[int]) -> None:
+def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
     """Tell `drafter` what verification kept of its last draft (`Drafter.accept`), also where it
-    was written against the members alone (its `rollback` or `keep_path`)."""
+    was written against the members alone: the base's rule then calls its `rollback` or `keep_path`."""
     if isinstance(drafter, Drafter):
-        drafter.accept(start, path)
-    elif trees:
-        drafter.keep_path(start, list(path))
+        drafter.accept(start, path)  # its own, where it overrides the base's
     else:
-        drafter.rollback(start + len(path))
+        Drafter.accept(drafter, start, path)
 
 
 def _declared_trees(drafter) -> bool:
