@@ -219,3 +219,19 @@ class TableModel:
     def next_probs(self, context: list[int], sampler) -> torch.Tensor:
         """p(. | context) under `sampler`, computed without any cache: the reference."""
         return sampler.probs(self.forward(context, None, 1)[-1])
+
+
+def tiny_parallel(seed: int, vocab: int = 16, k: int = 3, layers: int = 1, scale: float = 0.3, **options):
+    """A tiny random drafter made a parallel drafter (parallel.py) of k tokens a pass, with a
+    random LoRA and mask embedding (an untrained one would give the masks' rows little to test)."""
+    from specdec.parallel import make_parallel, new_adapter
+
+    model = tiny_model(seed, vocab=vocab, layers=layers, role="drafter", **options)
+    adapter = new_adapter(model, k, 2)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for b in adapter.lora.b.values():
+            b.copy_(torch.randn(b.shape, generator=generator) * scale)
+        adapter.mask.copy_(torch.randn(adapter.mask.shape, generator=generator))
+    make_parallel(model, adapter.to(model.device))
+    return model

@@ -18,7 +18,7 @@ from specdec.schedules import CostAware, TreeCost
 from specdec.trees import depths
 from specdec.verify import verify_coupled, verify_tree_coupled
 
-from conftest import TableModel, tiny_model
+from conftest import TableModel, tiny_model, tiny_parallel
 from test_retokenize import CharTokenizer
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
 from test_self_drafting import _random_heads
@@ -177,7 +177,15 @@ METHODS = {  # name -> (drafter factory from (target, drafter), draft-length sch
     **{f"tree-{kind}": ((lambda kind: lambda t, d: lambda: make_tree_drafter(kind, d, 12))(kind), None)
        for kind in ("sides", "eagle2", "sequoia", "lookup", "mixed", "suffix", "mixed-suffix")},
     "lookahead": (lambda t, d: lambda: LookaheadDrafter(3, 3, 2, policy=_wide()), None),
+    "parallel": (lambda t, d: _parallel_drafters(), lambda: CostAware(gamma_max=6)),
 }
+
+
+def _parallel_drafters():
+    from specdec.drafters.parallel import ParallelDrafter
+
+    model = tiny_parallel(2, vocab=32, k=4, exact_rows=True, logit_scale=0.3)
+    return lambda: ParallelDrafter(model)
 
 
 def _ar(target) -> list[list[int]]:

@@ -1121,3 +1121,23 @@ def test_a_drafter_with_a_shorter_context_never_cuts_an_answer_silently():
         assert plain.usage.completion_tokens == 100 and plain.choices[0].finish_reason == "length"
         fits = client.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=40, temperature=0)
         assert fits.usage.completion_tokens == 40
+
+
+def test_a_parallel_drafter_serves_the_parallel_method_and_a_plain_one_refuses_it(tiny_pair):
+    """`serve --drafter parallel:DIR` makes it the default method; the real client's greedy
+    completion is the target's own, and a server with a plain drafter refuses the method in one line."""
+    from specdec.cli.serve import _served_method
+    from conftest import tiny_parallel
+
+    assert _served_method("default", "parallel:some/dir", None, "auto") == ("parallel", False, None)
+    target, plain = tiny_pair
+    job = parse_job({"prompt": [1, 2], "speculative": {"method": "parallel"}}, False, NAME, Speculation())
+    with pytest.raises(BadRequest, match="parallel drafter") as caught:
+        Service(target, plain).requests(job, [1, 2], 4)
+    assert caught.value.param == "speculative.method"
+    drafter = tiny_parallel(1, vocab=16, k=3, exact_rows=True)
+    with serving(lambda: Service(target, drafter, default=Speculation("parallel", 20, 64),
+                                 limits=Limits(max_tokens=24)), max_batch=4) as (url, _):
+        whole = _client(url).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+        assert whole.choices[0].text == _alone(target, PROMPTS[2], 16)
+        assert whole.usage.model_extra["speculative"]["method"] == "parallel"

@@ -116,6 +116,20 @@ def _checkpoints(target, tmp_path) -> dict:
     return {"medusa": str(tmp_path / "heads"), "eagle": str(tmp_path / "eagle")}
 
 
+def _drafter_model(config: SpecConfig, make):
+    """The drafter model `config` drafts with, `make(role)`: None where it needs none; for the
+    parallel method a parallel drafter (an untrained adapter: its first token is the model's own)."""
+    if not config.needs_drafter_model():
+        return None
+    if config.method != "parallel":
+        return make("target")
+    from specdec.parallel import make_parallel, new_adapter
+
+    model = make("drafter")
+    make_parallel(model, new_adapter(model, 3, 2))
+    return model
+
+
 def _config(name: str, checkpoints: dict) -> SpecConfig:
     config = preset(name).replace(gamma=3, gamma_max=4, tree_nodes=12)
     if config.method in checkpoints:
@@ -133,12 +147,11 @@ def test_every_registered_name_builds_and_is_greedy_identical_to_ar(name, tmp_pa
     files), greedy output token for token the target's AR output; drafts of its own made and
     verified where it drafts (the tiny drafter here is the target's twin, so chains pass)."""
     target = tiny_model(0, vocab=32, layers=4, kernels="stock")  # self-skip needs layers it can skip
-    drafter = tiny_model(0, vocab=32, layers=4, kernels="stock")
     config = _config(name, _checkpoints(target, tmp_path))
     if config.method == "retrieval":
         pytest.skip("retrieval: its datastore's drafting is tested in test_suffix and test_server")
-    parts = Parts(target, drafter if config.needs_drafter_model() else None,
-                  assumed=AssumedCosts(drafter=0.05, slope=0.0))
+    drafter = _drafter_model(config, lambda role: tiny_model(0, vocab=32, layers=4, kernels="stock", role=role))
+    parts = Parts(target, drafter, assumed=AssumedCosts(drafter=0.05, slope=0.0))
     built = build(config, parts)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
     if not config.speculative:
@@ -152,12 +165,12 @@ def test_every_registered_name_builds_and_is_greedy_identical_to_ar(name, tmp_pa
         assert result.stats.drafted > 0 and result.stats.accepted > 0  # the twin's drafts were made and kept
 
 
-@pytest.mark.parametrize("name", ["sd-cost", "lookup", "tree-sides", "suffix", "ngram-fixed", "lookahead"])
+@pytest.mark.parametrize("name", ["sd-cost", "lookup", "tree-sides", "suffix", "ngram-fixed", "lookahead", "parallel"])
 def test_a_built_speculation_runs_in_the_engine_with_seeded_outputs_equal_to_seeded_ar(name):
-    target, drafter = tiny_model(0, vocab=32, exact_rows=True), tiny_model(1, vocab=32, layers=1, exact_rows=True)
+    target = tiny_model(0, vocab=32, exact_rows=True)
     config = resolve(name, gamma_max=4, tree_nodes=8)
-    built = build(config, Parts(target, drafter if config.needs_drafter_model() else None,
-                                assumed=AssumedCosts(drafter=0.05, slope=0.0)))
+    drafter = _drafter_model(config, lambda role: tiny_model(1, vocab=32, layers=1, exact_rows=True, role=role))
+    built = build(config, Parts(target, drafter, assumed=AssumedCosts(drafter=0.05, slope=0.0)))
     sampler = Sampler(temperature=0.9)
     engine = Engine(target, max_batch=3)
     ids = [engine.add(Request(PROMPT[:6 + i], built.make_drafter, sampler=sampler, max_new_tokens=16, seed=7 + i,
@@ -193,7 +206,7 @@ def test_a_method_that_needs_a_drafter_model_says_so():
 
 DRAFTER_MAKERS = re.compile(r"\b(make_tree_drafter|LookupDrafter|NgramDrafter|SuffixDrafter|CascadeDrafter|"
                             r"LookaheadDrafter|MedusaDrafter|EagleDrafter|self_skip_drafter|Eagle2Drafter|"
-                            r"SequoiaDrafter|SidesDrafter|MixedDrafter|LookupTreeDrafter|SuffixTreeDrafter)\(")
+                            r"SequoiaDrafter|SidesDrafter|MixedDrafter|LookupTreeDrafter|SuffixTreeDrafter|ParallelDrafter)\(")
 # modules that make drafters for a purpose of their own, not from a method's name: speculative beam
 # search drafts a tree per beam, and `measure` reads acceptance off a Sequoia tree of its own
 OWN_PURPOSE = {"beam.py", "bench/measure.py"}
@@ -243,7 +256,9 @@ def test_every_drafter_declares_the_capabilities_its_members_show(name, tmp_path
 
     target = tiny_model(0, vocab=32, layers=4, kernels="stock")
     config = _config(name, _checkpoints(target, tmp_path))
-    built = build(config, Parts(target, target if config.needs_drafter_model() else None,
+    twin = _drafter_model(config, lambda role: target if role == "target" else
+                          tiny_model(0, vocab=32, layers=4, kernels="stock", role=role))
+    built = build(config, Parts(target, twin,
                                 assumed=AssumedCosts(drafter=0.05, slope=0.0)))
     drafter = built.make_drafter()
     if not hasattr(drafter, "propose") and not hasattr(drafter, "propose_tree"):

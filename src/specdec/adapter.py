@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .training.distill import cached, corpus_ids, finish, fit, progress_columns, read_checkpoint, save_checkpoint, target_fingerprint
+from .training.distill import cached, finish, fit, progress_columns, read_checkpoint, save_checkpoint, target_fingerprint, text_ids
 from .errors import SpecdecError
 from .kernels import dense_weight, differentiable_linears, set_dense_weight
 
@@ -370,10 +370,7 @@ def distill_drafter(target, drafter, corpus: str | Sequence[int], out: str | Pat
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    if isinstance(corpus, str):
-        ids, identity = corpus_ids(target.tokenizer, corpus)
-    else:
-        ids, identity = [int(i) for i in corpus], "ids"
+    ids, identity = text_ids(target.tokenizer, corpus)
     length = config.context + config.continuation
     count = max(2, -(-config.tokens // (length - 1)))
     contexts = [ids[i:i + config.context] for i in range(0, len(ids) - config.context + 1, config.context)]

@@ -377,6 +377,8 @@ class Decoding:
             self.schedule = drafter.policy
         else:
             self.schedule = schedule or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
+            if self.can.one_pass and isinstance(self.schedule, CostAware):
+                self.schedule.one_pass = drafter.k  # a token inside a pass costs a row, not a drafter pass
         if self.trees and gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
             raise SpecdecError(f"gamma (the tree's depth bound) must be an integer >= 1, got {gamma!r}")
         self._depth = gamma if self.trees else None

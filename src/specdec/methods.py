@@ -166,6 +166,16 @@ def _chain(config, parts):
     return lambda: model
 
 
+def _parallel(config, parts):
+    from .drafters.parallel import ParallelDrafter
+
+    model = parts.drafter_model
+    if not getattr(model, "parallel_k", None):
+        raise SpecdecError(f"the parallel method drafts with a parallel drafter, and {model.name} is none: "
+                           "--drafter parallel:DIR (`specdec train-parallel-drafter`)")
+    return lambda: ParallelDrafter(model)
+
+
 def _cascade(config, parts):
     from .drafters import CascadeDrafter
 
@@ -261,7 +271,7 @@ def _self_skip(config, parts):
     return make
 
 
-_DRAFTERS = {"chain": _chain, "cascade": _cascade, "ngram": _ngram, "lookup": _lookup, "suffix": _suffix,
+_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "lookup": _lookup, "suffix": _suffix,
              "retrieval": _retrieval, "tree": _tree, "lookahead": _lookahead, "medusa": _self_drafting,
              "eagle": _self_drafting, "self-skip": _self_skip}
 

@@ -103,9 +103,10 @@ def load(name_or_path: str | Path, dtype: str | torch.dtype = "auto", device: st
     if role == "target" and (vocab or vocab_corpus):
         raise SpecdecError("a restricted vocabulary is for drafters only: it would change the target's output")
     check_vocab_options(vocab, vocab_corpus)
-    if str(name_or_path).startswith(DISTILLED):
-        return _load_distilled(str(name_or_path).removeprefix(DISTILLED), dtype, role,
-                               lambda base: load(base, dtype, device, role, kernels, exact_rows, say, vocab, vocab_corpus))
+    for prefix in (DISTILLED, PARALLEL):
+        if str(name_or_path).startswith(prefix):
+            return _load_adapted(prefix, str(name_or_path).removeprefix(prefix), dtype, role,
+                                 lambda base: load(base, dtype, device, role, kernels, exact_rows, say, vocab, vocab_corpus))
     if dtype in GGUF_WEIGHTS:
         # a GGUF drafter keeps no prompts: its KV streams hold only live sequences
         return _load_gguf(name_or_path, device, role, vocab, say, exact_rows, kernels, sequences,
@@ -198,16 +199,20 @@ def _check_captured(device: torch.device, dtype: torch.dtype, int8: bool, vocab:
         raise SpecdecError("captured passes keep no prompt cache yet; load without one")
 
 
-def _load_distilled(folder: str, dtype, role: str, load_base: Callable[[str], TransformersModel]) -> TransformersModel:
-    """`distilled:DIR`: the drafter an adapter checkpoint (adapter.py) was trained on, with it attached."""
+def _load_adapted(prefix: str, folder: str, dtype, role: str,
+                  load_base: Callable[[str], TransformersModel]) -> TransformersModel:
+    """`distilled:DIR` or `parallel:DIR`: the drafter an adapter checkpoint (adapter.py, parallel.py)
+    was trained on, with it attached."""
     from .adapter import load_distilled
+    from .parallel import load_parallel
 
+    kind = "a distilled" if prefix == DISTILLED else "a parallel"
     if role != "drafter":
-        raise SpecdecError(f"{DISTILLED}{folder} is a drafter (a distilled adapter on a drafter model), not a {role}")
+        raise SpecdecError(f"{prefix}{folder} is a drafter ({kind} adapter on a drafter model), not a {role}")
     if dtype in GGUF_WEIGHTS:
-        raise SpecdecError(f"{DISTILLED}{folder}: a distilled drafter runs on transformers' weights, not --drafter-dtype "
+        raise SpecdecError(f"{prefix}{folder}: {kind} drafter runs on transformers' weights, not --drafter-dtype "
                            f"{dtype} (use auto, bf16, fp32 or int8)")
-    return load_distilled(folder, load_base)
+    return (load_distilled if prefix == DISTILLED else load_parallel)(folder, load_base)
 
 
 def _is_encoder_decoder(directory) -> bool:
@@ -251,6 +256,7 @@ def load_seq2seq(path: str | Path, dtype: str | torch.dtype = "fp32", device: st
 
 
 DISTILLED = "distilled:"  # --drafter distilled:DIR, a drafter with a distilled adapter (adapter.py)
+PARALLEL = "parallel:"  # --drafter parallel:DIR, a drafter adapted to propose k tokens a pass (parallel.py)
 GGUF_WEIGHTS = ("gguf",)  # the dtype names that mean "the GGUF file's own quantized weights, on llama.cpp"
 GGUF_KERNELS = ("auto", "plain")  # ggml's repacked weights, or its stock per-row kernels
 

@@ -372,6 +372,7 @@ class CostAware(Schedule):
             self.prior = min(0.99, max(0.01, (two - one) / one))
         self.pass_costs, self.assumed = pass_costs, assumed
         self.never_pays = pass_costs is not None and pass_costs.never_pays() and assumed is None
+        self.one_pass = 0  # tokens a drafter pass proposes where more than one (a parallel drafter's k; set by the loop)
         self.reset()
 
     def reset(self) -> None:
@@ -416,7 +417,16 @@ class CostAware(Schedule):
             self.survival *= top_probability(logits)
         else:
             self.survival *= (self.accepted + 1) / (self.drafted + 2)
-        return self.survival >= self.threshold
+        return self.survival >= self.token_threshold(drafted)
+
+    def token_threshold(self, drafted: int) -> float:
+        """θ for token drafted + 1. A drafter that proposes `one_pass` tokens a pass (a parallel
+        drafter's k) pays a drafter pass only with the first token of each pass; inside a pass a
+        token costs its verification row alone: θ = R·t_v once measured."""
+        if not self.one_pass or drafted % self.one_pass == 0 or self.measured is None:
+            return self.threshold
+        rate, _, slope, _ = self.measured
+        return min(0.99, rate * slope)
 
     def update(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted

@@ -41,6 +41,8 @@ METHODS: dict[str, Method] = {
     "ar": Method("plain autoregressive decoding: one target pass per token, nothing drafted"),
     "chain": Method("the drafter model's chain, its length from the schedule (default: measured costs)",
                     drafter_model=True),
+    "parallel": Method("a parallel drafter (PARD): the drafter model proposes its chain in one pass "
+                       "(--drafter parallel:DIR, from `specdec train-parallel-drafter`)", drafter_model=True),
     "cascade": Method("the drafter model's chain with a model-free stage (suffix or lookup) guessing its tokens",
                       drafter_model=True),
     "ngram": Method("NASD: an n-gram table built online from the prompt and output"),
@@ -62,7 +64,7 @@ METHODS: dict[str, Method] = {
 class SpecConfig:
     """One speculation, by name and options.
 
-    method: a registered method (`methods.METHODS`: ar, chain, cascade, ngram, lookup, suffix,
+    method: a registered method (`methods.METHODS`: ar, chain, parallel, cascade, ngram, lookup, suffix,
         retrieval, tree, lookahead, medusa, eagle, self-skip).
     drafter: the drafter model's name, for methods that draft with one (None: the run's default).
     tree, tree_nodes, tree_scheme: the `tree` method's shape (`drafters.TREES`), its node budget
@@ -241,11 +243,14 @@ def from_flags(drafter: str, tree: str = "off", cascade: str = "off") -> dict:
 
 
 def special_drafter(drafter: str) -> dict | None:
-    """SpecConfig fields of a --drafter that names no drafter model, else None."""
+    """SpecConfig fields of a --drafter that names no drafter model, or one that drafts its own way
+    (a parallel drafter), else None."""
     if drafter in MODEL_FREE_DRAFTERS:
         return {"method": drafter}
     if drafter.startswith("retrieval:"):
         return {"method": "retrieval", "datastore": drafter.removeprefix("retrieval:")}
+    if drafter.startswith("parallel:"):  # a drafter model that drafts its own way
+        return {"method": "parallel", "drafter": drafter}
     for kind in ("medusa", "eagle"):
         if drafter.startswith(kind + ":"):
             return {"method": kind, "checkpoint": drafter.removeprefix(kind + ":")}

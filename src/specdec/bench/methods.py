@@ -28,12 +28,15 @@ from ..verify import Typical
 
 BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
+    "sd-parallel": "the parallel method (PARD): the drafter adapted to propose its chain in one pass (--parallel DIR "
+                   "from `specdec train-parallel-drafter`)",
     "sd-online": "sd-cost with the drafter learning from its rejections (OSD), its adapter updated between prompts",
     "sd-other-tokenizer": "sd-cost with a drafter of another tokenizer (--other-drafter), drafting through text",
     "beam": "ours: beam search (--num-beams), greedy prompts only; row-exact on the CPU",
     "beam-sd": "ours: speculative beam search, a drafter-model tree per beam; its output is beam's",
 }
 OWN_MODEL_PRESET = "sd-cost"  # the config of sd-distilled, sd-online and sd-other-tokenizer
+OWN_PRESETS = {"sd-parallel": "parallel"}  # bench-only methods with a preset of their own
 PEER_METHODS = {
     "hf": "transformers generate, plain",
     "hf-assisted": "transformers generate with assistant_model, its defaults (γ up to 20, confidence 0.4)",
@@ -48,7 +51,7 @@ PEER_METHODS = {
 METHODS = {**{name: "ours: " + summary(name) for name in names()}, **BENCH_ONLY, **PEER_METHODS}
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {name for name in names() if name != "ar" and preset(name).needs_drafter_model()} | {
-    "sd-distilled", "sd-online", "beam-sd", "hf-assisted", "hf-assisted-fixed", "llama-cpp-spec"}
+    "sd-distilled", "sd-parallel", "sd-online", "beam-sd", "hf-assisted", "hf-assisted-fixed", "llama-cpp-spec"}
 PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
 BEAM_METHODS = ("beam", "beam-sd")
 # methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
@@ -95,6 +98,7 @@ class Settings:
     eagle: str | None = None  # an EAGLE drafter's folder (the eagle method)
     datastore: str | None = None  # a retrieval datastore's folder (the retrieval method)
     distilled: str | None = None  # a distilled drafter adapter's folder (the sd-distilled method)
+    parallel: str | None = None  # a parallel drafter's folder (the sd-parallel method)
     other_drafter: str = "smollm2-135m"  # the drafter with another tokenizer (sd-other-tokenizer, hf-…-other-tokenizer)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
@@ -137,6 +141,8 @@ class Record:
     drafter_passes_per_step: list[int] = field(default_factory=list)
     samples: int = 1  # generations folded into this record (`merge_samples`): their sums, their lists joined
     typical_tv: float | None = None  # sd-typical under sampling: `typical_divergence` of its output (merged: the mean)
+    drafted_at: list[int] = field(default_factory=list)  # ours: drafts that reached position i + 1 (GenerationStats)
+    accepted_at: list[int] = field(default_factory=list)  # ... and whose accepted prefix reached it
 
     @property
     def tokens_per_second(self) -> float:
@@ -177,7 +183,15 @@ def merge_samples(records: list[Record]) -> Record:
                   None if first_tokens is None else first_tokens / samples, [n for r in records for n in r.nodes_per_step],
                   total([r.target_seconds for r in records]), total([r.drafter_seconds for r in records]),
                   [n for r in records for n in r.widths_per_step], [n for r in records for n in r.drafter_passes_per_step],
-                  samples, typical_tv=_mean_of([r.typical_tv for r in records]))
+                  samples, typical_tv=_mean_of([r.typical_tv for r in records]),
+                  drafted_at=position_sums([r.drafted_at for r in records]),
+                  accepted_at=position_sums([r.accepted_at for r in records]))
+
+
+def position_sums(lists: list[list[int]]) -> list[int]:
+    """Per-position counts of several runs added position by position (the longest's length)."""
+    width = max((len(values) for values in lists), default=0)
+    return [sum(values[i] for values in lists if i < len(values)) for i in range(width)]
 
 
 def _mean_of(values: list) -> float | None:
@@ -216,8 +230,9 @@ def check_methods(methods: list[str]) -> None:
 
 def bench_config(method: str, settings: Settings) -> SpecConfig:
     """The `SpecConfig` one of our methods runs in a bench: its preset (the registry's; sd-distilled,
-    sd-online and sd-other-tokenizer: sd-cost's) with the run's options."""
+    sd-online and sd-other-tokenizer: sd-cost's; sd-parallel: parallel's) with the run's options."""
     name = OWN_MODEL_PRESET if method in BENCH_ONLY and method not in BEAM_METHODS else method
+    name = OWN_PRESETS.get(method, name)
     if name in BEAM_METHODS:
         return SpecConfig("ar")
     config = preset(name)
@@ -282,11 +297,11 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
                   widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step,
-                  typical_tv=divergence)
+                  typical_tv=divergence, drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at))
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run
-_ADAPTERS: dict[str, object] = {}  # distilled adapters by folder, read once a run
+_ADAPTERS: dict = {}  # distilled adapters by folder, parallel drafters by ("parallel", folder): read once a run
 OWN_DRAFTERS: dict[str, object] = {}  # method -> the drafter model it drafts with where not the run's (a run fills it)
 
 
@@ -301,9 +316,22 @@ def distilled_adapter(settings: Settings):
     return _ADAPTERS[settings.distilled]
 
 
+def parallel_adapter(settings: Settings):
+    """The sd-parallel method's checkpoint (`Settings.parallel`), read once a run."""
+    from ..parallel import load_adapter
+
+    if not settings.parallel:
+        raise SpecdecError("the sd-parallel method needs a parallel drafter: --parallel DIR "
+                           "(`specdec train-parallel-drafter`)")
+    if ("parallel", settings.parallel) not in _ADAPTERS:
+        _ADAPTERS["parallel", settings.parallel] = load_adapter(settings.parallel)
+    return _ADAPTERS["parallel", settings.parallel]
+
+
 def load_own_drafters(methods: list[str], settings: Settings, load_drafter) -> None:
-    """The drafter models of sd-distilled (the run's drafter with the adapter merged in) and
-    sd-online (a copy of the run's drafter learning between prompts), each its own model object:
+    """The drafter models of sd-distilled (the run's drafter with the adapter merged in),
+    sd-parallel (the parallel drafter of `--parallel DIR`) and sd-online (a copy of the run's
+    drafter learning between prompts), each its own model object:
     merging an adapter into int8 weights takes seconds, too long to switch per prompt.
     `load_drafter(name)` loads as the run's drafter was loaded."""
     from ..adapter import OnlineDistiller
@@ -312,6 +340,9 @@ def load_own_drafters(methods: list[str], settings: Settings, load_drafter) -> N
     if "sd-distilled" in methods:
         distilled_adapter(settings)
         OWN_DRAFTERS["sd-distilled"] = load_drafter(f"distilled:{settings.distilled}")
+    if "sd-parallel" in methods:
+        parallel_adapter(settings)
+        OWN_DRAFTERS["sd-parallel"] = load_drafter(f"parallel:{settings.parallel}")
     if "sd-online" in methods:
         OWN_DRAFTERS["sd-online"] = OnlineDistiller(load_drafter(None)).model
 

@@ -138,6 +138,18 @@ def render_markdown(result: dict) -> str:
                   "| method | target passes | drafter | loop | loop ms / step |", "|---|---|---|---|---|"]
         lines += [f"| {m} | {s['time_in_target']:.1%} | {s['time_in_drafter']:.1%} | {s['time_in_loop']:.1%} | "
                   f"{_fmt(s['loop_ms_per_step'])} |" for m, s in split.items()]
+    positions = {m: s for m, s in summary.items() if s.get("acceptance_by_position")}
+    if positions:
+        depth = max(len(s["acceptance_by_position"]) for s in positions.values())
+        lines += ["", "### Acceptance by draft position (all prompts)", "",
+                  "Of the drafts that reached position i, the share whose accepted prefix reached it; and the "
+                  "drafter model's passes per emitted token (a parallel drafter proposes a draft in one).", "",
+                  "| method | drafter passes / token | " + " | ".join(str(i + 1) for i in range(depth)) + " |",
+                  "|---|---|" + "---|" * depth]
+        for m, s in positions.items():
+            shares = s["acceptance_by_position"] + [None] * (depth - len(s["acceptance_by_position"]))
+            lines.append(f"| {m} | {_fmt(s.get('drafter_passes_per_token'))} | "
+                         + " | ".join(_fmt(a, ".1%") for a in shares) + " |")
     lines += _markdown_projection(info, summary)
     hist = {m: s["accepted_histogram"] for m, s in summary.items() if s["accepted_histogram"]}
     if hist:

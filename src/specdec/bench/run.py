@@ -29,8 +29,8 @@ from ..spec import MODEL_FREE_DRAFTERS
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REFERENCE, PeerModels, Record, Settings,
-                      check_methods, checkpoint_kind, distilled_adapter, is_flat, is_peer, load_own_drafters,
-                      merge_samples, online_summary, open_datastore, run_method, self_drafting)
+                      check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat, is_peer, load_own_drafters,
+                      merge_samples, online_summary, open_datastore, position_sums, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
 
 # Settings fields that hold measurements, reported apart (not JSON as they are)
@@ -108,6 +108,12 @@ def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
         for r in rs)}
 
 
+def _by_position(rs: list, positions: int = 8) -> list[float] | None:
+    drafted, accepted = position_sums([r.drafted_at for r in rs]), position_sums([r.accepted_at for r in rs])
+    shares = [round(a / d, 4) for a, d in zip(accepted[:positions], drafted[:positions]) if d]
+    return shares or None
+
+
 def _median_or_none(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -140,6 +146,8 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             # the drafter model's passes per emitted token (cascades save some; None: no drafter model ran)
             "drafter_passes_per_token": (sum(sum(r.drafter_passes_per_step) for r in rs) / sum(r.new_tokens for r in rs)
                                          if any(r.drafter_passes_per_step for r in rs) else None),
+            # of the drafts that reached position i + 1, the share accepted that far (the first 8 positions)
+            "acceptance_by_position": _by_position(rs),
             # sd-typical under sampling: its first-token law's distance from the target's (`typical_divergence`)
             "typical_total_variation": _mean([r.typical_tv for r in rs if r.typical_tv is not None]),
             "median_first_token_seconds": _median_or_none([r.first_token_seconds for r in rs]),
@@ -279,6 +287,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         open_datastore(settings)  # a missing or damaged datastore fails before minutes of loading
     if "sd-distilled" in methods:
         distilled_adapter(settings)  # as with a datastore
+    if "sd-parallel" in methods:
+        parallel_adapter(settings)
     kinds = {checkpoint_kind(m) for m in methods} - {None}
     for kind in sorted(kinds):  # a missing or damaged checkpoint fails before minutes of loading
         self_drafting(settings, kind)
@@ -374,6 +384,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in kinds else None,
             "distilled_adapter": {k: v for k, v in distilled_adapter(settings).info.items() if k != "shapes"}
                                  if "sd-distilled" in methods else None,
+            "parallel_drafter": {k: v for k, v in parallel_adapter(settings).info.items() if k != "shapes"}
+                                if "sd-parallel" in methods else None,
             "online": online_summary(),
             "self_skip_search": self_skip_search,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None}

@@ -31,7 +31,7 @@ def bench(
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "
                                 "tree-suffix, tree-mixed-suffix, lookahead, beam and beam-sd (beam search, plain and speculative; greedy prompts), cascade, "
-                                "sd-distilled (--distilled DIR), sd-online (the drafter learning between prompts), medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
+                                "sd-distilled (--distilled DIR), sd-parallel (--parallel DIR), sd-online (the drafter learning between prompts), medusa, eagle, medusa-uncalibrated, eagle-uncalibrated, self-skip (ours); hf, "
                                 "hf-assisted, hf-assisted-fixed, hf-lookup (transformers' generate: plain, with the "
                                 "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
                                 "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
@@ -75,6 +75,8 @@ def bench(
     eagle: Optional[str] = typer.Option(None, "--eagle", help="An EAGLE drafter's folder (the eagle method)."),
     distilled: Optional[str] = typer.Option(None, "--distilled", help="A distilled drafter adapter's folder (the "
                                             "sd-distilled method; `specdec distill-drafter`)."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="A parallel drafter's folder (the sd-parallel "
+                                           "method; `specdec train-parallel-drafter`)."),
     other_drafter: str = typer.Option("smollm2-135m", "--other-drafter", help="The drafter model with another "
                                       "tokenizer (sd-other-tokenizer, hf-assisted-other-tokenizer)."),
     datastore: Optional[str] = typer.Option(None, "--datastore", help="A datastore folder (the retrieval method; "
@@ -103,7 +105,7 @@ def bench(
                     ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
                     lookahead_shape=_lookahead_shape(lookahead_shape))
         settings = Settings(max_new_tokens=max_new_tokens, spec=spec, flat_at16=flat_at16, heads=heads, eagle=eagle,
-                            datastore=datastore, distilled=distilled, other_drafter=other_drafter,
+                            datastore=datastore, distilled=distilled, parallel=parallel, other_drafter=other_drafter,
                             skip_layers=_skip_layers(skip_layers), num_beams=num_beams)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")

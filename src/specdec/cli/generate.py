@@ -30,7 +30,9 @@ def generate(
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="With --prompts: a budget for the running "
                                             "sequences' KV caches (e.g. 2GiB, 512MiB); prompts beyond it wait."),
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
-    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target), "
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter: a model (same vocabulary as the target; "
+                                "'distilled:DIR', a distilled one; 'parallel:DIR', one that drafts a chain in one "
+                                "pass, from `specdec train-parallel-drafter`), "
                                 "or 'ngram' (NASD, built online), 'lookup' (prompt lookup), 'suffix' (suffix "
                                 "drafting; with --prompts over earlier outputs too) or 'retrieval:DIR' (a "
                                 "datastore, `specdec datastore build`), which need no model; "

@@ -21,8 +21,8 @@ from .common import (app, err, _fail, _drafter_weights, DRAFTER_DTYPE_HELP, pars
 def serve(
     target: str = typer.Option(registry.DEFAULT_TARGET, help="Target model: registry name, HF directory or .gguf."),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model (same vocabulary), 'none', or a "
-                                "model-free drafter as generate's (ngram, lookup, suffix, retrieval:DIR), which then "
-                                "is the default method."),
+                                "model-free drafter as generate's (ngram, lookup, suffix, retrieval:DIR), or a "
+                                "parallel drafter (parallel:DIR), which then is the default method."),
     method: str = typer.Option("default", help="Requests' speculation unless they say: any method or preset of "
                                "`specdec methods` but the self-drafting ones (default: the drafter model's chain, "
                                "cost-aware; lookup; suffix, over the request's text and earlier outputs; retrieval, "
@@ -114,7 +114,8 @@ def serve(
 
 def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: str):
     """The server's default method, checked: a --drafter that names no model (lookup, suffix,
-    ngram, retrieval:DIR) is that method -> (method, whether no drafter model loads, datastore)."""
+    ngram, retrieval:DIR) or one that drafts its own way (parallel:DIR) is that method ->
+    (method, whether no drafter model loads, datastore)."""
     from ..methods import METHODS as REGISTRY, preset
     from ..models import GGUF_WEIGHTS
     from ..server.schema import METHODS
@@ -129,7 +130,8 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
         if method not in ("default", named["method"]):
             raise SpecdecError(f"--drafter {drafter} names the {named['method']} method; --method {method} "
                                "would draft otherwise (give one of them)")
-        method, no_drafter = named["method"], True
+        method = named["method"]
+        no_drafter = "drafter" not in named  # parallel:DIR is a drafter model that drafts its own way
         datastore_dir = named.get("datastore", datastore_dir)
     if method not in METHODS:
         raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")

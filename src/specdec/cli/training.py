@@ -1,5 +1,5 @@
-"""`specdec train-heads`, `distill-drafter`, `export-heads`: the target's own drafting modules and a
-drafter's adapter, trained here."""
+"""`specdec train-heads`, `distill-drafter`, `train-parallel-drafter`, `export-heads`: the target's own
+drafting modules and a drafter's adapters, trained here."""
 
 from __future__ import annotations
 
@@ -130,6 +130,61 @@ def distill_drafter_command(
               f"held-out acceptance {before['acceptance']:.3f} -> {after['acceptance']:.3f}, greedy agreement "
               f"{before['greedy_agreement']:.3f} -> {after['greedy_agreement']:.3f} over {info['heldout_tokens']} "
               f"positions; {info['seconds']:.0f} s", highlight=False)
+
+
+@app.command("train-parallel-drafter")
+def train_parallel_drafter_command(
+    out: str = typer.Option(..., "--out", help="Folder to write the parallel drafter into (resumes a run stopped "
+                            "there); use it as --drafter parallel:OUT."),
+    drafter: str = typer.Option(registry.DEFAULT_DRAFTER, help="Drafter model to adapt (any target of its "
+                                "tokenizer can use it)."),
+    corpus: str = typer.Option("stdlib", help="Training text: stdlib (Python's standard library sources) or a text "
+                               "file. Not the bench's prompts (humaneval, spec-bench)."),
+    k: int = typer.Option(4, "-k", help="Tokens one drafter pass proposes (its own next token and k - 1 masks)."),
+    tokens: int = typer.Option(98304, help="Corpus tokens to train on (a tenth more is held out)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Corpus tokens per training sequence."),
+    groups: int = typer.Option(64, help="Groups of k - 1 masks trained per sequence (each after a random position)."),
+    rank: int = typer.Option(8, help="LoRA rank on each projection of the drafter's layers."),
+    epochs: int = typer.Option(1),
+    batch: int = typer.Option(2, help="Sequences per optimiser step."),
+    lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (cosine schedule)."),
+    seed: int = typer.Option(0),
+    drafter_dtype: str = typer.Option("auto", "--drafter-dtype", help="The drafter's weights while training; "
+                                      "train on the weights it will draft with. " + DRAFTER_DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+):
+    """Adapt a drafter to propose k tokens in one pass (PARD): a mask token's embedding and a LoRA
+    adapter, trained on text (no target runs). Prints held-out top-1 accuracy by draft position
+    before and after."""
+    from ..training.parallel import ParallelConfig, train_parallel_drafter
+
+    try:
+        if corpus in ("humaneval", "spec-bench"):
+            raise SpecdecError(f"{corpus} is the bench's prompts: train on other text (stdlib or a text file)")
+        if corpus != "stdlib" and not Path(corpus).is_file():
+            raise SpecdecError(f"corpus not found: {corpus} (stdlib or a text file)")
+        if drafter_dtype == "gguf":
+            raise SpecdecError("adapting needs the drafter's hidden states: --drafter-dtype auto, int8, bf16 or fp32")
+        if ":" in drafter:
+            raise SpecdecError(f"adapt the plain drafter model, not {drafter}")
+        config = ParallelConfig(k=k, tokens=tokens, seq_len=seq_len, groups=groups, rank=rank, epochs=epochs,
+                                batch=batch, lr=lr, seed=seed)
+        for name in ("tokens", "seq_len", "groups", "rank", "epochs", "batch"):
+            if getattr(config, name) < 1:
+                raise SpecdecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}")
+        if k < 2 or seq_len <= k or not lr > 0:
+            raise SpecdecError(f"-k must be >= 2, --seq-len > k and --lr > 0, got {k}, {seq_len} and {lr}")
+        drafter_model = _load(drafter, drafter_dtype, device, "drafter")
+        made = train_parallel_drafter(drafter_model, corpus, out, config,
+                                      say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+    except SpecdecError as exc:
+        _fail(str(exc))
+    info = made.info
+    show = lambda scores: ", ".join(f"{a:.3f}" for a in scores["top1_by_position"])  # noqa: E731
+    err.print(f"a parallel drafter ({info['k']} tokens a pass) from {info['drafter']} in {out} (--drafter "
+              f"parallel:{out}): held-out top-1 by position {show(info['heldout_before'])} -> "
+              f"{show(info['heldout_after'])} over {info['heldout_tokens']} tokens; {info['seconds']:.0f} s",
+              highlight=False)
 
 
 @app.command("export-heads")

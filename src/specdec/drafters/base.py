@@ -37,6 +37,8 @@ class Capabilities:
     reads_target_tokens: `observe_targets(tokens)`, the target's argmax at every scored node (lookahead).
     pins: `pin()` stops it drawing on other generations (which would change a seeded output).
     finishes: `finish(sequence)` when its sequence ends (e.g. to share the output with later ones).
+    one_pass: its drafter model proposes `k` tokens a pass (a parallel drafter): a token inside a
+        pass costs a row of it, not a pass of its own (the cost schedule prices it so).
     """
 
     trees: bool = False
@@ -47,6 +49,7 @@ class Capabilities:
     reads_target_tokens: bool = False
     pins: bool = False
     finishes: bool = False
+    one_pass: bool = False
 
 
 def capabilities_of(drafter) -> Capabilities:
@@ -81,7 +84,8 @@ def derived_capabilities(drafter) -> Capabilities:
                         catches_up=hasattr(drafter, "lag"),
                         reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
                         reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
-                        pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"))
+                        pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"),
+                        one_pass=bool(getattr(drafter, "one_pass", False)))
 
 
 def _own(drafter, member: str) -> bool:

@@ -250,6 +250,9 @@ class Service:
         if config.needs_drafter_model() and self.drafter is None:
             raise BadRequest(f"speculative.method {name!r} needs a drafter model, and this server has none; "
                              "use lookup, suffix or false", param)
+        if config.method == "parallel" and not getattr(self.drafter, "parallel_k", None):
+            raise BadRequest(f"speculative.method {name!r} drafts with a parallel drafter, and this server's drafter "
+                             "is none (serve --drafter parallel:DIR); use chain, lookup, suffix or false", param)
         if config.method == "retrieval" and self.datastore is None:
             raise BadRequest(f"speculative.method {name!r} needs a datastore, and this server has none; "
                              "use lookup, suffix or false", param)

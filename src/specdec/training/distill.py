@@ -28,13 +28,15 @@ from ..errors import SpecdecError
 
 FORMAT = 1
 STATE, FEATURES = "train_state.pt", "features.pt"
+SAVE_EVERY = 25  # optimiser steps between saves of the training state within an epoch
 # kind -> (weights file, json file), and how the kind is named in messages
 FILES = {"medusa": ("heads.safetensors", "medusa.json"), "eagle": ("eagle.safetensors", "eagle.json"),
-         "adapter": ("adapter.safetensors", "adapter.json")}
-TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE drafter", "adapter": "distilled drafter adapter"}  # "a ... checkpoint"
+         "adapter": ("adapter.safetensors", "adapter.json"), "parallel": ("parallel.safetensors", "parallel.json")}
+TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE drafter", "adapter": "distilled drafter adapter",
+          "parallel": "parallel drafter"}  # "a ... checkpoint"
 MAKERS = {"medusa": "specdec train-heads --kind medusa", "eagle": "specdec train-heads --kind eagle",
-          "adapter": "specdec distill-drafter"}
-SPECS = {"medusa": "medusa:DIR", "eagle": "eagle:DIR", "adapter": "distilled:DIR"}  # how --drafter names each
+          "adapter": "specdec distill-drafter", "parallel": "specdec train-parallel-drafter"}
+SPECS = {"medusa": "medusa:DIR", "eagle": "eagle:DIR", "adapter": "distilled:DIR", "parallel": "parallel:DIR"}  # how --drafter names each
 
 
 def target_fingerprint(model) -> str:
@@ -177,6 +179,13 @@ def corpus_ids(tokenizer, corpus: str) -> tuple[list[int], str]:
     return ids, identity
 
 
+def text_ids(tokenizer, corpus: str | Sequence[int]) -> tuple[list[int], str]:
+    """`corpus_ids` of a named corpus, or token ids given as they are (identity "ids")."""
+    if isinstance(corpus, str):
+        return corpus_ids(tokenizer, corpus)
+    return [int(i) for i in corpus], "ids"
+
+
 @torch.inference_mode()
 def collect_features(target, ids: Sequence[int], seq_len: int,
                      on_chunk: Callable[[int, int], None] = lambda done, total: None) -> torch.Tensor:
@@ -263,8 +272,9 @@ def fit(module: nn.Module, batch_loss: Callable[[torch.Tensor, int], torch.Tenso
     """Train `module` on `examples` examples (`batch_loss(indices [B], step)` -> the mean loss of
     those; any randomness it draws should come from the step number, which a resume repeats)
     for `config.epochs` epochs of shuffled batches of `config.batch`, AdamW at `config.lr` with a
-    cosine schedule, seeded by `config.seed`. The state is saved in `out` after every epoch and a
-    rerun with the same `key` and config resumes it bitwise. Returns (steps, last loss)."""
+    cosine schedule, seeded by `config.seed`. The state is saved in `out` after every epoch and
+    every SAVE_EVERY steps, and a rerun with the same `key` and config resumes it bitwise.
+    Returns (steps, last loss)."""
     from rich.progress import Progress, TextColumn
 
     torch.manual_seed(config.seed)
@@ -283,6 +293,11 @@ def fit(module: nn.Module, batch_loss: Callable[[torch.Tensor, int], torch.Tenso
         step, last_loss = state["step"], state["loss"]
         say(f"resuming at step {step} of {total_steps}")
     generator = torch.Generator().manual_seed(config.seed)
+
+    def save() -> None:
+        torch.save({"key": full_key, "module": module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "step": step, "loss": last_loss}, out / STATE)
+
     with torch.enable_grad(), Progress(*progress_columns(), TextColumn("loss {task.fields[loss]:.3f}"),
                                        transient=True) as progress:
         task = progress.add_task(label, total=total_steps, completed=step, loss=last_loss)
@@ -298,8 +313,9 @@ def fit(module: nn.Module, batch_loss: Callable[[torch.Tensor, int], torch.Tenso
                 schedule.step()
                 step, last_loss = step + 1, float(loss.detach())
                 progress.update(task, completed=step, loss=last_loss)
-            torch.save({"key": full_key, "module": module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(), "step": step, "loss": last_loss}, out / STATE)
+                if step % SAVE_EVERY == 0:  # a long epoch is resumable part way
+                    save()
+            save()
     return step, last_loss
 
 
