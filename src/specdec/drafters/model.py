@@ -78,12 +78,8 @@ class ModelDrafter(Drafter):
             logits = (yield Segment(pending, self.cache, 1))[-1]
             self.passes += 1
             logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
-            over_target = self._over_target_vocabulary(logits)
-            if sampler.is_greedy:
-                token = int(greedy_tokens(logits))
-            else:
-                q = sampler.probs(over_target)
-                token = draw(q, generator, len(context) + len(tokens))
+            token, q = self._choose(logits, sampler, generator, len(context) + len(tokens))
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             pending = self._inputs([token])
@@ -126,6 +122,15 @@ class ModelDrafter(Drafter):
                 break
             offsets.append(fed.index(node))
         compact_cache(self.cache, start, offsets)
+
+    def _choose(self, logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,
+                position: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token at output `position` from the drafter's logits [V_target'] -> (token,
+        its q [V_target]; None under greedy, where the draft is deterministic)."""
+        if sampler.is_greedy:
+            return int(greedy_tokens(logits)), None
+        q = sampler.probs(self._over_target_vocabulary(logits))
+        return draw(q, generator, position), q
 
     def _over_target_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V_drafter'] -> [V_target]: -inf (q = 0) on the target's ids the drafter lacks."""

@@ -9,7 +9,7 @@ import torch
 from ..backends import Segment
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
-from ..samplers import Sampler, draw, greedy_tokens
+from ..samplers import Sampler
 from .base import Capabilities, Draft, KeepGoing, Proposal
 from .model import ModelDrafter
 
@@ -82,11 +82,8 @@ class ParallelDrafter(ModelDrafter):
             going = True
             for origin, logits in enumerate(rows):
                 logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
-                if sampler.is_greedy:
-                    token = int(greedy_tokens(logits))
-                else:
-                    q = sampler.probs(self._over_target_vocabulary(logits))
-                    token = draw(q, generator, len(context) + len(tokens))
+                token, q = self._choose(logits, sampler, generator, len(context) + len(tokens))
+                if q is not None:
                     probs.append(q)
                 tokens.append(token)
                 self._origins.append(origin)
