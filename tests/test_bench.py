@@ -157,6 +157,27 @@ def test_method_orders_are_counterbalanced(k):
     assert [next(method_orders(methods, 1)) for _ in range(2)] == [next(method_orders(methods, 1)) for _ in range(2)]
 
 
+def test_bench_serve_counterbalances_which_variant_loads_a_level_first(monkeypatch):
+    """On one server the variant that runs first at a level also pays for the batch policy's
+    learning of the new sizes: over the levels each must go first equally often."""
+    import specdec.bench.serve as serve
+
+    calls = []
+
+    def measure(server, prompts, level, requests, variant, extra, api_key, timeout, say):
+        calls.append((level, variant))
+        return {"concurrency": level, "variant": variant}
+
+    monkeypatch.setattr(serve, "_measure", measure)
+    levels = [1, 2, 4, 8, 16, 32]
+    summaries = serve.bench_servers([serve.Server(None, "http://127.0.0.1:9", {})], [("x", False)], levels, 1,
+                                    variants={"default": {}, "ar": {"speculative": False}})
+    firsts = Counter(variant for (level, variant), (before, _) in zip(calls, [(None, None)] + calls) if level != before)
+    assert firsts == {"default": 3, "ar": 3}
+    # the report keeps the order given, whatever ran first
+    assert [(s["concurrency"], s["variant"]) for s in summaries] == [(n, v) for n in levels for v in ("default", "ar")]
+
+
 def test_bootstrap_interval_brackets_the_median_and_narrows_with_more_prompts():
     import random
 

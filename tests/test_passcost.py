@@ -111,6 +111,9 @@ def test_the_batched_profile_rules_out_the_batch_sizes_where_no_draft_can_pay():
     assert profile.target_seconds(32, 1) == pytest.approx(0.2905 + 2 * (0.2905 - 0.2199))
     assert profile.target_seconds(16, 4) == pytest.approx(0.4185 + 2 * (0.4185 - 0.2790))  # 16 x 4 not measured
     assert profile.drafter_seconds(12) == pytest.approx((0.1107 + 0.1291) / 2)
+    # over the rows a sequence as well: 3 rows between 2 and 4, 6 past the most measured
+    assert profile.pass_seconds(4, 3) == pytest.approx((0.2210 + 0.2790) / 2)
+    assert profile.pass_seconds(4, 6) == pytest.approx(0.2790 + 2 * (0.2790 - 0.2210) / 2)
 
 
 def test_the_batched_profile_is_measured_once_per_model_and_cached(tmp_path, monkeypatch):

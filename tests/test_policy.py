@@ -1,10 +1,11 @@
 """Speculation under load (engine/policy.py): the batch's measured costs decide whether to draft
 and how high a draft token's chance must be; seeded sampled sequences are never steered."""
 
+import pytest
 import torch
 
 from specdec import Sampler
-from specdec.engine.policy import BatchCosts
+from specdec.engine.policy import JOIN_DECAY, BatchCosts
 from specdec.passcost import LoadCosts
 from specdec.generate import Decoding
 from specdec.schedules import CostAware
@@ -153,6 +154,52 @@ def test_catching_up_is_charged_to_the_switch_not_to_the_drafting_rate():
     assert costs.speculate(4, lag=10_000, remaining=10) is False and costs.deferred == 1
 
 
+def _steady(joins: int, steps: int = 40) -> list[bool]:
+    """Four in flight: drafting steps make 8 tokens in 0.4 s (20 tok/s), plain ones 4 in 0.236 s
+    (17 tok/s); drafters catch up at 4 ms a token, and `joins` sequences joined drafting with a
+    160-token context and 64 tokens to make -> the decisions of `steps` steps."""
+    costs = BatchCosts()
+    costs.record(4, True, 8, 0.1 + 1.6, 12, 0.3, 16, caught_up=400, catch_up_seconds=1.6, rounds=3)
+    for _ in range(joins):
+        costs.joined(160, 64)
+    assert costs.prompt_charge() == (0.0 if joins == 0 else pytest.approx(0.004 * 160 / 64))
+    chosen = []
+    for _ in range(steps):
+        draft = costs.speculate(4)
+        if draft:
+            costs.record(4, True, 8, 0.1, 12, 0.3, 16, rounds=3)
+        else:
+            costs.record(4, False, 4, 0.0, 0, 0.236, 4)
+        chosen.append(draft)
+    return chosen
+
+
+def test_the_prompts_catch_up_is_charged_to_drafting_in_the_choice_of_kind():
+    """Drafting steps beat plain ones by 1.18× on their own time, but every request that drafts
+    first pays its drafter's catch-up on its prompt: 0.64 s over its 64 tokens, 10 ms a token,
+    which leaves drafting at 16.7 tok/s against plain's 17. The batch then takes plain steps, but
+    for the probes; with no prompt to charge (power check) the same steps keep drafting."""
+    charged, free = _steady(joins=4), _steady(joins=0)
+    assert sum(charged[10:]) < 0.2 * len(charged[10:])
+    assert sum(free[10:]) > 0.8 * len(free[10:])
+
+
+def test_the_engine_counts_each_new_drafters_first_catch_up_as_a_join():
+    from specdec import Engine, Request
+
+    target, drafter = tiny_model(0, exact_rows=True), tiny_model(1, layers=1, exact_rows=True)
+    engine = Engine(target, max_batch=2)
+    for prompt in ([1, 2, 3, 4, 5, 6], [4, 5, 6, 7, 8, 9]):
+        engine.add(Request(prompt, drafter, max_new_tokens=8, eos_token_ids=[], schedule=CostAware))
+    engine.step()  # first tokens, from the target alone
+    assert engine.costs.prompt_charge() == 0.0
+    engine.step()  # the first drafting step: both drafters feed their 7-token contexts
+    joins = [7 * JOIN_DECAY + 7] * 2  # (context, tokens left) of each, the older decayed
+    assert engine.costs._joins == pytest.approx(joins) and engine.costs.prompt_charge() > 0
+    engine.step()
+    assert engine.costs._joins == pytest.approx(joins)  # a drafter that has caught up once never joins again
+
+
 def test_a_sequence_whose_catch_up_would_not_repay_itself_sits_out_while_the_batch_drafts():
     """Where drafting has been faster, a new sequence drafts only once its drafter's catch-up (its
     prompt) costs less than its drafting saves the batch over its own remaining tokens; a probe of
@@ -217,6 +264,32 @@ def test_batch_sizes_where_the_profile_says_no_draft_can_pay_decode_plainly_from
     assert chosen[:3] == [True] * 3 and sum(chosen[20:]) > 15
     costs.acceptance = lambda: 0.0  # as if the drafts now failed: no size can pay in the profile
     assert costs.speculate(2) is True and costs.speculate(4) is False
+
+
+def test_the_longest_draft_in_a_batch_makes_the_most_tokens_a_second_for_it():
+    """Drafter passes run in lock step, so in a batch a draft is capped where one more token a
+    sequence would cost the batch more than it is worth: longer at a higher acceptance, none
+    alone (a sequence alone pays only its own rounds)."""
+    costs = BatchCosts(prior=LoadCosts(LOADED, ROUNDS))
+    assert costs.longest_draft(1, 20) is None and BatchCosts().longest_draft(4, 20) is None  # nothing measured
+    caps = {}
+    for alpha in (0.6, 0.8, 0.95):
+        costs.acceptance = lambda alpha=alpha: alpha
+        caps[alpha] = costs.longest_draft(4, 20)
+        # no other length makes more tokens a second at this acceptance, by the profile
+        rate = {k: (1 - alpha ** (k + 1)) / (1 - alpha) /
+                (costs.prior.pass_seconds(4, k + 1) + k * costs.prior.drafter_seconds(4)) for k in range(1, 21)}
+        assert rate[caps[alpha]] == max(rate.values())
+    assert caps[0.6] < caps[0.8] < caps[0.95] < 20
+    assert costs.longest_draft(4, 2) <= 2
+    # the cap reaches the sequences' cost-aware policies, and only in steps that draft
+    policy = CostAware(gamma_max=20)
+    costs.steer(policy, 4, True)
+    assert policy.most == caps[0.95] and policy.budget() <= caps[0.95]
+    costs.steer(policy, 4, False)
+    assert policy.most is None and policy.budget() == 0
+    costs.steer(policy, 1, True)
+    assert policy.most is None and policy.budget() == 20
 
 
 def test_a_low_acceptance_rules_out_a_batch_size_the_profile_allowed_at_the_prior():

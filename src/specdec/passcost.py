@@ -89,6 +89,11 @@ class LoadCosts:
         largest batch measured, extrapolated) linearly over the batch size."""
         return _interpolate({b: t for (b, r), t in self.target.items() if r == rows}, batch)
 
+    def pass_seconds(self, batch: int, rows: int) -> float:
+        """`target_seconds` for any number of rows a sequence: interpolated over the rows measured
+        (past the most, extrapolated linearly)."""
+        return _interpolate({r: self.target_seconds(batch, r) for r in sorted({r for _, r in self.target})}, rows)
+
     def drafter_seconds(self, batch: int) -> float:
         """One drafter round over `batch` sequences (0 for a model-free drafter)."""
         return _interpolate(self.drafter, batch) if self.drafter else 0.0

@@ -265,17 +265,20 @@ class FasterOf:
     def steps(self, first: bool) -> int:
         return self.sums[first][2]
 
-    def rate(self, first: bool) -> float:
+    def rate(self, first: bool, charge: float = 0.0) -> float:
+        """A kind's tokens per second; `charge`: seconds a token the first kind costs beyond its
+        steps' own time (an amortized cost, such as the engine's drafter catch-up on prompts)."""
         tokens, seconds, _ = self.sums[first]
+        seconds += tokens * charge if first else 0.0
         return tokens / seconds if seconds > 0 else 0.0
 
-    def choose(self) -> bool:
-        """True: take a step of the first kind."""
+    def choose(self, charge: float = 0.0) -> bool:
+        """True: take a step of the first kind (its tokens charged `charge` seconds each, `rate`)."""
         if self.steps(True) < self.warmup:  # also: never timed (sampling under a seed)
             return True
         if self.steps(False) == 0:
             return False  # the baseline
-        better = self.rate(True) >= self.rate(False)
+        better = self.rate(True, charge) >= self.rate(False)
         return self.prober.decide(better, self.waits[better])
 
 
@@ -387,9 +390,12 @@ class CostAware(Schedule):
         self.kinds = FasterOf(self.warmup, self.probe, self.decay, {True: 4 * self.probe, False: self.probe})
         self.timed_steps = 0
         self.imposed: bool | None = None  # the engine's decision for this step (`impose`), if any
+        self.most: int | None = None  # the engine's longest draft for this step (`impose`), if any
 
     def budget(self) -> int:
-        return self.gamma if self.should_draft() else 0
+        if not self.should_draft():
+            return 0
+        return min(self.gamma, self.most) if self.most is not None else self.gamma
 
     def should_draft(self) -> bool:
         """Whether this step should draft at all (see the class docstring)."""
@@ -397,11 +403,12 @@ class CostAware(Schedule):
             return not self.never_pays and self.imposed
         return not self.never_pays and self.kinds.choose()
 
-    def impose(self, draft: bool, costs: tuple[float, float, float, float] | None) -> None:
+    def impose(self, draft: bool, costs: tuple[float, float, float, float] | None, most: int | None = None) -> None:
         """For this step, the engine's batch-level decision and costs (engine/policy.py) replace
         what this generation measured alone (its timings are of passes it shared): whether to
-        draft, and (R, t_d, t_v, t_1) as `measured` holds them, or None for the starting thresholds."""
-        self.imposed = draft
+        draft, (R, t_d, t_v, t_1) as `measured` holds them, or None for the starting thresholds,
+        and the longest draft (None: `gamma`)."""
+        self.imposed, self.most = draft, most
         if costs is None:
             self.threshold, self.measured = self.prior, None
         else:

@@ -163,22 +163,29 @@ def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int
 def bench_servers(servers: list[Server], prompts: list[tuple[str, bool]], levels: list[int], requests: int,
                   api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
                   variants: dict[str, dict] | None = None, warmups: int = 0) -> list[dict]:
-    """Every level in turn; at each level every server in turn, and for each every variant in turn
-    (a name -> fields merged into the request bodies, e.g. {"ar": {"speculative": False}}; None:
-    the settings alone). Servers that run side by side are thus measured interleaved, each level
-    of each under the same machine load, as ratios need. warmups: requests sent to each server
-    first, one at a time, not measured (a server's first requests page in its weights). -> one
-    summary per level, server and variant, with the speculation its /metrics counted meanwhile."""
+    """Every level in turn; at each level every server with every variant (a name -> fields merged
+    into the request bodies, e.g. {"ar": {"speculative": False}}; None: the settings alone), one
+    after another in a counterbalanced order (`run.method_orders`: over the levels each runs first
+    and after each other equally often; on one server the first to run at a level also pays its
+    batch policy's learning of the new batch sizes). Servers that run side by side are thus
+    measured interleaved, each level of each under the same machine load, as ratios need.
+    warmups: requests sent to each server first, one at a time, not measured (a server's first
+    requests page in its weights). -> one summary per level, server and variant (in the order
+    given), with the speculation its /metrics counted meanwhile."""
+    from .run import method_orders
+
     if not prompts:
         raise SpecdecError("bench-serve needs at least one prompt")
     for server in servers if warmups > 0 else ():
         records, _ = asyncio.run(run_level(server.url, prompts, 1, warmups, server.settings, api_key, timeout))
         say(f"warm-up {server.name or server.url}: {sum(r.ok for r in records)} of {warmups} completed")
+    runs = [(server, name, extra) for server in servers for name, extra in (variants or {None: {}}).items()]
+    orders = method_orders(list(range(len(runs))))
     summaries = []
     for level in levels:
-        for server in servers:
-            for name, extra in (variants or {None: {}}).items():
-                summaries.append(_measure(server, prompts, level, requests, name, extra, api_key, timeout, say))
+        measured = {i: _measure(runs[i][0], prompts, level, requests, runs[i][1], runs[i][2], api_key, timeout, say)
+                    for i in next(orders)}
+        summaries += [measured[i] for i in range(len(runs))]
     return summaries
 
 

@@ -68,6 +68,7 @@ class StepPlan:
     speculate: bool | None
     passes: int  # drafter passes so far, summed over the sequences
     caught_up: tuple[int, float] | None  # drafter catch-up tokens and seconds so far
+    fresh: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (context, tokens left): drafters yet to see their prompts
     began: float = 0.0
     drafted: float = 0.0
     rounds: int = 0  # lock-step rounds of drafter passes
@@ -194,8 +195,10 @@ class Engine:
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings)
+        fresh = {i: (len(d.sequence), d.out.remaining) for i, d in enumerate(decodings)
+                 if speculate and d.can.catches_up and d.drafter.lag(d.sequence) >= len(d.sequence)}
         return StepPlan(ids, decodings, speculate, sum(_drafter_passes(d) for d in decodings),
-                        _caught_up(decodings) if speculate is not None else None)
+                        _caught_up(decodings) if speculate is not None else None, fresh)
 
     def _draft(self, plan: StepPlan) -> list[Segment]:
         """Every running sequence's draft, their drafter passes batched (`_plan`) -> what the
@@ -268,6 +271,10 @@ class Engine:
         if self.costs is None or plan.speculate is None:
             return
         fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(plan.decodings), plan.caught_up))
+        for i, (context, remaining) in plan.fresh.items():  # drafters that first caught up this step
+            decoding = plan.decodings[i]
+            if decoding.drafter.lag(decoding.sequence) < context:
+                self.costs.joined(context, remaining)
         self.costs.record(len(plan.ids), plan.speculate, sum(map(len, emitted.values())), plan.drafted - plan.began,
                           sum(_drafter_passes(d) for d in plan.decodings) - plan.passes, plan.pass_seconds,
                           sum(len(s.input_ids) for s in segments), fed, catch_up_seconds, plan.rounds)
