@@ -282,6 +282,12 @@ def test_the_longest_draft_in_a_batch_makes_the_most_tokens_a_second_for_it():
         assert rate[caps[alpha]] == max(rate.values())
     assert caps[0.6] < caps[0.8] < caps[0.95] < 20
     assert costs.longest_draft(4, 2) <= 2
+    # without a profile, from the steps' own fits once their widths have varied
+    fitted = BatchCosts()
+    _simulate(fitted, 4, lambda width: 0.2 + 0.02 * width, drafted_tokens=2.0, steps=12)
+    fitted.acceptance = lambda: 0.8
+    rows = {k: (1 - 0.8 ** (k + 1)) / 0.2 / (0.2 + 0.02 * 4 * (k + 1) + k * 0.01 * 4 / 3) for k in range(1, 21)}
+    assert fitted.longest_draft(4, 20) == max(rows, key=rows.get)
     # the cap reaches the sequences' cost-aware policies, and only in steps that draft
     policy = CostAware(gamma_max=20)
     costs.steer(policy, 4, True)
