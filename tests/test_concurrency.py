@@ -53,6 +53,10 @@ def test_seeded_sampled_outputs_at_every_level_equal_level_one(models):
     summaries, _ = run_levels(prompts, [1, 3], methods, target, drafter, Settings(max_new_tokens=6),
                               Sampler(temperature=1.0), 7, method_orders(methods))
     assert all(s["identical"] == 4 for s in summaries)
+    # without level 1 the reference is `ar` at the lowest level run, itself each prompt's output alone
+    later, _ = run_levels(prompts, [3, 2], methods, target, drafter, Settings(max_new_tokens=6),
+                          Sampler(temperature=1.0), 7, method_orders(methods))
+    assert all(s["identical"] == 4 for s in later)
 
 
 def test_level_figures():

@@ -4,9 +4,10 @@ method, against transformers' batching on the same model objects.
 
 Per method and level: total output tokens per second (all requests' tokens over the level's wall
 time), per-sequence tokens per second, time to first token and time per output token (p50, p99),
-tokens per target pass, and how many outputs are identical to the reference: the prompt's AR run
-alone (`ar` at level 1, one sequence per pass), greedy or sampled with seeds (a seeded output is
-the seeded AR output whatever drafted it); transformers' sampled runs against their own level 1.
+tokens per target pass, and how many outputs are identical to the reference: the prompt's AR
+output (`ar` at the lowest level run: at level 1 each prompt alone), greedy or sampled with seeds
+(a seeded output is the seeded AR output whatever drafted it); transformers' sampled runs against
+their own lowest level.
 Levels run in turn; within each level the methods run in a counterbalanced order
 (`method_orders`), each over the whole prompt set.
 """
@@ -229,9 +230,11 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
 def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafter,
                settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
                progress=None) -> tuple[list[dict], list[LevelRun]]:
-    """Every method at every level over all `prompts` -> (summaries, runs). Where level 1 is among
-    `levels`, our outputs are compared with `ar` at level 1 (sampled ones seeded: seed + prompt
-    index, so each is the seeded AR output), transformers' sampled ones with their own level-1 run."""
+    """Every method at every level over all `prompts` -> (summaries, runs). Our outputs are
+    compared with `ar` at the lowest level run (sampled ones seeded: seed + prompt index, so each
+    is the seeded AR output): at level 1 each prompt alone, at a higher one `ar`'s batched output,
+    which is each prompt's alone bit for bit (the engine's row-exact passes); transformers'
+    sampled ones with their own run at the lowest level."""
     seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
     runs: list[LevelRun] = []
     alone: dict[str, dict[int, list[int]]] = {}
@@ -246,7 +249,7 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
             else:
                 run = run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
             runs.append(run)
-            if level == 1:  # one sequence per pass: each prompt alone
+            if level == levels[0]:  # the reference: at level 1 one sequence per pass, each prompt alone
                 alone[method] = {r.prompt: r.tokens for r in run.records}
             tokens = sum(len(r.tokens) for r in run.records)
             say(f"concurrency {level} {method}: {tokens} tokens in {run.wall_seconds:.1f} s, "
