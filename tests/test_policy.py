@@ -298,6 +298,18 @@ def test_the_longest_draft_in_a_batch_makes_the_most_tokens_a_second_for_it():
     assert policy.most is None and policy.budget() == 20
 
 
+def test_the_catch_up_ahead_counts_in_the_profiles_best_case():
+    """The profile's best case at 4 sequences (1.30× at acceptance 0.8) allows a warm-up; but
+    where the drafters would first read 400 prompt tokens (at 7.5 ms a token) to make 256 tokens,
+    that catch-up spread over them leaves under 1.1×: plain steps, unmeasured. With little to
+    catch up (power check), the warm-up runs."""
+    profile = LoadCosts(LOADED, ROUNDS, catch_up=0.0075)
+    assert profile.may_pay(4, 0.8) and not profile.may_pay(4, 0.8, charge=400 * 0.0075 / 256)
+    costs = BatchCosts(prior=profile)
+    assert costs.speculate(4, lag=400, remaining=256) is False and costs.ruled_out == 1
+    assert costs.speculate(4, lag=40, remaining=256) is True and costs.ruled_out == 1
+
+
 def test_a_low_acceptance_rules_out_a_batch_size_the_profile_allowed_at_the_prior():
     """Prompt lookup (no drafter rounds) could pay at 8 sequences at acceptance 0.8, not at what
     its drafting steps show (1.2 tokens a sequence for 3 drafted)."""
@@ -319,7 +331,8 @@ def test_before_its_own_catch_up_is_timed_a_warm_up_weighs_the_profiles_against_
     profile = LoadCosts(LOADED, ROUNDS, catch_up=0.0025)
     costs = BatchCosts(prior=profile)
     assert costs.catch_up_seconds(1644) == 1644 * 0.0025
-    assert costs.speculate(5, lag=1644, remaining=50) is False and costs.deferred == 1
+    # waits: put off for its catch-up, or ruled out by the profile with that catch-up spread over 50 tokens
+    assert costs.speculate(5, lag=1644, remaining=50) is False and costs.deferred + costs.ruled_out == 1
     assert costs.repays_catch_up(5, lag=330, remaining=10) is False
     assert costs.speculate(5, lag=1644, remaining=5 * 1000) is True
     assert costs.repays_catch_up(5, lag=330, remaining=1000) is True
@@ -355,5 +368,8 @@ def test_a_warm_up_at_a_shrunken_batch_waits_where_the_tokens_left_cannot_repay_
     costs = BatchCosts(prior=LoadCosts(LOADED, ROUNDS, catch_up=0.0039))
     _simulate(costs, 8, lambda width: 0.23 + 0.02 * (width - 8), drafted_tokens=2.0, steps=100)  # ruled out: 23 s plain
     assert costs.prior.may_pay(6, costs.acceptance())  # the profile alone would let 6 try
-    assert costs.speculate(6, lag=470, remaining=180) is False and costs.deferred == 1
-    assert costs.speculate(6, lag=470, remaining=1800) is True  # long outputs left: the catch-up pays
+    waited = costs.deferred + costs.ruled_out
+    assert costs.speculate(6, lag=470, remaining=180) is False and costs.deferred + costs.ruled_out == waited + 1
+    # long outputs left: the catch-up pays (spread over them, it leaves the profile's best case, 1.105×
+    # at 6 sequences, above the 10% margin)
+    assert costs.speculate(6, lag=470, remaining=100_000) is True

@@ -109,10 +109,14 @@ class LoadCosts:
                     (self.target_seconds(batch, k) + (k - 1) * self.drafter_seconds(batch)) for k in rows),
                    default=0.0)
 
-    def may_pay(self, batch: int, acceptance: float) -> bool:
+    def may_pay(self, batch: int, acceptance: float, charge: float = 0.0) -> bool:
         """Whether drafting at `batch` sequences could beat plain steps by `WORTH` (see
-        `PassCosts.never_pays`: below that margin it loses in practice) at that acceptance."""
-        return self.best_speedup(batch, acceptance) >= WORTH
+        `PassCosts.never_pays`: below that margin it loses in practice) at that acceptance, each
+        drafted token also costing `charge` seconds outside the passes (the drafters' catch-up on
+        what they have not read, over the tokens left to make)."""
+        speedup = self.best_speedup(batch, acceptance)
+        plain_rate = batch / max(1e-9, self.target_seconds(batch, 1))
+        return speedup / (1 + charge * speedup * plain_rate) >= WORTH
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:
