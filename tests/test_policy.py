@@ -8,7 +8,7 @@ from specdec import Sampler
 from specdec.engine.policy import JOIN_DECAY, BatchCosts
 from specdec.passcost import LoadCosts
 from specdec.generate import Decoding
-from specdec.schedules import CostAware
+from specdec.schedules import CostAware, TreeCost
 
 from conftest import tiny_model
 from test_passcost import LOADED, ROUNDS
@@ -43,12 +43,12 @@ def test_the_bar_for_a_draft_token_rises_with_the_batch():
     _simulate(costs, 1, curve, drafted_tokens=2.5)
     _simulate(costs, 8, curve, drafted_tokens=2.5)
     alone, loaded = CostAware(), CostAware()
-    costs.steer(alone, 1, True)
-    costs.steer(loaded, 8, True)
+    costs.steer(1, [(alone, True)])
+    costs.steer(8, [(loaded, True)])
     rate, per_row, slope, _ = costs.costs(8)
     assert abs(slope - 0.01) < 1e-6 and loaded.threshold == min(0.99, rate * (per_row + slope))
     assert loaded.threshold > alone.threshold
-    costs.steer(loaded, 8, False)
+    costs.steer(8, [(loaded, False)])
     assert loaded.budget() == 0 and alone.budget() == alone.gamma
 
 
@@ -290,12 +290,27 @@ def test_the_longest_draft_in_a_batch_makes_the_most_tokens_a_second_for_it():
     assert fitted.longest_draft(4, 20) == max(rows, key=rows.get)
     # the cap reaches the sequences' cost-aware policies, and only in steps that draft
     policy = CostAware(gamma_max=20)
-    costs.steer(policy, 4, True)
+    costs.steer(4, [(policy, True)])
     assert policy.most == caps[0.95] and policy.budget() <= caps[0.95]
-    costs.steer(policy, 4, False)
+    costs.steer(4, [(policy, False)])
     assert policy.most is None and policy.budget() == 0
-    costs.steer(policy, 1, True)
+    costs.steer(1, [(policy, True)])
     assert policy.most is None and policy.budget() == 20
+
+
+def test_a_step_caps_each_policy_within_its_own_longest_draft_and_trees_by_depth():
+    """The batch's draft rates are computed once a step; each sequence's cap is the best length
+    within its own gamma (as `longest_draft` gives it alone), and a tree's depth is capped too."""
+    costs = BatchCosts(prior=LoadCosts(LOADED, ROUNDS))
+    costs.acceptance = lambda: 0.95
+    long, short, tree, plain = CostAware(gamma_max=20), CostAware(gamma_max=2), TreeCost(max_depth=20), CostAware()
+    costs.steer(4, [(long, True), (short, True), (tree, True), (plain, False)])
+    assert long.most == costs.longest_draft(4, 20) and short.most == costs.longest_draft(4, 2) <= 2
+    assert short.most < long.most < 20  # power: the two caps differ, and the long one binds
+    assert tree.most == long.most and tree.budget() == long.most
+    assert plain.most is None and plain.budget() == 0
+    costs.steer(1, [(tree, True)])
+    assert tree.budget() == 20  # alone: no cap
 
 
 def test_the_catch_up_ahead_counts_in_the_profiles_best_case():

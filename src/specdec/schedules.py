@@ -587,9 +587,11 @@ class TreeCost(CostAware):
         self.calibrated.reset()
 
     def budget(self) -> int:
-        """The tree's depth bound (`max_depth`). Whether to draft at all the tree drafter asks
-        (`should_draft`) once a step as it grows, since its decision also picks what it grows."""
-        return self.gamma
+        """The tree's depth bound (`max_depth`, or the engine's longest draft for this step where
+        it imposes one: a batch's drafter rounds run in lock step, one a level). Whether to draft
+        at all the tree drafter asks (`should_draft`) once a step as it grows, since its decision
+        also picks what it grows."""
+        return min(self.gamma, self.most) if self.most is not None else self.gamma
 
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
         """After verifying a tree: each node's drafter probability `q` (given its parent; None: a

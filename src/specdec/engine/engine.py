@@ -337,8 +337,7 @@ class Engine:
         # where every one sits out, the step is a plain one (and is timed as one)
         speculate = len(sitting_out) < len(steered) and self.costs.speculate(
             batch, sum(lags[id(d)] for d in lagging), sum(d.out.remaining for d in lagging))
-        for decoding in steered:
-            self.costs.steer(decoding.steerable, batch, speculate and id(decoding) not in sitting_out)
+        self.costs.steer(batch, [(d.steerable, speculate and id(d) not in sitting_out) for d in steered])
         return speculate
 
     def _plan(self, ids: list[int], decodings: list[Decoding]) -> tuple[list[Segment | None], int]:

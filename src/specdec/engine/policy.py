@@ -61,6 +61,8 @@ tokens (4.2 s) to draft a few tokens each.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..passcost import LoadCosts
 from ..schedules import CostAware, FasterOf, WidthFit
 
@@ -291,10 +293,17 @@ class BatchCosts:
         seconds = base + slope * batch * rows / sequences + max(0.0, per_round) * rounds / steps
         return batch * tokens / sequences / max(1e-9, seconds), plain
 
-    def steer(self, policy: CostAware, batch: int, draft: bool) -> None:
-        """Impose this step's batch-level decision, costs and longest draft on one sequence's
-        cost-aware policy."""
-        policy.impose(draft, self.costs(batch), self.longest_draft(batch, policy.gamma) if draft else None)
+    def steer(self, batch: int, choices: Sequence[tuple[CostAware, bool]]) -> None:
+        """Impose this step's batch-level decision, costs and longest draft on each steered
+        sequence's cost-aware policy: `choices` pairs a policy with whether its sequence drafts
+        this step. The costs and the draft rates are the batch's, computed once a step; each
+        policy's cap is the best length within its own `gamma`."""
+        costs = self.costs(batch)
+        gammas = [policy.gamma for policy, draft in choices if draft]
+        rates = self._draft_rates(batch, max(gammas)) if gammas else None
+        for policy, draft in choices:
+            most = _best(rates, policy.gamma) if draft and rates is not None else None
+            policy.impose(draft, costs, most)
 
     def longest_draft(self, batch: int, most: int) -> int | None:
         """The draft length k <= `most` that makes the most tokens a second for the whole batch, at
@@ -306,18 +315,20 @@ class BatchCosts:
         longer than the rest costs whole rounds for a row each. Without a cap, at 4 in flight
         (seeded T = 0.8, a 2-core Xeon) the warm-up steps ran ~11 rounds for ~4 rows a sequence
         and made 0.90× plain steps' rate; the cost-aware bar still ends each draft sooner where
-        its own tokens grow unlikely."""
+        its own tokens grow unlikely. A tree's depth is capped alike (its drafter rounds)."""
+        rates = self._draft_rates(batch, most)
+        return _best(rates, most) if rates is not None else None
+
+    def _draft_rates(self, batch: int, most: int) -> list[float] | None:
+        """The batch's tokens a second at each draft length 1..`most` (see `longest_draft`), or None."""
         if batch < 2:
             return None
         target, round_ = self._pass_costs(batch)
         if target is None:
             return None
         alpha = min(self.acceptance(), 0.99)
-
-        def rate(k: int) -> float:
-            return (1 - alpha ** (k + 1)) / (1 - alpha) / max(1e-9, target(k + 1) + k * round_)
-
-        return max(range(1, most + 1), key=rate)
+        return [(1 - alpha ** (k + 1)) / (1 - alpha) / max(1e-9, target(k + 1) + k * round_)
+                for k in range(1, most + 1)]
 
     def _pass_costs(self, batch: int):
         """(rows a sequence -> seconds of a target pass over `batch` sequences, seconds of a
@@ -343,6 +354,11 @@ class BatchCosts:
                 kinds.sums = {kind: list(sums) for kind, sums in nearest.sums.items()}
             self.kinds[batch] = kinds
         return self.kinds[batch]
+
+
+def _best(rates: list[float], most: int) -> int:
+    """The draft length in 1..`most` with the highest of `rates` (rates[k − 1]: length k's)."""
+    return max(range(1, min(most, len(rates)) + 1), key=lambda k: rates[k - 1])
 
 
 def _charged(rate: float, charge: float) -> float:
