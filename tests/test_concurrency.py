@@ -59,6 +59,36 @@ def test_seeded_sampled_outputs_at_every_level_equal_level_one(models):
     assert all(s["identical"] == 4 for s in later)
 
 
+def test_repeats_run_each_level_again_in_the_next_order_and_sum_into_one_figure(models):
+    target, drafter = models
+    prompts = [_ids(4 + i, VOCAB, 20 + i) for i in range(2)]
+    methods = ["ar", "sd-cost"]
+    summaries, runs = run_levels(prompts, [2], methods, target, drafter, Settings(max_new_tokens=4), Sampler(), 0,
+                                 method_orders(methods), repeats=2)
+    orders = method_orders(methods)
+    first, second = next(orders), next(orders)
+    assert first != second  # power: the repeats' order shows
+    assert [(r.method, r.repeat) for r in runs] == [(m, 0) for m in first] + [(m, 1) for m in second]
+    assert len(summaries) == 2
+    for s in summaries:
+        mine = [r for r in runs if r.method == s["method"]]
+        assert s["requests"] == 4 and s["identical"] == 4 and s["output_tokens"] == 16
+        assert s["wall_seconds"] == sum(r.wall_seconds for r in mine)
+        assert s["target_passes"] == sum(r.target_passes for r in mine)
+        assert s["repeat_tokens_per_second"] == [8 / r.wall_seconds for r in mine]
+
+
+def test_the_table_shows_each_repeats_ratio_beside_the_summed_one():
+    def level(method, seconds):
+        return {"method": method, "concurrency": 4, "requests": 2, "output_tokens_per_second": 20 / sum(seconds),
+                "repeat_tokens_per_second": [10 / s for s in seconds], "per_sequence_tokens_per_second": None,
+                "ttft_p50": None, "ttft_p99": None, "tpot_p50": None, "tpot_p99": None,
+                "tokens_per_target_pass": None}
+    table = render_levels([level("ar", [1.0, 1.0]), level("lookup", [1.25, 0.8])])
+    assert "× ar by repeat" in table and "| 4 | lookup | 9.76 | 0.98 | 0.80–1.25 |" in table
+    assert "by repeat" not in render_levels([level("ar", [1.0])])
+
+
 def test_level_figures():
     records = [LoadRecord("ar", 2, 0, [1, 2, 3], 1.0, 0.2), LoadRecord("ar", 2, 1, [4, 5], 0.5, 0.1),
                LoadRecord("ar", 2, 2, [6], 0.4, 0.4)]
@@ -74,6 +104,8 @@ def test_level_figures():
     (["--concurrency", "1", "--methods", "ar,medusa"], "with --concurrency, methods are"),
     (["--concurrency", "1", "--temperature", "0,1"], "one --temperature"),
     (["--concurrency", "1", "--drafter-vocab", "100"], "none of --plot, --batched-rows, --drafter-vocab"),
+    (["--concurrency", "1", "--repeats", "0"], "--repeats takes an integer >= 1"),
+    (["--repeats", "2"], "--repeats goes with --concurrency"),
 ])
 def test_concurrency_options_are_checked_before_loading(args, message):
     result = CliRunner().invoke(app, ["bench", "--target", "no-such-model"] + args)

@@ -9,7 +9,9 @@ output (`ar` at the lowest level run: at level 1 each prompt alone), greedy or s
 (a seeded output is the seeded AR output whatever drafted it); transformers' sampled runs against
 their own lowest level.
 Levels run in turn; within each level the methods run in a counterbalanced order
-(`method_orders`), each over the whole prompt set.
+(`method_orders`), each over the whole prompt set, `repeats` times (each repeat in the next
+order): a level's figures are over all its repeats, and the ratio to `ar` is also given per
+repeat, so that the machine's drift between runs shows beside the ratio it blurs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ class LevelRun:
     wall_seconds: float
     records: list[LoadRecord] = field(default_factory=list)
     target_passes: int | None = None
+    repeat: int = 0  # which of the level's repeats
+
+
+def merge_runs(runs: list[LevelRun]) -> LevelRun:
+    """One method's repeats at one level as one run: their records, wall seconds and passes summed."""
+    passes = [r.target_passes for r in runs]
+    return LevelRun(runs[0].method, runs[0].level, sum(r.wall_seconds for r in runs),
+                    [record for r in runs for record in r.records],
+                    sum(passes) if None not in passes else None)
 
 
 def check_load_methods(methods: list[str]) -> None:
@@ -80,6 +91,11 @@ def check_load_methods(methods: list[str]) -> None:
 def check_levels(levels: list[int]) -> None:
     if not levels or any(not isinstance(c, int) or c < 1 for c in levels):
         raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {levels!r}")
+
+
+def check_repeats(repeats: int) -> None:
+    if not isinstance(repeats, int) or repeats < 1:
+        raise SpecdecError(f"--repeats takes an integer >= 1, got {repeats!r}")
 
 
 def request(method: str, ids: list[int], target, drafter, settings: Settings, sampler: Sampler,
@@ -229,47 +245,59 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
 
 def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafter,
                settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
-               progress=None) -> tuple[list[dict], list[LevelRun]]:
-    """Every method at every level over all `prompts` -> (summaries, runs). Our outputs are
-    compared with `ar` at the lowest level run (sampled ones seeded: seed + prompt index, so each
-    is the seeded AR output): at level 1 each prompt alone, at a higher one `ar`'s batched output,
-    which is each prompt's alone bit for bit (the engine's row-exact passes); transformers'
-    sampled ones with their own run at the lowest level."""
+               progress=None, repeats: int = 1) -> tuple[list[dict], list[LevelRun]]:
+    """Every method at every level over all `prompts`, `repeats` times a level (each repeat in
+    the next of `orders`) -> (summaries, a method and level's repeats merged; runs). Our outputs
+    are compared with `ar`'s first repeat at the lowest level run (sampled ones seeded: seed +
+    prompt index, so each is the seeded AR output): at level 1 each prompt alone, at a higher one
+    `ar`'s batched output, which is each prompt's alone bit for bit (the engine's row-exact
+    passes); transformers' sampled ones with their own run at the lowest level."""
     seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
     runs: list[LevelRun] = []
     alone: dict[str, dict[int, list[int]]] = {}
     levels = sorted(set(levels))
     for level in levels:
-        for method in next(orders):
-            gc.collect()  # the previous method's garbage is not collected on this one's clock
-            if method == "hf-cb":
-                run = run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
-            elif method == "hf-padded":
-                run = run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
-            else:
-                run = run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
-            runs.append(run)
-            if level == levels[0]:  # the reference: at level 1 one sequence per pass, each prompt alone
-                alone[method] = {r.prompt: r.tokens for r in run.records}
-            tokens = sum(len(r.tokens) for r in run.records)
-            say(f"concurrency {level} {method}: {tokens} tokens in {run.wall_seconds:.1f} s, "
-                f"{tokens / run.wall_seconds:.2f} tok/s in all")
-            if progress is not None:
-                progress()
-    summaries = []
+        for repeat in range(repeats):
+            for method in next(orders):
+                gc.collect()  # the previous method's garbage is not collected on this one's clock
+                if method == "hf-cb":
+                    run = run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
+                elif method == "hf-padded":
+                    run = run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
+                else:
+                    run = run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
+                run.repeat = repeat
+                runs.append(run)
+                if level == levels[0] and repeat == 0:  # the reference: at level 1 each prompt alone
+                    alone[method] = {r.prompt: r.tokens for r in run.records}
+                tokens = sum(len(r.tokens) for r in run.records)
+                again = f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""
+                say(f"concurrency {level} {method}{again}: {tokens} tokens in {run.wall_seconds:.1f} s, "
+                    f"{tokens / run.wall_seconds:.2f} tok/s in all")
+                if progress is not None:
+                    progress()
+    grouped: dict[tuple[str, int], list[LevelRun]] = {}
     for run in runs:
-        reference = alone.get("ar") if sampler.is_greedy or not run.method.startswith("hf") else \
-            alone.get(run.method)
-        summaries.append(summarize_level(run, reference))
+        grouped.setdefault((run.method, run.level), []).append(run)
+    summaries = []
+    for (method, _), repeated in grouped.items():
+        reference = alone.get("ar") if sampler.is_greedy or not method.startswith("hf") else alone.get(method)
+        summary = summarize_level(merge_runs(repeated), reference)
+        summary["repeat_tokens_per_second"] = [sum(len(r.tokens) for r in run.records) / run.wall_seconds
+                                               for run in repeated]
+        summaries.append(summary)
     return summaries, runs
 
 
 def render_levels(summaries: list[dict]) -> str:
-    """The markdown table: a row per method and level, with its ratio to `ar` at that level."""
+    """The markdown table: a row per method and level, with its ratio to `ar` at that level (and,
+    where a level ran more than once, the lowest and highest of the repeats' own ratios)."""
     ar = {s["concurrency"]: s["output_tokens_per_second"] for s in summaries if s["method"] == "ar"}
-    lines = ["| concurrency | method | output tok/s | × ar | per-sequence tok/s | TTFT p50 / p99 (s) | "
-             "TPOT p50 / p99 (ms) | tokens / target pass | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    ar_repeats = {s["concurrency"]: s.get("repeat_tokens_per_second") for s in summaries if s["method"] == "ar"}
+    repeated = any(len(s.get("repeat_tokens_per_second") or ()) > 1 for s in summaries)
+    lines = ["| concurrency | method | output tok/s | × ar | " + ("× ar by repeat | " if repeated else "") +
+             "per-sequence tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | tokens / target pass | identical |",
+             "|---|---|---|---|" + ("---|" if repeated else "") + "---|---|---|---|---|"]
 
     def number(value, scale=1.0, digits=2):
         return "–" if value is None else f"{value * scale:.{digits}f}"
@@ -277,7 +305,13 @@ def render_levels(summaries: list[dict]) -> str:
     for s in sorted(summaries, key=lambda s: (s["concurrency"], s["method"])):
         ratio = s["output_tokens_per_second"] / ar[s["concurrency"]] if s["concurrency"] in ar else None
         identical = f'{s["identical"]}/{s["requests"]}' if "identical" in s else "–"
+        by_repeat = ""
+        if repeated:
+            ratios = [mine / theirs for mine, theirs in zip(s.get("repeat_tokens_per_second") or (),
+                                                           ar_repeats.get(s["concurrency"]) or ())]
+            by_repeat = (f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "–") + " | "
         lines.append(f'| {s["concurrency"]} | {s["method"]} | {s["output_tokens_per_second"]:.2f} | {number(ratio)} | '
+                     f'{by_repeat}'
                      f'{number(s["per_sequence_tokens_per_second"])} | {number(s["ttft_p50"])} / {number(s["ttft_p99"])} | '
                      f'{number(s["tpot_p50"], 1e3, 0)} / {number(s["tpot_p99"], 1e3, 0)} | '
                      f'{number(s["tokens_per_target_pass"])} | {identical} |')
@@ -288,9 +322,10 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
                        drafter: str, settings: Settings, temperature: float = 0.0, seed: int = 0,
                        markdown: str | None = None, json_path: str | None = None, argv: list[str] | None = None,
                        console=None, device: str = "auto", drafter_dtype: str = "auto",
-                       tasks: list[str] | None = None) -> dict:
+                       tasks: list[str] | None = None, repeats: int = 1) -> dict:
     """`specdec bench --concurrency`: every method at every level over the prompts of `datasets`
-    (one temperature), on one target and drafter; report and return {"info", "levels"}."""
+    (one temperature), on one target and drafter, `repeats` times a level; report and return
+    {"info", "levels"}."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -302,6 +337,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
 
     check_load_methods(methods)
     check_levels(levels)
+    check_repeats(repeats)
     console = console or Console(stderr=True)
 
     def say(message: str) -> None:
@@ -330,11 +366,11 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
                method_orders(methods, seed))  # warm-up: first calls pay for allocations
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods))
+        bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods) * repeats)
         summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed,
-                                  orders, say, lambda: progress.advance(bar))
+                                  orders, say, lambda: progress.advance(bar), repeats)
     info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
-            "levels": sorted(set(levels)), "methods": methods, "temperature": temperature, "seed": seed,
+            "levels": sorted(set(levels)), "repeats": repeats, "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
             "target_dtype": target_model.weights, "drafter": drafter if drafter_model else None,
             "drafter_dtype": drafter_model.weights if drafter_model else None,

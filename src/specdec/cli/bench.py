@@ -43,6 +43,9 @@ def bench(
                                               "each method serves all prompts with that many in flight (the engine's "
                                               "batch), reporting total and per-sequence tok/s, TTFT and TPOT p50/p99 "
                                               "and outputs identical to level 1 (one --temperature)."),
+    repeats: int = typer.Option(1, "--repeats", help="With --concurrency: run each level this many times, each "
+                                "repeat's methods in the next counterbalanced order; figures are over all "
+                                "repeats, and the ratio to ar is also shown per repeat (the machine's drift)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
     gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
@@ -115,8 +118,10 @@ def bench(
                 raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample, and none of "
                                    "--plot, --batched-rows, --drafter-vocab, --drafter-vocab-corpus")
             _load_bench(concurrency, dataset, limit, methods, target, drafter, settings, temperatures[0], seed,
-                        markdown, json_path, device, drafter_dtype, tasks)
+                        markdown, json_path, device, drafter_dtype, tasks, repeats)
             return
+        if repeats != 1:
+            raise SpecdecError("--repeats goes with --concurrency (without it, --samples repeats each prompt)")
         methods = methods or "ar,sd-cost,hf"
         run_benchmark(datasets=_csv(dataset), limit=limit, methods=_csv(methods), target=target, drafter=drafter,
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
@@ -129,9 +134,9 @@ def bench(
 
 def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None, target: str, drafter: str,
                 settings, temperature: float, seed: int, markdown, json_path, device: str, drafter_dtype: str,
-                tasks: str | None) -> None:
+                tasks: str | None, repeats: int) -> None:
     """`bench --concurrency`: every method at each level through the engine."""
-    from ..bench.concurrency import check_levels, check_load_methods, run_load_benchmark
+    from ..bench.concurrency import check_levels, check_load_methods, check_repeats, run_load_benchmark
 
     try:
         levels = [int(c) for c in _csv(concurrency)]
@@ -140,9 +145,10 @@ def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None,
     check_levels(levels)
     chosen = _csv(methods or "ar,sd-cost,lookup,tree-mixed,hf-cb,hf-padded")
     check_load_methods(chosen)
+    check_repeats(repeats)
     run_load_benchmark(_csv(dataset), limit, chosen, levels, target, drafter, settings, temperature, seed,
                        markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype,
-                       tasks=_csv(tasks) if tasks else None)
+                       tasks=_csv(tasks) if tasks else None, repeats=repeats)
 
 
 @app.command()
