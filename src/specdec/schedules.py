@@ -393,8 +393,11 @@ class CostAware(Schedule):
         self.most: int | None = None  # the engine's longest draft for this step (`impose`), if any
 
     def budget(self) -> int:
-        if not self.should_draft():
-            return 0
+        return self.longest if self.should_draft() else 0
+
+    @property
+    def longest(self) -> int:
+        """The longest draft this step: `gamma`, or the engine's cap where it imposes one."""
         return min(self.gamma, self.most) if self.most is not None else self.gamma
 
     def should_draft(self) -> bool:
@@ -591,7 +594,7 @@ class TreeCost(CostAware):
         it imposes one: a batch's drafter rounds run in lock step, one a level). Whether to draft
         at all the tree drafter asks (`should_draft`) once a step as it grows, since its decision
         also picks what it grows."""
-        return min(self.gamma, self.most) if self.most is not None else self.gamma
+        return self.longest
 
     def record_tree(self, q: Sequence[float], parents: Sequence[int], path: Sequence[int]) -> None:
         """After verifying a tree: each node's drafter probability `q` (given its parent; None: a
