@@ -78,6 +78,36 @@ def test_repeats_run_each_level_again_in_the_next_order_and_sum_into_one_figure(
         assert s["repeat_tokens_per_second"] == [8 / r.wall_seconds for r in mine]
 
 
+def test_each_level_starts_with_every_methods_untimed_warm_up_at_that_width(models, monkeypatch):
+    import specdec.bench.concurrency as concurrency
+
+    target, drafter = models
+    prompts = [_ids(4 + i, VOCAB, 30 + i) * 12 for i in range(3)]  # 48-59 ids: longer than a warm-up's 32
+    methods = ["ar", "sd-cost"]
+    calls = []
+    real = concurrency.run_method_at
+
+    def counted(method, level, batch, *args):
+        run = real(method, level, batch, *args)
+        calls.append((method, level, len(batch), max(map(len, batch)), sum(len(r.tokens) for r in run.records)))
+        return run
+
+    monkeypatch.setattr(concurrency, "run_method_at", counted)
+    summaries, runs = run_levels(prompts, [1, 4], methods, target, drafter, Settings(max_new_tokens=10), Sampler(), 0,
+                                 method_orders(methods), warmup=True)
+    warm = [c for c in calls if c[3] == 32]
+    timed = [c for c in calls if c[3] > 32]
+    # a warm-up at each level before its timed runs: `level` prompts (cycled), cut to 32 ids, 8 tokens each
+    assert [c[:3] for c in calls[:2]] == [("ar", 1, 1), ("sd-cost", 1, 1)]
+    assert [c[:3] for c in calls[4:6]] == [("ar", 4, 4), ("sd-cost", 4, 4)]
+    assert [c[4] for c in warm] == [8, 8, 32, 32] and len(timed) == 4
+    # the warm-ups are neither runs nor figures
+    assert len(runs) == 4 and all(s["requests"] == 3 and s["output_tokens"] == 30 for s in summaries)
+    calls.clear()
+    run_levels(prompts, [1], methods, target, drafter, Settings(max_new_tokens=10), Sampler(), 0, method_orders(methods))
+    assert len(calls) == 2 and all(c[3] > 32 for c in calls)  # off by default
+
+
 def test_the_table_shows_each_repeats_ratio_beside_the_summed_one():
     def level(method, seconds):
         return {"method": method, "concurrency": 4, "requests": 2, "output_tokens_per_second": 20 / sum(seconds),

@@ -243,29 +243,50 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
     return out
 
 
+def run_method_at(method: str, level: int, prompts: list[list[int]], target, drafter, settings: Settings,
+                  sampler: Sampler, seeds: list[int | None]) -> LevelRun:
+    """One method at one level over `prompts` (`seeds`: one a prompt, or Nones for greedy)."""
+    if method == "hf-cb":
+        return run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
+    if method == "hf-padded":
+        return run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
+    return run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
+
+
+def warm_up_level(level: int, prompts: list[list[int]], methods: list[str], target, drafter, settings: Settings,
+                  sampler: Sampler, seeds: list[int | None], tokens: int = 8, prompt_tokens: int = 32) -> list[LevelRun]:
+    """Every method once at `level`, untimed, over `level` prompts cut to `prompt_tokens` ids and
+    `tokens` new tokens -> their runs (to be thrown away). A batch of a width not run before pays
+    for its first kernels and allocations at that shape; without this the method that ran first
+    at a level paid it on its clock (the first of identical runs was the slowest at 4 and 8 in
+    flight, XEON-BF16)."""
+    short = Settings(**{**vars(settings), "max_new_tokens": tokens})
+    cut = [p[:prompt_tokens] for p in (prompts * level)[:level]]
+    return [run_method_at(method, level, cut, target, drafter, short, sampler, (seeds * level)[:level])
+            for method in methods]
+
+
 def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], target, drafter,
                settings: Settings, sampler: Sampler, seed: int, orders, say=lambda message: None,
-               progress=None, repeats: int = 1) -> tuple[list[dict], list[LevelRun]]:
+               progress=None, repeats: int = 1, warmup: bool = False) -> tuple[list[dict], list[LevelRun]]:
     """Every method at every level over all `prompts`, `repeats` times a level (each repeat in
     the next of `orders`) -> (summaries, a method and level's repeats merged; runs). Our outputs
     are compared with `ar`'s first repeat at the lowest level run (sampled ones seeded: seed +
     prompt index, so each is the seeded AR output): at level 1 each prompt alone, at a higher one
     `ar`'s batched output, which is each prompt's alone bit for bit (the engine's row-exact
-    passes); transformers' sampled ones with their own run at the lowest level."""
+    passes); transformers' sampled ones with their own run at the lowest level. `warmup`: each
+    level starts with every method's untimed `warm_up_level`."""
     seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
     runs: list[LevelRun] = []
     alone: dict[str, dict[int, list[int]]] = {}
     levels = sorted(set(levels))
     for level in levels:
+        if warmup:
+            warm_up_level(level, prompts, methods, target, drafter, settings, sampler, seeds)
         for repeat in range(repeats):
             for method in next(orders):
                 gc.collect()  # the previous method's garbage is not collected on this one's clock
-                if method == "hf-cb":
-                    run = run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
-                elif method == "hf-padded":
-                    run = run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
-                else:
-                    run = run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
+                run = run_method_at(method, level, prompts, target, drafter, settings, sampler, seeds)
                 run.repeat = repeat
                 runs.append(run)
                 if level == levels[0] and repeat == 0:  # the reference: at level 1 each prompt alone
@@ -360,15 +381,12 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")
 
-    warm = Settings(**{**vars(settings), "max_new_tokens": 8})
     orders = method_orders(methods, seed)
-    run_levels([ids[:32] for ids in encoded[:2]], [2], methods, target_model, drafter_model, warm, sampler, seed,
-               method_orders(methods, seed))  # warm-up: first calls pay for allocations
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods) * repeats)
         summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed,
-                                  orders, say, lambda: progress.advance(bar), repeats)
+                                  orders, say, lambda: progress.advance(bar), repeats, warmup=True)
     info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
             "levels": sorted(set(levels)), "repeats": repeats, "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
