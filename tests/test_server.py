@@ -748,20 +748,20 @@ def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
 
         def ask(number):  # odd ones draft trees, which draft whatever the batch
             return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model=target.name, messages=[{"role": "user", "content": questions[number]}], max_tokens=40,
+                model=target.name, messages=[{"role": "user", "content": questions[number]}], max_tokens=24,
                 temperature=0, stream=True, extra_body={"speculative": {"method": "tree"}} if number % 2 else {}))
 
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(ask, range(len(questions))))
         drafted = _metric(_metrics(url), "specdec:spec_decode_num_draft_tokens_total")
         scored = client.chat.completions.create(
-            model=target.name, messages=[{"role": "user", "content": questions[0]}], max_tokens=40, temperature=0,
+            model=target.name, messages=[{"role": "user", "content": questions[0]}], max_tokens=24, temperature=0,
             logprobs=True, top_logprobs=3, extra_body={"speculative": {"method": "tree"}}).choices[0]
-    alone = [target.decode(autoregressive_generate(target.encode(q, chat=True), target, max_new_tokens=40).tokens)
+    alone = [target.decode(autoregressive_generate(target.encode(q, chat=True), target, max_new_tokens=24).tokens)
              for q in questions]
     assert texts == alone and drafted > 0
     # chat's logprobs layout: each token of the tree-drafted answer as the AR run alone scores it
-    reference = autoregressive_generate(target.encode(questions[0], chat=True), target, max_new_tokens=40, logprobs=3)
+    reference = autoregressive_generate(target.encode(questions[0], chat=True), target, max_new_tokens=24, logprobs=3)
     content = scored.logprobs.content
     assert [c.logprob for c in content] == [e.logprob for e in reference.logprobs]
     assert [[t.logprob for t in c.top_logprobs] for c in content] == [[v for _, v in e.top] for e in reference.logprobs]
