@@ -12,11 +12,11 @@ from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate,
 from specdec.rows import key_spans, refine_top_logits
 
 from conftest import bf16_rows, cpu_only
-from specdec.kernels import bf16_rows_exact
+from specdec.kernels import bf16_rows_exact, cpu_has_native_bf16
 
 
 def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
-              layers: int = 2) -> TransformersModel:
+              layers: int = 2, kernels: str = "auto") -> TransformersModel:
     """A random Qwen2 with grouped-query attention and hidden sizes where kernels block for real."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -25,7 +25,7 @@ def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     hf = Qwen2ForCausalLM(config).to(dtype)
-    return TransformersModel(hf, None, f"qwen-like-{seed}", role="target", exact_rows=exact_rows)
+    return TransformersModel(hf, None, f"qwen-like-{seed}", role="target", exact_rows=exact_rows, kernels=kernels)
 
 
 def row_gap(model: TransformersModel, prompt: list[int], continuation: list[int]) -> float:
@@ -43,39 +43,83 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype):
-    model = qwen_like(dtype, exact_rows=True)
+# the bf16 linear paths: transformers' layers through F.linear (TwoRowLinear), and weights packed
+# for oneDNN (PackedBf16Linear), which `auto` picks on CPUs with native bf16
+packed_bf16 = pytest.mark.skipif(not cpu_has_native_bf16() or not torch.backends.mkldnn.is_available(),
+                                 reason="packed bf16 linears are picked on CPUs with native bf16 only")
+BF16_KERNELS = ["stock", pytest.param("auto", marks=packed_bf16)]
+
+
+@pytest.mark.parametrize("dtype,kernels", [(torch.float32, "auto"), (torch.bfloat16, "stock"),
+                                           pytest.param(torch.bfloat16, "auto", marks=packed_bf16)],
+                         ids=["fp32", "bf16-stock", "bf16-packed"])
+def test_row_exact_passes_equal_one_row_passes_bit_for_bit(dtype, kernels):
+    model = qwen_like(dtype, exact_rows=True, kernels=kernels)
     assert model.exact_rows
     for width in (1, 2, 5, 12):
         assert row_gap(model, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
 
 
 def _one_row_gemv_differs(monkeypatch) -> None:
-    """Make every bf16/fp32 `F.linear` on one row round differently from the same row in a
-    multi-row call, as an AVX512-BF16 EPYC's GEMV path did (docs/kernels.md)."""
+    """Make every bf16/fp32 GEMM on one row (`F.linear`, and packed bf16 linears' oneDNN call)
+    round differently from the same row in a multi-row call, as an AVX512-BF16 EPYC's GEMV path
+    did (docs/kernels.md)."""
+    from specdec.kernels import PackedBf16Linear
+
     real = torch.nn.functional.linear
 
     def linear(x, weight, bias=None):
         y = real(x, weight, bias)
         return y * (1 + 2.0 ** -6) if x.numel() == x.shape[-1] else y
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    real_packed = PackedBf16Linear._packed
+
+    def packed(self, flat):
+        y = real_packed(self, flat)
+        return y * (1 + 2.0 ** -6) if len(flat) == 1 else y
+    monkeypatch.setattr(PackedBf16Linear, "_packed", packed)
 
 
-def test_row_exact_passes_do_not_trust_a_one_row_gemm(monkeypatch):
+@pytest.mark.parametrize("kernels", BF16_KERNELS, ids=["stock", "packed"])
+def test_row_exact_passes_do_not_trust_a_one_row_gemm(monkeypatch, kernels):
     _one_row_gemv_differs(monkeypatch)
-    model = qwen_like(torch.bfloat16, exact_rows=True)
+    model = qwen_like(torch.bfloat16, exact_rows=True, kernels=kernels)
     for width in (1, 3):
         assert row_gap(model, _ids(20, 4096, width), _ids(width, 4096, 50 + width)) == 0.0
 
 
-def test_the_one_row_gemm_test_has_power(monkeypatch):
-    import specdec.backends.transformers
+@pytest.mark.parametrize("kernels", BF16_KERNELS, ids=["stock", "packed"])
+def test_the_one_row_gemm_test_has_power(monkeypatch, kernels):
+    import specdec.kernels
 
     _one_row_gemv_differs(monkeypatch)
-    monkeypatch.setattr(specdec.backends.transformers, "pad_single_rows", lambda module: 0)
-    model = qwen_like(torch.bfloat16, exact_rows=True)
+    # every linear path makes its calls through row_exact_calls: without it, a lone row is a 1-row call
+    monkeypatch.setattr(specdec.kernels, "row_exact_calls", lambda function, flat, least=2: function(flat))
+    model = qwen_like(torch.bfloat16, exact_rows=True, kernels=kernels)
     assert row_gap(model, _ids(20, 4096, 3), _ids(3, 4096, 53)) > 0.0
+
+
+@cpu_only
+@packed_bf16
+def test_packed_bf16_linears_compute_what_f_linear_computes():
+    """A bf16 target on a native-bf16 CPU runs every linear, its head too, on weights packed once
+    for oneDNN; each row comes out as `F.linear`'s over the same rows, in calls of 2..32 rows
+    wherever the row sits, and a lone row padded to `least_rows` is the first row of such a call."""
+    from specdec.kernels import ROW_CHUNK, PackedBf16Linear, dense_weight
+
+    model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
+    assert model.kernels == "onednn-packed-bf16" and model.rows_invariant
+    layers = [m for m in model.hf.modules() if isinstance(m, PackedBf16Linear)]
+    assert len(layers) == 7 * 2 and not any(type(m) is torch.nn.Linear for m in model._decoder.modules())
+    torch.manual_seed(0)
+    for layer in layers[:7] + [model._packed_head]:
+        weight = dense_weight(layer)
+        x = torch.randn(ROW_CHUNK, layer.in_features).bfloat16()
+        reference = torch.nn.functional.linear(x, weight, layer.bias)
+        for rows in (2, 3, 6, 7, 17, ROW_CHUNK):
+            assert torch.equal(layer._packed(x[-rows:].clone()), reference[-rows:]), (layer, rows)
+        padded = layer._packed(torch.nn.functional.pad(x[:1], (0, 0, 0, layer.least_rows - 1)))[:1]
+        assert torch.equal(padded, reference[:1])
 
 
 def test_batched_passes_are_not_row_exact_here():
@@ -267,6 +311,9 @@ def test_a_row_exact_pass_calls_each_gemm_with_two_to_32_rows():
         assert torch.equal(row_exact_calls(linear, flat), flat * 2)
         assert all(2 <= n <= ROW_CHUNK for n in sizes), (rows, sizes)
         assert sum(sizes) == rows + (rows == 1)
+        sizes.clear()  # padded to 6 rows, as packed bf16 linears are where 4-6-row calls are fastest
+        assert torch.equal(row_exact_calls(linear, flat, 6), flat * 2)
+        assert all(6 <= n <= ROW_CHUNK for n in sizes), (rows, sizes)
 
 
 def test_on_cuda_a_row_exact_pass_calls_each_gemm_and_norm_with_the_same_rows():

@@ -135,6 +135,51 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dense_rows={self.dense_rows}"
 
 
+class PackedBf16Linear(nn.Module):
+    """y = x W^T + b with a bf16 W reordered once into oneDNN's blocked layout (CPUs with native
+    bf16), the way vLLM's CPU backend runs its linears.
+
+    `F.linear` on a plain bf16 weight has oneDNN copy the weight into that layout on every call:
+    on the AVX512-BF16 EPYC the 1.5B target's layers read 2.6 GB a pass at ~19 GB/s that way, at
+    ~28 GB/s packed (docs/kernels.md). The results are the same bit for bit as `F.linear`'s at every
+    row count measured. Calls of fewer than `least_rows` rows are padded with zero rows: the
+    blocked kernel streams the weight fastest at 4-6 rows on that CPU, so a padded 1-row call costs
+    less than an unpadded one, and a row comes out the same in calls of 2..ROW_CHUNK rows.
+    The dense weight is not kept (`dense_weight` unpacks it).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, least_rows: int = 2):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.least_rows = max(2, least_rows)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(torch.bfloat16).contiguous(), None), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] bf16 -> [..., out_features] bf16."""
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        if row_exact_active():
+            y = row_exact_calls(self._packed, flat, self.least_rows)
+        elif rows < self.least_rows:
+            y = self._packed(nn.functional.pad(flat, (0, 0, 0, self.least_rows - rows)))[:rows]
+        else:
+            y = self._packed(flat)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed_weight, self.bias, "none", [], "")
+
+    def __deepcopy__(self, memo):
+        """A copy packed anew (oneDNN's blocked tensors have no storage to copy)."""
+        return PackedBf16Linear(self.packed_weight.to_dense(), self.bias, self.least_rows)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, least_rows={self.least_rows}"
+
+
 # torch 2.13's CPU int8 op returns garbage (inf, NaN) or crashes for other input widths
 INT8_K_MULTIPLE = 16
 
@@ -254,11 +299,13 @@ def fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden.float(), weight.float())
 
 
-def row_exact_calls(function, flat: torch.Tensor) -> torch.Tensor:
+def row_exact_calls(function, flat: torch.Tensor, least: int = 2) -> torch.Tensor:
     """`function(rows)` over flat [n, K] in calls whose every row comes out as a one-token pass's
     -> [n, N]. CPU: calls of 2..ROW_CHUNK rows, the row counts at which every CPU measured computes
     a row the same whatever else the call holds (a 1-row input, or a last chunk of one row, is the
-    first row of a 2-row call). CUDA: calls of exactly CUDA_ROWS rows (`fixed_row_calls`)."""
+    first row of a 2-row call); a call of fewer than `least` (2..ROW_CHUNK) rows is padded with
+    zero rows to `least`, where a kernel is faster so. CUDA: calls of exactly CUDA_ROWS rows
+    (`fixed_row_calls`)."""
     if flat.device.type == "cuda":
         return fixed_row_calls(function, flat, CUDA_ROWS)
     if len(flat) > ROW_CHUNK:
@@ -266,9 +313,10 @@ def row_exact_calls(function, flat: torch.Tensor) -> torch.Tensor:
         if len(flat) - cuts[-1] == 1:
             cuts[-1] -= 1  # a last chunk of 2 rows, not 1
         bounds = cuts[1:] + [len(flat)]
-        return torch.cat([row_exact_calls(function, flat[a:b]) for a, b in zip(cuts, bounds)])
-    if len(flat) == 1:
-        return function(torch.cat([flat, torch.zeros_like(flat)]))[:1]
+        return torch.cat([row_exact_calls(function, flat[a:b], least) for a, b in zip(cuts, bounds)])
+    short = max(2, least) - len(flat)
+    if short > 0:
+        return function(nn.functional.pad(flat, (0, 0, 0, short)))[:len(flat)]
     return function(flat)
 
 
@@ -332,6 +380,46 @@ def _row_stable_norm(cls: type) -> type:
                                                      "__doc__": f"{cls.__name__}, rows fixed (`fix_norm_rows`)."})
 
 
+@functools.cache
+def packed_bf16_supported() -> bool:
+    """Whether this torch build and CPU run oneDNN's packed bf16 linear (`PackedBf16Linear`)."""
+    if not has_onednn():
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=torch.bfloat16), None)
+        x = torch.ones(2, 32, dtype=torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool((out == 32).all())
+
+
+def packed_bf16_least_rows() -> int:
+    """The rows a packed bf16 GEMM call is padded to (`PackedBf16Linear`): 6 on a CPU with
+    AVX512-BF16 and no AMX, where oneDNN's blocked kernel read the 1.5B target's layers at ~35
+    GB/s in 4-6-row calls and ~26 GB/s in 1-2-row ones (docs/kernels.md; a 1-token pass 118 ms
+    padded to 6 rows, 157 ms padded to 2); 2 elsewhere (AMX computes up to 16 rows a tile: unmeasured)."""
+    return 2 if cpu_has_amx() else 6
+
+
+def pack_bf16_linears(module: nn.Module, int8_rows: int = 0) -> int:
+    """Replace every nn.Linear inside `module` by a PackedBf16Linear (int8_rows > 0: an Int8Linear
+    for inputs of at most that many rows in front of it, where the int8 op takes the shape);
+    return how many."""
+    count = 0
+    least = packed_bf16_least_rows()
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            packed = PackedBf16Linear(child.weight, child.bias, least)
+            if int8_rows and int8_fits(child):
+                packed = Int8Linear(child.weight, child.bias, packed, int8_rows)
+            setattr(module, name, packed)
+            count += 1
+        else:
+            count += pack_bf16_linears(child, int8_rows)
+    return count
+
+
 def pack_linears(module: nn.Module, dense_rows: int = 0, int8_rows: int = 0) -> int:
     """Replace every nn.Linear inside `module` by a PackedLinear (int8_rows > 0: an Int8Linear for
     inputs of at most that many rows, over a PackedLinear for longer ones); return how many."""
@@ -369,6 +457,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         return dense_weight(layer.long)
     if isinstance(layer, PackedLinear):
         return layer.dense_weight if layer.dense_weight is not None else layer.packed_weight.to_dense()
+    if isinstance(layer, PackedBf16Linear):
+        return layer.packed_weight.to_dense()
     return layer.weight
 
 
@@ -385,6 +475,9 @@ def set_dense_weight(layer: nn.Module, weight: torch.Tensor) -> None:
         layer.packed_weight = weight.detach().float().contiguous().to_mkldnn()
         if layer.dense_weight is not None:
             layer.dense_weight.copy_(weight)
+    elif isinstance(layer, PackedBf16Linear):
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(torch.bfloat16).contiguous(), None)
     else:
         layer.weight.copy_(weight)
 
@@ -396,9 +489,9 @@ def differentiable_linears(module: nn.Module):
     adapter trained on a drafter's outputs needs gradients through every layer after it."""
     patched = []
     for layer in module.modules():
-        if isinstance(layer, PackedLinear):
+        if isinstance(layer, (PackedLinear, PackedBf16Linear)):
             weight = dense_weight(layer)
-            bias = layer.packed_bias
+            bias = layer.packed_bias if isinstance(layer, PackedLinear) else layer.bias
             layer.forward = lambda x, w=weight, b=bias: nn.functional.linear(
                 x, w.to(x.dtype), None if b is None else b.to(x.dtype))
             patched.append(layer)
