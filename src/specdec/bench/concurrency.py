@@ -20,6 +20,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,10 +29,12 @@ from ..errors import SpecdecError
 from ..methods import METHODS as REGISTRY, Parts, build, names, preset, summary
 from ..samplers import Sampler
 from .methods import Settings, bench_config
+from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
 
 PEERS = {
     "hf-cb": "transformers' continuous batching (generate_batch, paged attention), plain decoding",
     "hf-padded": "transformers' generate on left-padded batches of `level` prompts, plain decoding",
+    **VLLM_METHODS,
 }
 # ours: every registered method the engine runs (the target drafting for itself runs one sequence at a time)
 METHODS = {**{name: "ours, through the engine: " + summary(name) for name in names()
@@ -72,14 +75,19 @@ class LevelRun:
     records: list[LoadRecord] = field(default_factory=list)
     target_passes: int | None = None
     repeat: int = 0  # which of the level's repeats
+    drafted: int | None = None  # draft tokens of the whole run where the method counts them so (vLLM)
+    accepted: int | None = None
 
 
 def merge_runs(runs: list[LevelRun]) -> LevelRun:
     """One method's repeats at one level as one run: their records, wall seconds and passes summed."""
     passes = [r.target_passes for r in runs]
+
+    def total(counts):
+        return sum(counts) if None not in counts else None
     return LevelRun(runs[0].method, runs[0].level, sum(r.wall_seconds for r in runs),
-                    [record for r in runs for record in r.records],
-                    sum(passes) if None not in passes else None)
+                    [record for r in runs for record in r.records], total(passes),
+                    drafted=total([r.drafted for r in runs]), accepted=total([r.accepted for r in runs]))
 
 
 def check_load_methods(methods: list[str]) -> None:
@@ -208,6 +216,35 @@ def run_hf_padded(level: int, prompts: list[list[int]], target, settings: Settin
     return run
 
 
+def hf_folder(model: str) -> Path:
+    """The Hugging Face folder a model name or path loads from (what vLLM's workers load)."""
+    from .. import registry
+
+    if model in registry.MODELS:
+        return registry.require_installed(model)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SpecdecError(f"the vllm methods load Hugging Face folders: {model} is neither a registry model nor one")
+    return path
+
+
+def run_vllm(method: str, level: int, prompts: list[list[int]], target, settings: Settings, sampler: Sampler,
+             seeds: list[int | None]) -> LevelRun:
+    """One of vLLM's methods in its worker (`settings.vllm`), at most `level` requests in flight,
+    stopping where ours stop (the target's end ids, `max_new_tokens`)."""
+    if settings.vllm is None:
+        raise SpecdecError(f"{method} needs vLLM's workers (bench/vllm_peer.py)")
+    answer = settings.vllm.worker(method).run(prompts, level, settings.max_new_tokens, sampler.temperature,
+                                              sampler.top_p, seeds, target.eos_token_ids)
+    # vLLM counts its iterations (batched passes) and drafts per engine, not per request
+    run = LevelRun(method, level, answer["wall_seconds"], target_passes=answer["iterations"] or None,
+                   drafted=answer["drafted"], accepted=answer["accepted"])
+    for index, record in enumerate(answer["records"]):
+        run.records.append(LoadRecord(method, level, index, record["tokens"], record["seconds"],
+                                      record["first_token_seconds"]))
+    return run
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between order statistics; None for no values."""
     values = sorted(v for v in values if v is not None)
@@ -229,6 +266,9 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
     tpot = [r.time_per_output_token for r in records]
     per_sequence = [len(r.tokens) / r.seconds for r in records if r.seconds]
     passes = [r.target_passes for r in records if r.target_passes]
+    drafted = run.drafted if run.drafted is not None else sum(r.drafted for r in records)
+    accepted = run.accepted if run.accepted is not None else sum(r.accepted for r in records)
+    acceptance = accepted / drafted if drafted else None
     out = {"method": run.method, "concurrency": run.level, "requests": len(records), "output_tokens": tokens,
            "wall_seconds": run.wall_seconds, "output_tokens_per_second": tokens / run.wall_seconds,
            "per_sequence_tokens_per_second": statistics.median(per_sequence) if per_sequence else None,
@@ -236,8 +276,7 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
            "target_passes": run.target_passes,
            "tokens_per_target_pass": tokens / sum(passes) if passes and len(passes) == len(records) else None,
-           "acceptance_rate": (sum(r.accepted for r in records) / sum(r.drafted for r in records)
-                               if any(r.drafted for r in records) else None)}
+           "acceptance_rate": acceptance}
     if reference is not None:
         out["identical"] = sum(reference.get(r.prompt) == r.tokens for r in records)
     return out
@@ -250,6 +289,8 @@ def run_method_at(method: str, level: int, prompts: list[list[int]], target, dra
         return run_hf_cb(level, prompts, target, settings, sampler, seeds[0])
     if method == "hf-padded":
         return run_hf_padded(level, prompts, target, settings, sampler, seeds[0])
+    if method in VLLM_METHODS:
+        return run_vllm(method, level, prompts, target, settings, sampler, seeds)
     return run_ours(method, level, prompts, target, drafter, settings, sampler, seeds)
 
 
@@ -343,10 +384,10 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
                        drafter: str, settings: Settings, temperature: float = 0.0, seed: int = 0,
                        markdown: str | None = None, json_path: str | None = None, argv: list[str] | None = None,
                        console=None, device: str = "auto", drafter_dtype: str = "auto",
-                       tasks: list[str] | None = None, repeats: int = 1) -> dict:
+                       tasks: list[str] | None = None, repeats: int = 1, vllm_threads: str = "tuned") -> dict:
     """`specdec bench --concurrency`: every method at every level over the prompts of `datasets`
     (one temperature), on one target and drafter, `repeats` times a level; report and return
-    {"info", "levels"}."""
+    {"info", "levels"}. vllm_threads: the vLLM methods' thread setup (bench/vllm_peer.py)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -377,23 +418,32 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         settings.pass_costs = pass_costs(target_model, drafter_model, say)
         settings.load_costs = load_costs(target_model, drafter_model, say)
     settings.free_load_costs = load_costs(target_model, None, say)
+    if set(VLLM_METHODS) & set(methods):
+        settings.vllm = VllmPeers(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None,
+                                  vllm_threads, max(levels), say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")
 
     orders = method_orders(methods, seed)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as progress:
-        bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods) * repeats)
-        summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed,
-                                  orders, say, lambda: progress.advance(bar), repeats, warmup=True)
+    try:
+        with Progress(*columns, console=console) as progress:
+            bar = progress.add_task("concurrency levels", total=len(set(levels)) * len(methods) * repeats)
+            summaries, _ = run_levels(encoded, levels, methods, target_model, drafter_model, settings, sampler, seed,
+                                      orders, say, lambda: progress.advance(bar), repeats, warmup=True)
+    finally:
+        if settings.vllm is not None:
+            vllm_setup = settings.vllm.describe()
+            settings.vllm.close()
     info = {"datasets": datasets, "tasks": tasks, "limit": limit, "prompts": len(encoded), "prompt_tokens": [len(e) for e in encoded],
             "levels": sorted(set(levels)), "repeats": repeats, "methods": methods, "temperature": temperature, "seed": seed,
             "max_new_tokens": settings.max_new_tokens, "target": target_model.name,
             "target_dtype": target_model.weights, "drafter": drafter if drafter_model else None,
             "drafter_dtype": drafter_model.weights if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None,
-            "method_descriptions": {m: METHODS[m] for m in methods}}
+            "method_descriptions": {m: METHODS[m] for m in methods},
+            **({"vllm": vllm_setup} if settings.vllm is not None else {})}
     result = {"info": info, "levels": summaries}
     table = render_levels(summaries)
     console.print(table, highlight=False)

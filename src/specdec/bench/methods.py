@@ -25,6 +25,7 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..spec import SpecConfig
 from ..verify import Typical
+from .vllm_peer import METHODS as VLLM_METHODS
 
 BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
@@ -46,13 +47,14 @@ PEER_METHODS = {
     "llama-cpp": "llama.cpp (llama-cpp-python) plain decoding on the target's GGUF",
     "llama-cpp-spec": "llama.cpp (llama-cpp-python) speculative decoding, drafter GGUF, greedy drafts ≤ 16, p_min 0.75",
     "llama-cpp-lookup": "llama.cpp (llama-cpp-python) speculative decoding with its prompt lookup (2-grams, 10 tokens)",
+    **VLLM_METHODS,
 }
 # every name of the method registry (`specdec methods`: the same as generate, chat and serve take), then the rest
 METHODS = {**{name: "ours: " + summary(name) for name in names()}, **BENCH_ONLY, **PEER_METHODS}
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {name for name in names() if name != "ar" and preset(name).needs_drafter_model()} | {
     "sd-distilled", "sd-parallel", "sd-online", "beam-sd", "hf-assisted", "hf-assisted-fixed", "llama-cpp-spec"}
-PEERS = ("hf", "llama-cpp")  # method prefixes of other libraries' implementations
+PEERS = ("hf", "llama-cpp", "vllm")  # method prefixes of other libraries' implementations
 BEAM_METHODS = ("beam", "beam-sd")
 # methods whose sampled output leaves the target's law (so a seed does not pin it to ar's)
 LOSSY = tuple(name for name in names() if preset(name).acceptance != "exact")
@@ -73,11 +75,13 @@ def is_flat(method: str) -> bool:
 @dataclass
 class PeerModels:
     """What the peers run on where it is not our models: transformers models when ours are on the
-    llama.cpp backend, and llama.cpp's own `Llama` objects (bench/llama_peers.py)."""
+    llama.cpp backend, llama.cpp's own `Llama` objects (bench/llama_peers.py), and vLLM's workers
+    in their own environment (bench/vllm_peer.py)."""
 
     hf_target: TransformersModel | None = None
     hf_drafter: TransformersModel | None = None
     llama: object | None = None
+    vllm: object | None = None  # vLLM's workers (bench/vllm_peer.py: VllmPeers)
 
 
 # The SpecConfig fields a bench run sets for all of our methods (lookahead_shape: the lookahead
@@ -105,6 +109,7 @@ class Settings:
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
     load_costs: LoadCosts | None = None  # batched passes with the drafter model (bench --concurrency)
     free_load_costs: LoadCosts | None = None  # batched passes with a model-free drafter (bench --concurrency)
+    vllm: object | None = None  # vLLM's workers (bench/vllm_peer.py: VllmPeers) where vllm methods run
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
     num_beams: int = 4  # beam and beam-sd
@@ -264,6 +269,15 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                                                    target.eos_token_ids, seed)
         return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "llama-cpp" else None,
                       first_token_seconds=first)
+    if method in VLLM_METHODS:
+        if peers.vllm is None:
+            raise SpecdecError(f"{method} needs vLLM's workers (bench/vllm_peer.py)")
+        answer = peers.vllm.worker(method).run([ids], 1, settings.max_new_tokens, sampler.temperature,
+                                               sampler.top_p, [seed], target.eos_token_ids)
+        out = answer["records"][0]
+        return Record("", method, out["tokens"], len(out["tokens"]), answer["wall_seconds"],
+                      answer["iterations"] or None, answer["drafted"], answer["accepted"],
+                      first_token_seconds=out["first_token_seconds"])
     # every exact method seeded (its output is the seeded AR output); typical acceptance's seed would
     # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
     config = bench_config(method, settings)

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from .. import registry
+from ..bench.vllm_peer import THREADS
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _measured_costs, _load,
                      TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP, DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP,
@@ -36,9 +37,11 @@ def bench(
                                 "drafter at its defaults or at our γ, with prompt lookup); sd-other-tokenizer and "
                                 "hf-assisted-other-tokenizer (ours and transformers' universal assisted generation, "
                                 "with --other-drafter); llama-cpp, llama-cpp-spec, "
-                                "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra). With --concurrency: ar, sd-cost, lookup, tree-mixed "
+                                "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra); vllm, "
+                                "vllm-draft, vllm-ngram (vLLM's CPU build: plain, the same drafter model, n-gram; "
+                                "`make vllm`). With --concurrency: ar, sd-cost, lookup, tree-mixed "
                                 "(ours, through the engine), hf-cb (transformers' continuous batching), hf-padded "
-                                "(its generate on padded batches)."),
+                                "(its generate on padded batches), vllm, vllm-draft, vllm-ngram."),
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Comma-separated levels, e.g. 1,2,4,8: "
                                               "each method serves all prompts with that many in flight (the engine's "
                                               "batch), reporting total and per-sequence tok/s, TTFT and TPOT p50/p99 "
@@ -88,6 +91,9 @@ def bench(
                                               "method skips (default: chosen by its search at start)."),
     lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP),
     num_beams: int = typer.Option(4, "--num-beams", help="Beams of the beam and beam-sd methods."),
+    vllm_threads: str = typer.Option("tuned", "--vllm-threads", help="The vllm methods' threads: tuned (OpenMP "
+                                     "threads bound to every core, Intel OpenMP preloaded, as vLLM's CPU docs "
+                                     "advise) or default (vLLM's own: one core kept for its front end on 2 cores)."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from ..bench.methods import Settings
@@ -112,13 +118,15 @@ def bench(
                             skip_layers=_skip_layers(skip_layers), num_beams=num_beams)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
+        if vllm_threads not in THREADS:
+            raise SpecdecError(f"--vllm-threads is {' or '.join(THREADS)}, not {vllm_threads!r}")
         if concurrency is not None:
             if len(temperatures) != 1 or dtype != "auto" or samples != 1 or plot or exact_rows is False or \
                     drafter_vocab is not None or drafter_vocab_corpus is not None:
                 raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample, and none of "
                                    "--plot, --batched-rows, --drafter-vocab, --drafter-vocab-corpus")
             _load_bench(concurrency, dataset, limit, methods, target, drafter, settings, temperatures[0], seed,
-                        markdown, json_path, device, drafter_dtype, tasks, repeats)
+                        markdown, json_path, device, drafter_dtype, tasks, repeats, vllm_threads)
             return
         if repeats != 1:
             raise SpecdecError("--repeats goes with --concurrency (without it, --samples repeats each prompt)")
@@ -127,14 +135,15 @@ def bench(
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
                       drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows,
-                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus, samples=samples)
+                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus, samples=samples,
+                      vllm_threads=vllm_threads)
     except SpecdecError as exc:
         _fail(str(exc))
 
 
 def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None, target: str, drafter: str,
                 settings, temperature: float, seed: int, markdown, json_path, device: str, drafter_dtype: str,
-                tasks: str | None, repeats: int) -> None:
+                tasks: str | None, repeats: int, vllm_threads: str = "tuned") -> None:
     """`bench --concurrency`: every method at each level through the engine."""
     from ..bench.concurrency import check_levels, check_load_methods, check_repeats, run_load_benchmark
 
@@ -148,7 +157,7 @@ def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None,
     check_repeats(repeats)
     run_load_benchmark(_csv(dataset), limit, chosen, levels, target, drafter, settings, temperature, seed,
                        markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype,
-                       tasks=_csv(tasks) if tasks else None, repeats=repeats)
+                       tasks=_csv(tasks) if tasks else None, repeats=repeats, vllm_threads=vllm_threads)
 
 
 @app.command()

