@@ -87,10 +87,12 @@ def cpu_has_amx() -> bool:
 
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
-    native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), 8 without AMX (on the
-    AVX512-BF16 EPYC a 0.5B drafter pass of 3-4 tokens took 23 ms in int8 against 44 in bf16, of
-    8 tokens 39 against 49, and bf16 won at 16; docs/kernels.md)."""
-    return 2 if cpu_has_amx() else 8
+    native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), and 2 without AMX where
+    the bf16 path is packed for oneDNN (`PackedBf16Linear`: on the AVX512-BF16 EPYC a 0.5B drafter
+    pass took 38/44/50-55 ms in int8 at 1/2/3 tokens and ~110 from 5 on, packed bf16 43-46 at 1 to
+    6 tokens); else 8 (plain bf16 there: 3-4 tokens took 23 ms in int8 against 44, 8 tokens 39
+    against 49, and bf16 won at 16; docs/kernels.md)."""
+    return 2 if cpu_has_amx() or packed_bf16_supported() else 8
 
 
 class PackedLinear(nn.Module):
