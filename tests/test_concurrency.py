@@ -78,7 +78,7 @@ def test_repeats_run_each_level_again_in_the_next_order_and_sum_into_one_figure(
         assert s["repeat_tokens_per_second"] == [8 / r.wall_seconds for r in mine]
 
 
-def test_each_level_starts_with_every_methods_untimed_warm_up_at_that_width(models, monkeypatch):
+def test_each_methods_first_run_at_a_level_follows_its_untimed_warm_up_at_that_width(models, monkeypatch):
     import specdec.bench.concurrency as concurrency
 
     target, drafter = models
@@ -97,10 +97,14 @@ def test_each_level_starts_with_every_methods_untimed_warm_up_at_that_width(mode
                                  method_orders(methods), warmup=True)
     warm = [c for c in calls if c[3] == 32]
     timed = [c for c in calls if c[3] > 32]
-    # a warm-up at each level before its timed runs: `level` prompts (cycled), cut to 32 ids, 8 tokens each
-    assert [c[:3] for c in calls[:2]] == [("ar", 1, 1), ("sd-cost", 1, 1)]
-    assert [c[:3] for c in calls[4:6]] == [("ar", 4, 4), ("sd-cost", 4, 4)]
-    assert [c[4] for c in warm] == [8, 8, 32, 32] and len(timed) == 4
+    # each method's warm-up at a level right before its run there: `level` prompts (cycled), cut to
+    # 32 ids, 8 tokens each
+    assert len(calls) == 8 and len(timed) == 4
+    for first, then in zip(calls[::2], calls[1::2]):
+        assert first[3] == 32 and then[3] > 32 and first[:2] == then[:2], (first, then)
+        assert first[2] == first[1] and then[2] == 3
+    assert [c[1] for c in timed] == [1, 1, 4, 4] and {c[0] for c in timed[:2]} == {c[0] for c in timed[2:]} == set(methods)
+    assert [c[4] for c in warm] == [8, 8, 32, 32]
     # the warm-ups are neither runs nor figures
     assert len(runs) == 4 and all(s["requests"] == 3 and s["output_tokens"] == 30 for s in summaries)
     calls.clear()

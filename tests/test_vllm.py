@@ -127,6 +127,25 @@ def test_the_concurrency_bench_reads_a_vllm_run(stand_in):
     assert summary["ttft_p50"] == pytest.approx(0.1)
 
 
+def test_one_vllm_worker_is_alive_at_a_time_and_theirs_run_back_to_back(stand_in):
+    """Each worker holds ~8 GB for the 1.5B target: a method's is ended before another's starts, and
+    a level's order runs vLLM's methods back to back, the loaded one first (one swap a level)."""
+    from specdec.bench.vllm_peer import VllmPeers
+
+    peers = VllmPeers("model", "drafter", python=Path(sys.executable), worker=stand_in)
+    try:
+        assert peers.grouped(["vllm", "ar", "vllm-draft", "sd-cost"]) == ["vllm", "vllm-draft", "ar", "sd-cost"]
+        plain = peers.worker("vllm")
+        assert peers.loaded == "vllm" and peers.worker("vllm") is plain
+        assert peers.grouped(["ar", "vllm-draft", "sd-cost", "vllm"]) == ["ar", "vllm", "vllm-draft", "sd-cost"]
+        peers.worker("vllm-draft")
+        assert plain.process.poll() is not None and peers.loaded == "vllm-draft"
+        assert set(peers.describe()) == {"vllm", "vllm-draft"}
+        assert peers.grouped(["ar", "sd-cost"]) == ["ar", "sd-cost"]
+    finally:
+        peers.close()
+
+
 def test_vllm_methods_are_offered_by_both_benches():
     from specdec.bench.concurrency import METHODS as LOAD_METHODS
     from specdec.bench.methods import METHODS, is_peer

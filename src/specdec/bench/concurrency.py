@@ -316,16 +316,23 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
     prompt index, so each is the seeded AR output): at level 1 each prompt alone, at a higher one
     `ar`'s batched output, which is each prompt's alone bit for bit (the engine's row-exact
     passes); transformers' sampled ones with their own run at the lowest level. `warmup`: each
-    level starts with every method's untimed `warm_up_level`."""
+    method's first run at a level comes right after its untimed `warm_up_level` there. Where vLLM's
+    methods run, theirs run back to back in each order (`VllmPeers.grouped`): one worker is alive
+    at a time."""
     seeds = [None if sampler.is_greedy else seed + i for i in range(len(prompts))]
     runs: list[LevelRun] = []
     alone: dict[str, dict[int, list[int]]] = {}
     levels = sorted(set(levels))
     for level in levels:
-        if warmup:
-            warm_up_level(level, prompts, methods, target, drafter, settings, sampler, seeds)
+        warmed: set[str] = set()
         for repeat in range(repeats):
-            for method in next(orders):
+            order = next(orders)
+            if settings.vllm is not None:  # one vLLM worker at a time: theirs run back to back
+                order = settings.vllm.grouped(order)
+            for method in order:
+                if warmup and method not in warmed:
+                    warm_up_level(level, prompts, [method], target, drafter, settings, sampler, seeds)
+                    warmed.add(method)
                 gc.collect()  # the previous method's garbage is not collected on this one's clock
                 run = run_method_at(method, level, prompts, target, drafter, settings, sampler, seeds)
                 run.repeat = repeat

@@ -57,7 +57,7 @@ def worker_env(threads: str, python: Path) -> dict[str, str]:
     if threads not in THREADS:
         raise SpecdecError(f"vLLM threads are {' or '.join(THREADS)}, not {threads!r}")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; ample for 16 sequences of a few hundred tokens
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; 16 sequences of 800 tokens of the 1.5B target take 0.4
     if threads == "tuned":
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
@@ -151,28 +151,51 @@ class VllmWorker:
 
 
 class VllmPeers:
-    """The vLLM methods of one bench run, each's worker started on first use and kept until `close`."""
+    """The vLLM methods of one bench run: a method's worker started on its first use and kept
+    until another method's is needed, or `close`."""
 
     def __init__(self, model_dir: str, drafter_dir: str | None, threads: str = "tuned", max_num_seqs: int = 16,
-                 say=lambda message: None):
+                 say=lambda message: None, python: Path | None = None, worker: Path = WORKER):
         self.model_dir, self.drafter_dir = model_dir, drafter_dir
+        self.python, self.worker_script = python, worker
         self.threads, self.max_num_seqs, self.say = threads, max_num_seqs, say
         self.workers: dict[str, VllmWorker] = {}
+        self.started: dict[str, dict] = {}  # what each method's worker ran with (its last start)
         atexit.register(self.close)  # a run that fails still ends its workers
 
+    @property
+    def loaded(self) -> str | None:
+        """The method whose worker is alive (None: none)."""
+        return next(iter(self.workers), None)
+
+    def grouped(self, order: list[str]) -> list[str]:
+        """`order` with the vLLM methods back to back where the first of them stood, the loaded
+        one first: each level then swaps workers at most once."""
+        ours = [m for m in order if m not in METHODS]
+        theirs = sorted((m for m in order if m in METHODS), key=lambda m: (m != self.loaded, order.index(m)))
+        if not theirs:
+            return list(order)
+        at = next(i for i, m in enumerate(order) if m in METHODS)
+        return ours[:at] + theirs + ours[at:]
+
     def worker(self, method: str) -> VllmWorker:
+        """`method`'s worker, started now where it is not alive: one worker at a time (each holds
+        ~8 GB for the 1.5B target: its weights, KV space and two helper processes), so another
+        method's is ended first."""
         if method not in self.workers:
+            self.close()
             self.say(f"starting {method} (vLLM's worker; a first load compiles the model for minutes)")
             self.workers[method] = VllmWorker(method, self.model_dir, self.drafter_dir, self.threads,
-                                              self.max_num_seqs)
+                                              self.max_num_seqs, self.python, self.worker_script)
             worker = self.workers[method]
             self.say(f"{method}: vLLM {worker.version} ready in {worker.load_seconds:.0f} s, threads {self.threads}")
+            self.started[method] = {"vllm": worker.version, "threads": worker.threads, "env": worker.env,
+                                    "load_seconds": worker.load_seconds}
         return self.workers[method]
 
     def describe(self) -> dict:
-        """What each started worker ran with, for a report."""
-        return {m: {"vllm": w.version, "threads": w.threads, "env": w.env, "load_seconds": w.load_seconds}
-                for m, w in self.workers.items()}
+        """What each worker started so far ran with (its last start), for a report."""
+        return dict(self.started)
 
     def close(self) -> None:
         for worker in self.workers.values():
