@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server vllm test-vllm demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation clean
+.PHONY: setup models peers llama-server vllm test-vllm demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation bench-serve-vllm clean
 
 setup: $(STAMP) models
 
@@ -141,6 +141,24 @@ bench-serve-speculation: setup
 	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url default=http://127.0.0.1:8765 \
 		--url ar=http://127.0.0.1:8765 --fields 'ar={"speculative": false}' --json $(SPEC_OUT).json \
 		--markdown $(SPEC_OUT).md
+
+# our server beside `vllm serve` (vLLM's CPU build, `make vllm`) on the same converted weights in
+# bf16, its threads set as its CPU docs advise (bound to every core, Intel OpenMP preloaded), both
+# prompt caches off, loaded interleaved level by level (docs/benchmarks.md#vllm; ~30 min on 2
+# cores). vLLM's server with its draft-model speculation would need ~8 GB more: run it alone.
+CORES := $(shell nproc)
+VLLM_ENV := VLLM_CPU_OMP_THREADS_BIND=0-$$(($(CORES) - 1)) OMP_NUM_THREADS=$(CORES) \
+	LD_PRELOAD=$(CURDIR)/.peers/vllm/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
+VLLM_OUT := docs/benchmarks/vllm/serve
+bench-serve-vllm: setup vllm
+	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); \
+	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache 2>/dev/null & ours=$$!; \
+	$(VLLM_ENV) .peers/vllm/bin/vllm serve $$hf --dtype bfloat16 --host 127.0.0.1 --port 8771 --max-num-seqs 16 \
+		--max-model-len 4096 --no-enable-prefix-caching --served-model-name vllm >/dev/null 2>&1 & \
+	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
+	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
+		--fields 'ours-ar={"speculative": false}' --url vllm=http://127.0.0.1:8771 --model vllm=vllm \
+		--json $(VLLM_OUT).json --markdown $(VLLM_OUT).md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

@@ -296,10 +296,15 @@ def test_auto_runs_one_set_of_weights_for_ar_and_every_drafter(need_smollm2, lla
 def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
     out = tmp_path / "profile.json"
     result = runner.invoke(app, ["profile", "def add(a, b):", "--target", "smollm2-135m", "--drafter", "smollm2-135m",
-                                 "--max-new-tokens", "8", "--widths", "1,2,4", "--json", str(out)])
+                                 "--max-new-tokens", "8", "--widths", "1,2,4", "--ops", "1,3", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "ms per added row" in result.output and "drafter passes" in result.output
+    assert "where a target pass goes" in result.output
     data = json.loads(out.read_text())
+    for split in data["ops"].values():  # the kinds add up to the pass, GEMMs and attention among them
+        assert split["linears"] > 0 and split["attention"] > 0
+        assert sum(split[k] for k in ("linears", "attention", "other ops", "host")) == pytest.approx(split["pass"])
+    assert sorted(data["ops"]) == ["1", "3"]
     assert sorted(data["passes"]["target_ms"]) == ["1", "2", "4"] and data["passes"]["drafter_ms"]
     assert data["method"] == "sd-cost" and data["generation"]["new_tokens"] == 8
     assert data["target_weights"] != "gguf" and data["drafter_weights"] and data["machine"]
@@ -318,6 +323,7 @@ def test_profile_prints_pass_costs_and_the_time_split(need_smollm2, tmp_path):
     (["profile", "--batches", "2", "--dtype", "gguf"], "runs on --dtype auto weights"),
     (["profile", "--kv-storage", "0,256"], "--kv-storage must be comma-separated integers >= 1"),
     (["profile", "--kv-storage", "256", "--dtype", "gguf"], "--kv-storage times the engine's batched pass"),
+    (["profile", "--ops", "1,0"], "--ops must be comma-separated integers >= 1"),
 ])
 def test_profile_errors_are_one_line(args, message):
     result = runner.invoke(app, args)

@@ -140,6 +140,8 @@ def test_level_figures():
     (["--concurrency", "1", "--drafter-vocab", "100"], "none of --plot, --batched-rows, --drafter-vocab"),
     (["--concurrency", "1", "--repeats", "0"], "--repeats takes an integer >= 1"),
     (["--repeats", "2"], "--repeats goes with --concurrency"),
+    (["--concurrency", "1", "--methods", "ar,vllm", "--vllm-threads", "fast"], "--vllm-threads is tuned or default"),
+    (["--methods", "ar,vllm", "--vllm-threads", "fast"], "--vllm-threads is tuned or default"),
 ])
 def test_concurrency_options_are_checked_before_loading(args, message):
     result = CliRunner().invoke(app, ["bench", "--target", "no-such-model"] + args)

@@ -351,3 +351,18 @@ def test_norms_keep_their_output_when_their_rows_are_fixed():
     with row_exact(True):
         assert torch.equal(norms[0](x), before(x))
         assert torch.equal(norms[0](x[:, :1]), before(x[:, :1]))
+
+
+@pytest.mark.parametrize("env,expected", [({}, "20000"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+                                          ({"GOMP_SPINCOUNT": "7"}, "7")])
+def test_importing_specdec_sets_a_short_openmp_spin_unless_the_user_set_one(env, expected):
+    """libgomp reads its spin once, when torch loads it: specdec sets it before importing torch,
+    and leaves a user's own setting (GOMP_SPINCOUNT or OMP_WAIT_POLICY) alone."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", "import os, specdec; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert out == str(expected)

@@ -235,7 +235,7 @@ def test_the_method_to_drafter_assembly_lives_in_methods_py_alone(tmp_path):
 def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     from typer.testing import CliRunner
 
-    from specdec.bench.concurrency import METHODS as LOAD_METHODS
+    from specdec.bench.concurrency import METHODS as LOAD_METHODS, PEERS
     from specdec.bench.methods import METHODS as BENCH_METHODS
     from specdec.cli import app
     from specdec.server.schema import METHODS as SERVED
@@ -245,7 +245,8 @@ def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     assert set(names()) <= set(BENCH_METHODS)
     self_drafting = {n for n in names() if METHODS[preset(n).method].self_drafting}
     assert set(SERVED) == set(names()) - self_drafting
-    assert set(LOAD_METHODS) - {"hf-cb", "hf-padded"} == set(names()) - self_drafting
+    assert set(LOAD_METHODS) - set(PEERS) == set(names()) - self_drafting
+    assert {"hf-cb", "hf-padded", "vllm", "vllm-draft", "vllm-ngram"} == set(PEERS)
 
 
 # ---------------------------------------------------------------- declared, not probed

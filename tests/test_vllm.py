@@ -77,6 +77,15 @@ def test_tuned_threads_bind_every_core_and_preload_intel_openmp(tmp_path):
         worker_env("fast", python)
 
 
+def test_our_openmp_spin_setting_is_not_passed_to_vllm(monkeypatch, tmp_path):
+    import specdec
+
+    monkeypatch.setitem(specdec.OWN_ENV, "GOMP_SPINCOUNT", "20000")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
+    for threads in ("tuned", "default"):
+        assert "GOMP_SPINCOUNT" not in worker_env(threads, tmp_path / "bin" / "python")
+
+
 def test_the_methods_map_to_vllms_speculative_configs():
     assert speculative_config("vllm", None) is None
     assert speculative_config("vllm-draft", "/d") == {"method": "draft_model", "model": "/d",
@@ -130,6 +139,7 @@ def test_the_concurrency_bench_reads_a_vllm_run(stand_in):
 def test_one_vllm_worker_is_alive_at_a_time_and_theirs_run_back_to_back(stand_in):
     """Each worker holds ~8 GB for the 1.5B target: a method's is ended before another's starts, and
     a level's order runs vLLM's methods back to back, the loaded one first (one swap a level)."""
+    import specdec.bench.vllm_peer as vllm_peer
     from specdec.bench.vllm_peer import VllmPeers
 
     peers = VllmPeers("model", "drafter", python=Path(sys.executable), worker=stand_in)
@@ -141,6 +151,9 @@ def test_one_vllm_worker_is_alive_at_a_time_and_theirs_run_back_to_back(stand_in
         peers.worker("vllm-draft")
         assert plain.process.poll() is not None and peers.loaded == "vllm-draft"
         assert set(peers.describe()) == {"vllm", "vllm-draft"}
+        # a report names preloaded libraries by file name, never by a local path
+        assert vllm_peer._reported({"LD_PRELOAD": "/a/lib/libiomp5.so:/b/libtcmalloc.so", "OMP_NUM_THREADS": "2"}) == \
+            {"LD_PRELOAD": "libiomp5.so:libtcmalloc.so", "OMP_NUM_THREADS": "2"}
         assert peers.grouped(["ar", "sd-cost"]) == ["ar", "sd-cost"]
     finally:
         peers.close()

@@ -20,7 +20,6 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -216,18 +215,6 @@ def run_hf_padded(level: int, prompts: list[list[int]], target, settings: Settin
     return run
 
 
-def hf_folder(model: str) -> Path:
-    """The Hugging Face folder a model name or path loads from (what vLLM's workers load)."""
-    from .. import registry
-
-    if model in registry.MODELS:
-        return registry.require_installed(model)
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise SpecdecError(f"the vllm methods load Hugging Face folders: {model} is neither a registry model nor one")
-    return path
-
-
 def run_vllm(method: str, level: int, prompts: list[list[int]], target, settings: Settings, sampler: Sampler,
              seeds: list[int | None]) -> LevelRun:
     """One of vLLM's methods in its worker (`settings.vllm`), at most `level` requests in flight,
@@ -391,10 +378,10 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
                        drafter: str, settings: Settings, temperature: float = 0.0, seed: int = 0,
                        markdown: str | None = None, json_path: str | None = None, argv: list[str] | None = None,
                        console=None, device: str = "auto", drafter_dtype: str = "auto",
-                       tasks: list[str] | None = None, repeats: int = 1, vllm_threads: str = "tuned") -> dict:
+                       tasks: list[str] | None = None, repeats: int = 1) -> dict:
     """`specdec bench --concurrency`: every method at every level over the prompts of `datasets`
     (one temperature), on one target and drafter, `repeats` times a level; report and return
-    {"info", "levels"}. vllm_threads: the vLLM methods' thread setup (bench/vllm_peer.py)."""
+    {"info", "levels"}."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -426,8 +413,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         settings.load_costs = load_costs(target_model, drafter_model, say)
     settings.free_load_costs = load_costs(target_model, None, say)
     if set(VLLM_METHODS) & set(methods):
-        settings.vllm = VllmPeers(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None,
-                                  vllm_threads, max(levels), say)
+        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, max(levels), say)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")

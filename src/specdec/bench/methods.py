@@ -25,7 +25,7 @@ from ..samplers import Sampler
 from ..schedules import AssumedCosts
 from ..spec import SpecConfig
 from ..verify import Typical
-from .vllm_peer import METHODS as VLLM_METHODS
+from .vllm_peer import METHODS as VLLM_METHODS, check_threads
 
 BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
@@ -110,6 +110,7 @@ class Settings:
     load_costs: LoadCosts | None = None  # batched passes with the drafter model (bench --concurrency)
     free_load_costs: LoadCosts | None = None  # batched passes with a model-free drafter (bench --concurrency)
     vllm: object | None = None  # vLLM's workers (bench/vllm_peer.py: VllmPeers) where vllm methods run
+    vllm_threads: str = "tuned"  # their thread setup (bench/vllm_peer.py)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
     num_beams: int = 4  # beam and beam-sd
@@ -118,6 +119,7 @@ class Settings:
         unknown = set(self.spec) - set(RUN_OPTIONS)
         if unknown:
             raise SpecdecError(f"bench settings: {', '.join(sorted(unknown))} not among {', '.join(RUN_OPTIONS)}")
+        check_threads(self.vllm_threads)
 
     def option(self, name: str):
         """The run's value of SpecConfig field `name` (one of `RUN_OPTIONS`)."""

@@ -45,6 +45,43 @@ def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], dr
     )
 
 
+# What each op of a CPU pass is, by the names torch's profiler gives them (self times: no op twice)
+OP_KINDS = (("linears", ("linear_pointwise", "mkldnn_linear", "aten::mm", "aten::addmm", "aten::bmm",
+                         "_weight_int8pack_mm")),
+            ("attention", ("scaled_dot_product", "flash_attention")))
+
+
+def op_split(model: Backend, tokens: int = 1, context: int = 128, repeats: int = 5) -> dict[str, float]:
+    """Where a pass over `tokens` new tokens after `context` cached ones spends its time, ms per
+    pass under torch's profiler: "linears" (GEMMs, the head's too), "attention", "other ops" (norms,
+    rotary, activations, copies, ...), and "host" (the rest of the wall time: Python, dispatch,
+    waiting); "pass" is the wall time. The profiler adds its own cost to every op."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..backends.cache import crop_cache
+
+    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]
+    cache = model.new_cache()
+    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
+    model.forward(ids[context + 1:], cache, tokens)  # warm-up
+    crop_cache(cache, context + 1)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        began = time.perf_counter()
+        for _ in range(repeats):
+            model.forward(ids[context + 1:], cache, tokens)
+            crop_cache(cache, context + 1)
+        wall = time.perf_counter() - began
+    split = {kind: 0.0 for kind, _ in OP_KINDS} | {"other ops": 0.0}
+    for event in trace.key_averages():
+        kind = next((k for k, names in OP_KINDS if any(n in event.key for n in names)), "other ops")
+        split[kind] += event.self_cpu_time_total / 1e3 / repeats
+    split["pass"] = 1e3 * wall / repeats
+    split["host"] = max(0.0, split["pass"] - sum(v for k, v in split.items() if k != "pass"))
+    return split
+
+
 def time_split(stats: GenerationStats) -> list[tuple[str, int, float]]:
     """(part, passes or steps, seconds) of a generation's wall time: the target's passes (its prompt
     pass included), the drafter's, and the loop (drafting bookkeeping, verification, rollback)."""
@@ -54,11 +91,12 @@ def time_split(stats: GenerationStats) -> list[tuple[str, int, float]]:
 
 
 def profile_record(passes: PassProfile, stats: GenerationStats, method: str, target: Backend,
-                   drafter: Backend | None, kv_storage: dict | None = None) -> dict:
+                   drafter: Backend | None, kv_storage: dict | None = None, ops: dict | None = None) -> dict:
     """Everything `specdec profile` printed, for --json, with the machine and date it was measured on."""
     return {"machine": machine(target), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "command": " ".join(["specdec", *sys.argv[1:]]),
             "method": method, "target": target.name, "target_weights": target.weights,
             "target_kernels": target.kernels, "drafter": drafter.name if drafter else None,
             "drafter_weights": drafter.weights if drafter else None, "passes": asdict(passes),
-            "generation": stats.to_dict(), **({"kv_storage": kv_storage} if kv_storage else {})}
+            "generation": stats.to_dict(), **({"kv_storage": kv_storage} if kv_storage else {}),
+            **({"ops": ops} if ops else {})}

@@ -32,7 +32,7 @@ from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REF
                       check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat, is_peer, load_own_drafters,
                       merge_samples, online_summary, open_datastore, position_sums, run_method, self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_table
-from .vllm_peer import METHODS as VLLM_METHODS
+from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
 
 # Settings fields that hold measurements, reported apart (not JSON as they are)
 MEASURED_SETTINGS = ("pass_costs", "free_costs", "load_costs", "free_load_costs", "assumed")
@@ -199,11 +199,7 @@ def load_peers(methods: list[str], target: str, drafter: str, target_model, draf
     llama.cpp's own for the llama-cpp methods, and vLLM's workers for the vllm methods."""
     peers = PeerModels()
     if set(VLLM_METHODS) & set(methods):
-        from .concurrency import hf_folder
-        from .vllm_peer import VllmPeers
-
-        peers.vllm = VllmPeers(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None,
-                               vllm_threads, 1, say)
+        peers.vllm = VllmPeers.for_run(methods, target, drafter, vllm_threads, 1, say)
     hf_methods = [m for m in methods if m.startswith("hf")]
     if hf_methods and not hasattr(target_model, "hf"):  # ours are on the llama.cpp backend
         say("transformers' peers run on transformers' own models (dtype auto)")
@@ -260,15 +256,14 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                   plot: str | None = None, argv: list[str] | None = None, console: Console | None = None,
                   dtype: str = "auto", drafter_dtype: str = "auto", device: str = "auto",
                   exact_rows: bool | None = None, drafter_vocab: int | None = None,
-                  drafter_vocab_corpus: str | None = None, samples: int = 1, vllm_threads: str = "tuned") -> dict:
+                  drafter_vocab_corpus: str | None = None, samples: int = 1) -> dict:
     """Run every method on every prompt of `datasets` (names, or NAME:LIMIT:T+T specs, see
     `parse_dataset`) at every temperature; report and return
     {"info", "summary" (by method, all prompts), "groups" (by dataset, task, temperature), "records"}.
 
     samples: generations per method of each prompt at a temperature > 0 (greedy ones run once),
     each sample's methods in a counterbalanced order of their own, summed into one record
-    (`merge_samples`): one sampled generation's length, and so its speed, is a draw.
-    vllm_threads: the vllm methods' thread setup (bench/vllm_peer.py)."""
+    (`merge_samples`): one sampled generation's length, and so its speed, is a draw."""
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
         raise SpecdecError(f"samples must be an integer >= 1, got {samples!r}")
     console = console or Console(stderr=True)
@@ -313,7 +308,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         load_own_drafters(methods, settings, lambda name: load(
             name or drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
             vocab_corpus=drafter_vocab_corpus))
-    peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say, vllm_threads)
+    peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say, settings.vllm_threads)
     if "sd-cost" in methods or drafter_model is not None:
         # as the CLI does: where no draft can pay, sd-cost drafts nothing; and the pair's c prices
         # the drafter's passes in the projection for a machine with nearly free wide passes

@@ -51,12 +51,30 @@ def vllm_python() -> Path:
     return Path(".peers") / "vllm" / "bin" / "python"
 
 
+def check_threads(threads: str) -> None:
+    if threads not in THREADS:
+        raise SpecdecError(f"--vllm-threads is {' or '.join(THREADS)}, not {threads!r}")
+
+
+def hf_folder(model: str) -> Path:
+    """The Hugging Face folder a model name or path loads from (what vLLM's workers load)."""
+    from .. import registry
+
+    if model in registry.MODELS:
+        return registry.require_installed(model)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SpecdecError(f"the vllm methods load Hugging Face folders: {model} is neither a registry model nor one")
+    return path
+
+
 def worker_env(threads: str, python: Path) -> dict[str, str]:
     """The environment of a worker: ours, and for `tuned` threads vLLM's OpenMP threads bound to
     every core we may use, as many threads, and its Intel OpenMP runtime preloaded."""
-    if threads not in THREADS:
-        raise SpecdecError(f"vLLM threads are {' or '.join(THREADS)}, not {threads!r}")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    check_threads(threads)
+    from .. import OWN_ENV  # our OpenMP setting is not vLLM's
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", *OWN_ENV)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; 16 sequences of 800 tokens of the 1.5B target take 0.4
     if threads == "tuned":
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -79,6 +97,11 @@ def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
     if method == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS}
     raise SpecdecError(f"not a vLLM method: {method!r} (they are {', '.join(METHODS)})")
+
+
+def _reported(env: dict) -> dict:
+    """A worker's environment as a report gives it: preloaded libraries by file name (no local paths)."""
+    return {k: ":".join(Path(p).name for p in v.split(":")) if k == "LD_PRELOAD" and v else v for k, v in env.items()}
 
 
 class VllmWorker:
@@ -163,6 +186,13 @@ class VllmPeers:
         self.started: dict[str, dict] = {}  # what each method's worker ran with (its last start)
         atexit.register(self.close)  # a run that fails still ends its workers
 
+    @classmethod
+    def for_run(cls, methods: list[str], target: str, drafter: str, threads: str, max_num_seqs: int,
+                say=lambda message: None) -> "VllmPeers":
+        """The workers of a bench run of `methods` on `target` (and `drafter` where vllm-draft runs)."""
+        return cls(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None, threads,
+                   max_num_seqs, say)
+
     @property
     def loaded(self) -> str | None:
         """The method whose worker is alive (None: none)."""
@@ -189,7 +219,7 @@ class VllmPeers:
                                               self.max_num_seqs, self.python, self.worker_script)
             worker = self.workers[method]
             self.say(f"{method}: vLLM {worker.version} ready in {worker.load_seconds:.0f} s, threads {self.threads}")
-            self.started[method] = {"vllm": worker.version, "threads": worker.threads, "env": worker.env,
+            self.started[method] = {"vllm": worker.version, "threads": worker.threads, "env": _reported(worker.env),
                                     "load_seconds": worker.load_seconds}
         return self.workers[method]
 

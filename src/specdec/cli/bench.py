@@ -12,7 +12,6 @@ import typer
 from rich.console import Console
 
 from .. import registry
-from ..bench.vllm_peer import THREADS
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _measured_costs, _load,
                      TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP, DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP,
@@ -115,18 +114,16 @@ def bench(
                     lookahead_shape=_lookahead_shape(lookahead_shape))
         settings = Settings(max_new_tokens=max_new_tokens, spec=spec, flat_at16=flat_at16, heads=heads, eagle=eagle,
                             datastore=datastore, distilled=distilled, parallel=parallel, other_drafter=other_drafter,
-                            skip_layers=_skip_layers(skip_layers), num_beams=num_beams)
+                            skip_layers=_skip_layers(skip_layers), num_beams=num_beams, vllm_threads=vllm_threads)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
-        if vllm_threads not in THREADS:
-            raise SpecdecError(f"--vllm-threads is {' or '.join(THREADS)}, not {vllm_threads!r}")
         if concurrency is not None:
             if len(temperatures) != 1 or dtype != "auto" or samples != 1 or plot or exact_rows is False or \
                     drafter_vocab is not None or drafter_vocab_corpus is not None:
                 raise SpecdecError("--concurrency takes one --temperature, --dtype auto, one sample, and none of "
                                    "--plot, --batched-rows, --drafter-vocab, --drafter-vocab-corpus")
             _load_bench(concurrency, dataset, limit, methods, target, drafter, settings, temperatures[0], seed,
-                        markdown, json_path, device, drafter_dtype, tasks, repeats, vllm_threads)
+                        markdown, json_path, device, drafter_dtype, tasks, repeats)
             return
         if repeats != 1:
             raise SpecdecError("--repeats goes with --concurrency (without it, --samples repeats each prompt)")
@@ -135,15 +132,14 @@ def bench(
                       settings=settings, temperatures=temperatures, tasks=_csv(tasks) if tasks else None, seed=seed,
                       markdown=markdown, json_path=json_path, plot=plot, argv=sys.argv, dtype=dtype,
                       drafter_dtype=drafter_dtype, device=device, exact_rows=exact_rows,
-                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus, samples=samples,
-                      vllm_threads=vllm_threads)
+                      drafter_vocab=drafter_vocab, drafter_vocab_corpus=drafter_vocab_corpus, samples=samples)
     except SpecdecError as exc:
         _fail(str(exc))
 
 
 def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None, target: str, drafter: str,
                 settings, temperature: float, seed: int, markdown, json_path, device: str, drafter_dtype: str,
-                tasks: str | None, repeats: int, vllm_threads: str = "tuned") -> None:
+                tasks: str | None, repeats: int) -> None:
     """`bench --concurrency`: every method at each level through the engine."""
     from ..bench.concurrency import check_levels, check_load_methods, check_repeats, run_load_benchmark
 
@@ -157,7 +153,7 @@ def _load_bench(concurrency: str, dataset: str, limit: int, methods: str | None,
     check_repeats(repeats)
     run_load_benchmark(_csv(dataset), limit, chosen, levels, target, drafter, settings, temperature, seed,
                        markdown, json_path, sys.argv, device=device, drafter_dtype=drafter_dtype,
-                       tasks=_csv(tasks) if tasks else None, repeats=repeats, vllm_threads=vllm_threads)
+                       tasks=_csv(tasks) if tasks else None, repeats=repeats)
 
 
 @app.command()
@@ -310,6 +306,8 @@ def profile(
     dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    ops_text: str = typer.Option("", "--ops", help="Also split target passes of these widths (e.g. 1,8) into "
+                                 "linears, attention, other ops and host time, under torch's profiler."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the numbers to this JSON file."),
 ):
     """Where a generation's time goes on this machine, and what one more row of a target pass costs."""
@@ -323,6 +321,7 @@ def profile(
         _fail(f"--widths must be comma-separated integers rising from 1, got {widths_text!r}")
     batches = _positive_ints(batches_text, "--batches")
     kv_contexts = _positive_ints(kv_text, "--kv-storage")
+    op_widths = _positive_ints(ops_text, "--ops")
     try:
         if max_new_tokens < 1:
             raise SpecdecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -339,33 +338,41 @@ def profile(
                                "on this machine that is --dtype bf16 on the CPU")
         drafter_model = _load(config.drafter, _drafter_weights(dtype, config.drafter, drafter_dtype, False), device,
                               "drafter") if config.needs_drafter_model() else None
-        passes, kv = _time_passes(target_model, drafter_model, widths, batches, kv_contexts)
+        passes, kv, ops = _time_passes(target_model, drafter_model, widths, batches, kv_contexts, op_widths)
         name = f"tree-{config.tree}" if config.method == "tree" else "sd-cost" if method == "default" else method
         result = _profiled_generation(config, target_model, drafter_model, prompt, max_new_tokens, name)
     except SpecdecError as exc:
         _fail(str(exc))
     out = Console()
-    for table in _pass_tables(target_model, drafter_model, passes, widths, kv, kv_contexts):
+    for table in _pass_tables(target_model, drafter_model, passes, widths, kv, kv_contexts, ops):
         out.print(table, highlight=False)
     out.print(_time_split_table(result.stats, name))
     if json_path:
-        json_path.write_text(json.dumps(profile_record(passes, result.stats, name, target_model, drafter_model, kv),
-                                        indent=1))
+        json_path.write_text(json.dumps(profile_record(passes, result.stats, name, target_model, drafter_model, kv,
+                                                       ops), indent=1))
         err.print(f"[dim]wrote {json_path}[/]", highlight=False)
 
 
-def _time_passes(target_model, drafter_model, widths: list[int], batches: list[int], kv_contexts: list[int]):
-    """The passes' times by width (and batch), and KV storage's where asked -> (passes, kv or None)."""
+def _time_passes(target_model, drafter_model, widths: list[int], batches: list[int], kv_contexts: list[int],
+                 op_widths: list[int]):
+    """The passes' times by width (and batch), KV storage's where asked, and the passes of
+    `op_widths` split by op kind (bench/profile.py `op_split`) -> (passes, kv or None, ops or None)."""
     from ..bench.kvstorage import kv_storage_profile
-    from ..bench.profile import pass_profile
+    from ..bench.profile import op_split, pass_profile
 
+    if op_widths and target_model.device.type != "cpu":
+        raise SpecdecError("--ops splits CPU passes (on CUDA the ops run asynchronously: use torch's profiler there)")
     with err.status("timing passes…"):
         passes = pass_profile(target_model, drafter_model, widths, [1, 2, 4] if drafter_model else [],
                               batches=batches)
-    if not kv_contexts:
-        return passes, None
-    with err.status("timing KV cache storage…"):
-        return passes, kv_storage_profile(target_model, kv_contexts)
+    kv = ops = None
+    if kv_contexts:
+        with err.status("timing KV cache storage…"):
+            kv = kv_storage_profile(target_model, kv_contexts)
+    if op_widths:
+        with err.status("splitting passes by op…"):
+            ops = {w: op_split(target_model, w) for w in op_widths}
+    return passes, kv, ops
 
 
 def _profiled_generation(config, target_model, drafter_model, prompt: str, max_new_tokens: int, name: str):
@@ -382,9 +389,16 @@ def _profiled_generation(config, target_model, drafter_model, prompt: str, max_n
                                     max_new_tokens=max_new_tokens, schedule=plan)
 
 
-def _pass_tables(target_model, drafter_model, passes, widths: list[int], kv, kv_contexts: list[int]) -> list:
-    """What a pass costs by width, by batch, in KV storage, and the drafter's passes."""
+def _pass_tables(target_model, drafter_model, passes, widths: list[int], kv, kv_contexts: list[int],
+                 ops: dict | None = None) -> list:
+    """What a pass costs by width, by batch, in KV storage, by op kind, and the drafter's passes."""
     tables = [_width_table(target_model, passes, widths)]
+    if ops:
+        kinds = ("linears", "attention", "other ops", "host")
+        tables.append(_table(f"where a target pass goes ({target_model.kernels}; ms a pass under torch's profiler, "
+                             "after 128 cached tokens)", ("rows", "pass (ms)", *kinds),
+                             [[str(w), f"{split['pass']:.1f}", *(f"{split[k]:.1f} ({split[k] / split['pass']:.0%})"
+                                                                  for k in kinds)] for w, split in ops.items()]))
     one = passes.target_ms[1]
     if passes.batch_ms:
         tables.append(_table("the engine's batched pass: sequences × rows each, after 128 cached tokens each",
