@@ -403,9 +403,8 @@ def packed_bf16_supported() -> bool:
 def packed_bf16_least_rows() -> int:
     """The rows a packed bf16 GEMM call is padded to (`PackedBf16Linear`): 6 on a CPU with
     AVX512-BF16 and no AMX, where oneDNN's blocked kernel ran the 1.5B target's 28 layers in 77-94
-    ms in calls of 5-6 rows and 108-120 ms in calls of 1-2 (docs/kernels.md; a 1-token pass took
-    ~118 ms padded to 6 rows, ~157 padded to 2); 2 elsewhere (AMX computes up to 16 rows a tile:
-    unmeasured)."""
+    ms in calls of 5-6 rows and 108-120 ms in calls of 1-2 (docs/kernels.md#packed-bf16-linears);
+    2 elsewhere (AMX computes up to 16 rows a tile: unmeasured)."""
     return 2 if cpu_has_amx() else 6
 
 
