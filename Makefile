@@ -72,7 +72,7 @@ $(VLLM_STAMP):
 	touch $@
 
 # the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm; ~10 min, most of it
-# vLLM compiling the model on its first load)
+# vLLM loading the model, one worker at a time: ~4 min on 2 cores once built)
 test-vllm: setup vllm
 	$(BIN)/python -m pytest -q -m vllm
 
