@@ -71,8 +71,8 @@ $(VLLM_STAMP):
 	.peers/vllm/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
 	touch $@
 
-# the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm; ~10 min, most of it
-# vLLM loading the model, one worker at a time: ~4 min on 2 cores once built)
+# the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm): ~4 min on 2 cores once
+# built, most of it vLLM loading the model, one worker at a time
 test-vllm: setup vllm
 	$(BIN)/python -m pytest -q -m vllm
 
