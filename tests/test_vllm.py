@@ -113,21 +113,18 @@ def test_the_concurrency_bench_reads_a_vllm_run(stand_in):
     from specdec.bench.concurrency import run_vllm, summarize_level
     from specdec.bench.methods import Settings
 
-    class Peers:
-        def worker(self, method):
-            return self.worker_
+    from specdec.bench.vllm_peer import VllmPeers
 
     class Target:
         eos_token_ids = [0]
 
-    peers = Peers()
-    peers.worker_ = VllmWorker("vllm-ngram", "model", python=Path(sys.executable), worker=stand_in)
+    peers = VllmPeers("model", None, python=Path(sys.executable), worker=stand_in)
     try:
         settings = Settings(max_new_tokens=3)
         settings.vllm = peers
         run = run_vllm("vllm-ngram", 2, [[1, 2, 3, 4], [5, 6]], Target(), settings, Sampler(), [None, None])
     finally:
-        peers.worker_.close()
+        peers.close()
     assert [r.tokens for r in run.records] == [[4, 3, 2], [6, 5]]
     assert run.target_passes == 7 and run.wall_seconds == 1.0
     summary = summarize_level(run, {0: [4, 3, 2], 1: [6, 6]})

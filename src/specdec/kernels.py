@@ -167,10 +167,9 @@ class PackedBf16Linear(nn.Module):
         """x [..., in_features] bf16 -> [..., out_features] bf16."""
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
-        if row_exact_active():
+        # short calls are padded either way (faster); outside a row-exact pass long ones go whole
+        if row_exact_active() or rows < self.least_rows:
             y = row_exact_calls(self._packed, flat, self.least_rows)
-        elif rows < self.least_rows:
-            y = self._packed(nn.functional.pad(flat, (0, 0, 0, self.least_rows - rows)))[:rows]
         else:
             y = self._packed(flat)
         return y.view(*x.shape[:-1], self.out_features)

@@ -141,18 +141,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cached_context(model, tokens: int, context: int = CONTEXT) -> tuple[list[int], object]:
+    """A cache holding `context` + 1 positions of any ids the model embeds, and `tokens` more ids
+    to pass after them (what a timed pass scores; crop back to `context` + 1 after each)."""
+    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]
+    cache = model.new_cache()
+    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
+    return ids[context + 1:], cache
+
+
 def pass_seconds(model, tokens: int, context: int = CONTEXT, repeats: int = REPEATS, parents=None) -> float:
     """Median seconds of one pass over `tokens` new tokens after `context` cached ones (the cache
     cropped back after each; the first pass warms up and is not counted). parents: a tree over
     the new tokens (`Backend.forward`), or None for a chain."""
-    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]  # any ids the model embeds
-    cache = model.new_cache()
-    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
+    new, cache = cached_context(model, tokens, context)
     times = []
     for _ in range(repeats + 1):
         sync(model.device)
         start = time.perf_counter()
-        model.forward(ids[context + 1:], cache, tokens, parents=parents)
+        model.forward(new, cache, tokens, parents=parents)
         sync(model.device)
         times.append(time.perf_counter() - start)
         crop_cache(cache, context + 1)  # static: takes either backend's cache

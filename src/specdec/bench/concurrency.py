@@ -221,8 +221,7 @@ def run_vllm(method: str, level: int, prompts: list[list[int]], target, settings
     stopping where ours stop (the target's end ids, `max_new_tokens`)."""
     if settings.vllm is None:
         raise SpecdecError(f"{method} needs vLLM's workers (bench/vllm_peer.py)")
-    answer = settings.vllm.worker(method).run(prompts, level, settings.max_new_tokens, sampler.temperature,
-                                              sampler.top_p, seeds, target.eos_token_ids)
+    answer = settings.vllm.run(method, prompts, level, settings.max_new_tokens, sampler, seeds, target.eos_token_ids)
     # vLLM counts its iterations (batched passes) and drafts per engine, not per request
     run = LevelRun(method, level, answer["wall_seconds"], target_passes=answer["iterations"] or None,
                    drafted=answer["drafted"], accepted=answer["accepted"])

@@ -272,8 +272,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     if method in VLLM_METHODS:
         if settings.vllm is None:
             raise SpecdecError(f"{method} needs vLLM's workers (bench/vllm_peer.py)")
-        answer = settings.vllm.worker(method).run([ids], 1, settings.max_new_tokens, sampler.temperature,
-                                               sampler.top_p, [seed], target.eos_token_ids)
+        answer = settings.vllm.run(method, [ids], 1, settings.max_new_tokens, sampler, [seed], target.eos_token_ids)
         out = answer["records"][0]
         return Record("", method, out["tokens"], len(out["tokens"]), answer["wall_seconds"],
                       answer["iterations"] or None, answer["drafted"], answer["accepted"],

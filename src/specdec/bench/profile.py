@@ -61,16 +61,15 @@ def op_split(model: Backend, tokens: int = 1, context: int = 128, repeats: int =
     from torch.profiler import ProfilerActivity, profile
 
     from ..backends.cache import crop_cache
+    from ..passcost import cached_context
 
-    ids = [(100 + 7 * i) % model.vocab_size for i in range(context + 1 + tokens)]
-    cache = model.new_cache()
-    model.forward(model.prefill(ids[:context + 1], cache), cache, 1)
-    model.forward(ids[context + 1:], cache, tokens)  # warm-up
+    new, cache = cached_context(model, tokens, context)
+    model.forward(new, cache, tokens)  # warm-up
     crop_cache(cache, context + 1)
     with profile(activities=[ProfilerActivity.CPU]) as trace:
         began = time.perf_counter()
         for _ in range(repeats):
-            model.forward(ids[context + 1:], cache, tokens)
+            model.forward(new, cache, tokens)
             crop_cache(cache, context + 1)
         wall = time.perf_counter() - began
     split = {kind: 0.0 for kind, _ in OP_KINDS} | {"other ops": 0.0}

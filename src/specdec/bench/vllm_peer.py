@@ -224,6 +224,13 @@ class VllmPeers:
                                     "load_seconds": worker.load_seconds}
         return self.workers[method]
 
+    def run(self, method: str, prompts: list[list[int]], level: int, max_tokens: int, sampler,
+            seeds: list[int | None], stop_token_ids: list[int]) -> dict:
+        """`method`'s run of every prompt, at most `level` in flight, sampling as `sampler` says
+        (`VllmWorker.run`'s answer)."""
+        return self.worker(method).run(prompts, level, max_tokens, sampler.temperature, sampler.top_p, seeds,
+                                       stop_token_ids)
+
     def describe(self) -> dict:
         """What each worker started so far ran with (its last start), for a report."""
         return dict(self.started)
