@@ -955,44 +955,79 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-FAULT_EVERY = 50  # one engine step in so many fails (the chaos soak)
+FAULT_EVERY = 50  # one engine step in so many fails in the target's pass
 WARM_UP = 1000  # requests before the soak's 1,000 are counted and its memory watched
+# per-request call sites, each failing once in so many calls (primes, so that they seldom meet)
+SITE_FAULTS = {"begin": 37, "prefill": 41, "lag": 211, "accept": 97, "finish": 23, "rules": 53, "commit": 307}
+
+
+def _faulty_sites(target, drafter_counts: dict) -> list[tuple[object, str, object]]:
+    """(owner, name, replacement) for every per-request call site of the engine, each raising once
+    in SITE_FAULTS[site] calls (counted in `drafter_counts`): the chaos soak patches them in."""
+    from specdec.drafters.base import Drafter
+    from specdec.drafters.model import ModelDrafter
+    from specdec.drafters.suffix import SuffixDrafter
+    from specdec.penalties import LogitRules
+
+    def faulty(site, original):
+        def wrapped(*args, **kwargs):
+            drafter_counts[site] = drafter_counts.get(site, 0) + 1
+            if drafter_counts[site] % SITE_FAULTS[site] == 0:
+                raise RuntimeError(f"injected fault at {site}")
+            return original(*args, **kwargs)
+        return wrapped
+
+    return [(Decoding, "begin", faulty("begin", Decoding.begin)),
+            (Decoding, "prefill_step", faulty("prefill", Decoding.prefill_step)),
+            (ModelDrafter, "lag", faulty("lag", ModelDrafter.lag)),
+            (ModelDrafter, "accept", faulty("accept", Drafter.accept)),
+            (SuffixDrafter, "finish", faulty("finish", SuffixDrafter.finish)),
+            (LogitRules, "apply", faulty("rules", LogitRules.apply)),
+            (Decoding, "commit", faulty("commit", Decoding.commit))]
 
 
 @pytest.mark.soak
-def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(tiny_pair):
-    """1,000 short requests, 16 in flight (after a warm-up): about one in five dropped by its client
-    after the first token, one engine step in fifty failing in the target's pass (its sequences are
-    scored again alone, one in five of those failing again), one request in twenty a bad body. Every good request
-    completes in full or gets a clear error (never hangs: each is bounded), bad bodies get 400s,
-    /health stays ok, nothing stays in the engine, and resident memory over the second half stays
-    within 5%."""
+def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(tiny_pair, monkeypatch):
+    """1,000 short requests, 16 in flight (after a warm-up), a third drafting by suffix and a fifth
+    with a penalty: about one in five dropped by its client after the first token; one engine step
+    in fifty failing in the target's pass as llama.cpp's failed decode does (its sequences are
+    scored again alone, one in five of those failing again); every per-request call site (a
+    sequence's start, its prompt's feeding, its drafter's lag, accept and finish, its logit
+    rules, its verification) failing now and then; one request in twenty a bad body. Every good
+    request completes in full and equal to the target's run alone, or gets a clear error (never
+    hangs: each is bounded); bad bodies get 400s, /health stays ok, nothing stays in the engine,
+    and resident memory over the second half stays within 5%."""
     import random
 
+    from specdec.errors import ModelFault
+
     target, drafter = tiny_pair
-    total, rss, health = 1000, [], []
+    total, rss, health, counts_at = 1000, [], [], {}
     passes, retries = itertools.count(1), itertools.count(1)
     forward_batch, forward = target.forward_batch, target.forward
+    alone = {tuple(p): autoregressive_generate(p, target, max_new_tokens=12).tokens for p in PROMPTS}
 
-    def faulty(segments):  # one step in fifty fails inside the target's pass
+    def faulty(segments):  # one step in fifty fails inside the target's pass (a backend's failed call)
         if next(passes) % FAULT_EVERY == 0:
-            raise RuntimeError("injected fault")
+            raise ModelFault("injected fault: the backend failed to decode")
         return forward_batch(segments)
 
     def faulty_alone(*args, **kwargs):  # a sequence scored alone after such a failure: one in five fails again
         if next(retries) % 5 == 0:
-            raise RuntimeError("injected fault, again")
+            raise ModelFault("injected fault, again")
         return forward(*args, **kwargs)
 
     with serving(lambda: Service(target, drafter), max_batch=16) as (url, app):
         target.forward_batch, target.forward = faulty, faulty_alone
+        for owner, name, replacement in _faulty_sites(target, counts_at):
+            monkeypatch.setattr(owner, name, replacement)
         try:
             rng = random.Random(0)
-            plans = [(PROMPTS[i % len(PROMPTS)], 6 + i % 7, rng.random() < 0.2, rng.random() < 0.05)
-                     for i in range(total)]
+            plans = [(PROMPTS[i % len(PROMPTS)], 6 + i % 7, rng.random() < 0.2, rng.random() < 0.05,
+                      "suffix" if i % 3 == 0 else None, i % 5 == 1) for i in range(total)]
 
             def one(plan):
-                prompt, tokens, drop, bad = plan
+                prompt, tokens, drop, bad, method, penalty = plan
                 if bad:  # malformed JSON, or a max_tokens below 1
                     send = dict(content=b'{"model": ') if tokens % 2 else \
                         dict(json={"model": NAME, "prompt": prompt, "max_tokens": -tokens})
@@ -1000,29 +1035,42 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
                     return "refused" if response.status_code == 400 and "error" in response.json() else "wrong"
                 body = {"model": NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
+                if method:
+                    body["speculative"] = {"method": method}
+                if penalty:
+                    body["presence_penalty"] = 0.5
+                text = ""
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
                     assert response.status_code == 200
                     for line in response.iter_lines():
                         if line.startswith('data: {"error"'):
-                            return "failed"  # a clear error: its pass failed, and again alone
+                            error = json.loads(line[6:])["error"]
+                            # a server fault, in words that show no internals (a ModelFault says its own)
+                            clear = error["type"] == "server_error" and "injected fault at" not in error["message"]
+                            return "failed" if clear else "wrong"
                         if drop and line.startswith("data: {"):
                             return "dropped"
-                        if line.startswith("data: {") and '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
-                            assert json.loads(line[6:])["usage"]["completion_tokens"] == tokens
-                            return "completed"
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            text += "".join(c["text"] for c in chunk["choices"])
+                            if chunk.get("usage") and not chunk["choices"]:
+                                right = chunk["usage"]["completion_tokens"] == tokens and \
+                                    (penalty or text == target.decode(alone[tuple(prompt)][:tokens]))
+                                return "completed" if right else "wrong"
                 return "lost"
 
             outcomes = []
             with ThreadPoolExecutor(16) as pool:
                 # a warm-up first: allocators and pools grow with 16 streams in flight for the first
                 # few hundred requests (~20% here), then hold; memory is watched after it
-                list(pool.map(one, [plan[:3] + (False,) for plan in plans[:WARM_UP]]))
+                list(pool.map(one, [plan[:3] + (False,) + plan[4:] for plan in plans[:WARM_UP]]))
                 for start in range(0, total, 50):
                     outcomes += list(pool.map(one, plans[start:start + 50]))
                     health.append(httpx.get(url + "/health").status_code)
                     rss.append(_rss_bytes())
         finally:
             target.forward_batch, target.forward = forward_batch, forward
+            monkeypatch.undo()
         worker = app.state.specdec["worker"]
         deadline = time.monotonic() + 10
         while worker.running or worker.engine.busy:
@@ -1032,6 +1080,7 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
     assert counts["lost"] == 0 and counts["wrong"] == 0, counts
     assert counts["refused"] == sum(p[3] for p in plans) > 20 and counts["failed"] > 0, counts
     assert counts["completed"] > total // 2 and counts["dropped"] > 50, counts
+    assert all(counts_at.get(site, 0) >= every for site, every in SITE_FAULTS.items()), counts_at  # each site failed
     assert set(health) == {200}, health
     assert not worker.engine.results and not worker._sinks and worker.waiting == 0
     half = rss[len(rss) // 2:]

@@ -6,5 +6,6 @@ class SpecdecError(ValueError):
 
 
 class ModelFault(SpecdecError):
-    """The model's own output is unusable (NaN logits, every token ruled out): a fault of the
-    weights or the dtype, not of the request that met it (the server answers 500, not 400)."""
+    """The model or its backend failed (NaN logits, every token ruled out, a backend call that
+    failed): a fault of the weights, the dtype or the machine, not of the request that met it (the
+    server answers 500, not 400)."""

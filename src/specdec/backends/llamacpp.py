@@ -54,7 +54,7 @@ import torch
 
 from . import Features, Segment
 from .prompts import Held, reusable
-from ..errors import SpecdecError
+from ..errors import ModelFault, SpecdecError
 from ..text import decode_ids, encode_text
 
 INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; docs/models.md)"
@@ -492,7 +492,7 @@ class LlamaCppModel:
                 for (cache, ids, _), first in zip(feeds, base):
                     lib.llama_memory_seq_rm(self._memory, cache.seq, cache.length, -1)
                     cache.held.tokens.extend(ids[:cache.length - first])
-                raise SpecdecError(f"llama.cpp failed to decode {len(call)} tokens for {self.name} (status {status})")
+                raise ModelFault(f"llama.cpp failed to decode {len(call)} tokens for {self.name} (status {status})")
             for i, (k, t) in enumerate(call):
                 cache, ids, num_logits = feeds[k]
                 cache.length += 1

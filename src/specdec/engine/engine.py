@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..backends import Backend, Segment, features
-from ..errors import SpecdecError
+from ..errors import ModelFault, SpecdecError
 from .. import generate
 from ..backends.cache import cache_length, crop_cache
 from ..drafters.base import capabilities_of, is_drafter, is_factory
@@ -148,6 +148,15 @@ class Engine:
                 return True
         return self._drop(request_id)
 
+    def tokens(self, request_id: int) -> list[int] | None:
+        """A request's tokens so far (None for one not admitted, or ended and collected): running,
+        or ended and not yet collected from `results`."""
+        decoding = self.running.get(request_id)
+        if decoding is not None:
+            return decoding.out.tokens
+        result = self.results.get(request_id)
+        return None if result is None else result.tokens
+
     def logprobs(self, request_id: int) -> list | None:
         """The `TokenLogprob`s of a request's tokens so far, where it asked for them (None
         otherwise, or for a request not admitted): running, or ended and not yet collected."""
@@ -190,15 +199,28 @@ class Engine:
         this step drafts (`_steer`) -> the plan, or None when nothing runs."""
         self._admit()
         self._prefill()
+        lags = self._lags()
         if not self.running:
             return None
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
-        speculate = self._steer(decodings)
-        fresh = {i: (len(d.sequence), d.out.remaining) for i, d in enumerate(decodings)
-                 if speculate and d.can.catches_up and d.drafter.lag(d.sequence) >= len(d.sequence)}
+        speculate = self._steer(decodings, lags)
+        fresh = {i: (len(d.sequence), d.out.remaining) for i, (request_id, d) in enumerate(zip(ids, decodings))
+                 if speculate and request_id in lags and lags[request_id] >= len(d.sequence)}
         return StepPlan(ids, decodings, speculate, sum(_drafter_passes(d) for d in decodings),
                         _caught_up(decodings) if speculate is not None else None, fresh)
+
+    def _lags(self) -> dict[int, int]:
+        """How far each running sequence's drafter model lags its context (`ModelDrafter.lag`), by
+        request id, for the batch policy; a sequence whose drafter fails to say ends alone."""
+        lags = {}
+        for request_id, decoding in list(self.running.items()):
+            if decoding.can.catches_up:
+                try:
+                    lags[request_id] = decoding.drafter.lag(decoding.sequence)
+                except Exception as error:
+                    self._fail(request_id, error, "its drafter's lag")
+        return lags
 
     def _draft(self, plan: StepPlan) -> list[Segment]:
         """Every running sequence's draft, their drafter passes batched (`_plan`) -> what the
@@ -223,9 +245,7 @@ class Engine:
                 logits = self.target.forward_batch(segments)
             else:
                 logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
-        except SpecdecError:
-            raise
-        except Exception:
+        except Exception:  # llama.cpp's failed decode (a ModelFault) too: one sequence may be the cause
             log.exception("a batched target pass failed; its sequences are scored again one by one")
             logits = [self._score_alone(request_id, segment, length)
                       for request_id, segment, length in zip(plan.ids, segments, before)]
@@ -254,22 +274,28 @@ class Engine:
             if rows is None:  # ended when its pass failed
                 continue
             try:
-                if isinstance(decided.get(i), SpecdecError):
+                if isinstance(decided.get(i), Exception):
                     raise decided[i]
                 emitted[request_id] = decoding.commit(rows, plan.pass_seconds, decided.get(i))
-            except SpecdecError as error:  # this sequence's own (e.g. non-finite logits): it alone ends
+                if decoding.done:
+                    self.results[request_id] = decoding.result()  # frees its cache
+                    del self.running[request_id]
+                    self.reserved.pop(request_id, None)
+            except Exception as error:  # this sequence's own (non-finite logits, its drafter's or rules' fault)
                 self._fail(request_id, error, "verification")
-                continue
-            if decoding.done:
-                self.results[request_id] = decoding.result()  # frees its cache
-                del self.running[request_id]
-                self.reserved.pop(request_id, None)
         return emitted
 
     def _record(self, plan: StepPlan, segments: list[Segment], emitted: dict[int, list[int]]) -> None:
-        """The step's costs, for the batch policy (`BatchCosts.record`)."""
+        """The step's costs, for the batch policy (`BatchCosts.record`); a failure here is the
+        policy's, not the requests': logged, and the step's tokens stand."""
         if self.costs is None or plan.speculate is None:
             return
+        try:
+            self._record_costs(plan, segments, emitted)
+        except Exception:
+            log.exception("recording a step's costs failed; the batch policy skips this step")
+
+    def _record_costs(self, plan: StepPlan, segments: list[Segment], emitted: dict[int, list[int]]) -> None:
         fed, catch_up_seconds = (now - then for now, then in zip(_caught_up(plan.decodings), plan.caught_up))
         for i, (context, remaining) in plan.fresh.items():  # drafters that first caught up this step
             decoding = plan.decodings[i]
@@ -293,12 +319,18 @@ class Engine:
         cache made and its drafter started; its prompt is fed by `_prefill`."""
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
             request = self.waiting[0]
-            decoding = self._decoding(request)
-            need = _kv_need(request, decoding) if self.kv_memory is not None else 0
-            if self.kv_memory is not None and sum(self.reserved.values()) + need > self.kv_memory:
-                break  # it waits for memory; later requests wait behind it (first come, first served)
-            self.waiting.pop(0)
-            decoding.begin()
+            try:
+                decoding = self._decoding(request)
+                need = _kv_need(request, decoding) if self.kv_memory is not None else 0
+                if self.kv_memory is not None and sum(self.reserved.values()) + need > self.kv_memory:
+                    break  # it waits for memory; later requests wait behind it (first come, first served)
+                self.waiting.pop(0)
+                decoding.begin()
+            except Exception as error:  # its drafter's start, its cache: this request alone ends
+                if self.waiting and self.waiting[0] is request:
+                    self.waiting.pop(0)
+                self._fail(request.id, error, "starting")
+                continue
             self.prefilling[request.id] = decoding
             self.reserved[request.id] = need
 
@@ -312,15 +344,19 @@ class Engine:
             if fed >= generate.PREFILL_CHUNK:
                 break
             before = cache_length(decoding.cache)
-            if decoding.prefill_step():
-                self.running[request_id] = self.prefilling.pop(request_id)
+            try:
+                if decoding.prefill_step():
+                    self.running[request_id] = self.prefilling.pop(request_id)
+            except Exception as error:  # this prompt's own trouble (its cache, its drafter's observe)
+                self._fail(request_id, error, "feeding its prompt")
+                continue
             fed += max(1, cache_length(decoding.cache) - before)
 
-    def _steer(self, decodings: list[Decoding]) -> bool | None:
+    def _steer(self, decodings: list[Decoding], lags: dict[int, int]) -> bool | None:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
         whose output draft lengths cannot change and that may draft this step, but for those whose
         drafter's catch-up would cost more than drafting saves them -> the decision (None: no such
-        sequence)."""
+        sequence). lags: `_lags`, by request id."""
         if self.costs is None:
             return None
         # a step of first tokens only would time plain passes as drafting: it decides nothing
@@ -328,7 +364,8 @@ class Engine:
         if not steered:
             return None
         batch = len(decodings)
-        lags = {id(d): d.drafter.lag(d.sequence) for d in steered if d.can.catches_up}
+        by_decoding = {id(d): request_id for request_id, d in self.running.items()}
+        lags = {id(d): lags[by_decoding[id(d)]] for d in steered if by_decoding[id(d)] in lags}
         # a sequence whose drafter would first catch up on more than drafting saves it (a new
         # one's whole prompt, under load) decodes plainly while the others draft
         sitting_out = {id(d) for d in steered if id(d) in lags and
@@ -402,7 +439,9 @@ class Engine:
 
     def _fail(self, request_id: int, error: Exception, where: str) -> None:
         """End one request on an error of its own (raised by `run` once the others have ended)."""
-        if not isinstance(error, SpecdecError):
+        if isinstance(error, ModelFault):
+            log.warning("%s failed for request %s; it alone ends: %s", where, request_id, error)
+        elif not isinstance(error, SpecdecError):
             log.exception("%s failed for request %s; it alone ends", where, request_id, exc_info=error)
         self.failed[request_id] = error
         self._drop(request_id)
@@ -423,7 +462,7 @@ class Engine:
                         seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules)
 
 
-def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | SpecdecError]:
+def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | Exception]:
     """The step's verification for every sequence whose target tokens decide it (greedy or seeded
     chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
     in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
@@ -434,14 +473,14 @@ def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int
               if rows is not None and d.verifies_by_tokens and len(rows) == len(d.draft_tokens) + 1]
     greedy = [i for i in chosen if decodings[i].sampler.is_greedy]
     # the greedy rows' argmaxes in one copy to the host (a GPU would wait once per sequence)
-    tokens: dict[int, list[int] | SpecdecError] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
+    tokens: dict[int, list[int] | Exception] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
     for i in chosen:
         if i not in tokens:
             try:
                 tokens[i] = decodings[i].own_tokens(logits[i])
-            except SpecdecError as error:
+            except Exception as error:
                 tokens[i] = error
-    decided: dict[int, tuple[int, int] | SpecdecError] = {i: t for i, t in tokens.items() if isinstance(t, SpecdecError)}
+    decided: dict[int, tuple[int, int] | Exception] = {i: t for i, t in tokens.items() if isinstance(t, Exception)}
     ready = [i for i in chosen if i not in decided]
     decided.update(zip(ready, zip(*verify_ragged([tokens[i] for i in ready],
                                                  [decodings[i].draft_tokens for i in ready]))))

@@ -11,20 +11,23 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
 from typing import Callable
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import ModelFault, SpecdecError
 from ..generate import GenerationResult
 from .metrics import Metrics, speculation_usage
 from .schema import BadRequest, Job, parse_body, parse_job
 from .service import Service
-from .worker import EngineStopped, QueueFull, Worker
+from .worker import STALL_TIMEOUT, STOPPED, EngineStopped, QueueFull, Worker, is_clients
+
+log = logging.getLogger("specdec.server")
 
 POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
@@ -193,7 +196,8 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
-               steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None) -> FastAPI:
+               steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None,
+               stall_timeout: float = STALL_TIMEOUT) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
     running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
@@ -203,6 +207,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     cors_origins: the web origins whose pages may call the API (a request from any other page,
     one with an `Origin` header, is refused: 403). host: the address listened on; on a loopback
     address, a request naming another host (`Host`: a DNS-rebinding page) is refused (403).
+    stall_timeout: seconds without a completed engine step, while requests wait, after which
+    /health answers 503 (as it does after `worker.FAILED_STEPS` failed steps in a row).
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -216,10 +222,11 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
             budget = kv_memory(service) if callable(kv_memory) else kv_memory
             worker = Worker(Engine(service.target, max_batch, budget, steer, service.load_costs), service.limits.max_waiting,
-                            between=online.update if online is not None else None)
+                            between=online.update if online is not None else None, stall_timeout=stall_timeout)
             worker.start()
             state["service"], state["worker"] = service, worker
-        except Exception as error:  # reported by /health and every request
+        except Exception as error:  # reported by /health and every request, in words without internals
+            log.exception("the model failed to load")
             state["error"] = error
             if on_load_error is not None:
                 on_load_error(error)
@@ -242,12 +249,11 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 
     def ready() -> Service:
         if state["error"] is not None:
-            raise BadRequest(f"the model failed to load: {state['error']}", status=503, type="server_error")
+            raise BadRequest("the model failed to load (the server's log says why)", status=503, type="server_error")
         if state["service"] is None:
             raise BadRequest("the model is loading; retry shortly", status=503, type="server_error")
         if state["worker"] is not None and state["worker"].dead is not None:
-            raise BadRequest(f"the engine stopped on an error ({state['worker'].dead!r}); this server serves no "
-                             "more: restart it", status=503, type="server_error", code="engine_stopped")
+            raise BadRequest(STOPPED, status=503, type="server_error", code="engine_stopped")
         return state["service"]
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -266,11 +272,16 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 
     @app.get("/health")
     async def health():
+        """200 {"status": "ok", ...} while the engine serves; 503 while loading, after it stopped,
+        while its steps keep failing, or when none completes while work waits."""
         try:
             ready()
+            trouble = state["worker"].trouble()
+            if trouble is not None:
+                raise BadRequest(trouble, status=503, type="server_error", code="engine_unhealthy")
         except BadRequest as error:
             return _error(error)
-        return PlainTextResponse("ok")
+        return {"status": "ok", **state["worker"].health()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -404,10 +415,14 @@ class _Run:
                         self.status = "error"
                         if isinstance(value, EngineStopped):
                             raise BadRequest(str(value), status=503, type="server_error", code="engine_stopped")
-                        # the request's own trouble is a 400; the model's or the server's a 500
-                        status = 400 if isinstance(value, SpecdecError) and not isinstance(value, ModelFault) else 500
-                        raise BadRequest(f"generation failed: {value}", status=status,
-                                         type="invalid_request_error" if status == 400 else "server_error")
+                        # the request's own trouble is a 400; the model's a 500 in our words; anything
+                        # else a 500 that says no more than where to look (its text may hold internals)
+                        if is_clients(value):
+                            raise BadRequest(f"generation failed: {value}")
+                        if isinstance(value, ModelFault):
+                            raise BadRequest(f"generation failed: {value}", status=500, type="server_error")
+                        raise BadRequest("generation failed on an internal error (the server's log has it)",
+                                         status=500, type="server_error", code="internal_error")
                     if kind == "tokens":
                         ids, logprobs = value
                         self.logprobs[i] += logprobs or []

@@ -11,12 +11,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from typing import Protocol
 
 from ..engine import Engine, Request
 from ..generate import GenerationResult
 
 log = logging.getLogger("specdec.server")
+
+FAILED_STEPS = 3  # engine steps failed in a row after which /health says the engine is failing
+STALL_TIMEOUT = 120.0  # seconds without a completed step, while work waits, after which /health says stalled
+RECENT = 100  # steps the recent failure rate counts
 
 
 class QueueFull(Exception):
@@ -45,14 +51,22 @@ class Worker:
     on_step: called after each step with the engine (metrics), on the engine's thread.
     between: called on the engine's thread whenever no request is in the engine (an online
         distiller's update: `adapter.OnlineDistiller.update`), so it never runs during a request.
+    stall_timeout: seconds without a completed step, while requests wait or run, after which
+        `trouble` reports the engine stalled.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 64, on_step=None, between=None):
+    def __init__(self, engine: Engine, max_waiting: int = 64, on_step=None, between=None,
+                 stall_timeout: float = STALL_TIMEOUT):
         self.engine, self.max_waiting, self.on_step, self.between = engine, max_waiting, on_step, between
+        self.stall_timeout = stall_timeout
         self.dead: BaseException | None = None  # what ended the engine's thread, if anything did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._ids: dict[int, int] = {}  # id(sink) -> engine request id
+        self._sent: dict[int, int] = {}  # engine request id -> tokens handed to its sink so far
+        self.last_step = time.monotonic()  # when a step last completed, or the engine last sat idle
+        self.failed_in_a_row = 0  # steps that failed since the last one that did not
+        self._recent: deque[bool] = deque(maxlen=RECENT)  # recent steps: whether each failed
         self._queued = 0  # submitted, not yet running or ended (read from other threads)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -78,12 +92,29 @@ class Worker:
     def running(self) -> int:
         return len(self.engine.running) + len(self.engine.prefilling)
 
+    def trouble(self) -> str | None:
+        """Why the engine cannot be trusted to serve (steps failing in a row, or none completing
+        while work waits), in words for /health; None when it is well."""
+        if self.failed_in_a_row >= FAILED_STEPS:
+            return f"the last {self.failed_in_a_row} engine steps failed (see the server's log)"
+        age = time.monotonic() - self.last_step
+        if age > self.stall_timeout and (self._queued or self.running):
+            return (f"no engine step has completed for {age:.0f} s while {self._queued + self.running} request(s) "
+                    "wait or run")
+        return None
+
+    def health(self) -> dict:
+        """The age of the last completed step and the recent failure rate, for /health."""
+        return {"last_step_seconds_ago": round(time.monotonic() - self.last_step, 3),
+                "recent_steps": len(self._recent), "recent_failed_steps": sum(self._recent),
+                "waiting": self._queued, "running": self.running}
+
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue a request; raises QueueFull when `max_waiting` already wait. An invalid request
         reaches `sink.failed` (its SpecdecError) from the engine's thread."""
         with self._lock:
             if self.dead is not None:
-                raise EngineStopped(f"the engine stopped on an error ({self.dead!r}); this server serves no more")
+                raise EngineStopped(STOPPED)
             if self._queued >= self.max_waiting:
                 raise QueueFull(f"{self._queued} requests are waiting, this server's limit")
             self._queued += 1
@@ -111,8 +142,8 @@ class Worker:
                     continue
                 self._sinks[request_id], self._ids[id(sink)] = sink, request_id
             else:
-                request_id = self._ids.pop(id(sink), None)
-                if request_id is not None and self._sinks.pop(request_id, None) is not None:
+                request_id = self._ids.get(id(sink))
+                if request_id is not None and self._forget(request_id) is not None:
                     if any(r.id == request_id for r in self.engine.waiting):
                         self._settle(1)
                     self.engine.cancel(request_id)
@@ -135,7 +166,7 @@ class Worker:
     def _die(self, error: BaseException) -> None:
         with self._lock:
             self.dead = error
-        stopped = EngineStopped(f"the engine stopped on an error ({error!r}); this server serves no more")
+        stopped = EngineStopped(STOPPED)
         try:
             self._drain()  # requests still in the inbox are told too
         except Exception:
@@ -144,6 +175,7 @@ class Worker:
             sink.failed(stopped)
         self._sinks.clear()
         self._ids.clear()
+        self._sent.clear()
 
     def _idle(self) -> None:
         """No request in the engine: the update between requests, if any, then wait for work."""
@@ -156,47 +188,94 @@ class Worker:
             self._drain()
             if self.engine.busy:
                 return
+        self.last_step = time.monotonic()  # idle is no stall
         self._wake.wait(0.1)
         self._wake.clear()
 
     def _turn(self) -> None:
-        """Take in adds and cancels, then one engine step and its tokens handed out (or wait idle)."""
+        """Take in adds and cancels, then one engine step and what it committed handed out (or
+        wait idle). A step that fails outside every request's own guard ends the requests still
+        running, after what finished in it has been handed out."""
         self._drain()
         if not self.engine.busy:
             self._idle()
             return
         waiting = len(self.engine.waiting)
+        failure = None
         try:
-            emitted = self.engine.step()
-        except Exception as error:  # a pass shared by every running sequence failed: they fail, the server goes on
-            log.exception("an engine step failed; the requests in it end with the error")
-            self._fail_running(error)
-            return
+            self.engine.step()
+        except Exception as error:
+            log.exception("an engine step failed outside any one request; the requests still running end with it")
+            failure = error
         finally:
             self._settle(waiting - len(self.engine.waiting))
-        for request_id, error in self.engine.failed.items():  # one sequence's own error
-            sink = self._sinks.pop(request_id, None)
-            if sink is not None:
-                self._ids.pop(id(sink), None)
-                sink.failed(error)
-        self.engine.failed.clear()
-        for request_id, ids in emitted.items():
-            sink = self._sinks.get(request_id)
-            if sink is not None and ids:
-                logprobs = self.engine.logprobs(request_id)
-                sink.tokens(ids, None if logprobs is None else logprobs[len(logprobs) - len(ids):])
-        for request_id in [r for r in self.engine.results if r in self._sinks]:
-            sink = self._sinks.pop(request_id)
-            self._ids.pop(id(sink), None)
-            sink.done(self.engine.results.pop(request_id))
-        self.engine.results.clear()  # cancelled ones' results are nobody's
+        handed, faults = self._hand_out()
+        if failure is not None:
+            self._fail_running(failure)
+        self._count(failure is not None or (faults and not handed))
+        if failure is not None and self.failed_in_a_row >= FAILED_STEPS:  # it fails before admitting anyone:
+            self._fail_waiting(failure)  # those waiting would wait on it for ever
         if self.on_step is not None:
             self.on_step(self.engine)
+
+    def _hand_out(self) -> tuple[int, int]:
+        """Every request's tokens committed since last handed out, its error if it ended on one,
+        its result if it finished -> (tokens handed out, requests ended on a fault not theirs)."""
+        engine, handed, faults = self.engine, 0, 0
+        for request_id, error in engine.failed.items():  # one sequence's own error
+            sink = self._forget(request_id)
+            if sink is not None:
+                sink.failed(error)
+                faults += not is_clients(error)
+        engine.failed.clear()
+        for request_id, sink in list(self._sinks.items()):
+            tokens = engine.tokens(request_id)
+            sent = self._sent.get(request_id, 0)
+            if tokens is not None and len(tokens) > sent:
+                logprobs = engine.logprobs(request_id)
+                sink.tokens(tokens[sent:], None if logprobs is None else logprobs[sent:len(tokens)])
+                self._sent[request_id] = len(tokens)
+                handed += len(tokens) - sent
+        for request_id in [r for r in engine.results if r in self._sinks]:
+            self._forget(request_id).done(engine.results.pop(request_id))
+        engine.results.clear()  # cancelled ones' results are nobody's
+        return handed, faults
+
+    def _count(self, failed: bool) -> None:
+        self._recent.append(failed)
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        if not failed:
+            self.last_step = time.monotonic()
+
+    def _forget(self, request_id: int) -> Sink | None:
+        """Stop feeding a request's sink -> the sink (None if it had none)."""
+        sink = self._sinks.pop(request_id, None)
+        self._sent.pop(request_id, None)
+        if sink is not None:
+            self._ids.pop(id(sink), None)
+        return sink
 
     def _fail_running(self, error: Exception) -> None:
         for request_id in list(self.engine.running) + list(self.engine.prefilling):
             self.engine.cancel(request_id)
-            sink = self._sinks.pop(request_id, None)
+            sink = self._forget(request_id)
             if sink is not None:
-                self._ids.pop(id(sink), None)
                 sink.failed(error)
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for request in list(self.engine.waiting):
+            self.engine.cancel(request.id)
+            self._settle(1)
+            sink = self._forget(request.id)
+            if sink is not None:
+                sink.failed(error)
+
+
+STOPPED = "the engine stopped on an internal error (see the server's log); this server serves no more: restart it"
+
+
+def is_clients(error: Exception) -> bool:
+    """Whether a request's error is the client's own (a 400), not the model's or the server's (5xx)."""
+    from ..errors import ModelFault, SpecdecError
+
+    return isinstance(error, SpecdecError) and not isinstance(error, ModelFault)
