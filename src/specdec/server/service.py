@@ -169,7 +169,11 @@ class Service:
                              "messages" if job.messages is not None else "prompt", code="context_length_exceeded")
         room = context - prompt_length
         if job.max_tokens is None:
-            return min(self.limits.max_tokens, room, self._drafter_room(job, prompt_length) or room)
+            bound = min(self.limits.max_tokens, room, self._drafter_room(job, prompt_length) or room)
+            if job.rules.min_tokens > bound:  # max_tokens given is checked with the body (schema)
+                raise BadRequest(f"min_tokens is {job.rules.min_tokens}, more than this request's output bound of "
+                                 f"{bound} tokens (give max_tokens)", "min_tokens")
+            return bound
         if job.max_tokens > room:
             raise BadRequest(f"max_tokens is {job.max_tokens}, but the context of {context} tokens leaves "
                              f"{room} after the prompt's {prompt_length}", "max_tokens",
