@@ -143,7 +143,7 @@ def test_an_unknown_field_is_a_400_naming_it_and_its_close_match(server, chat):
 
 
 REFUSED = [("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("grammar", "root ::= x"),
-           ("json_schema", {}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+           ("json_schema", {}), ("bad_words", ["x"]),
            ("truncate_prompt_tokens", 3), ("include_stop_str_in_output", "yes"), ("prompt_logprobs", 1),
            ("echo", True), ("best_of", 2), ("response_format", {"type": "json_object"}), ("top_logprobs", 2),
            ("max_completion_tokens", 5), ("skip_special_tokens", False), ("use_beam_search", True)]
@@ -206,6 +206,28 @@ def test_the_docs_list_every_field_as_the_server_takes_it():
 
     expected = {name: tuple(cell(ways.get(e)) for e in ("completions", "chat")) for name, ways in FIELDS.items()}
     assert rows == expected
+
+
+def test_allowed_token_ids_are_honoured_exactly_under_speculation(target):
+    """allowed_token_ids masks every position's logits, drafts included: the served greedy text,
+    with a drafter model drafting, is the AR text under the same mask, and holds no other token."""
+    from specdec.schedules import AssumedCosts
+
+    drafter = tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter")
+    prompt, allowed = [4, 9, 4, 2], [3, 5, 11]
+    alone = autoregressive_generate(prompt, target, max_new_tokens=12, rules=LogitRules(allowed=tuple(allowed))).tokens
+    assert set(alone) <= set(allowed) and alone != autoregressive_generate(prompt, target, max_new_tokens=12).tokens
+    assumed = AssumedCosts(drafter=0.05, slope=0.0)  # drafts sized the same on any machine
+    with serving(lambda: Service(target, drafter, limits=Limits(max_tokens=16), assumed=assumed), max_batch=4,
+                 steer=False) as (url, _):
+        reply = _post(url, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "allowed_token_ids": allowed}).json()
+        assert reply["choices"][0]["text"] == target.decode(alone)
+        assert reply["usage"]["speculative"]["drafted_tokens"] > 0
+        for value, needle in [([], "at least one"), ([16], "vocabulary of 16"), (["x"], "token ids")]:
+            error = _error(_post(url, {"prompt": prompt, "max_tokens": 2, "allowed_token_ids": value}))
+            assert error["param"] == "allowed_token_ids" and needle in error["message"], error
+        error = _error(_post(url, {"prompt": prompt, "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [1]}))
+        assert error["param"] == "allowed_token_ids" and "end tokens" in error["message"]
 
 
 # item 6: JSON bodies only

@@ -38,7 +38,7 @@ def _field_table() -> dict[str, dict[str, str | tuple]]:
 
     add("model max_tokens temperature top_p top_k seed stop n stream stream_options logprobs presence_penalty "
         "frequency_penalty repetition_penalty logit_bias min_tokens min_p ignore_eos stop_token_ids cache_salt "
-        "speculative include_stop_str_in_output", HONOURED)
+        "speculative include_stop_str_in_output allowed_token_ids", HONOURED)
     add("prompt", HONOURED, ["completions"])
     add("messages max_completion_tokens top_logprobs", HONOURED, ["chat"])
     add("max_completion_tokens top_logprobs suffix", (None,), ["completions"])
@@ -50,7 +50,7 @@ def _field_table() -> dict[str, dict[str, str | tuple]]:
     add("length_penalty", (None, 1))
     add("response_format", (None, {"type": "text"}))
     add("guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern "
-        "structured_outputs grammar json_schema allowed_token_ids bad_words truncate_prompt_tokens prompt_logprobs "
+        "structured_outputs grammar json_schema bad_words truncate_prompt_tokens prompt_logprobs "
         "add_special_tokens logits_processors priority request_id", (None,))
     add("store continue_final_message", (None, False), ["chat"])
     add("add_generation_prompt", (None, True), ["chat"])
@@ -372,7 +372,7 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
 
 
 def _rules(body: dict) -> LogitRules:
-    """presence_penalty, frequency_penalty, repetition_penalty, logit_bias and min_tokens ->
+    """presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens and allowed_token_ids ->
     `LogitRules` (applied to every position's logits, drafts included: penalties.py)."""
     bias = body.get("logit_bias")
     if bias is None:
@@ -393,7 +393,16 @@ def _rules(body: dict) -> LogitRules:
                       frequency=_number(body, "frequency_penalty", 0.0, -2, 2),
                       repetition=_number(body, "repetition_penalty", 1.0, 0, 10, low_open=True),
                       bias=tuple(sorted(pairs)),
-                      min_tokens=_number(body, "min_tokens", 0, 0, 2 ** 31, integer=True))
+                      min_tokens=_number(body, "min_tokens", 0, 0, 2 ** 31, integer=True),
+                      allowed=_allowed(body.get("allowed_token_ids")))
+
+
+def _allowed(value) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids`: the only tokens that may come (None: every token)."""
+    ids = _id_list(value, "allowed_token_ids")
+    if value is not None and not ids:
+        raise BadRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def _token_id(value, name: str) -> int:

@@ -216,12 +216,17 @@ class Service:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
         sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p, min_p=job.min_p)
         vocab = self.target.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in job.rules.bias]), ("stop_token_ids", job.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in job.rules.bias]), ("stop_token_ids", job.stop_token_ids),
+                          ("allowed_token_ids", job.rules.allowed)):
             if any(t >= vocab for t in ids):
                 raise BadRequest(f"{name} names a token id past this model's vocabulary of {vocab}", name)
         ends = None
         if job.ignore_eos or job.stop_token_ids:  # vLLM: stop_token_ids end a choice with or without ignore_eos
             ends = ([] if job.ignore_eos else list(self.target.eos_token_ids)) + job.stop_token_ids
+        if job.rules.allowed and job.rules.min_tokens and \
+                set(job.rules.allowed) <= set(self.target.eos_token_ids if ends is None else ends):
+            raise BadRequest("allowed_token_ids holds only end tokens, which min_tokens rules out: no token could "
+                             "come", "allowed_token_ids")
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
                                   None if job.seed is None else job.seed + i, job.cache_salt, job.rules)
                     for i in range(job.n)]
