@@ -33,6 +33,7 @@ class LogitRules:
         not (vLLM's and transformers' rule; 1 = off, > 0).
     bias: (token id, value) pairs added to those logits (OpenAI's logit_bias, -100..100).
     min_tokens: the end tokens are ruled out until the output holds this many tokens.
+    allowed: the only token ids that may come (vLLM's allowed_token_ids); empty: every token.
     "Output" at a position is every token generated before it (draft tokens before it included).
     """
 
@@ -41,6 +42,7 @@ class LogitRules:
     repetition: float = 1.0
     bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    allowed: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name, low, high in (("presence", -2, 2), ("frequency", -2, 2)):
@@ -52,6 +54,8 @@ class LogitRules:
             raise SpecdecError(f"repetition penalty must be a number in (0, 10], got {self.repetition!r}")
         if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0):
             raise SpecdecError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not all(isinstance(token, int) and token >= 0 for token in self.allowed):
+            raise SpecdecError(f"allowed token ids must be token ids >= 0, got {self.allowed!r}")
         for token, value in self.bias:
             if not (isinstance(token, int) and token >= 0):
                 raise SpecdecError(f"logit bias keys must be token ids >= 0, got {token!r}")
@@ -61,7 +65,8 @@ class LogitRules:
     @property
     def active(self) -> bool:
         """Whether these rules change anything."""
-        return bool(self.presence or self.frequency or self.repetition != 1 or self.bias or self.min_tokens)
+        return bool(self.presence or self.frequency or self.repetition != 1 or self.bias or self.min_tokens or
+                    self.allowed)
 
     def prompt_tokens(self, prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor | None:
         """[V] bool, the prompt's tokens, which the repetition penalty reaches (None where it is
@@ -79,8 +84,8 @@ class LogitRules:
         rows, vocab = logits.shape
         if len(continuation) < rows - 1:
             raise SpecdecError(f"{rows} rows need {rows - 1} continuation tokens, got {len(continuation)}")
-        if any(token >= vocab for token, _ in self.bias):
-            raise SpecdecError(f"a logit bias names a token id past this model's vocabulary of {vocab}")
+        if any(token >= vocab for token, _ in self.bias) or any(token >= vocab for token in self.allowed):
+            raise SpecdecError(f"a logit bias or allowed token id is past this model's vocabulary of {vocab}")
         device = logits.device
         counts = output_counts(output, continuation[:rows - 1], rows, vocab, device)
         seen = counts > 0
@@ -93,11 +98,16 @@ class LogitRules:
                         self._bias(vocab, device), banned, sorted(t for t in ends if t < vocab))
 
     def _bias(self, vocab: int, device: torch.device) -> torch.Tensor | None:
-        if not self.bias:
+        if not self.bias and not self.allowed:
             return None
         bias = torch.zeros(vocab, device=device)
-        bias[torch.tensor([t for t, _ in self.bias], device=device)] = torch.tensor(
-            [float(v) for _, v in self.bias], device=device)
+        if self.bias:
+            bias[torch.tensor([t for t, _ in self.bias], device=device)] = torch.tensor(
+                [float(v) for _, v in self.bias], device=device)
+        if self.allowed:  # -inf: a static mask, the same at every position, so verification stays exact
+            mask = torch.full((vocab,), float("-inf"), device=device)
+            mask[torch.tensor(list(self.allowed), device=device)] = 0.0
+            bias = bias + mask
         return bias
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..errors import ModelFault, SpecdecError
 from ..generate import GenerationResult
@@ -67,8 +68,11 @@ class _Text:
 
     SEAM, STABLE = 4, 8
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], offsets: bool = False):
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str], offsets: bool = False,
+                 min_tokens: int = 0, include_stop: bool = False):
         self.decode, self.stops, self.ids, self.sent = decode, stops, [], 0
+        # as vLLM: a stop string counts only where it ends past the first min_tokens tokens' text
+        self.min_tokens, self.floor, self.include_stop = min_tokens, 0 if min_tokens == 0 else None, include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.stopped = False
         self.ends: list[int] | None = [] if offsets else None
@@ -96,13 +100,17 @@ class _Text:
         """The next piece of text to send; after a stop string, `stopped` and nothing more."""
         for token in ids:
             self._push(token)
+            if self.floor is None and len(self.ids) == self.min_tokens:
+                self.floor = len(self.text)
         self.final = final
         text = self.text
-        cut = min((i for i in (text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0),
-                  default=-1)
+        found = [] if self.floor is None else [  # (where, -length): the earliest, then the longest
+            (i, -len(s)) for s in self.stops
+            for i in [text.find(s, max(0, self.sent - self.hold, self.floor - len(s) + 1))] if i >= 0]
+        cut, longest = min(found, default=(-1, 0))
         if cut >= 0:
             self.stopped = True
-            end = cut
+            end = cut - longest if self.include_stop else cut
         elif final:
             end = len(text)
         else:
@@ -302,6 +310,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         try:
             tenant = authorize(request)
             service = ready()
+            _check_json(request.headers.get("content-type"))
             declared = request.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
                 raise BadRequest(f"the request body is {declared} bytes, over this server's limit of "
@@ -318,12 +327,17 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                 service.check_fits(job, len(ids), bound, state["worker"].engine.kv_memory)
             engine_requests = [r for ids, bound in zip(prompts, bounds)  # choice k: prompt k // n, its choice k % n
                                for r in service.requests(job, ids, bound)]
-            if len(engine_requests) > service.limits.max_waiting:  # could never be queued: no retry helps
+            share = max(1, service.limits.max_waiting // 2)  # one request never fills the whole queue
+            if len(engine_requests) > share:  # could never be queued: no retry helps
                 raise BadRequest(f"{len(prompts)} prompt(s) × n = {job.n} make {len(engine_requests)} choices, over "
-                                 f"this server's limit of {service.limits.max_waiting} queued at once", "n")
+                                 f"this server's limit of {share} a request (half of the "
+                                 f"{service.limits.max_waiting} it queues at once)", "n")
         except BadRequest as error:
             metrics.requests.labels(status="rejected").inc()
             return _error(error)
+        except ClientDisconnect:  # gone while its body was read: no one to answer
+            metrics.requests.labels(status="cancelled").inc()
+            return Response(status_code=499)
         loop = asyncio.get_running_loop()
         choices = [_Choice(loop) for _ in engine_requests]
         worker: Worker = state["worker"]
@@ -339,11 +353,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         except EngineStopped as stopped:
             metrics.requests.labels(status="error").inc()
             return _error(BadRequest(str(stopped), status=503, type="server_error", code="engine_stopped"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
-            if isinstance(body.get("stream_options"), dict) else False
         run = _Run(service, job, chat, prompts, choices, worker, metrics, arrival, request)
         if job.stream:
-            return StreamingResponse(run.events(include_usage), media_type="text/event-stream",
+            return StreamingResponse(run.events(job.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await run.whole()
 
@@ -356,6 +368,17 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         return await complete(request, chat=True)
 
     return app
+
+
+def _check_json(content_type: str | None) -> None:
+    """A 415 unless the body is declared JSON (in UTF-8): a web page can send a form or plain text
+    to any address without asking first (no CORS preflight), but not application/json."""
+    media, *params = (content_type or "").split(";")
+    charset = next((p.split("=", 1)[1].strip().strip('"').lower() for p in params if p.strip().lower()
+                    .startswith("charset=")), "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise BadRequest(f"the request body must be JSON (Content-Type: application/json), not "
+                         f"{(content_type or 'undeclared')[:100]!r}", status=415, code="unsupported_media_type")
 
 
 async def _read_body(request: HttpRequest, limit: int) -> bytes:
@@ -381,7 +404,8 @@ class _Run:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         decode = service.target.decode
-        self.texts = [_Text(decode, job.stop, offsets=job.logprobs is not None) for _ in choices]
+        self.texts = [_Text(decode, job.stop, offsets=job.logprobs is not None, min_tokens=job.rules.min_tokens,
+                            include_stop=job.include_stop) for _ in choices]
         self.logprobs: list[list] = [[] for _ in choices]  # TokenLogprobs received, per choice
         self.reported = [0] * len(choices)  # of them, how many a response has carried
         self.results: list[GenerationResult | None] = [None] * len(choices)

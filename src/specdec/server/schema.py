@@ -5,6 +5,7 @@ trace and never a silently ignored option. Pure functions, no model: tested alon
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,70 @@ MAX_CHOICES = 64  # prompts × n
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's default)
 MAX_SALT = 1024  # characters of a cache_salt
 MAX_BIAS = 1024  # token ids in a logit_bias or stop_token_ids (vLLM takes any number; OpenAI's bias 300)
+MAX_STOP_CHARS = 1000  # characters of one stop string: a stream holds back as many, less one, until it cannot match
+
+HONOURED, IGNORED = "honoured", "ignored"  # how a field is taken; else a tuple of the values that change nothing
+ENDPOINTS = ("completions", "chat")
+
+
+def _field_table() -> dict[str, dict[str, str | tuple]]:
+    """Every top-level field each endpoint knows (OpenAI's, and the vLLM and llama-server extras)
+    -> {endpoint: how it is taken}: `HONOURED`; `IGNORED` (accepted, and it changes no output);
+    or the values that change nothing, the only ones accepted (any other is a 400 naming the
+    field). A field an endpoint does not list is a 400 too: a misspelt option never passes."""
+    both, table = ENDPOINTS, {}
+
+    def add(names: str, taken, endpoints=both):
+        for name in names.split():
+            table.setdefault(name, {}).update({endpoint: taken for endpoint in endpoints})
+
+    add("model max_tokens temperature top_p top_k seed stop n stream stream_options logprobs presence_penalty "
+        "frequency_penalty repetition_penalty logit_bias min_tokens min_p ignore_eos stop_token_ids cache_salt "
+        "speculative include_stop_str_in_output allowed_token_ids", HONOURED)
+    add("prompt", HONOURED, ["completions"])
+    add("messages max_completion_tokens top_logprobs", HONOURED, ["chat"])
+    add("max_completion_tokens top_logprobs suffix", (None,), ["completions"])
+    add("user", IGNORED)  # OpenAI's bookkeeping and routing hints: nothing generated depends on them
+    add("metadata safety_identifier prompt_cache_key service_tier parallel_tool_calls", IGNORED, ["chat"])
+    add("best_of", (None, 1))
+    add("echo use_beam_search return_tokens_as_token_ids", (None, False))
+    add("skip_special_tokens spaces_between_special_tokens", (None, True))
+    add("length_penalty", (None, 1))
+    add("response_format", (None, {"type": "text"}))
+    add("guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern "
+        "structured_outputs grammar json_schema bad_words truncate_prompt_tokens prompt_logprobs "
+        "add_special_tokens logits_processors priority request_id", (None,))
+    add("store continue_final_message", (None, False), ["chat"])
+    add("add_generation_prompt", (None, True), ["chat"])
+    add("tool_choice", (None, "none"), ["chat"])
+    add("modalities", (None, ["text"]), ["chat"])
+    add("tools functions function_call audio prediction reasoning_effort web_search_options verbosity chat_template "
+        "chat_template_kwargs documents", (None,), ["chat"])
+    return table
+
+
+FIELDS = _field_table()
+
+
+def _no_op(value, values: tuple) -> bool:
+    """Whether `value` is one of `values` (True is not 1 here, nor 1.0 different from 1)."""
+    return any(value is v or (value == v and isinstance(value, bool) == isinstance(v, bool)) for v in values)
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    """A 400 for a field `endpoint` does not know (naming a close match) or does not honour at
+    the value given."""
+    known = [name for name, ways in FIELDS.items() if endpoint in ways]
+    for name, value in body.items():
+        taken = FIELDS.get(name, {}).get(endpoint)
+        if taken is None:
+            close = difflib.get_close_matches(name, known, n=1) if isinstance(name, str) else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise BadRequest(f"unknown field {name[:100]!r}{hint}", name[:100], code="unknown_field")
+        if isinstance(taken, tuple) and not _no_op(value, taken):
+            shown = " or ".join(json.dumps(v) for v in taken)
+            raise BadRequest(f"{name} is not supported by this server yet (only {shown} is taken)", name,
+                             code="unsupported")
 
 
 def _served_methods() -> tuple[str, ...]:
@@ -80,6 +145,8 @@ class Job:
     rules: LogitRules = field(default_factory=LogitRules)  # penalties, logit_bias, min_tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop: bool = False  # include_stop_str_in_output: the stop string kept at the end of the text
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with `usage`
 
 
 def parse_body(raw: bytes, limit: int) -> dict:
@@ -154,9 +221,39 @@ def _stop(value) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got {value!r}",
-                         "stop")
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, "
+                         f"got {value!r}"[:300], "stop")
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise BadRequest(f"a stop string is {len(stop)} characters; this server takes at most {MAX_STOP_CHARS}",
+                             "stop")
+        _unicode(stop, "stop")
     return stops
+
+
+def _unicode(text: str, name: str) -> None:
+    """A 400 for text holding a lone surrogate ("\\ud800" in JSON): it has no UTF-8 form, so
+    neither a tokenizer nor a generated text can hold it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise BadRequest(f"{name} holds a lone surrogate (U+{ord(error.object[error.start]):04X}), which is not "
+                         "valid Unicode", name) from None
+
+
+def _stream_options(value, stream: bool) -> bool:
+    """`stream_options` (streaming only, as vLLM has it) -> include_usage."""
+    if value is None:
+        return False
+    if not stream:
+        raise BadRequest("stream_options applies to streamed requests only (stream: true)", "stream_options")
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise BadRequest(f"stream_options takes include_usage only, got {value!r}"[:300], "stream_options")
+    return _flag(value, "include_usage")
+
+
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+                  "annotations", "reasoning_content"}  # OpenAI's; all but role and content taken only as null
 
 
 def _messages(value) -> list[dict]:
@@ -164,14 +261,46 @@ def _messages(value) -> list[dict]:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant") or \
-                not isinstance(message.get("content"), str):
-            raise BadRequest(f"messages[{i}] must be an object with role system, user or assistant and a string "
-                             f"content, got {message!r}", f"messages[{i}]")
-        out.append({"role": message["role"], "content": message["content"]})
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"{where} must be an object with role system, developer, user or assistant and a "
+                             f"content, got {message!r}"[:300], where)
+        for name, item in message.items():
+            if name not in MESSAGE_FIELDS:
+                raise BadRequest(f"{where} has an unknown field {str(name)[:100]!r}", where, code="unknown_field")
+            if name not in ("role", "content") and item is not None and item != []:
+                raise BadRequest(f"{where}.{name} is not supported by this server yet", f"{where}.{name}",
+                                 code="unsupported")
+        # developer: OpenAI's newer name for system, which chat templates know
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({"role": role, "content": _content(message.get("content"), where)})
     if not any(m["content"] for m in out):
         raise BadRequest("messages are all empty", "messages")
     return out
+
+
+def _content(value, where: str) -> str:
+    """A message's content: a string, or a list of text parts, joined by newlines as vLLM joins
+    them for a text-only model. Other parts (images, audio, files) are refused by type."""
+    if isinstance(value, str):
+        _unicode(value, f"{where}.content")
+        return value
+    if not isinstance(value, list):
+        raise BadRequest(f"{where}.content must be a string or a list of text parts, got {value!r}"[:300],
+                         f"{where}.content")
+    texts = []
+    for k, part in enumerate(value):
+        at = f"{where}.content[{k}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"a {kind!r} part" if isinstance(kind, str) else f"{part!r}"[:100]
+            raise BadRequest(f"{at} is {what}; this server takes text parts only ({{\"type\": \"text\", "
+                             f"\"text\": ...}})", at, code="unsupported" if isinstance(kind, str) else None)
+        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise BadRequest(f"{at} must be {{\"type\": \"text\", \"text\": STRING}}", at)
+        _unicode(part["text"], at)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _token_ids(value) -> bool:
@@ -192,6 +321,8 @@ def _prompts(value) -> list[str | list[int]]:
     for i, prompt in enumerate(prompts):
         if prompt == "":
             raise BadRequest("prompt is empty" if single else f"prompt[{i}] is empty", "prompt")
+        if isinstance(prompt, str):
+            _unicode(prompt, "prompt")
     return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
@@ -201,18 +332,11 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
     if model is not None and model != model_name:
         raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                          status=404, code="model_not_found")
-    # fields this server does not honour: taken only at the value that changes nothing, else refused
-    # by name (never ignored: an answer that silently leaves out a penalty is a wrong answer)
-    allowed = {"best_of": (None, 1), "echo": (None, False),
-               "suffix": (None,), "tools": (None,), "functions": (None,), "response_format": (None,)}
-    if not chat:
-        allowed.update(top_logprobs=(None,), max_completion_tokens=(None,))  # chat's fields
-    for name, values in allowed.items():
-        if not any(body.get(name) is v or body.get(name) == v and type(body.get(name)) is type(v) for v in values):
-            raise BadRequest(f"{name} is not supported by this server yet", name, code="unsupported")
+    _check_fields(body, "chat" if chat else "completions")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}", "stream")
+    include_usage = _stream_options(body.get("stream_options"), stream)
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     job = Job(
         prompts=None if chat else _prompts(body.get("prompt")),
@@ -232,7 +356,15 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         rules=_rules(body),
         ignore_eos=_flag(body, "ignore_eos"),
         stop_token_ids=_id_list(body.get("stop_token_ids"), "stop_token_ids"),
+        include_stop=_flag(body, "include_stop_str_in_output"),
+        include_usage=include_usage,
     )
+    if job.max_tokens is not None and job.rules.min_tokens > job.max_tokens:
+        raise BadRequest(f"min_tokens is {job.rules.min_tokens}, more than max_tokens ({job.max_tokens})",
+                         "min_tokens")
+    if job.n > 1 and job.temperature == 0:  # greedy choices are all the same text (vLLM refuses them too)
+        raise BadRequest(f"n is {job.n}, but temperature 0 (greedy) makes every choice the same: ask n = 1, "
+                         "or sample (temperature > 0)", "n")
     if job.n * len(job.prompts or [None]) > MAX_CHOICES:
         raise BadRequest(f"prompts × n is {job.n * len(job.prompts)}; a request takes at most {MAX_CHOICES} choices",
                          "n")
@@ -240,16 +372,19 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
 
 
 def _rules(body: dict) -> LogitRules:
-    """presence_penalty, frequency_penalty, repetition_penalty, logit_bias and min_tokens ->
+    """presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens and allowed_token_ids ->
     `LogitRules` (applied to every position's logits, drafts included: penalties.py)."""
     bias = body.get("logit_bias")
     if bias is None:
         bias = {}
     if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
         raise BadRequest(f"logit_bias must be an object of at most {MAX_BIAS} token ids to numbers", "logit_bias")
-    pairs = []
+    pairs, keys = [], {}
     for key, value in bias.items():
         token = _token_id(key, "logit_bias")
+        if token in keys:  # "1" and "01": which value would count is anyone's guess
+            raise BadRequest(f"logit_bias names token {token} twice: {keys[token]!r} and {key!r}", "logit_bias")
+        keys[token] = key
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}",
                              "logit_bias")
@@ -258,15 +393,25 @@ def _rules(body: dict) -> LogitRules:
                       frequency=_number(body, "frequency_penalty", 0.0, -2, 2),
                       repetition=_number(body, "repetition_penalty", 1.0, 0, 10, low_open=True),
                       bias=tuple(sorted(pairs)),
-                      min_tokens=_number(body, "min_tokens", 0, 0, 2 ** 31, integer=True))
+                      min_tokens=_number(body, "min_tokens", 0, 0, 2 ** 31, integer=True),
+                      allowed=_allowed(body.get("allowed_token_ids")))
+
+
+def _allowed(value) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids`: the only tokens that may come (None: every token)."""
+    ids = _id_list(value, "allowed_token_ids")
+    if value is not None and not ids:
+        raise BadRequest("allowed_token_ids must name at least one token", "allowed_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def _token_id(value, name: str) -> int:
     """A token id given as an integer or a string of digits (JSON object keys are strings)."""
-    if isinstance(value, str) and value.isdigit():
+    # ASCII digits only ("²".isdigit() too), and few of them: int() refuses over 4,300 digits
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 31:
-        raise BadRequest(f"{name} takes token ids (integers >= 0), got {value!r}", name)
+        raise BadRequest(f"{name} takes token ids (integers >= 0), got {value!r}"[:200], name)
     return value
 
 

@@ -169,7 +169,11 @@ class Service:
                              "messages" if job.messages is not None else "prompt", code="context_length_exceeded")
         room = context - prompt_length
         if job.max_tokens is None:
-            return min(self.limits.max_tokens, room, self._drafter_room(job, prompt_length) or room)
+            bound = min(self.limits.max_tokens, room, self._drafter_room(job, prompt_length) or room)
+            if job.rules.min_tokens > bound:  # max_tokens given is checked with the body (schema)
+                raise BadRequest(f"min_tokens is {job.rules.min_tokens}, more than this request's output bound of "
+                                 f"{bound} tokens (give max_tokens)", "min_tokens")
+            return bound
         if job.max_tokens > room:
             raise BadRequest(f"max_tokens is {job.max_tokens}, but the context of {context} tokens leaves "
                              f"{room} after the prompt's {prompt_length}", "max_tokens",
@@ -212,12 +216,17 @@ class Service:
         """The engine's requests of a job: its `n` choices, choice i seeded seed + i."""
         sampler = Sampler(temperature=job.temperature, top_k=max(job.top_k, 0), top_p=job.top_p, min_p=job.min_p)
         vocab = self.target.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in job.rules.bias]), ("stop_token_ids", job.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in job.rules.bias]), ("stop_token_ids", job.stop_token_ids),
+                          ("allowed_token_ids", job.rules.allowed)):
             if any(t >= vocab for t in ids):
                 raise BadRequest(f"{name} names a token id past this model's vocabulary of {vocab}", name)
         ends = None
         if job.ignore_eos or job.stop_token_ids:  # vLLM: stop_token_ids end a choice with or without ignore_eos
             ends = ([] if job.ignore_eos else list(self.target.eos_token_ids)) + job.stop_token_ids
+        if job.rules.allowed and job.rules.min_tokens and \
+                set(job.rules.allowed) <= set(self.target.eos_token_ids if ends is None else ends):
+            raise BadRequest("allowed_token_ids holds only end tokens, which min_tokens rules out: no token could "
+                             "come", "allowed_token_ids")
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
                                   None if job.seed is None else job.seed + i, job.cache_salt, job.rules)
                     for i in range(job.n)]
