@@ -84,6 +84,11 @@ def serve(
                                  ("--suffix-cache-tokens", suffix_cache_tokens, 0)):
             if value < low:
                 raise SpecdecError(f"{name} must be >= {low}, got {value}")
+        from ..generate import DRAFT_ROOM
+
+        for name, value in (("--gamma-max", gamma_max), ("--tree-nodes", tree_nodes)):
+            if value > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
+                raise SpecdecError(f"{name} must be <= {DRAFT_ROOM}, got {value}")
         if request_timeout <= 0 or grace < 0:
             raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
