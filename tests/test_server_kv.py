@@ -176,3 +176,91 @@ def test_serves_default_auto_budget_reaches_the_engine(tiny_pair, monkeypatch):
             .completion_tokens == 8
         with pytest.raises(openai.BadRequestError, match="whole budget"):
             client.completions.create(model=NAME, prompt=[1, 2], max_tokens=150, temperature=0)
+
+
+# --- item 11: tenants ---
+
+def test_online_learning_is_refused_with_several_api_keys(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alpha\nbeta\n")
+    result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model", "--online", "--api-key-file", str(keys)])
+    assert result.exit_code == 1 and "not with several API keys" in result.output and "Traceback" not in result.output
+
+
+def test_one_keys_salts_never_evict_another_keys_suffix_caches(tiny_pair):
+    """Each API key keeps the suffix caches of its own MAX_SALTS most recent salts: any number of
+    fresh salts under one key leaves another key's caches as they were, and bounds its own."""
+    service = Service(tiny_pair[0], None, suffix_cache_tokens=1000)
+    kept = service.suffix_cache("key0/mine", "key0")
+    for i in range(3 * service_module.MAX_SALTS):
+        service.suffix_cache(f"key1/fresh-{i}", "key1")
+    assert service.suffix_cache("key0/mine", "key0") is kept
+    first = service.suffix_cache("key1/fresh-0", "key1")
+    assert len(service._suffix_caches["key1"]) == service_module.MAX_SALTS
+    for i in range(service_module.MAX_SALTS):
+        service.suffix_cache(f"key1/again-{i}", "key1")
+    assert service.suffix_cache("key1/fresh-0", "key1") is not first  # its own oldest went
+
+
+def test_a_key_cannot_push_another_keys_prompts_out_of_the_prompt_cache():
+    """The prompt store drops the least recently used prompt of the tenant holding the most: one
+    key sending many prompts drops its own, not another key's smaller holding."""
+
+    class Cache:
+        def __init__(self, salt: str, tokens: list[int]):
+            layer = SlabLayer()
+            layer.update(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))
+            self.layers, self.held = [layer], Held(list(tokens), [len(tokens)], salt)
+
+    store = PromptStore(300)
+    store.keep(Cache("key0/a", list(range(100))))
+    for i in range(20):  # key1 floods with prompts of its own
+        store.keep(Cache(f"key1/{i}", [i] * 60))
+        assert store.held_tokens <= 300
+    salts = [held.salt for held, _ in store._entries.values()]
+    assert "key0/a" in salts and sum(salt.startswith("key1/") for salt in salts) == 3
+    store.keep(Cache("key0/b", [7] * 50))  # key0 would hold 150, key1 holds 180: key1's oldest goes
+    salts = [held.salt for held, _ in store._entries.values()]
+    assert {"key0/a", "key0/b"} <= set(salts) and sum(salt.startswith("key1/") for salt in salts) == 2
+    store.keep(Cache("key0/c", [8] * 100))  # now key0 would hold the most: its own oldest goes
+    salts = [held.salt for held, _ in store._entries.values()]
+    assert "key0/a" not in salts and {"key0/b", "key0/c"} <= set(salts) and store.held_tokens <= 300
+
+
+def test_a_servers_keys_each_keep_their_suffix_caches(tiny_pair):
+    """Through the app: a request under the second key reaches the service's cache of that key."""
+    target, drafter = tiny_pair
+    service = Service(target, drafter, limits=Limits(max_tokens=4))
+    with serving(lambda: service, api_key=["alpha", "beta"]) as (url, _):
+        for key in ("alpha", "beta"):
+            _client(url, api_key=key).completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                                         extra_body={"speculative": {"method": "suffix"},
+                                                                     "cache_salt": "s"})
+    assert set(service._suffix_caches) == {"key0", "key1"}
+    assert list(service._suffix_caches["key1"]) == ["key1/s"]
+
+
+def test_metrics_ask_for_a_key_where_keys_are_set_unless_public(tiny_pair):
+    target = tiny_pair[0]
+    with serving(lambda: Service(target, None), api_key=["alpha", "beta"]) as (url, _):
+        refused = httpx.get(url + "/metrics")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+        shown = httpx.get(url + "/metrics", headers={"Authorization": "Bearer beta"})
+        assert shown.status_code == 200 and "specdec:" in shown.text
+    with serving(lambda: Service(target, None), api_key="alpha", metrics_public=True) as (url, _):
+        assert httpx.get(url + "/metrics").status_code == 200
+    with serving(lambda: Service(target, None)) as (url, _):  # no keys: open, as before
+        assert httpx.get(url + "/metrics").status_code == 200
+    apps = []
+    from specdec.cli import serve as serve_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve_module, "_service_loader", lambda *args: lambda: Service(target, None))
+        patch.setattr(serve_module, "_run_until_stopped", lambda make_app, *args: apps.append(make_app(None)))
+        result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model", "--drafter", "none", "--method", "ar",
+                                          "--api-key", "alpha", "--metrics-public", "--kv-memory", "none"])
+    assert result.exit_code == 0, result.output
+    with _running(apps[0]) as url:
+        assert httpx.get(url + "/metrics").status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 401

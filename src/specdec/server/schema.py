@@ -76,6 +76,7 @@ class Job:
     speculation: Speculation = field(default_factory=Speculation)
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
     cache_salt: str = ""  # the tenant: shared caches (prompts, suffix drafting) only within one salt
+    tenant: str = ""  # the API key's tenant where several keys are set (the app's, never the body's)
     min_p: float = 0.0
     rules: LogitRules = field(default_factory=LogitRules)  # penalties, logit_bias, min_tokens
     ignore_eos: bool = False
