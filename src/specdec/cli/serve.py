@@ -28,7 +28,8 @@ def serve(
                                "cost-aware; lookup; suffix, over the request's text and earlier outputs; retrieval, "
                                "--datastore; tree, the mixed tree; lookahead; ar; tree-sides; sd; ...)."),
     gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree (at most 64)."),
-    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead; at most 64)."),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead; "
+                                   "at most 64)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
