@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from . import Features, Segment
-from .prompts import Held, reusable
+from .prompts import Held, evictee, reusable
 from ..errors import ModelFault, SpecdecError
 from ..text import decode_ids, encode_text
 
@@ -321,7 +321,8 @@ class LlamaCppModel:
                 seq = None
         if seq is None:
             empty = [seq for seq in free if seq not in self._kept]
-            seq = empty[0] if empty else next(iter(self._kept), 0)  # else the oldest kept prompt goes
+            # else a kept prompt goes: the oldest of the tenant keeping the most (`evictee`)
+            seq = empty[0] if empty else evictee(self._kept, salt) if self._kept else 0
             self._kept.pop(seq, None)
             if seq in self._owners:  # one sequence: the earlier cache loses it
                 self._live.pop(self._owners.pop(seq)[0])

@@ -9,7 +9,7 @@ weights keep copies of them here (`PromptStore`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
@@ -52,9 +52,28 @@ def reusable(held: Held, prompt: Sequence[int], chunk: int, salt: str = "") -> i
     return start
 
 
+def salt_tenant(salt: str) -> str:
+    """The API key a cache salt belongs to: its part before the first '/' (the server salts the
+    requests of each of several keys `keyN/...`), '' where it has none."""
+    return salt.partition("/")[0] if "/" in salt else ""
+
+
+def evictee(kept: dict, salt: str = "", adding: int = 0):
+    """Which of the `kept` prompts (key -> `Held`, least recently used first) to drop to keep
+    `adding` more positions under `salt`: the least recently used of the tenant (`salt_tenant`)
+    that would hold the most, the newcomer counted. A tenant filling the store pushes out its own
+    prompts first, and never another's while that one holds less than it does."""
+    totals = Counter({salt_tenant(salt): adding})
+    for held in kept.values():
+        totals[salt_tenant(held.salt)] += len(held.tokens)
+    heaviest = max(dict.fromkeys(salt_tenant(held.salt) for held in kept.values()), key=totals.__getitem__)
+    return next(key for key, held in kept.items() if salt_tenant(held.salt) == heaviest)
+
+
 class PromptStore:
     """Copies of finished prompts' keys and values (transformers' slab caches), at most `tokens`
-    positions in all, the least recently used dropped first.
+    positions in all, the least recently used of the tenant holding the most dropped first
+    (`evictee`: one API key's clients cannot push out another's prompts).
 
     keep(cache) copies a cache's prompt entries once its prompt is in; restore(cache, prompt,
     chunk) fills a new cache with the kept entries `prompt` can reuse (`reusable`).
@@ -88,7 +107,7 @@ class PromptStore:
                     if other.tokens == tokens and other.salt == held.salt]:
             del self._entries[key]
         while self._entries and self.held_tokens + length > self.tokens:
-            self._entries.popitem(last=False)
+            del self._entries[evictee({key: other for key, (other, _) in self._entries.items()}, held.salt, length)]
         copies = [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
         self._entries[self._next] = (Held(tokens, list(held.calls), held.salt), copies)
         self._next += 1

@@ -9,6 +9,16 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 SLAB_MIN = 64  # positions of a slab's first allocation
 
 
+def slab_capacity(length: int, reserve: int = 0) -> int:
+    """Positions a slab holds once `length` positions are written where its sequence reserved
+    `reserve` (`reserve_cache`): the reserve (at least SLAB_MIN), doubled until `length` fits. A
+    sequence longer than its reserve holds up to twice its length: what its memory really costs."""
+    size = max(reserve, SLAB_MIN)
+    while size < length:
+        size *= 2
+    return size
+
+
 class SlabLayer(DynamicLayer):
     """One layer's keys and values in a slab: buffers [B, kv_heads, capacity, D] that a pass writes
     into, and `keys` / `values`, views of their first `length` positions (what attention reads).
@@ -41,7 +51,9 @@ class SlabLayer(DynamicLayer):
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         if end > self.capacity:
-            size = max(end, 2 * self.capacity, self.reserve, SLAB_MIN)
+            # with a reserve, sizes stay on its doubling ladder: never past what `slab_capacity` says,
+            # which the engine charges to its KV budget
+            size = slab_capacity(end, self.reserve) if self.reserve else max(end, 2 * self.capacity, SLAB_MIN)
             slabs = tuple(x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
             if length:
                 slabs[0][..., :length, :].copy_(self.keys)

@@ -27,14 +27,17 @@ def serve(
                                "`specdec methods` but the self-drafting ones (default: the drafter model's chain, "
                                "cost-aware; lookup; suffix, over the request's text and earlier outputs; retrieval, "
                                "--datastore; tree, the mixed tree; lookahead; ar; tree-sides; sd; ...)."),
-    gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree."),
-    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead)."),
+    gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree (at most 64)."),
+    tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead; "
+                                   "at most 64)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
                                           "(visible in the process list: prefer --api-key-file or SPECDEC_API_KEY)."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the keys from this file, one "
                                                 "per line: each client's key is a tenant of its own (cache_salt)."),
+    metrics_public: bool = typer.Option(False, "--metrics-public", help="Serve /metrics without a key where "
+                                        "keys are set (a Prometheus scraper on a private network)."),
     cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", help="A web origin whose pages may "
                                                     "call the API (repeatable); requests from other pages: 403."),
     max_batch: int = typer.Option(8, "--max-batch", help="Most sequences decoded at once."),
@@ -84,6 +87,11 @@ def serve(
                                  ("--suffix-cache-tokens", suffix_cache_tokens, 0)):
             if value < low:
                 raise SpecdecError(f"{name} must be >= {low}, got {value}")
+        from ..generate import DRAFT_ROOM
+
+        for name, value in (("--gamma-max", gamma_max), ("--tree-nodes", tree_nodes)):
+            if value > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
+                raise SpecdecError(f"{name} must be <= {DRAFT_ROOM}, got {value}")
         if request_timeout <= 0 or grace < 0:
             raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
@@ -97,6 +105,9 @@ def serve(
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
                         max_waiting=max_waiting)
         api_key = api_key_from(api_key, api_key_file)
+        if online and api_key is not None and len(api_key) > 1:
+            raise SpecdecError("--online trains one drafter on every request's rejections, so its acceptance would "
+                               "tell one key's clients about another's text: not with several API keys")
     except SpecdecError as exc:
         _fail(str(exc))
     load = _service_loader(target, None if no_drafter else drafter, method, dtype, drafter_dtype, device, max_batch,
@@ -109,7 +120,8 @@ def serve(
         budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
                          if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
-                                               cors_origins=cors_origin, host=host), host, port, grace)
+                                               cors_origins=cors_origin, host=host, metrics_public=metrics_public),
+                       host, port, grace)
 
 
 def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: str):

@@ -21,6 +21,7 @@ from ..backends import Backend, Segment, features
 from ..errors import ModelFault, SpecdecError
 from .. import generate
 from ..backends.cache import cache_length, crop_cache
+from ..backends.slab import slab_capacity
 from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..generate import Decoding, GenerationResult
 from ..passcost import LoadCosts
@@ -489,13 +490,32 @@ def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int
 
 def _kv_need(request: Request, decoding: Decoding) -> int:
     """Bytes of KV cache a request can reach: its prompt, its output and the widest draft, in the
-    target's cache and in its drafter model's (if it has one)."""
+    target's cache and in its drafter model's (if it has one). A draft wider than the room charged
+    for it (DRAFT_ROOM) would write past the charge: refused."""
+    width = _draft_width(decoding)
+    if width > generate.DRAFT_ROOM:
+        kind = "tree nodes" if decoding.trees else "draft tokens"
+        raise SpecdecError(f"this request drafts up to {width} {kind} a step, more than the {generate.DRAFT_ROOM} "
+                           "positions a KV budget keeps for a draft; lower the tree's max_nodes (or gamma)")
     return kv_need(decoding.positions, [decoding.target, decoding.drafter_model])
 
 
+def _draft_width(decoding: Decoding) -> int:
+    """The most positions one step's draft can take: a tree's node cap, a chain's longest draft."""
+    if decoding.drafter is None:
+        return 0
+    if decoding.trees:
+        return getattr(getattr(decoding.drafter, "policy", None), "max_nodes", 0)
+    schedule = decoding.schedule
+    return max(getattr(schedule, "gamma", 0), getattr(schedule, "gamma_max", 0))
+
+
 def kv_need(positions: int, models: list) -> int:
-    """Bytes of KV cache `positions` cache positions take in each of `models` (None: none)."""
-    return positions * sum(features(m).kv_bytes_per_token or 0 for m in models if m is not None)
+    """Bytes of KV cache a sequence reaching `positions` cache positions holds in each of `models`
+    (None: none): what its slabs grow to (`slab_capacity`, from a reserve of at most RESERVE_MAX
+    positions, doubled), up to twice the positions themselves past RESERVE_MAX."""
+    held = slab_capacity(positions, min(positions, generate.RESERVE_MAX))
+    return held * sum(features(m).kv_bytes_per_token or 0 for m in models if m is not None)
 
 
 def kv_positions(prompt_length: int, max_new_tokens: int, drafts: bool) -> int:

@@ -205,7 +205,7 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
                steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None,
-               stall_timeout: float = STALL_TIMEOUT) -> FastAPI:
+               stall_timeout: float = STALL_TIMEOUT, metrics_public: bool = False) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
     running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
@@ -217,6 +217,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     address, a request naming another host (`Host`: a DNS-rebinding page) is refused (403).
     stall_timeout: seconds without a completed engine step, while requests wait, after which
     /health answers 503 (as it does after `worker.FAILED_STEPS` failed steps in a row).
+    metrics_public: /metrics answers without a key even where keys are set (a scraper on a private
+    network); otherwise it asks for one, as it shows every tenant's load.
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -292,7 +294,12 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         return {"status": "ok", **state["worker"].health()}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: HttpRequest):
+        if not metrics_public:
+            try:
+                authorize(request)
+            except BadRequest as error:
+                return _error(error)
         return Response(metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -318,7 +325,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             body = parse_body(await _read_body(request, service.limits.max_body), service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
             if tenant:  # each key its own tenant; its clients' salts apart within it
-                job.cache_salt = f"{tenant}/{job.cache_salt}"
+                job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
             # tokenising up to --max-body of text, chat template and all, is CPU work: off the event
             # loop, so that other streams, their disconnect checks and timeouts go on meanwhile
             prompts = await asyncio.to_thread(service.prompt_ids, job)

@@ -141,6 +141,7 @@ class Job:
     speculation: Speculation = field(default_factory=Speculation)
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
     cache_salt: str = ""  # the tenant: shared caches (prompts, suffix drafting) only within one salt
+    tenant: str = ""  # the API key's tenant where several keys are set (the app's, never the body's)
     min_p: float = 0.0
     rules: LogitRules = field(default_factory=LogitRules)  # penalties, logit_bias, min_tokens
     ignore_eos: bool = False
@@ -165,20 +166,23 @@ def parse_body(raw: bytes, limit: int) -> dict:
     return body
 
 
-def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, integer: bool = False):
+def _number(body: dict, name: str, default, low: float, high: float, low_open: bool = False, integer: bool = False,
+            within: str = ""):
     value = body.get(name)
     if value is None:
         return default
+    param = within + name  # a nested field named by its path (speculative.tree_nodes)
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+        raise BadRequest(f"{param} must be {'an integer' if integer else 'a number'}, got {value!r}", param)
     if value < low or (low_open and value == low) or value > high:
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise BadRequest(f"{name} must be in {bounds}, got {value!r}", name)
+        raise BadRequest(f"{param} must be in {bounds}, got {value!r}", param)
     return value
 
 
 def _speculation(value, default: Speculation) -> Speculation:
+    from ..generate import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
     from ..methods import preset
 
     if value is None:
@@ -210,9 +214,9 @@ def _speculation(value, default: Speculation) -> Speculation:
     schedule = value.get("schedule", default.schedule if kind not in ("tree", "lookahead") else None)
     if schedule is not None and not isinstance(schedule, str):
         raise BadRequest(f"speculative.schedule must be a schedule's name, got {schedule!r}", "speculative.schedule")
-    gamma_max = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True)
-    nodes = _number(value, "tree_nodes", default.tree_nodes, 1, 256, integer=True)
-    gamma = _number(value, "gamma", default.gamma, 1, 32, integer=True)
+    gamma_max = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True, within="speculative.")
+    nodes = _number(value, "tree_nodes", default.tree_nodes, 1, DRAFT_ROOM, integer=True, within="speculative.")
+    gamma = _number(value, "gamma", default.gamma, 1, 32, integer=True, within="speculative.")
     return Speculation(None if method == "ar" else method, gamma_max, nodes, tree, schedule, gamma)
 
 

@@ -17,7 +17,7 @@ from ..samplers import Sampler
 from ..spec import SpecConfig
 from .schema import BadRequest, Job, Speculation
 
-MAX_TENANTS = 32  # cache salts whose suffix caches are kept (the least recently used dropped first)
+MAX_SALTS = 32  # cache salts of one API key whose suffix caches are kept (its least recently used dropped first)
 
 
 KV_SHARE = 0.8  # of the memory free once the models are in, what the running sequences' KV caches may take
@@ -100,7 +100,7 @@ class Service:
         self.costs, self.lookup_costs, self.assumed, self.load_costs = costs, lookup_costs, assumed, load_costs
         self.lookahead_rows = lookahead_rows
         self.suffix_cache_tokens = suffix_cache_tokens
-        self._suffix_caches: OrderedDict[str, SuffixCache] = OrderedDict()  # by tenant (cache_salt), LRU
+        self._suffix_caches: dict[str, OrderedDict[str, SuffixCache]] = {}  # by API key, then cache_salt (LRU)
         if datastore is not None:
             datastore.check_tokenizer(target.tokenizer, target.vocab_size)
         elif self.default.method is not None and preset(self.default.method).method == "retrieval":
@@ -108,18 +108,20 @@ class Service:
         self.datastore = datastore
         self._token_texts: dict[int, str] = {}
 
-    def suffix_cache(self, salt: str = "") -> SuffixCache | None:
+    def suffix_cache(self, salt: str = "", key: str = "") -> SuffixCache | None:
         """The earlier outputs that suffix drafting draws on for the tenant `salt` (None where the
-        server keeps none): tenants never draft from each other's outputs. The most recently used
-        MAX_TENANTS tenants keep theirs, each up to `suffix_cache_tokens`."""
+        server keeps none): tenants never draft from each other's outputs. Each API key (`key`,
+        `Job.tenant`) keeps the suffix caches of its MAX_SALTS most recently used salts, each up
+        to `suffix_cache_tokens`: one key's clients cannot evict another key's."""
         if not self.suffix_cache_tokens:
             return None
-        if salt not in self._suffix_caches:
-            self._suffix_caches[salt] = SuffixCache(self.suffix_cache_tokens)
-            while len(self._suffix_caches) > MAX_TENANTS:
-                self._suffix_caches.popitem(last=False)
-        self._suffix_caches.move_to_end(salt)
-        return self._suffix_caches[salt]
+        caches = self._suffix_caches.setdefault(key, OrderedDict())
+        if salt not in caches:
+            caches[salt] = SuffixCache(self.suffix_cache_tokens)
+            while len(caches) > MAX_SALTS:
+                caches.popitem(last=False)
+        caches.move_to_end(salt)
+        return caches[salt]
 
     def token_text(self, token: int) -> str:
         """One token's text as `logprobs` shows it (special tokens by name; a token that is part
@@ -228,7 +230,7 @@ class Service:
             raise BadRequest("allowed_token_ids holds only end tokens, which min_tokens rules out: no token could "
                              "come", "allowed_token_ids")
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules)
+                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules, job.tenant)
                     for i in range(job.n)]
         for request in requests:
             request.logprobs, request.cache_salt, request.rules, request.eos_token_ids = \
@@ -271,7 +273,7 @@ class Service:
         return config
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
-                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None) -> Request:
+                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None, key: str = "") -> Request:
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
         config = self.config(speculation)
         if config is None:
@@ -283,7 +285,7 @@ class Service:
         # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
         built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
                                     costs=lambda model: self.costs if model is not None else self.lookup_costs,
-                                    assumed=self.assumed, suffix_cache=self.suffix_cache(cache_salt),
+                                    assumed=self.assumed, suffix_cache=self.suffix_cache(cache_salt, key),
                                     datastore=self.datastore,
                                     lookahead_rows=self.lookahead_rows))
         return Request(prompt_ids, built.make_drafter, **common, schedule=built.make_schedule,
