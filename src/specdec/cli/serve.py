@@ -51,6 +51,8 @@ def serve(
                                                     "(default: the model's context)."),
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may run (then 504)."),
+    stall_timeout: float = typer.Option(120.0, "--stall-timeout", help="Seconds without a completed engine step, "
+                                        "while requests wait, after which /health answers 503."),
     grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
     suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
                                             "outputs the suffix method drafts from, shared by all requests "
@@ -92,8 +94,8 @@ def serve(
         for name, value in (("--gamma-max", gamma_max), ("--tree-nodes", tree_nodes)):
             if value > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
                 raise SpecdecError(f"{name} must be <= {DRAFT_ROOM}, got {value}")
-        if request_timeout <= 0 or grace < 0:
-            raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
+        if request_timeout <= 0 or grace < 0 or stall_timeout <= 0:
+            raise SpecdecError("--request-timeout and --stall-timeout must be > 0, --grace >= 0")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
@@ -120,7 +122,8 @@ def serve(
         budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
                          if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
-                                               cors_origins=cors_origin, host=host, metrics_public=metrics_public),
+                                               cors_origins=cors_origin, host=host, metrics_public=metrics_public,
+                                               stall_timeout=stall_timeout),
                        host, port, grace)
 
 
