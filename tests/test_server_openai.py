@@ -1,17 +1,140 @@
-"""`specdec serve`'s text as OpenAI's clients read it: text streams in work linear in its tokens
-whatever they decode to (a token that is a lone byte, which a client can ask for with
-`logit_bias`). Real tokenizers at the end.
+"""`specdec serve` as OpenAI's clients read it: chat `logprobs` carry each token's own bytes, and
+text streams in work linear in its tokens whatever they decode to (a token that is a lone byte,
+which a client can ask for with `logit_bias`).
+A tiny random model with a byte-level BPE tokenizer built here; real tokenizers at the end.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
+import httpx
 import pytest
+import torch
 
+from specdec import TransformersModel
 from specdec.server.app import _Text
+from specdec.server.service import Limits, Service
+from specdec.text import token_bytes_reader
 
+from test_server import serving
+
+NAME = "tiny-bytes"
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+TEXT = "héllo €uro 日本 🦜 ok"
 PARTIAL = 3  # the U+FFFD an incomplete character at the end of a text may show: held back
+
+
+# -- a tiny model with a byte-level BPE tokenizer and a chat template ---------------------------
+
+def byte_level_tokenizer(merges: list[tuple[str, str]] = ()):
+    """A byte-level BPE tokenizer (as Qwen2.5's and SmolLM2's): its 256 bytes, the `merges`, and
+    SPECIALS; multi-byte characters not merged are split across byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=SPECIALS[0], eos_token=SPECIALS[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                               "{% endfor %}<|im_start|>assistant\n")
+    return tokenizer
+
+
+def sentencepiece_tokenizer():
+    """A SentencePiece-style BPE tokenizer (as Gemma's): '▁' for a space, <0xHH> byte tokens for
+    what its vocabulary lacks (here every character outside ASCII letters)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "▁"] + [f"<0x{b:02X}>" for b in range(256)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    core = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                                byte_fallback=True))
+    core.normalizer = normalizers.Replace(" ", "▁")
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("build", [byte_level_tokenizer, sentencepiece_tokenizer], ids=["byte-level", "sentencepiece"])
+def test_token_bytes_join_into_the_texts_utf8_where_characters_span_tokens(build):
+    tokenizer = build()
+    read = token_bytes_reader(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # characters split across tokens
+    assert b"".join(read(i) for i in ids) == TEXT.encode()
+    e2 = "€".encode()[0]
+    token = tokenizer.convert_tokens_to_ids(pre_byte(e2) if build is byte_level_tokenizer else f"<0x{e2:02X}>")
+    assert read(token) == bytes([e2])  # not U+FFFD's bytes
+    if build is byte_level_tokenizer:
+        assert read(tokenizer.convert_tokens_to_ids(SPECIALS[1])) == SPECIALS[1].encode()
+
+
+def pre_byte(b: int) -> str:
+    from specdec.text import UNICODE_TO_BYTE
+
+    return next(c for c, v in UNICODE_TO_BYTE.items() if v == b)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer([("Ã", "©"), ("h", "Ã©")])  # "é" one token, and "hé" one
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = tokenizer.convert_tokens_to_ids(SPECIALS)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=ids[0], eos_token_id=ids[1], pad_token_id=ids[1])
+    torch.manual_seed(0)
+    model = TransformersModel(LlamaForCausalLM(config), tokenizer, NAME, exact_rows=True)
+    with serving(lambda: Service(model, limits=Limits(max_tokens=24)), max_batch=4, steer=False) as (url, _):
+        yield url
+
+
+def _chat_body(tokenizer, **fields) -> dict:
+    # the random model's answers kept to the bytes of "é" (C3 A9, and the merged "é") and "a": split
+    # characters, whole ones and stray bytes; never a special token, whose text a content skips
+    allowed = set(tokenizer.convert_tokens_to_ids(["Ã", "©", "Ã©", "a"]))
+    bias = {str(i): -100 for i in range(len(tokenizer)) if i not in allowed}
+    return {"model": NAME, "messages": [{"role": "user", "content": TEXT}], "max_tokens": 40, "temperature": 1,
+            "seed": 3, "n": 4, "logprobs": True, "top_logprobs": 2, "logit_bias": bias, **fields}
+
+
+def test_chat_logprobs_bytes_rebuild_the_content_whole_and_streamed(server, tokenizer):
+    """A token that is part of a character carries that part of its bytes, so that a choice's
+    tokens' bytes, joined, decode to its content, also where a character's bytes span tokens."""
+    whole = httpx.post(server + "/v1/chat/completions", json=_chat_body(tokenizer), timeout=60).json()
+    contents = []
+    for choice in whole["choices"]:
+        content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+        assert b"".join(bytes(e["bytes"]) for e in entries).decode(errors="replace") == content
+        # a token shown as U+FFFD is, in this vocabulary, one byte of a character: that byte
+        assert all(len(t["bytes"]) == 1 and t["bytes"][0] >= 0x80 for e in entries
+                   for t in [e, *e["top_logprobs"]] if t["token"] == "\ufffd")
+        contents.append(content)
+    assert any("é" in c for c in contents)  # a character made of two tokens among them
+    assert any(bytes(e["bytes"]) in (b"\xc3", b"\xa9") for c in whole["choices"] for e in c["logprobs"]["content"])
+    streamed = [[] for _ in contents], [[] for _ in contents]
+    with httpx.stream("POST", server + "/v1/chat/completions", json=_chat_body(tokenizer, stream=True),
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[0][choice["index"]].append(choice["delta"].get("content") or "")
+                    streamed[1][choice["index"]] += (choice["logprobs"] or {}).get("content") or []
+    for i, content in enumerate(contents):
+        assert "".join(streamed[0][i]) == content
+        assert b"".join(bytes(e["bytes"]) for e in streamed[1][i]).decode(errors="replace") == content
 
 
 # -- detokenising tokens that never decode cleanly ---------------------------------------------
@@ -100,6 +223,21 @@ def _real_tokenizer(name: str):
     if not registry.is_installed(name):
         pytest.skip(f"{name} is not installed (run `make models`)")
     return AutoTokenizer.from_pretrained(registry.require_installed(name))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"])
+def test_real_tokenizers_token_bytes_are_each_tokens_own(name):
+    """On each family's tokenizer: a text's tokens' bytes join into its UTF-8, and every token
+    that decodes alone without U+FFFD has that decode's bytes (special tokens by name)."""
+    tokenizer = _real_tokenizer(name)
+    read = token_bytes_reader(tokenizer)
+    text = TEXT + ' a\u00a0b \x01 x\n\n  def f():\n\treturn "∀x" 🦜🦜'
+    assert b"".join(read(i) for i in tokenizer.encode(text, add_special_tokens=False)) == text.encode()
+    for token in range(0, len(tokenizer), 13):
+        alone = tokenizer.decode([token], skip_special_tokens=False)
+        if "\ufffd" not in alone:
+            assert read(token) == alone.encode(), token
 
 
 @pytest.mark.real

@@ -504,8 +504,7 @@ class _Run:
         name = self.service.token_text
         if self.chat:
             def item(token: int, logprob: float) -> dict:
-                piece = name(token)
-                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+                return {"token": name(token), "logprob": logprob, "bytes": list(self.service.token_bytes(token))}
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                                 for e in entries]}
         return {"tokens": [name(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
