@@ -1,13 +1,16 @@
-"""`specdec serve` as OpenAI's clients read it: chat `logprobs` carry each token's own bytes, and
-text streams in work linear in its tokens whatever they decode to (a token that is a lone byte,
-which a client can ask for with `logit_bias`).
+"""`specdec serve` as OpenAI's clients read it: every response body matches OpenAI's published
+schema (a copy of its components in tests/data, checked by a small validator here), chat
+`logprobs` carry each token's own bytes, and text streams in work linear in its tokens whatever
+they decode to (a token that is a lone byte, which a client can ask for with `logit_bias`).
 A tiny random model with a byte-level BPE tokenizer built here; real tokenizers at the end.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,12 +21,102 @@ from specdec.server.app import _Text
 from specdec.server.service import Limits, Service
 from specdec.text import token_bytes_reader
 
-from test_server import serving
+from test_server import _client, serving
 
+COMPONENTS = json.loads((Path(__file__).parent / "data" / "openai_openapi_components.json").read_text())
+SCHEMAS = COMPONENTS["components"]["schemas"]
 NAME = "tiny-bytes"
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
 TEXT = "héllo €uro 日本 🦜 ok"
 PARTIAL = 3  # the U+FFFD an incomplete character at the end of a text may show: held back
+
+
+# -- a small validator for the JSON Schema subset OpenAI's components use ----------------------
+
+def violations(schema: dict, value, path: str = "$") -> list[str]:
+    """Where `value` breaks `schema` (an OpenAPI 3.1 schema of `SCHEMAS`): type, nullable, enum,
+    properties, required, items, additionalProperties, anyOf, oneOf, allOf, $ref; [] if nowhere.
+    Keywords outside the subset (format, default, discriminator, descriptions) are not checked."""
+    if "$ref" in schema:
+        found = violations(SCHEMAS[schema["$ref"].rsplit("/", 1)[-1]], value, path)
+        rest = {k: v for k, v in schema.items() if k != "$ref"}  # 3.1 allows keywords beside $ref
+        return found + (violations(rest, value, path) if rest else [])
+    if value is None and schema.get("nullable"):
+        return []
+    errors = []
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            passing = sum(not violations(option, value, path) for option in schema[key])
+            if passing == 0 or (key == "oneOf" and passing > 1):
+                errors.append(f"{path}: {passing} of its {key} options match {json.dumps(value)[:80]}")
+    for option in schema.get("allOf", []):
+        errors += violations(option, value, path)
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if not any(_is(kind, value) for kind in kinds):
+            return errors + [f"{path}: {json.dumps(value)[:80]} is not of type {'/'.join(kinds)}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, dict):
+        errors += [f"{path}: {name!r} is required" for name in schema.get("required", []) if name not in value]
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties:
+                errors += violations(properties[name], item, f"{path}.{name}")
+            elif extra is False:
+                errors.append(f"{path}: {name!r} is not allowed")
+            elif isinstance(extra, dict):
+                errors += violations(extra, item, f"{path}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for k, item in enumerate(value):
+            errors += violations(schema["items"], item, f"{path}[{k}]")
+    return errors
+
+
+def _is(kind: str, value) -> bool:
+    return {"object": lambda: isinstance(value, dict), "array": lambda: isinstance(value, list),
+            "string": lambda: isinstance(value, str), "boolean": lambda: isinstance(value, bool),
+            "integer": lambda: isinstance(value, int) and not isinstance(value, bool),
+            "number": lambda: isinstance(value, (int, float)) and not isinstance(value, bool),
+            "null": lambda: value is None}[kind]()
+
+
+def check(kind: str, body: dict) -> None:
+    errors = violations(SCHEMAS[kind], body)
+    assert not errors, f"{kind}: " + "; ".join(errors[:5])
+
+
+# OpenAI's API streams completions chunks with "finish_reason": null until the last, as its
+# chat chunks do, but its schema (one for whole and streamed completions) types the field as a
+# string: the chunks are checked against the schema with only that field made nullable
+COMPLETION_CHUNK = copy.deepcopy(SCHEMAS["CreateCompletionResponse"])
+COMPLETION_CHUNK["properties"]["choices"]["items"]["properties"]["finish_reason"]["nullable"] = True
+SCHEMAS["CompletionChunk"] = COMPLETION_CHUNK
+
+
+def test_the_validator_catches_a_missing_field_a_wrong_type_and_a_value_outside_an_enum():
+    """The checks below could not pass by checking nothing."""
+    good = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": "hi", "refusal": None}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "speculative": {}}}
+    assert violations(SCHEMAS["CreateChatCompletionResponse"], good) == []
+    bad = copy.deepcopy(good)
+    del bad["choices"][0]["message"]["refusal"]
+    assert violations(SCHEMAS["CreateChatCompletionResponse"], bad) == ["$.choices[0].message: 'refusal' is required"]
+    bad = copy.deepcopy(good)
+    bad["created"] = "1"
+    assert violations(SCHEMAS["CreateChatCompletionResponse"], bad) == ['$.created: "1" is not of type integer']
+    bad = copy.deepcopy(good)
+    bad["choices"][0]["finish_reason"] = "done"
+    assert len(violations(SCHEMAS["CreateChatCompletionResponse"], bad)) == 1
+    bad = copy.deepcopy(good)
+    bad["choices"][0]["logprobs"] = {"content": [{"token": "a", "logprob": 0.0, "bytes": [97]}], "refusal": None}
+    assert violations(SCHEMAS["CreateChatCompletionResponse"], bad)  # anyOf: no option matches (top_logprobs)
+    assert violations(SCHEMAS["ErrorResponse"], {"error": {"message": "m", "type": "t", "param": None}})
+    assert violations(SCHEMAS["ListModelsResponse"], {"object": "list", "data": [{"id": 1}]})
 
 
 # -- a tiny model with a byte-level BPE tokenizer and a chat template ---------------------------
@@ -135,6 +228,50 @@ def test_chat_logprobs_bytes_rebuild_the_content_whole_and_streamed(server, toke
     for i, content in enumerate(contents):
         assert "".join(streamed[0][i]) == content
         assert b"".join(bytes(e["bytes"]) for e in streamed[1][i]).decode(errors="replace") == content
+
+
+def _events(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, timeout=60) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_every_response_body_matches_openais_schema(server, tokenizer):
+    """Completions and chat completions, whole and streamed (with logprobs and a usage chunk), the
+    models list and error bodies, against OpenAI's own schemas; our extra fields (usage's
+    `speculative`, the model's `max_model_len`) are where they allow more properties."""
+    post = lambda path, body: httpx.post(server + path, json=body, timeout=60)  # noqa: E731
+    completion = {"model": NAME, "prompt": "héllo", "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    reply = post("/v1/completions", completion)
+    assert reply.status_code == 200
+    check("CreateCompletionResponse", reply.json())
+    assert "speculative" in reply.json()["usage"]
+    chunks = _events(server, "/v1/completions", {**completion, "stream": True, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"] and any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks)
+    for chunk in chunks:
+        check("CompletionChunk", chunk)
+    chat = _chat_body(tokenizer, n=2, max_tokens=8)
+    reply = post("/v1/chat/completions", chat)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["refusal"] is None
+    assert reply.json()["choices"][0]["logprobs"]["refusal"] is None
+    check("CreateChatCompletionResponse", reply.json())
+    check("CreateChatCompletionResponse", post("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": None}).json())
+    chunks = _events(server, "/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks) and chunks[-1]["usage"]
+    for chunk in chunks:
+        check("CreateChatCompletionStreamResponse", chunk)
+    models = httpx.get(server + "/v1/models").json()
+    assert models["data"][0]["max_model_len"]
+    check("ListModelsResponse", models)
+    for path, body, status in [("/v1/completions", {"model": NAME, "prompt": ""}, 400),
+                               ("/v1/chat/completions", {"model": "other", "messages": []}, 404),
+                               ("/v1/completions", {**completion, "temperature": "hot"}, 400)]:
+        reply = post(path, body)
+        assert reply.status_code == status
+        check("ErrorResponse", reply.json())
+    assert _client(server).models.list().data[0].id == NAME  # and the real client reads them
 
 
 # -- detokenising tokens that never decode cleanly ---------------------------------------------

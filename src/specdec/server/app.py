@@ -489,8 +489,8 @@ class _Run:
         if delta:
             return {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                     "finish_reason": reason}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
+        return {"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, i: int) -> dict | None:
         """The `logprobs` of choice i's tokens that its text sent so far carries and no earlier
@@ -506,7 +506,7 @@ class _Run:
             def item(token: int, logprob: float) -> dict:
                 return {"token": name(token), "logprob": logprob, "bytes": list(self.service.token_bytes(token))}
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
-                                for e in entries]}
+                                for e in entries], "refusal": None}
         return {"tokens": [name(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{name(t): v for t, v in e.top} for e in entries],
                 "text_offset": [text.ends[k - 1] if k else 0 for k in range(first, first + len(entries))]}
@@ -534,7 +534,7 @@ class _Run:
     async def events(self, include_usage: bool):
         try:
             if self.chat:
-                yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
                                             "logprobs": None, "finish_reason": None}
                                            for i in range(len(self.choices))], True))
             async for i, piece, reason in self._items():
