@@ -42,6 +42,76 @@ def decode_ids(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) 
     return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode table, inverted: byte-level BPE spells byte b as the character
+    chr(b) where that is printable, else as chr(256 + k) for the k-th byte that is not."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)], extra = b, extra + 1
+    return table
+
+
+UNICODE_TO_BYTE = _unicode_to_byte()
+
+
+def token_bytes_reader(tokenizer):
+    """A function: token id -> that token's own bytes (OpenAI's `logprobs[].bytes`), such that a
+    text's tokens' bytes, joined, are the text's UTF-8, also where a character's bytes span tokens
+    (decoded alone, such a token is U+FFFD). It replays the tokenizer's decoder on the token's
+    string as Hugging Face's tokenizers do, step by step: byte-level BPE (Qwen2.5, SmolLM2, Llama 3)
+    maps the string back through GPT-2's byte table; SentencePiece-style (Gemma) replaces '▁' by a
+    space and reads <0xHH> tokens as that byte. A decoder it does not know (or a tokenizer without
+    one) falls back to the token decoded alone. Steps that act on the joined text (after `Fuse`,
+    such as Llama 2's strip of the first space) are left out: they are not one token's."""
+    import json
+    import re
+
+    if tokenizer is None:
+        return lambda token: decode_ids(None, [token]).encode()
+    fallback = lambda token: tokenizer.decode([token], skip_special_tokens=False).encode()  # noqa: E731
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        state = json.loads(decoder.__getstate__()) if decoder is not None else None
+    except (TypeError, ValueError, AttributeError):
+        state = None
+    if state is None:
+        steps = [{"type": "ByteLevel"}] if getattr(tokenizer, "byte_decoder", None) else None  # a slow GPT-2
+    else:
+        steps = state.get("decoders", []) if state.get("type") == "Sequence" else [state]
+    known = {"Replace", "ByteFallback", "ByteLevel", "Metaspace", "Fuse", "Strip"}
+    if not steps or any(step.get("type") not in known for step in steps):
+        return fallback
+    byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def read(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):
+            return fallback(token)
+        for step in steps:
+            kind = step["type"]
+            if kind == "Fuse" or kind == "Strip":
+                break  # from here on the decoder acts on the joined text
+            if kind == "Replace":
+                pattern = step.get("pattern", {})
+                if "String" not in pattern:
+                    return fallback(token)
+                piece = piece.replace(pattern["String"], step.get("content", ""))
+            elif kind == "Metaspace":
+                piece = piece.replace(step.get("replacement", "▁"), " ")
+            elif kind == "ByteFallback":
+                match = byte_token.fullmatch(piece)
+                if match:
+                    return bytes([int(match.group(1), 16)])
+            else:  # ByteLevel: a string with a character outside the table (an added token) is itself
+                if all(c in UNICODE_TO_BYTE for c in piece):
+                    return bytes(UNICODE_TO_BYTE[c] for c in piece)
+        return piece.encode()
+
+    return read
+
+
 # Special tokens that end a text or a turn, wherever a vocabulary holds them as special tokens. A
 # config may name one EOS while the model ends its texts with another: the embedded
 # Qwen2.5-Coder-Instruct configs (converted from their GGUF) name <|im_end|>, and a plain

@@ -61,12 +61,16 @@ class _Text:
     or may begin a stop string is held back until it cannot. With `offsets`, also where each
     token's text ends (`ends`), to say which tokens a piece of text carries (`released`).
 
-    Decoded incrementally: each new token decodes with at most SEAM + STABLE ids before it, so a
-    long answer costs linear time, not a decode of the whole output per token (a tokenizer may
+    Decoded incrementally: each new token decodes with at most SEAM + 2 * STABLE ids before it,
+    so a long answer costs linear time, not a decode of the whole output per token (a tokenizer may
     merge or strip at the seam: the tail is read as the difference of two decodes of a window
-    that starts SEAM tokens before the text taken as settled)."""
+    that starts SEAM tokens before the text taken as settled). Text STABLE tokens back settles
+    whatever it decodes to, U+FFFD included: UTF-8 completes a character within 4 bytes, so bytes
+    that far back either joined one or never will (a client can ask for lone-byte tokens with
+    `logit_bias`; waiting for them to decode cleanly would re-decode the whole output per token)."""
 
     SEAM, STABLE = 4, 8
+    PARTIAL = 3  # the most U+FFFD an incomplete character at the end shows (one per byte at most)
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str], offsets: bool = False,
                  min_tokens: int = 0, include_stop: bool = False):
@@ -78,6 +82,7 @@ class _Text:
         self.ends: list[int] | None = [] if offsets else None
         self.final = False
         self.text = ""
+        self._released = 0  # tokens counted as sent by `released`, advanced as `sent` grows
         self._settled, self._settled_text = 0, ""  # ids[:_settled] decode to _settled_text, for good
         self._head = ""  # the decode of the SEAM ids before _settled: changes only when the text settles
 
@@ -88,11 +93,19 @@ class _Text:
         tail = window[len(head):] if window.startswith(head) else self.decode(self.ids)[len(self._settled_text):]
         self.text = self._settled_text + tail
         if self.ends is not None:
-            self.ends.append(len(self.text))
-        if len(self.ids) - self._settled >= 2 * self.STABLE and not tail.endswith("\ufffd"):
+            end, ends = len(self.text), self.ends
+            # a character completed shortens the text (its bytes' U+FFFD become one character): the
+            # tokens that held its first bytes end where it does, so that `ends` never decreases
+            k = len(ends) - 1
+            while k >= 0 and ends[k] > end:
+                ends[k], k = end, k - 1
+            ends.append(end)
+        if len(self.ids) - self._settled >= 2 * self.STABLE:
             settle = len(self.ids) - self.STABLE  # the window's first ids can no longer change
             settled = self.decode(self.ids[start:settle])
-            if settled.startswith(head) and not settled.endswith("\ufffd"):  # a character's bytes not cut
+            # the cut at `settle` splits no character the ids after it complete: the text so far
+            # (STABLE tokens on, so at least as many bytes) goes on from what is settled
+            if settled.startswith(head) and tail.startswith(settled[len(head):]):
                 self._settled, self._settled_text = settle, self._settled_text + settled[len(head):]
                 self._head = self.decode(self.ids[max(0, settle - self.SEAM):settle])
 
@@ -114,9 +127,10 @@ class _Text:
         elif final:
             end = len(text)
         else:
-            end = len(text) - self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":  # a character still incomplete
-                end -= 1
+            end, partial = len(text) - self.hold, 0
+            # a character still incomplete shows as U+FFFD at the end; earlier ones are final
+            while end > self.sent and partial < self.PARTIAL and text[end - 1] == "\ufffd":
+                end, partial = end - 1, partial + 1
         piece = text[self.sent:max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece
@@ -128,7 +142,10 @@ class _Text:
             return len(self.ids)
         if self.stopped:
             return sum(1 for start in [0] + self.ends[:-1] if start < self.sent)
-        return sum(1 for end in self.ends if end <= self.sent)
+        ends = self.ends  # never decreasing (`_push`): counted on from the last call, not from 0
+        while self._released < len(ends) and ends[self._released] <= self.sent:
+            self._released += 1
+        return self._released
 
 
 def _error(error: BadRequest) -> JSONResponse:
@@ -518,8 +535,8 @@ class _Run:
         if delta:
             return {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                     "finish_reason": reason}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
+        return {"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, i: int) -> dict | None:
         """The `logprobs` of choice i's tokens that its text sent so far carries and no earlier
@@ -533,14 +550,12 @@ class _Run:
         name = self.service.token_text
         if self.chat:
             def item(token: int, logprob: float) -> dict:
-                piece = name(token)
-                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+                return {"token": name(token), "logprob": logprob, "bytes": list(self.service.token_bytes(token))}
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
-                                for e in entries]}
-        starts = [0] + text.ends[:-1]
+                                for e in entries], "refusal": None}
         return {"tokens": [name(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{name(t): v for t, v in e.top} for e in entries],
-                "text_offset": [starts[k] for k in range(first, first + len(entries))]}
+                "text_offset": [text.ends[k - 1] if k else 0 for k in range(first, first + len(entries))]}
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -565,7 +580,7 @@ class _Run:
     async def events(self, include_usage: bool):
         try:
             if self.chat:
-                yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield _sse(self._envelope([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
                                             "logprobs": None, "finish_reason": None}
                                            for i in range(len(self.choices))], True))
             async for i, piece, reason in self._items():

@@ -15,6 +15,7 @@ from ..methods import METHODS, Parts, build, preset
 from ..penalties import LogitRules
 from ..samplers import Sampler
 from ..spec import SpecConfig
+from ..text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
 
 MAX_SALTS = 32  # cache salts of one API key whose suffix caches are kept (its least recently used dropped first)
@@ -107,6 +108,8 @@ class Service:
             raise BadRequest("speculation 'retrieval' needs a datastore")
         self.datastore = datastore
         self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        self._read_bytes = None  # `text.token_bytes_reader` of the target's tokenizer, made on first use
 
     def suffix_cache(self, salt: str = "", key: str = "") -> SuffixCache | None:
         """The earlier outputs that suffix drafting draws on for the tenant `salt` (None where the
@@ -130,6 +133,16 @@ class Service:
         if text is None:
             text = self._token_texts[token] = self.target.decode([token], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes as chat `logprobs` show them: a character's bytes split across
+        tokens are each token's part of them, not U+FFFD's (`text.token_bytes_reader`)."""
+        data = self._token_bytes.get(token)
+        if data is None:
+            if self._read_bytes is None:
+                self._read_bytes = token_bytes_reader(self.target.tokenizer)
+            data = self._token_bytes[token] = self._read_bytes(token)
+        return data
 
     def prompt_ids(self, job: Job) -> list[list[int]]:
         """The job's prompts as token ids (chat messages through the model's chat template: one)."""
