@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -26,6 +27,7 @@ from .schema import BadRequest, Job, parse_body, parse_job
 from .service import Service
 from .worker import EngineStopped, QueueFull, Worker
 
+log = logging.getLogger("specdec.server")
 POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
 
@@ -167,9 +169,11 @@ API_KEY_VARIABLE = "SPECDEC_API_KEY"
 
 
 def api_key_from(flag: str | None, path=None) -> list[str] | None:
-    """The API keys: `--api-key`, else every non-empty line of `--api-key-file` (one key per
-    client: each key is a tenant of its own, `cache_salt`), else $SPECDEC_API_KEY, else None (no
-    key). Raises SpecdecError for two sources at once, or an unreadable or empty file."""
+    """The API keys: `--api-key`, else every non-empty line of `--api-key-file` but `#` comments
+    (one key per client: each key is a tenant of its own, `cache_salt`), else $SPECDEC_API_KEY,
+    else None (no key). Raises SpecdecError for two sources at once, an unreadable or empty file,
+    or a key that is not printable ASCII (an HTTP header carries no other). A key file that others
+    than its owner may read is warned about."""
     import os
     from pathlib import Path
 
@@ -180,15 +184,28 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
             lines = Path(path).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise SpecdecError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__})") from None
-        keys = [line.strip() for line in lines if line.strip()]
+        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not keys:
             raise SpecdecError(f"--api-key-file {path} is empty")
-        return keys
+        if os.name == "posix" and Path(path).stat().st_mode & 0o077:
+            log.warning(f"warning: --api-key-file {path} is readable by other users; chmod 600 {path}")
+        return _ascii_keys(keys, f"--api-key-file {path}")
     if flag is not None:
         if not flag.strip():
             raise SpecdecError("--api-key is empty")
-        return [flag]
-    return [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else None
+        return _ascii_keys([flag], "--api-key")
+    key = os.environ.get(API_KEY_VARIABLE)
+    return _ascii_keys([key], f"${API_KEY_VARIABLE}") if key else None
+
+
+def _ascii_keys(keys: list[str], source: str) -> list[str]:
+    """The keys, refused where one could never match: a header's bytes are ASCII (clients send
+    nothing else), so a key with other characters would lock every client out."""
+    for number, key in enumerate(keys, 1):
+        if not all(" " < c < "\x7f" for c in key):
+            where = f" (key {number})" if len(keys) > 1 else ""
+            raise SpecdecError(f"{source}{where}: a key must be printable ASCII without spaces, as HTTP headers carry")
+    return keys
 
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
@@ -256,9 +273,11 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         """Check the request's key -> its tenant ("" without keys; with several keys, each its own)."""
         if not keys:
             return ""
-        given = request.headers.get("authorization", "").encode()
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme's name is case-insensitive (RFC 7235); headers arrive as latin-1, keys are ASCII
+        given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
         # every key compared, so the time taken does not tell which one nearly matched
-        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]
         if not any(matches):
             raise BadRequest("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                              type="authentication_error", code="invalid_api_key")
