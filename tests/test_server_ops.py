@@ -3,17 +3,24 @@ connections, the key file's pitfalls, and the first start's cost measuring."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
+from typer.testing import CliRunner
 
+from specdec.cli import app as cli
 from specdec.errors import SpecdecError
+from specdec.server.app import create_app
 from specdec.server.service import Limits, Service
 
-from test_server import serving, _client, NAME
+from test_server import serving, NAME, _metric, _metrics
 from conftest import tiny_model
 
 
@@ -52,3 +59,129 @@ def test_the_bearer_scheme_is_case_insensitive_and_only_the_key_matches(tiny):
             assert response.status_code == status, header
             if status == 401:
                 assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+@contextlib.contextmanager
+def _uvicorn(load, config: dict | None = None, send_buffer: int | None = None, **options):
+    """As `serving`, with uvicorn's own settings (`config`) too, and on a listening socket whose
+    connections get a fixed `send_buffer` (none grown by the kernel) -> (base URL, app)."""
+    app = create_app(load, **options)
+    listening = socket.socket()
+    if send_buffer is not None:  # accepted connections inherit it
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    listening.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **(config or {})))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.05)
+        yield url, app
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        listening.close()
+
+
+def _connect(url: str, receive_buffer: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    conn = socket.socket()
+    if receive_buffer is not None:  # before connecting: the window the server may fill
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    conn.settimeout(30)
+    conn.connect((host, int(port)))
+    return conn
+
+
+def _answer(conn: socket.socket) -> bytes:
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        piece = conn.recv(65536)
+        assert piece, "the server closed the connection without an answer"
+        answer += piece
+    return answer
+
+
+def test_a_trickled_body_is_408_after_the_body_timeout_and_the_server_goes_on(tiny):
+    with serving(lambda: Service(tiny, None, limits=Limits(body_timeout=0.5))) as (url, app):
+        with _connect(url) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 60\r\n\r\n{\"prompt\": [1, 2], ")  # and the rest never comes
+            answer = _answer(conn)
+            while b"}}" not in answer and (piece := conn.recv(65536)):  # the body, if it came apart
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 408") and b'"code":"body_timeout"' in answer, answer[:400]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
+
+
+def test_a_client_that_stops_reading_its_stream_is_cancelled_after_the_write_timeout():
+    """The client asks for a long stream and reads none of it: once the socket buffers are full,
+    the server's send blocks; past --write-timeout the request is cancelled (its sequence freed)
+    and the connection dropped, where it would otherwise wait on the client for ever."""
+    target = tiny_model(0, exact_rows=True, name=NAME, max_positions=2048)
+    with _uvicorn(lambda: Service(target, None, limits=Limits(write_timeout=0.5)), send_buffer=4096) as (url, app):
+        # some 700 bytes a token: 1.4 MB in all, and some 100 kB fill the buffers on the way
+        request = json.dumps({"prompt": [1, 2], "max_tokens": 2000, "temperature": 1, "logprobs": 15,
+                              "stream": True, "ignore_eos": True}).encode()
+        with _connect(url, receive_buffer=4096) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(request), request))
+            deadline = time.monotonic() + 60
+            while _metric(_metrics(url), "specdec:requests_total", status="cancelled") < 1:
+                assert time.monotonic() < deadline, "the stalled stream was never cancelled"
+                time.sleep(0.1)
+            worker = app.state.specdec["worker"]
+            while worker.running or worker.waiting:
+                assert time.monotonic() < deadline, "the stalled stream's sequence was not freed"
+                time.sleep(0.05)
+            read = 0
+            try:  # what the socket holds, then the end the server made of the connection
+                while piece := conn.recv(65536):
+                    read += len(piece)
+            except ConnectionResetError:
+                pass
+        assert read < 2000 * 200  # the server dropped the stream, it did not finish it
+        ok = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200
+
+
+def test_connections_past_the_cap_are_503(tiny):
+    # what `serve --max-connections 1` asks of uvicorn, which counts the connection asking too
+    with _uvicorn(lambda: Service(tiny, None), {"limit_concurrency": 2}) as (url, _):
+        with _connect(url):  # an idle connection holds the only place
+            time.sleep(0.2)  # accepted by the server's loop (uvicorn counts it from then)
+            assert httpx.get(url + "/health").status_code == 503
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health").status_code != 200:  # the place is free again once it closes
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_serve_passes_the_connection_cap_and_timeouts_on(monkeypatch):
+    import uvicorn as uvicorn_module
+
+    calls = []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **options: calls.append((app, options)))
+    result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model", "--max-connections", "7",
+                                      "--body-timeout", "3", "--write-timeout", "4"])
+    assert result.exit_code == 0, result.output
+    (app, options), = calls
+    assert options["limit_concurrency"] == 8  # uvicorn counts the connection asking too
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-connections", "0"], "--max-connections must be >= 1"),
+    (["--body-timeout", "0"], "--body-timeout must be > 0"),
+    (["--write-timeout", "-1"], "--write-timeout must be > 0"),
+    (["--write-timeout", "nan"], "--write-timeout must be > 0"),
+])
+def test_serve_checks_the_connection_cap_and_timeouts_before_loading(args, message):
+    result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

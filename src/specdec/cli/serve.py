@@ -49,6 +49,12 @@ def serve(
     max_body: str = typer.Option("1MiB", "--max-body", help="Largest request body."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may run (then 504)."),
     grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a request's whole body may take to "
+                                       "arrive (then 408)."),
+    write_timeout: float = typer.Option(60.0, "--write-timeout", help="Seconds a response may wait on a client that "
+                                        "reads nothing (then the request is cancelled, its connection dropped)."),
+    max_connections: int = typer.Option(1000, "--max-connections", help="Most connections and requests at once; "
+                                        "beyond it, 503."),
     suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
                                             "outputs the suffix method drafts from, shared by all requests "
                                             "(0: none)."),
@@ -81,11 +87,15 @@ def serve(
                                  ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
                                  ("--max-tokens", max_tokens, 1), ("--port", port, 0),
                                  ("--max-prompt-tokens", 1 if max_prompt_tokens is None else max_prompt_tokens, 1),
-                                 ("--suffix-cache-tokens", suffix_cache_tokens, 0)):
+                                 ("--suffix-cache-tokens", suffix_cache_tokens, 0),
+                                 ("--max-connections", max_connections, 1)):
             if value < low:
                 raise SpecdecError(f"{name} must be >= {low}, got {value}")
         if request_timeout <= 0 or grace < 0:
             raise SpecdecError("--request-timeout must be > 0 and --grace >= 0")
+        for name, value in (("--body-timeout", body_timeout), ("--write-timeout", write_timeout)):
+            if not value > 0:
+                raise SpecdecError(f"{name} must be > 0 seconds, got {value:g}")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
@@ -95,7 +105,7 @@ def serve(
             prompt_cache = parse_bytes(prompt_cache_memory, "--prompt-cache-memory")
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
-                        max_waiting=max_waiting)
+                        max_waiting=max_waiting, body_timeout=body_timeout, write_timeout=write_timeout)
         api_key = api_key_from(api_key, api_key_file)
     except SpecdecError as exc:
         _fail(str(exc))
@@ -109,7 +119,8 @@ def serve(
         budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
                          if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
-                                               cors_origins=cors_origin, host=host), host, port, grace)
+                                               cors_origins=cors_origin, host=host), host, port, grace,
+                       max_connections)
 
 
 def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: str):
@@ -199,9 +210,10 @@ def _auto_budget(service, reserved: int) -> int | None:
     return budget
 
 
-def _run_until_stopped(make_app, host: str, port: int, grace: float) -> None:
+def _run_until_stopped(make_app, host: str, port: int, grace: float, max_connections: int | None = None) -> None:
     """Serve until SIGINT or SIGTERM (in-flight requests get `grace` seconds), or until the models
-    fail to load, whose error is then the exit line."""
+    fail to load, whose error is then the exit line. Past `max_connections` connections or
+    requests at once, uvicorn answers 503."""
     import os
     import signal
 
@@ -213,7 +225,9 @@ def _run_until_stopped(make_app, host: str, port: int, grace: float) -> None:
     server = make_app(stop)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0
-    uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    # uvicorn counts the connection whose request it is admitting: one more lets `max_connections` in
+    uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace,
+                limit_concurrency=None if max_connections is None else max_connections + 1)
     error = server.state.specdec["error"]
     if error is not None:
         _fail(str(error) if isinstance(error, SpecdecError) else f"loading failed: {error!r}")

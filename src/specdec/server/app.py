@@ -153,6 +153,63 @@ class _SameMachineOnly:
         await self.app(scope, receive, send)
 
 
+class _Stalled(Exception):
+    """A send to the client stayed blocked past the write timeout."""
+
+
+class _BoundedSends:
+    """ASGI middleware, outside all others (it sees the server's own `send`): a client that stops
+    reading makes `send` wait (uvicorn holds back once its buffer is full), which would hold the
+    request's sequences forever. A send blocked past the service's `limits.write_timeout` ends the
+    request: the connection is dropped, and the response's generator closed, which cancels its
+    sequences."""
+
+    def __init__(self, app, state: dict):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        service = self.state["service"]
+        if scope["type"] != "http" or service is None:
+            await self.app(scope, receive, send)
+            return
+        limit = service.limits.write_timeout
+
+        async def bounded(message):
+            try:
+                await asyncio.wait_for(send(message), limit)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await self.app(scope, receive, bounded)
+        except _Stalled:
+            client = scope.get("client") or ("?", 0)
+            log.warning(f"a client ({client[0]}) read nothing for {limit:g} s (--write-timeout): its request is "
+                        "cancelled and its connection dropped")
+            # uvicorn's own send is its request cycle's; its transport, aborted, drops what the
+            # client never read (a plain close would wait for it to be read first)
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+                await asyncio.sleep(0)  # uvicorn hears of it: a client gone, not an answer left unfinished
+
+
+class _App(FastAPI):
+    def build_middleware_stack(self):
+        return _BoundedSends(super().build_middleware_stack(), self.state.specdec)
+
+
+class _Stream(StreamingResponse):
+    """A stream whose generator is closed however the sending ends (a stalled client's send timed
+    out, say), so that its sequences are cancelled at once rather than when it is collected."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _host_name(host: str) -> str:
     """The name in a Host header, its port left out ('[::1]:8000' -> '::1')."""
     if host.startswith("["):
@@ -247,7 +304,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         if state["worker"] is not None:
             state["worker"].stop(timeout=10)
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdec = state
     allowed_origins = sorted(set(cors_origins or []))
     app.add_middleware(_SameMachineOnly, origins=allowed_origins, host=host)
@@ -314,7 +371,12 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
                 raise BadRequest(f"the request body is {declared} bytes, over this server's limit of "
                                  f"{service.limits.max_body}", status=413, code="body_too_large")
-            body = parse_body(await _read_body(request, service.limits.max_body), service.limits.max_body)
+            try:  # a body trickled in holds its connection: it gets --body-timeout for all of it
+                raw = await asyncio.wait_for(_read_body(request, service.limits.max_body), service.limits.body_timeout)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"the request body did not arrive within this server's limit of "
+                                 f"{service.limits.body_timeout:g} s", status=408, code="body_timeout") from None
+            body = parse_body(raw, service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
             if tenant:  # each key its own tenant; its clients' salts apart within it
                 job.cache_salt = f"{tenant}/{job.cache_salt}"
@@ -351,8 +413,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             if isinstance(body.get("stream_options"), dict) else False
         run = _Run(service, job, chat, prompts, choices, worker, metrics, arrival, request)
         if job.stream:
-            return StreamingResponse(run.events(include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(run.events(include_usage), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
         return await run.whole()
 
     @app.post("/v1/completions")
