@@ -185,3 +185,50 @@ def test_serve_passes_the_connection_cap_and_timeouts_on(monkeypatch):
 def test_serve_checks_the_connection_cap_and_timeouts_before_loading(args, message):
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"] + args)
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_health_says_how_far_the_first_starts_cost_measuring_has_come(tiny):
+    release, progress = threading.Event(), {"phase": "measuring pass costs (2 of 4)"}
+
+    def load():
+        assert release.wait(20)
+        return Service(tiny, None)
+
+    with serving(load, wait=False, loading=lambda: progress["phase"]) as (url, _):
+        response = httpx.get(url + "/health")
+        assert response.status_code == 503
+        assert "loading: measuring pass costs (2 of 4)" in response.json()["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_the_loader_says_each_measured_size_counts_its_steps_and_where_the_costs_are_cached(tmp_path, monkeypatch,
+                                                                                            capsys):
+    import specdec.models
+    from specdec.cli.serve import _service_loader
+
+    class Phases(dict):  # every phase the load went through, in order
+        def __setitem__(self, key, value):
+            self.setdefault("seen", []).append(value)
+            super().__setitem__(key, value)
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "1000")  # the console wraps no line
+    models = {"t": tiny_model(0, exact_rows=True, name=NAME), "d": tiny_model(1, layers=1, exact_rows=True, name="d")}
+    monkeypatch.setattr(specdec.models, "load", lambda name, **options: models[name])
+    progress = Phases()
+    load = _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
+                           "http://127.0.0.1:1/v1", progress)
+    service = load()
+    assert service.costs is not None and service.lookup_costs is not None and service.load_costs is not None
+    assert progress["seen"] == ["loading the models"] + [f"measuring pass costs ({k} of 4)" for k in (1, 2, 3, 4)] \
+        + [None]
+    said = capsys.readouterr().err
+    assert "2 sequences x 4 rows" in said and " ms a pass" in said  # the batched passes, size by size
+    startup = [line for line in said.splitlines() if line.startswith("serving ")]
+    assert len(startup) == 1 and "pass-costs.json" in startup[0] and "cached in" in startup[0]
+    load()  # a second start reads them back: nothing measured, nothing said of sizes
+    assert " ms a pass" not in capsys.readouterr().err

@@ -109,9 +109,10 @@ def serve(
         api_key = api_key_from(api_key, api_key_file)
     except SpecdecError as exc:
         _fail(str(exc))
+    progress = {"phase": None}  # what the load is doing, for /health meanwhile
     load = _service_loader(target, None if no_drafter else drafter, method, dtype, drafter_dtype, device, max_batch,
                            prompt_cache, online, gamma_max, tree_nodes, limits, suffix_cache_tokens, datastore,
-                           f"http://{host}:{port}/v1")
+                           f"http://{host}:{port}/v1", progress)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
@@ -119,7 +120,8 @@ def serve(
         budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
                          if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
-                                               cors_origins=cors_origin, host=host), host, port, grace,
+                                               cors_origins=cors_origin, host=host,
+                                               loading=lambda: progress["phase"]), host, port, grace,
                        max_connections)
 
 
@@ -160,19 +162,22 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
 
 def _service_loader(target: str, drafter: str | None, method: str, dtype: str, drafter_dtype: str, device: str,
                     max_batch: int, prompt_cache, online: bool, gamma_max: int, tree_nodes: int, limits,
-                    suffix_cache_tokens: int, datastore, url: str):
+                    suffix_cache_tokens: int, datastore, url: str, progress: dict | None = None):
     """What the server's worker calls to load the models and measure their costs (minutes, after
-    the port is open: /health says loading meanwhile) -> the `Service`."""
+    the port is open: /health says loading meanwhile) -> the `Service`. progress["phase"]: what
+    it is doing ("measuring pass costs (k of n)"), for /health."""
+    progress = {} if progress is None else progress
 
     def load():
         from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
         from ..models import load as load_model
         from ..methods import preset
-        from ..passcost import flat_rows, load_costs, pass_costs
+        from ..passcost import cache_path, flat_rows, load_costs, pass_costs
         from ..server.schema import Speculation
         from ..server.service import Service
 
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+        progress["phase"] = "loading the models"
         common = dict(device=device, exact_rows=True, say=say, sequences=max_batch, prompt_cache=prompt_cache)
         target_model = load_model(target, dtype=dtype, role="target", **common)
         drafter_model = None if drafter is None else load_model(
@@ -183,14 +188,24 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
             OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
         service = Service(target_model, drafter_model, default=Speculation(None if method == "ar" else method,
                                                                            gamma_max, tree_nodes),
-                          limits=limits, costs=pass_costs(target_model, drafter_model, say) if drafter_model else None,
-                          lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,
-                          datastore=datastore, lookahead_rows=flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
-                          if target_model.features().tree_masks else None)
+                          limits=limits, suffix_cache_tokens=suffix_cache_tokens, datastore=datastore)
+        # the costs, each from the cache or measured now (on a first start, minutes on a CPU: said
+        # size by size, and /health says how far), once the service is checked
+        steps = {}
+        if drafter_model is not None:
+            steps["costs"] = lambda: pass_costs(target_model, drafter_model, say)
+        steps["lookup_costs"] = lambda: pass_costs(target_model, None, say)
+        if target_model.features().tree_masks:
+            steps["lookahead_rows"] = lambda: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
         if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
             uses_model = preset(method).needs_drafter_model()
-            service.load_costs = load_costs(target_model, drafter_model if uses_model else None, say)
-        err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch})", highlight=False)
+            steps["load_costs"] = lambda: load_costs(target_model, drafter_model if uses_model else None, say)
+        for k, (name, measure) in enumerate(steps.items(), 1):
+            progress["phase"] = f"measuring pass costs ({k} of {len(steps)})"
+            setattr(service, name, measure())
+        progress["phase"] = None
+        err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch}; pass costs "
+                  f"cached in {cache_path()})", highlight=False)
         return service
 
     return load

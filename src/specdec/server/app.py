@@ -267,7 +267,8 @@ def _ascii_keys(keys: list[str], source: str) -> list[str]:
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
-               steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None) -> FastAPI:
+               steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None,
+               loading: Callable[[], str | None] | None = None) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
     running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
@@ -277,6 +278,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     cors_origins: the web origins whose pages may call the API (a request from any other page,
     one with an `Origin` header, is refused: 403). host: the address listened on; on a loopback
     address, a request naming another host (`Host`: a DNS-rebinding page) is refused (403).
+    loading: what the load is doing meanwhile (e.g. "measuring pass costs (2 of 4)"), which
+    /health's 503 says.
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -318,7 +321,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         if state["error"] is not None:
             raise BadRequest(f"the model failed to load: {state['error']}", status=503, type="server_error")
         if state["service"] is None:
-            raise BadRequest("the model is loading; retry shortly", status=503, type="server_error")
+            doing = loading() if loading is not None else None
+            raise BadRequest(f"the model is loading{f': {doing}' if doing else ''}; retry shortly", status=503,
+                             type="server_error")
         if state["worker"] is not None and state["worker"].dead is not None:
             raise BadRequest(f"the engine stopped on an error ({state['worker'].dead!r}); this server serves no "
                              "more: restart it", status=503, type="server_error", code="engine_stopped")
