@@ -165,15 +165,23 @@ def test_connections_past_the_cap_are_503(tiny):
 
 
 def test_serve_passes_the_connection_cap_and_timeouts_on(monkeypatch):
+    import signal
+
+    import specdec.cli.serve as serve_module
     import uvicorn as uvicorn_module
 
-    calls = []
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **options: calls.append((app, options)))
+    calls, loaders = [], []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **options: calls.append(options))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # this process's own handlers stay
+    loader = serve_module._service_loader
+    monkeypatch.setattr(serve_module, "_service_loader", lambda *args: loaders.append(args) or loader(*args))
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model", "--max-connections", "7",
                                       "--body-timeout", "3", "--write-timeout", "4"])
     assert result.exit_code == 0, result.output
-    (app, options), = calls
+    (options,), (args,) = calls, loaders
     assert options["limit_concurrency"] == 8  # uvicorn counts the connection asking too
+    limits = next(a for a in args if isinstance(a, Limits))
+    assert (limits.body_timeout, limits.write_timeout) == (3, 4)
 
 
 @pytest.mark.parametrize("args, message", [
