@@ -218,20 +218,23 @@ def machine(model) -> str:
     return _cpu()
 
 
-def _cache_path():
+def cache_path():
+    """Where the measured profiles are kept (specdec's home: $SPECDEC_HOME or the user's cache)."""
     return registry.home() / "pass-costs.json"
+
+
 
 
 def _read_cache() -> dict:
     try:
-        data = json.loads(_cache_path().read_text())
+        data = json.loads(cache_path().read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
 def _write_cache(entries: dict) -> None:
-    path = _cache_path()
+    path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -250,8 +253,10 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
 
     def measure() -> dict:
         seconds, drafter_pass = {1: pass_seconds(target, 1)}, 0.0 if drafter is None else pass_seconds(drafter, 1)
+        _said(say, "1 token", seconds[1])
         for width in WIDTHS[1:]:
             seconds[width] = pass_seconds(target, width)
+            _said(say, f"{width} tokens", seconds[width])
             if PassCosts(seconds, drafter_pass).best_speedup() > CLEARLY_PAYS:
                 break
         return {"target": {str(k): v for k, v in seconds.items()}, "drafter": drafter_pass}
@@ -292,8 +297,16 @@ def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
 
     def measure() -> dict[str, float]:
         if can.batched:
-            return {f"{b},{r}": batch_pass_seconds(model, b, r, repeats=3) for b in batches for r in rows}
-        alone = {r: pass_seconds(model, r, repeats=3) for r in rows}
+            seconds = {}
+            for b in batches:
+                for r in rows:
+                    seconds[f"{b},{r}"] = batch_pass_seconds(model, b, r, repeats=3)
+                    _said(say, f"{b} sequences x {r} rows ({len(seconds)} of {len(wanted)})", seconds[f"{b},{r}"])
+            return seconds
+        alone = {}
+        for r in rows:
+            alone[r] = pass_seconds(model, r, repeats=3)
+            _said(say, f"{r} rows", alone[r])
         return {f"{b},{r}": b * alone[r] for b in batches for r in rows}
 
     seconds = _remembered(
@@ -304,12 +317,17 @@ def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
     return {tuple(map(int, k.split(","))): float(v) for k, v in seconds.items()}
 
 
+def _said(say, size: str, seconds: float) -> None:
+    """One measured size, as it comes: a first start measures for minutes on a large model."""
+    say(f"  {size}: {1e3 * seconds:.1f} ms a pass")
+
+
 def _remembered(key: str, valid, measure, what: str, say):
     """The cached seconds under `key` where `valid` takes them, else `measure()`d now and cached."""
     entry = _read_cache().get(key)
     if isinstance(entry, dict) and valid(entry.get("seconds")):
         return entry["seconds"]
-    say(f"measuring {what} once for this machine (cached in {_cache_path()})")
+    say(f"measuring {what} once for this machine (cached in {cache_path()})")
     seconds = measure()
     entries = _read_cache()  # re-read: another process may have written meanwhile
     entries[key] = {"seconds": seconds}
@@ -324,8 +342,10 @@ def flat_rows(target, overhead: float, say=lambda message: None) -> int:
     with the pass-cost profiles."""
     def measure() -> dict:
         seconds = {1: pass_seconds(target, 1)}
+        _said(say, "1 token", seconds[1])
         for width in FLAT_WIDTHS[1:]:
             seconds[width] = pass_seconds(target, width, repeats=3)
+            _said(say, f"{width} tokens", seconds[width])
             if seconds[width] > (1 + overhead) * seconds[1]:
                 break
         return {"target": {str(k): v for k, v in seconds.items()}, "drafter": 0.0, "overhead": overhead}

@@ -54,6 +54,12 @@ def serve(
     stall_timeout: float = typer.Option(120.0, "--stall-timeout", help="Seconds without a completed engine step, "
                                         "while requests wait, after which /health answers 503."),
     grace: float = typer.Option(30.0, "--grace", help="On SIGTERM, seconds in-flight requests get to finish."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a request's whole body may take to "
+                                       "arrive (then 408)."),
+    write_timeout: float = typer.Option(60.0, "--write-timeout", help="Seconds a response may wait on a client that "
+                                        "reads nothing (then the request is cancelled, its connection dropped)."),
+    max_connections: int = typer.Option(1000, "--max-connections", help="Most connections and requests at once; "
+                                        "beyond it, 503."),
     suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
                                             "outputs the suffix method drafts from, shared by all requests "
                                             "(0: none)."),
@@ -86,7 +92,8 @@ def serve(
                                  ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
                                  ("--max-tokens", max_tokens, 1), ("--port", port, 0),
                                  ("--max-prompt-tokens", 1 if max_prompt_tokens is None else max_prompt_tokens, 1),
-                                 ("--suffix-cache-tokens", suffix_cache_tokens, 0)):
+                                 ("--suffix-cache-tokens", suffix_cache_tokens, 0),
+                                 ("--max-connections", max_connections, 1)):
             if value < low:
                 raise SpecdecError(f"{name} must be >= {low}, got {value}")
         from ..generate import DRAFT_ROOM
@@ -96,6 +103,9 @@ def serve(
                 raise SpecdecError(f"{name} must be <= {DRAFT_ROOM}, got {value}")
         if request_timeout <= 0 or grace < 0 or stall_timeout <= 0:
             raise SpecdecError("--request-timeout and --stall-timeout must be > 0, --grace >= 0")
+        for name, value in (("--body-timeout", body_timeout), ("--write-timeout", write_timeout)):
+            if not value > 0:
+                raise SpecdecError(f"{name} must be > 0 seconds, got {value:g}")
         if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
             raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
                                "weights (not --drafter none, not gguf)")
@@ -105,16 +115,17 @@ def serve(
             prompt_cache = parse_bytes(prompt_cache_memory, "--prompt-cache-memory")
         limits = Limits(max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
-                        max_waiting=max_waiting)
+                        max_waiting=max_waiting, body_timeout=body_timeout, write_timeout=write_timeout)
         api_key = api_key_from(api_key, api_key_file)
         if online and api_key is not None and len(api_key) > 1:
             raise SpecdecError("--online trains one drafter on every request's rejections, so its acceptance would "
                                "tell one key's clients about another's text: not with several API keys")
     except SpecdecError as exc:
         _fail(str(exc))
+    progress = {"phase": None}  # what the load is doing, for /health meanwhile
     load = _service_loader(target, None if no_drafter else drafter, method, dtype, drafter_dtype, device, max_batch,
                            prompt_cache, online, gamma_max, tree_nodes, limits, suffix_cache_tokens, datastore,
-                           f"http://{host}:{port}/v1")
+                           f"http://{host}:{port}/v1", progress)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
@@ -123,8 +134,8 @@ def serve(
                          if type(prompt_cache) is int else 0)
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
                                                cors_origins=cors_origin, host=host, metrics_public=metrics_public,
-                                               stall_timeout=stall_timeout),
-                       host, port, grace)
+                                               stall_timeout=stall_timeout, loading=lambda: progress["phase"]),
+                       host, port, grace, max_connections)
 
 
 def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: str):
@@ -164,19 +175,22 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
 
 def _service_loader(target: str, drafter: str | None, method: str, dtype: str, drafter_dtype: str, device: str,
                     max_batch: int, prompt_cache, online: bool, gamma_max: int, tree_nodes: int, limits,
-                    suffix_cache_tokens: int, datastore, url: str):
+                    suffix_cache_tokens: int, datastore, url: str, progress: dict | None = None):
     """What the server's worker calls to load the models and measure their costs (minutes, after
-    the port is open: /health says loading meanwhile) -> the `Service`."""
+    the port is open: /health says loading meanwhile) -> the `Service`. progress["phase"]: what
+    it is doing ("measuring pass costs (k of n)"), for /health."""
+    progress = {} if progress is None else progress
 
     def load():
         from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
         from ..models import load as load_model
         from ..methods import preset
-        from ..passcost import flat_rows, load_costs, pass_costs
+        from ..passcost import cache_path, flat_rows, load_costs, pass_costs
         from ..server.schema import Speculation
         from ..server.service import Service
 
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
+        progress["phase"] = "loading the models"
         common = dict(device=device, exact_rows=True, say=say, sequences=max_batch, prompt_cache=prompt_cache)
         target_model = load_model(target, dtype=dtype, role="target", **common)
         drafter_model = None if drafter is None else load_model(
@@ -187,14 +201,24 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
             OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
         service = Service(target_model, drafter_model, default=Speculation(None if method == "ar" else method,
                                                                            gamma_max, tree_nodes),
-                          limits=limits, costs=pass_costs(target_model, drafter_model, say) if drafter_model else None,
-                          lookup_costs=pass_costs(target_model, None, say), suffix_cache_tokens=suffix_cache_tokens,
-                          datastore=datastore, lookahead_rows=flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
-                          if target_model.features().tree_masks else None)
+                          limits=limits, suffix_cache_tokens=suffix_cache_tokens, datastore=datastore)
+        # the costs, each from the cache or measured now (on a first start, minutes on a CPU: said
+        # size by size, and /health says how far), once the service is checked
+        steps = {}
+        if drafter_model is not None:
+            steps["costs"] = lambda: pass_costs(target_model, drafter_model, say)
+        steps["lookup_costs"] = lambda: pass_costs(target_model, None, say)
+        if target_model.features().tree_masks:
+            steps["lookahead_rows"] = lambda: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
         if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
             uses_model = preset(method).needs_drafter_model()
-            service.load_costs = load_costs(target_model, drafter_model if uses_model else None, say)
-        err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch})", highlight=False)
+            steps["load_costs"] = lambda: load_costs(target_model, drafter_model if uses_model else None, say)
+        for k, (name, measure) in enumerate(steps.items(), 1):
+            progress["phase"] = f"measuring pass costs ({k} of {len(steps)})"
+            setattr(service, name, measure())
+        progress["phase"] = None
+        err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch}; pass costs "
+                  f"cached in {cache_path()})", highlight=False)
         return service
 
     return load
@@ -214,9 +238,10 @@ def _auto_budget(service, reserved: int) -> int | None:
     return budget
 
 
-def _run_until_stopped(make_app, host: str, port: int, grace: float) -> None:
+def _run_until_stopped(make_app, host: str, port: int, grace: float, max_connections: int | None = None) -> None:
     """Serve until SIGINT or SIGTERM (in-flight requests get `grace` seconds), or until the models
-    fail to load, whose error is then the exit line."""
+    fail to load, whose error is then the exit line. Past `max_connections` connections or
+    requests at once, uvicorn answers 503."""
     import os
     import signal
 
@@ -228,7 +253,9 @@ def _run_until_stopped(make_app, host: str, port: int, grace: float) -> None:
     server = make_app(stop)
     for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn shuts down gracefully, then raises the signal
         signal.signal(sig, lambda *_: None)    # again for the handler it found: that ends in exit 0
-    uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    # uvicorn counts the connection whose request it is admitting: one more lets `max_connections` in
+    uvicorn.run(server, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace,
+                limit_concurrency=None if max_connections is None else max_connections + 1)
     error = server.state.specdec["error"]
     if error is not None:
         _fail(str(error) if isinstance(error, SpecdecError) else f"loading failed: {error!r}")

@@ -30,6 +30,7 @@ from .worker import STALL_TIMEOUT, STOPPED, EngineStopped, QueueFull, Worker, is
 
 log = logging.getLogger("specdec.server")
 
+log = logging.getLogger("specdec.server")
 POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
 
@@ -179,6 +180,63 @@ class _SameMachineOnly:
         await self.app(scope, receive, send)
 
 
+class _Stalled(Exception):
+    """A send to the client stayed blocked past the write timeout."""
+
+
+class _BoundedSends:
+    """ASGI middleware, outside all others (it sees the server's own `send`): a client that stops
+    reading makes `send` wait (uvicorn holds back once its buffer is full), which would hold the
+    request's sequences forever. A send blocked past the service's `limits.write_timeout` ends the
+    request: the connection is dropped, and the response's generator closed, which cancels its
+    sequences."""
+
+    def __init__(self, app, state: dict):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        service = self.state["service"]
+        if scope["type"] != "http" or service is None:
+            await self.app(scope, receive, send)
+            return
+        limit = service.limits.write_timeout
+
+        async def bounded(message):
+            try:
+                await asyncio.wait_for(send(message), limit)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await self.app(scope, receive, bounded)
+        except _Stalled:
+            client = scope.get("client") or ("?", 0)
+            log.warning(f"a client ({client[0]}) read nothing for {limit:g} s (--write-timeout): its request is "
+                        "cancelled and its connection dropped")
+            # uvicorn's own send is its request cycle's; its transport, aborted, drops what the
+            # client never read (a plain close would wait for it to be read first)
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+                await asyncio.sleep(0)  # uvicorn hears of it: a client gone, not an answer left unfinished
+
+
+class _App(FastAPI):
+    def build_middleware_stack(self):
+        return _BoundedSends(super().build_middleware_stack(), self.state.specdec)
+
+
+class _Stream(StreamingResponse):
+    """A stream whose generator is closed however the sending ends (a stalled client's send timed
+    out, say), so that its sequences are cancelled at once rather than when it is collected."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _host_name(host: str) -> str:
     """The name in a Host header, its port left out ('[::1]:8000' -> '::1')."""
     if host.startswith("["):
@@ -195,9 +253,11 @@ API_KEY_VARIABLE = "SPECDEC_API_KEY"
 
 
 def api_key_from(flag: str | None, path=None) -> list[str] | None:
-    """The API keys: `--api-key`, else every non-empty line of `--api-key-file` (one key per
-    client: each key is a tenant of its own, `cache_salt`), else $SPECDEC_API_KEY, else None (no
-    key). Raises SpecdecError for two sources at once, or an unreadable or empty file."""
+    """The API keys: `--api-key`, else every non-empty line of `--api-key-file` but `#` comments
+    (one key per client: each key is a tenant of its own, `cache_salt`), else $SPECDEC_API_KEY,
+    else None (no key). Raises SpecdecError for two sources at once, an unreadable or empty file,
+    or a key that is not printable ASCII (an HTTP header carries no other). A key file that others
+    than its owner may read is warned about."""
     import os
     from pathlib import Path
 
@@ -208,21 +268,35 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
             lines = Path(path).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise SpecdecError(f"--api-key-file {path}: cannot read it ({exc.__class__.__name__})") from None
-        keys = [line.strip() for line in lines if line.strip()]
+        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not keys:
             raise SpecdecError(f"--api-key-file {path} is empty")
-        return keys
+        if os.name == "posix" and Path(path).stat().st_mode & 0o077:
+            log.warning(f"warning: --api-key-file {path} is readable by other users; chmod 600 {path}")
+        return _ascii_keys(keys, f"--api-key-file {path}")
     if flag is not None:
         if not flag.strip():
             raise SpecdecError("--api-key is empty")
-        return [flag]
-    return [os.environ[API_KEY_VARIABLE]] if os.environ.get(API_KEY_VARIABLE) else None
+        return _ascii_keys([flag], "--api-key")
+    key = os.environ.get(API_KEY_VARIABLE)
+    return _ascii_keys([key], f"${API_KEY_VARIABLE}") if key else None
+
+
+def _ascii_keys(keys: list[str], source: str) -> list[str]:
+    """The keys, refused where one could never match: a header's bytes are ASCII (clients send
+    nothing else), so a key with other characters would lock every client out."""
+    for number, key in enumerate(keys, 1):
+        if not all(" " < c < "\x7f" for c in key):
+            where = f" (key {number})" if len(keys) > 1 else ""
+            raise SpecdecError(f"{source}{where}: a key must be printable ASCII without spaces, as HTTP headers carry")
+    return keys
 
 
 def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int | Callable | None = None,
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
                steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None,
-               stall_timeout: float = STALL_TIMEOUT, metrics_public: bool = False) -> FastAPI:
+               stall_timeout: float = STALL_TIMEOUT, metrics_public: bool = False,
+               loading: Callable[[], str | None] | None = None) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
     running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
@@ -236,6 +310,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     /health answers 503 (as it does after `worker.FAILED_STEPS` failed steps in a row).
     metrics_public: /metrics answers without a key even where keys are set (a scraper on a private
     network); otherwise it asks for one, as it shows every tenant's load.
+    loading: what the load is doing meanwhile (e.g. "measuring pass costs (2 of 4)"), which
+    /health's 503 says.
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -264,7 +340,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         if state["worker"] is not None:
             state["worker"].stop(timeout=10)
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _App(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdec = state
     allowed_origins = sorted(set(cors_origins or []))
     app.add_middleware(_SameMachineOnly, origins=allowed_origins, host=host)
@@ -278,7 +354,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         if state["error"] is not None:
             raise BadRequest("the model failed to load (the server's log says why)", status=503, type="server_error")
         if state["service"] is None:
-            raise BadRequest("the model is loading; retry shortly", status=503, type="server_error")
+            doing = loading() if loading is not None else None
+            raise BadRequest(f"the model is loading{f': {doing}' if doing else ''}; retry shortly", status=503,
+                             type="server_error")
         if state["worker"] is not None and state["worker"].dead is not None:
             raise BadRequest(STOPPED, status=503, type="server_error", code="engine_stopped")
         return state["service"]
@@ -289,9 +367,11 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
         """Check the request's key -> its tenant ("" without keys; with several keys, each its own)."""
         if not keys:
             return ""
-        given = request.headers.get("authorization", "").encode()
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme's name is case-insensitive (RFC 7235); headers arrive as latin-1, keys are ASCII
+        given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
         # every key compared, so the time taken does not tell which one nearly matched
-        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        matches = [hmac.compare_digest(given, key.encode()) for key in keys]
         if not any(matches):
             raise BadRequest("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                              type="authentication_error", code="invalid_api_key")
@@ -339,7 +419,12 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             if declared.isdigit() and int(declared) > service.limits.max_body:  # refused before it is read
                 raise BadRequest(f"the request body is {declared} bytes, over this server's limit of "
                                  f"{service.limits.max_body}", status=413, code="body_too_large")
-            body = parse_body(await _read_body(request, service.limits.max_body), service.limits.max_body)
+            try:  # a body trickled in holds its connection: it gets --body-timeout for all of it
+                raw = await asyncio.wait_for(_read_body(request, service.limits.max_body), service.limits.body_timeout)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"the request body did not arrive within this server's limit of "
+                                 f"{service.limits.body_timeout:g} s", status=408, code="body_timeout") from None
+            body = parse_body(raw, service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
             if tenant:  # each key its own tenant; its clients' salts apart within it
                 job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
@@ -379,8 +464,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             return _error(BadRequest(str(stopped), status=503, type="server_error", code="engine_stopped"))
         run = _Run(service, job, chat, prompts, choices, worker, metrics, arrival, request)
         if job.stream:
-            return StreamingResponse(run.events(job.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(run.events(job.include_usage), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
         return await run.whole()
 
     @app.post("/v1/completions")

@@ -62,13 +62,17 @@ def auto_kv_budget(service: "Service", reserved: int = 0) -> tuple[int | None, s
 class Limits:
     """max_tokens: the output bound of a chat request that names none; max_prompt_tokens: the
     longest prompt taken (None: the model's context); max_body: request body bytes;
-    request_timeout: seconds a request may run before it is cancelled (504)."""
+    request_timeout: seconds a request may run before it is cancelled (504); body_timeout: seconds
+    a request's whole body may take to arrive (408); write_timeout: seconds a send to a client that
+    reads nothing may stay blocked before its request is cancelled and its connection dropped."""
 
     max_tokens: int = 256
     max_prompt_tokens: int | None = None
     max_body: int = 1 << 20
     request_timeout: float = 600.0
     max_waiting: int = 64
+    body_timeout: float = 60.0
+    write_timeout: float = 60.0
 
 
 class Service:
