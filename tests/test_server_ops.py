@@ -213,8 +213,8 @@ def test_health_says_how_far_the_first_starts_cost_measuring_has_come(tiny):
             time.sleep(0.05)
 
 
-def test_the_loader_says_each_measured_size_counts_its_steps_and_where_the_costs_are_cached(tmp_path, monkeypatch,
-                                                                                            capsys):
+def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_where_they_are_cached(
+        tmp_path, monkeypatch, capsys):
     import specdec.models
     from specdec.cli.serve import _service_loader
 
@@ -224,19 +224,62 @@ def test_the_loader_says_each_measured_size_counts_its_steps_and_where_the_costs
             super().__setitem__(key, value)
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    monkeypatch.setenv("COLUMNS", "1000")  # the console wraps no line
     models = {"t": tiny_model(0, exact_rows=True, name=NAME), "d": tiny_model(1, layers=1, exact_rows=True, name="d")}
     monkeypatch.setattr(specdec.models, "load", lambda name, **options: models[name])
     progress = Phases()
     load = _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
                            "http://127.0.0.1:1/v1", progress)
     service = load()
-    assert service.costs is not None and service.lookup_costs is not None and service.load_costs is not None
-    assert progress["seen"] == ["loading the models"] + [f"measuring pass costs ({k} of 4)" for k in (1, 2, 3, 4)] \
-        + [None]
-    said = capsys.readouterr().err
-    assert "2 sequences x 4 rows" in said and " ms a pass" in said  # the batched passes, size by size
-    startup = [line for line in said.splitlines() if line.startswith("serving ")]
-    assert len(startup) == 1 and "pass-costs.json" in startup[0] and "cached in" in startup[0]
-    load()  # a second start reads them back: nothing measured, nothing said of sizes
+    assert progress["seen"] == ["loading the models", None]  # it serves before any cost is taken
+    assert service.costs is None and service.load_costs is None and service.measuring() == "pass costs (1 of 4)"
     assert " ms a pass" not in capsys.readouterr().err
+    while service.measure_next():
+        pass
+    assert service.costs is not None and service.lookup_costs is not None and service.load_costs is not None
+    said = capsys.readouterr().err
+    assert all(f"pass costs ({k} of 4), between requests" in said for k in (1, 2, 3, 4))
+    assert "2 sequences x 4 rows" in said and " ms a pass" in said  # the batched passes, size by size
+    service = load()
+    startup = [line for line in capsys.readouterr().err.splitlines() if line.startswith("serving ")]
+    assert len(startup) == 1 and "pass-costs.json" in startup[0] and "cached in" in startup[0]
+    while service.measure_next():  # a second start reads them back: nothing timed, nothing said of sizes
+        pass
+    assert service.load_costs is not None and " ms a pass" not in capsys.readouterr().err
+
+
+def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
+    """A first start answers at once: /health 200 saying how far the costs have come, requests
+    served (sized conservatively) between the measurements, and the batched profile becomes the
+    engine's prior once taken."""
+    from specdec.passcost import LoadCosts, PassCosts
+
+    release, timed = threading.Event(), []
+
+    def slow(value):
+        def measure():
+            timed.append(1)
+            assert release.wait(20)
+            return value
+        return measure
+
+    profile = LoadCosts({(1, 1): 0.01, (2, 1): 0.012})
+
+    def load():
+        service = Service(tiny, None, limits=Limits(request_timeout=30))
+        service.pending_costs = {"lookup_costs": slow(PassCosts({1: 0.01, 2: 0.011}, 0.0)),
+                                 "load_costs": slow(profile)}
+        return service
+
+    with serving(load) as (url, app):  # ready (200) while the first measurement waits
+        health = httpx.get(url + "/health").json()
+        assert health["status"] == "ok" and health["measuring"] == "pass costs (1 of 2)"
+        release.set()
+        reply = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "temperature": 0},
+                           timeout=30)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health").json()["measuring"] is not None:
+            assert time.monotonic() < deadline, "the costs were never taken"
+            time.sleep(0.05)
+        service, worker = app.state.specdec["service"], app.state.specdec["worker"]
+        assert timed == [1, 1] and service.load_costs is profile and worker.engine.costs.prior is profile

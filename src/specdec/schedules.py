@@ -40,6 +40,10 @@ class Schedule:
         """Most tokens to draft at this step."""
         return self.gamma
 
+    def ceiling(self) -> int:
+        """Most tokens it may ever ask to draft in one step (what a KV charge keeps room for)."""
+        return self.gamma
+
     def keep_going(self, drafted: int, logits: torch.Tensor | None) -> bool:
         """After `drafted` tokens, whose last came from `logits` [V] (a float: the drafter's own
         estimate of its chance; None: no estimate)."""
@@ -80,6 +84,9 @@ class Heuristic(Schedule):
 
     def reset(self) -> None:
         self.gamma = self.initial
+
+    def ceiling(self) -> int:
+        return self.gamma_max
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:

@@ -88,27 +88,11 @@ def serve(
 
     try:
         method, no_drafter, datastore_dir = _served_method(method, drafter, datastore_dir, dtype)
-        for name, value, low in (("--gamma-max", gamma_max, 1), ("--tree-nodes", tree_nodes, 1),
-                                 ("--max-batch", max_batch, 1), ("--max-waiting", max_waiting, 1),
-                                 ("--max-tokens", max_tokens, 1), ("--port", port, 0),
-                                 ("--max-prompt-tokens", 1 if max_prompt_tokens is None else max_prompt_tokens, 1),
-                                 ("--suffix-cache-tokens", suffix_cache_tokens, 0),
-                                 ("--max-connections", max_connections, 1)):
-            if value < low:
-                raise SpecdecError(f"{name} must be >= {low}, got {value}")
-        from ..generate import DRAFT_ROOM
-
-        for name, value in (("--gamma-max", gamma_max), ("--tree-nodes", tree_nodes)):
-            if value > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
-                raise SpecdecError(f"{name} must be <= {DRAFT_ROOM}, got {value}")
-        if request_timeout <= 0 or grace < 0 or stall_timeout <= 0:
-            raise SpecdecError("--request-timeout and --stall-timeout must be > 0, --grace >= 0")
-        for name, value in (("--body-timeout", body_timeout), ("--write-timeout", write_timeout)):
-            if not value > 0:
-                raise SpecdecError(f"{name} must be > 0 seconds, got {value:g}")
-        if online and (no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS):
-            raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
-                               "weights (not --drafter none, not gguf)")
+        _check_bounds(gamma_max=gamma_max, tree_nodes=tree_nodes, max_batch=max_batch, max_waiting=max_waiting,
+                      max_tokens=max_tokens, port=port, max_prompt_tokens=max_prompt_tokens,
+                      suffix_cache_tokens=suffix_cache_tokens, max_connections=max_connections,
+                      request_timeout=request_timeout, grace=grace, stall_timeout=stall_timeout,
+                      body_timeout=body_timeout, write_timeout=write_timeout)
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
         budget = _kv_budget(kv_memory)
         if prompt_cache and dtype not in GGUF_WEIGHTS:
@@ -117,9 +101,9 @@ def serve(
                         max_body=parse_bytes(max_body, "--max-body"), request_timeout=request_timeout,
                         max_waiting=max_waiting, body_timeout=body_timeout, write_timeout=write_timeout)
         api_key = api_key_from(api_key, api_key_file)
-        if online and api_key is not None and len(api_key) > 1:
-            raise SpecdecError("--online trains one drafter on every request's rejections, so its acceptance would "
-                               "tell one key's clients about another's text: not with several API keys")
+        if online:
+            _check_online(no_drafter or _drafter_weights(dtype, drafter, drafter_dtype, False) in GGUF_WEIGHTS,
+                          api_key)
     except SpecdecError as exc:
         _fail(str(exc))
     progress = {"phase": None}  # what the load is doing, for /health meanwhile
@@ -136,6 +120,34 @@ def serve(
                                                cors_origins=cors_origin, host=host, metrics_public=metrics_public,
                                                stall_timeout=stall_timeout, loading=lambda: progress["phase"]),
                        host, port, grace, max_connections)
+
+
+def _check_bounds(**values) -> None:
+    """serve's numeric options, checked before minutes of loading (a SpecdecError naming the flag)."""
+    from ..generate import DRAFT_ROOM
+
+    lows = {"gamma_max": 1, "tree_nodes": 1, "max_batch": 1, "max_waiting": 1, "max_tokens": 1, "port": 0,
+            "max_prompt_tokens": 1, "suffix_cache_tokens": 0, "max_connections": 1}
+    for name, low in lows.items():
+        if values[name] is not None and values[name] < low:
+            raise SpecdecError(f"--{name.replace('_', '-')} must be >= {low}, got {values[name]}")
+    for name in ("gamma_max", "tree_nodes"):
+        if values[name] > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
+            raise SpecdecError(f"--{name.replace('_', '-')} must be <= {DRAFT_ROOM}, got {values[name]}")
+    if not (values["request_timeout"] > 0 and values["grace"] >= 0 and values["stall_timeout"] > 0):  # nan too
+        raise SpecdecError("--request-timeout and --stall-timeout must be > 0, --grace >= 0")
+    for name in ("body_timeout", "write_timeout"):
+        if not values[name] > 0:
+            raise SpecdecError(f"--{name.replace('_', '-')} must be > 0 seconds, got {values[name]:g}")
+
+
+def _check_online(no_trainable_drafter: bool, api_key: list[str] | None) -> None:
+    if no_trainable_drafter:
+        raise SpecdecError("--online trains the drafter model's adapter: it needs --drafter MODEL on transformers' "
+                           "weights (not --drafter none, not gguf)")
+    if api_key is not None and len(api_key) > 1:
+        raise SpecdecError("--online trains one drafter on every request's rejections, so its acceptance would "
+                           "tell one key's clients about another's text: not with several API keys")
 
 
 def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: str):
@@ -176,16 +188,14 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
 def _service_loader(target: str, drafter: str | None, method: str, dtype: str, drafter_dtype: str, device: str,
                     max_batch: int, prompt_cache, online: bool, gamma_max: int, tree_nodes: int, limits,
                     suffix_cache_tokens: int, datastore, url: str, progress: dict | None = None):
-    """What the server's worker calls to load the models and measure their costs (minutes, after
-    the port is open: /health says loading meanwhile) -> the `Service`. progress["phase"]: what
-    it is doing ("measuring pass costs (k of n)"), for /health."""
+    """What the server's worker calls to load the models (after the port is open: /health says
+    loading meanwhile) -> the `Service`, its pass costs pending (`Service.pending_costs`: taken
+    from the cache or timed between requests). progress["phase"]: what it is doing, for /health."""
     progress = {} if progress is None else progress
 
     def load():
-        from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
         from ..models import load as load_model
-        from ..methods import preset
-        from ..passcost import cache_path, flat_rows, load_costs, pass_costs
+        from ..passcost import cache_path
         from ..server.schema import Speculation
         from ..server.service import Service
 
@@ -202,26 +212,45 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
         service = Service(target_model, drafter_model, default=Speculation(None if method == "ar" else method,
                                                                            gamma_max, tree_nodes),
                           limits=limits, suffix_cache_tokens=suffix_cache_tokens, datastore=datastore)
-        # the costs, each from the cache or measured now (on a first start, minutes on a CPU: said
-        # size by size, and /health says how far), once the service is checked
-        steps = {}
-        if drafter_model is not None:
-            steps["costs"] = lambda: pass_costs(target_model, drafter_model, say)
-        steps["lookup_costs"] = lambda: pass_costs(target_model, None, say)
-        if target_model.features().tree_masks:
-            steps["lookahead_rows"] = lambda: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
-        if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
-            uses_model = preset(method).needs_drafter_model()
-            steps["load_costs"] = lambda: load_costs(target_model, drafter_model if uses_model else None, say)
-        for k, (name, measure) in enumerate(steps.items(), 1):
-            progress["phase"] = f"measuring pass costs ({k} of {len(steps)})"
-            setattr(service, name, measure())
+        # the costs, each from the cache or timed (on a first start, minutes on a CPU), are taken by
+        # the engine's thread between requests: it serves at once, sized conservatively meanwhile
+        steps = _cost_steps(target_model, drafter_model, method, max_batch, say)
+        service.pending_costs = {name: _announced(measure, say, f"pass costs ({k} of {len(steps)}), between requests")
+                                 for k, (name, measure) in enumerate(steps.items(), 1)}
         progress["phase"] = None
         err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch}; pass costs "
-                  f"cached in {cache_path()})", highlight=False)
+                  f"cached in {cache_path()}, measured between requests where not yet)", highlight=False,
+                  soft_wrap=True)
         return service
 
     return load
+
+
+def _cost_steps(target_model, drafter_model, method: str, max_batch: int, say) -> dict:
+    """The service's costs to take from the cache or measure, by the `Service` field each fills ->
+    {field: a function measuring it}."""
+    from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
+    from ..methods import preset
+    from ..passcost import flat_rows, load_costs, pass_costs
+
+    steps = {}
+    if drafter_model is not None:
+        steps["costs"] = lambda: pass_costs(target_model, drafter_model, say)
+    steps["lookup_costs"] = lambda: pass_costs(target_model, None, say)
+    if target_model.features().tree_masks:
+        steps["lookahead_rows"] = lambda: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
+    if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
+        uses_model = preset(method).needs_drafter_model()
+        steps["load_costs"] = lambda: load_costs(target_model, drafter_model if uses_model else None, say)
+    return steps
+
+
+def _announced(measure, say, what: str):
+    """`measure`, saying `what` it takes before it starts."""
+    def announced():
+        say(f"taking {what}")
+        return measure()
+    return announced
 
 
 def _kv_budget(text: str):

@@ -153,6 +153,11 @@ class Drafter:
         """The generation ended with `sequence` (prompt and output): declared by `finishes`, for a
         drafter that learns across generations."""
 
+    def most_nodes(self) -> int:
+        """A tree drafter's most nodes in one tree (its policy's `max_nodes`: what a KV charge
+        keeps room for); 0 for a chain drafter, whose schedule bounds its drafts."""
+        return 0
+
 
 def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
     """Tell `drafter` what verification kept of its last draft (`Drafter.accept`), also where it
@@ -161,6 +166,11 @@ def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
         drafter.accept(start, path)  # its own, where it overrides the base's
     else:
         Drafter.accept(drafter, start, path)
+
+
+def most_nodes(drafter) -> int:
+    """`Drafter.most_nodes`, also of a drafter written against the protocol alone (0: unknown)."""
+    return drafter.most_nodes() if isinstance(drafter, Drafter) else 0
 
 
 def _declared_trees(drafter) -> bool:

@@ -22,7 +22,7 @@ from ..errors import ModelFault, SpecdecError
 from .. import generate
 from ..backends.cache import cache_length, crop_cache
 from ..backends.slab import slab_capacity
-from ..drafters.base import capabilities_of, is_drafter, is_factory
+from ..drafters.base import capabilities_of, is_drafter, is_factory, most_nodes
 from ..generate import Decoding, GenerationResult
 from ..passcost import LoadCosts
 from ..penalties import LogitRules
@@ -504,10 +504,7 @@ def _draft_width(decoding: Decoding) -> int:
     """The most positions one step's draft can take: a tree's node cap, a chain's longest draft."""
     if decoding.drafter is None:
         return 0
-    if decoding.trees:
-        return getattr(getattr(decoding.drafter, "policy", None), "max_nodes", 0)
-    schedule = decoding.schedule
-    return max(getattr(schedule, "gamma", 0), getattr(schedule, "gamma_max", 0))
+    return most_nodes(decoding.drafter) if decoding.trees else decoding.schedule.ceiling()
 
 
 def kv_need(positions: int, models: list) -> int:

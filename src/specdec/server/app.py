@@ -310,8 +310,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
     /health answers 503 (as it does after `worker.FAILED_STEPS` failed steps in a row).
     metrics_public: /metrics answers without a key even where keys are set (a scraper on a private
     network); otherwise it asks for one, as it shows every tenant's load.
-    loading: what the load is doing meanwhile (e.g. "measuring pass costs (2 of 4)"), which
-    /health's 503 says.
+    loading: what the load is doing meanwhile (e.g. "loading the models"), which /health's 503
+    says. Costs the service still has to measure (`Service.pending_costs`) are taken between
+    requests, one at a time, while it serves (/health's "measuring" says how far).
     `app.state.specdec` holds "service", "worker" and "error"."""
     state: dict = {"service": None, "worker": None, "error": None}
     metrics = Metrics(waiting=lambda: state["worker"].waiting if state["worker"] else 0,
@@ -322,10 +323,10 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             from ..engine import Engine
 
             service = load()
-            online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
             budget = kv_memory(service) if callable(kv_memory) else kv_memory
-            worker = Worker(Engine(service.target, max_batch, budget, steer, service.load_costs), service.limits.max_waiting,
-                            between=online.update if online is not None else None, stall_timeout=stall_timeout)
+            engine = Engine(service.target, max_batch, budget, steer, service.load_costs)
+            worker = Worker(engine, service.limits.max_waiting, between=_between_requests(service, engine),
+                            stall_timeout=stall_timeout)
             worker.start()
             state["service"], state["worker"] = service, worker
         except Exception as error:  # reported by /health and every request, in words without internals
@@ -388,7 +389,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                 raise BadRequest(trouble, status=503, type="server_error", code="engine_unhealthy")
         except BadRequest as error:
             return _error(error)
-        return {"status": "ok", **state["worker"].health()}
+        return {"status": "ok", **state["worker"].health(), "measuring": state["service"].measuring()}
 
     @app.get("/metrics")
     async def prometheus(request: HttpRequest):
@@ -488,6 +489,23 @@ def _check_json(content_type: str | None) -> None:
     if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
         raise BadRequest(f"the request body must be JSON (Content-Type: application/json), not "
                          f"{(content_type or 'undeclared')[:100]!r}", status=415, code="unsupported_media_type")
+
+
+def _between_requests(service: Service, engine) -> Callable[[], None] | None:
+    """What the engine's thread does whenever no request is in the engine: the next cost still to
+    measure (the batched profile then becomes the engine's prior), else an `--online` drafter's
+    update; None where there is neither."""
+    online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
+    if not service.pending_costs and online is None:
+        return None
+
+    def between() -> None:
+        if service.pending_costs:
+            if service.measure_next() == "load_costs" and engine.costs is not None:
+                engine.costs.prior = service.load_costs
+        elif online is not None:
+            online.update()
+    return between
 
 
 async def _read_body(request: HttpRequest, limit: int) -> bytes:

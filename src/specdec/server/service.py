@@ -5,8 +5,10 @@ models are the ones given on the command line, and a request picks only among th
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from ..drafters.suffix import SuffixCache
 from ..engine import Request
@@ -17,6 +19,8 @@ from ..samplers import Sampler
 from ..spec import SpecConfig
 from ..text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
+
+log = logging.getLogger("specdec.server")
 
 MAX_SALTS = 32  # cache salts of one API key whose suffix caches are kept (its least recently used dropped first)
 
@@ -111,9 +115,34 @@ class Service:
         elif self.default.method is not None and preset(self.default.method).method == "retrieval":
             raise BadRequest("speculation 'retrieval' needs a datastore")
         self.datastore = datastore
+        # costs still to take (from the cache, or timed) between requests, by the field each fills;
+        # until then requests are sized conservatively (schedules that time their own passes)
+        self.pending_costs: dict[str, Callable[[], object]] = {}
+        self._measured = 0
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._read_bytes = None  # `text.token_bytes_reader` of the target's tokenizer, made on first use
+
+    def measure_next(self) -> str | None:
+        """Take the next of `pending_costs` (the engine's thread calls it between requests, so that
+        timing and serving never share the machine) -> the field it filled, or None when none was
+        pending. A measurement that fails is logged and left out: its field keeps its default."""
+        if not self.pending_costs:
+            return None
+        name, measure = next(iter(self.pending_costs.items()))
+        try:
+            setattr(self, name, measure())
+        except Exception:
+            log.exception("measuring %s failed; requests go on sized without it", name)
+        del self.pending_costs[name]
+        self._measured += 1
+        return name
+
+    def measuring(self) -> str | None:
+        """How far the costs measured between requests have come ("pass costs (2 of 4)"), or None."""
+        if not self.pending_costs:
+            return None
+        return f"pass costs ({self._measured + 1} of {self._measured + len(self.pending_costs)})"
 
     def suffix_cache(self, salt: str = "", key: str = "") -> SuffixCache | None:
         """The earlier outputs that suffix drafting draws on for the tenant `salt` (None where the

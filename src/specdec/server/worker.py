@@ -66,6 +66,7 @@ class Worker:
         self._sent: dict[int, int] = {}  # engine request id -> tokens handed to its sink so far
         self.last_step = time.monotonic()  # when a step last completed, or the engine last sat idle
         self.failed_in_a_row = 0  # steps that failed since the last one that did not
+        self.busy_between = False  # whether `between` runs now (work then waits on it, not on a stalled step)
         self._recent: deque[bool] = deque(maxlen=RECENT)  # recent steps: whether each failed
         self._queued = 0  # submitted, not yet running or ended (read from other threads)
         self._lock = threading.Lock()
@@ -98,7 +99,7 @@ class Worker:
         if self.failed_in_a_row >= FAILED_STEPS:
             return f"the last {self.failed_in_a_row} engine steps failed (see the server's log)"
         age = time.monotonic() - self.last_step
-        if age > self.stall_timeout and (self._queued or self.running):
+        if age > self.stall_timeout and (self._queued or self.running) and not self.busy_between:
             return (f"no engine step has completed for {age:.0f} s while {self._queued + self.running} request(s) "
                     "wait or run")
         return None
@@ -137,6 +138,8 @@ class Worker:
                 try:
                     request_id = self.engine.add(request)
                 except Exception as error:  # a bad request fails alone
+                    if not is_clients(error):
+                        log.exception("taking in a request failed; it alone ends")
                     self._settle(1)
                     sink.failed(error)
                     continue
@@ -179,16 +182,20 @@ class Worker:
 
     def _idle(self) -> None:
         """No request in the engine: the update between requests, if any, then wait for work."""
+        self.last_step = time.monotonic()  # idle, or busy between requests, is no stall
         if self.between is not None:
+            self.busy_between = True
             try:
                 self.between()
             except Exception:  # the learner's trouble is not the requests': it stops, serving goes on
                 log.exception("the update between requests failed; it is turned off, serving goes on")
                 self.between = None
+            finally:
+                self.busy_between = False
+            self.last_step = time.monotonic()
             self._drain()
             if self.engine.busy:
                 return
-        self.last_step = time.monotonic()  # idle is no stall
         self._wake.wait(0.1)
         self._wake.clear()
 
