@@ -330,7 +330,8 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             worker.start()
             state["service"], state["worker"] = service, worker
         except Exception as error:  # reported by /health and every request, in words without internals
-            log.exception("the model failed to load")
+            if not isinstance(error, SpecdecError):  # ours say all in one line (the CLI's exit line)
+                log.exception("the model failed to load")
             state["error"] = error
             if on_load_error is not None:
                 on_load_error(error)
