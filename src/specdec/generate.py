@@ -50,6 +50,7 @@ class Step:
     info: dict = field(default_factory=dict)  # the schedule's per-step values (e.g. EGAG's h_norm, gamma)
     tree_parents: list[int] | None = None
     path: list[int] | None = None
+    forced: int = 0  # of draft_tokens, the last ones a grammar forced (drafted for free, not by the drafter)
 
     @property
     def accepted_tokens(self) -> list[int]:
@@ -100,6 +101,7 @@ class GenerationStats:
     typical: str | None = None  # typical acceptance's settings where it was used (lossy; `verify.Typical`)
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
     cached_prompt_tokens: int = 0  # prompt entries taken as an earlier sequence left them (a prompt cache)
+    forced: int = 0  # tokens a grammar forced and a pass accepted (not counted in drafted or accepted)
 
     def add_seconds(self, counter: str, seconds: float) -> None:
         """Add `seconds` to the timer `counter` (target_seconds, drafter_seconds, ...)."""
@@ -214,12 +216,12 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
                             max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
                             seed: int | None = None, on_step: StepCallback | None = None,
                             logprobs: int | None = None, seed_rule: str = "coupled",
-                            rules: LogitRules | None = None) -> GenerationResult:
+                            rules: LogitRules | None = None, grammar=None) -> GenerationResult:
     """Generate one token per target pass, with a KV cache: the baseline to beat. logprobs,
-    seed_rule and rules: as `speculative_generate`'s."""
+    seed_rule, rules and grammar: as `speculative_generate`'s."""
     return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs,
-                        seed_rule=seed_rule, rules=rules))
+                        seed_rule=seed_rule, rules=rules, grammar=grammar))
 
 
 def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
@@ -229,7 +231,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          schedule: Schedule | None = None, lenience: float = 1.0,
                          debug: bool = False, logprobs: int | None = None,
                          typical: Typical | None = None, seed_rule: str = "coupled",
-                         rules: LogitRules | None = None) -> GenerationResult:
+                         rules: LogitRules | None = None, grammar=None) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -264,6 +266,11 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     rules: penalties, logit bias and a minimum length (`penalties.LogitRules`), applied to the
         target's logits at every position before the sampler, as autoregressive decoding with the
         same rules applies them (chains only).
+    grammar: what the output must match (`grammar.Grammar`, "json" for any JSON object, or a JSON
+        Schema as a dict): every position's logits are masked with the grammar's state there
+        (draft positions after the draft tokens before them), after `rules`; tokens the grammar
+        forces are drafted for free (`GenerationStats.forced`). Chains only. The output is the
+        constrained autoregressive output (greedy: token for token; seeded: the seeded one).
 
     The output follows the target's distribution under `sampler` exactly (token for token the
     target's greedy output when the sampler is greedy). `first_target=True` makes the first token
@@ -274,7 +281,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
                         schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical, seed_rule=seed_rule, rules=rules))
+                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar))
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
@@ -334,7 +341,8 @@ class Decoding:
                  eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
                  on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
                  debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
-                 seed_rule: str = "coupled", cache_salt: str = "", rules: LogitRules | None = None):
+                 seed_rule: str = "coupled", cache_salt: str = "", rules: LogitRules | None = None,
+                 grammar=None):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not is_drafter(drafter):
@@ -360,6 +368,9 @@ class Decoding:
             if self.trees and rules is not None and rules.active:
                 raise SpecdecError("penalties, logit bias and min_tokens apply to chain drafts only (a tree's "
                                    "positions have other pasts); use a chain method")
+            if self.trees and grammar is not None:
+                raise SpecdecError("a grammar constrains chain drafts only (a tree's nodes would each need a "
+                                   "matcher of their own); use a chain method")
             drafter.check_target(target)
             if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
                 raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
@@ -407,11 +418,13 @@ class Decoding:
         self.rules = rules if rules is not None and rules.active else None
         self._prompt_tokens = None if self.rules is None else \
             self.rules.prompt_tokens(prompt, target.vocab_size, target.device)
+        self.constraint = _constraint(grammar, target, eos)  # the grammar's state (None: unconstrained)
         # cache positions the sequence can reach: its prompt, its output and the widest draft
         self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
+        self._forced = 0  # of the planned draft, the last tokens the grammar forced
         # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
         self.online = self.drafter_model.online if isinstance(drafter, ModelDrafter) and \
             isinstance(self.drafter_model, TransformersModel) else None
@@ -532,6 +545,9 @@ class Decoding:
                                                 self.schedule.keep_going)
         else:
             draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
+        self._forced = 0
+        if self.constraint is not None:
+            draft = self._constrained(draft)
         self._drafted_at = time.perf_counter()
         stats.drafter_seconds += self._drafted_at - self._step_start
         stats.drafter_passes_per_step.append(drafter.passes - self._passes)
@@ -547,10 +563,12 @@ class Decoding:
         sequences' in one call (`verifies_by_tokens`, `verify.verify_ragged`: a batched step's)."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
         raw = logits  # the model's own: what logprobs report
+        rows = 1 if draft is None else len(draft.tokens) + 1
         if self.rules is not None:
-            rows = 1 if draft is None else len(draft.tokens) + 1
             logits = self.rules.apply(logits[-rows:], self._prompt_tokens, self.out.tokens,
                                       [] if draft is None else draft.tokens, self.out.eos)
+        if self.constraint is not None:
+            logits = self.constraint.mask_logits(logits[-rows:], [] if draft is None else draft.tokens)
         stats.target_seconds += pass_seconds
         stats.target_passes += 1
         if self.noise is not None:
@@ -561,6 +579,8 @@ class Decoding:
             emitted = self.out.add(Step([], 0, int(token), []))
             self._record_logprobs(raw, [len(raw) - 1], emitted)
             self.sequence += emitted
+            if self.constraint is not None:
+                self.constraint.commit(emitted)
             self._target_only = drafter is None
             if self.reads_hidden:
                 with _timed(stats, "drafter_seconds"):
@@ -596,21 +616,46 @@ class Decoding:
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])
-        self.schedule.update(len(draft.tokens), num_accepted)
+        own = len(draft.tokens) - self._forced  # the drafter's own tokens: what its schedule learns from
+        self.schedule.update(own, min(num_accepted, own))
         # greedy and coupled output are the same whatever the draft lengths, so timings may steer
         # them; under a lossy rule a seed pins the output, and draft lengths decide which draws are used
         if not self.pinned:
             timings = (self._drafted_at - self._step_start, drafter.passes - self._passes,
                        time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
             (drafter if self.trees else self.schedule).timing(*timings)
-        step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})})
+        step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})},
+                    forced=self._forced)
         if self.trees:
             step.tree_parents, step.path = draft.parents, path
         emitted = self.out.add(step)
         self._record_logprobs(raw, emitted_rows(num_accepted, path if self.trees else None), emitted)
         self.sequence += emitted
+        if self.constraint is not None:
+            self.constraint.commit(emitted)
         self._finish()
         return emitted
+
+    def _constrained(self, draft: Draft) -> Draft:
+        """The chain `draft` under the grammar: cut before the first token it forbids where that
+        changes nothing (the token would be rejected for certain, and the next one is then the
+        target's own from that row: under greedy and seeded verification, and for a one-hot q),
+        then the run of tokens the grammar forces after it appended, with q one-hot (p_g is 1
+        there: accepted for certain), up to the output's and the draft room's limits."""
+        tokens, probs = list(draft.tokens), draft.probs
+        keep = self.constraint.valid(tokens)
+        if keep < len(tokens):
+            if not (self.sampler.is_greedy or probs is None or self.noise is not None):
+                return draft  # a sampled q: its rejection's residual needs the forbidden token's q
+            tokens, probs = tokens[:keep], None if probs is None else probs[:keep]
+        room = min(self.out.remaining - 1, DRAFT_ROOM) - len(tokens)
+        forced = self.constraint.forced(tokens, room)
+        if forced:
+            self._forced = len(forced)
+            if probs is not None:
+                probs = torch.cat([probs, one_hot(forced, probs.shape[-1], probs.device).to(probs.dtype)])
+            tokens += forced
+        return Draft(tokens, probs)
 
     @property
     def verifies_by_tokens(self) -> bool:
@@ -618,7 +663,7 @@ class Decoding:
         step (a chain, or no draft, under a greedy sampler or a seed's coupled draws, no logit
         rules, no step details): a batched step then verifies it with the other such sequences
         in one call (`verify.verify_ragged`) and commits the decision."""
-        return not self.trees and self.rules is None and not self.debug and \
+        return not self.trees and self.rules is None and self.constraint is None and not self.debug and \
             (self.sampler.is_greedy or self.noise is not None)
 
     @property
@@ -658,6 +703,20 @@ class Decoding:
             self.stats.typical = self.typical.describe() if self.typical is not None else None
         self.stats.greedy = self.sampler.is_greedy
         return self.out.finish()
+
+
+def _constraint(grammar, target: Backend, ends: set[int]):
+    """One sequence's grammar state (`grammar.Constraint`), or None without a grammar."""
+    from .grammar import Grammar
+
+    grammar = Grammar.parse(grammar)
+    if grammar is None:
+        return None
+    if not ends:
+        raise SpecdecError("a grammar ends the output where it is complete, which needs an end token: "
+                           "not with ignore_eos and no stop token ids")
+    grammar.check(target)
+    return grammar.constraint(target, sorted(ends))
 
 
 @contextlib.contextmanager
@@ -772,14 +831,18 @@ class _Output:
         step.emitted = emitted
         self.tokens += emitted
         self.steps.append(step)
-        self.stats.drafted += len(step.draft_tokens)
+        # a grammar's forced tokens are counted apart, so that acceptance says what the drafter did
+        drafted = len(step.draft_tokens) - step.forced
+        self.stats.drafted += drafted
         # accepted drafts after an EOS that ended the output were never emitted: they do not count
         accepted = min(step.num_accepted, len(emitted))
+        self.stats.forced += max(0, accepted - drafted)
+        accepted = min(accepted, drafted)
         self.stats.accepted += accepted
-        if step.draft_tokens:
+        if drafted:
             self.stats.accepted_per_step.append(accepted)
             self.stats.count_positions(max(depths(step.tree_parents)) if step.tree_parents is not None
-                                       else len(step.draft_tokens), accepted)
+                                       else drafted, accepted)
         if step.tree_parents is not None:
             self.stats.nodes_per_step.append(len(step.draft_tokens))
         if self.stop_reason is None and self.remaining <= 0:

@@ -194,6 +194,12 @@ def _lookup(config, parts):
     return LookupDrafter
 
 
+def _forced(config, parts):
+    from .drafters.forced import ForcedOnlyDrafter
+
+    return ForcedOnlyDrafter
+
+
 def _suffix(config, parts):
     from .drafters import SuffixDrafter
 
@@ -271,7 +277,7 @@ def _self_skip(config, parts):
     return make
 
 
-_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "lookup": _lookup, "suffix": _suffix,
+_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "lookup": _lookup, "forced": _forced, "suffix": _suffix,
              "retrieval": _retrieval, "tree": _tree, "lookahead": _lookahead, "medusa": _self_drafting,
              "eagle": _self_drafting, "self-skip": _self_skip}
 

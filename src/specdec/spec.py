@@ -47,6 +47,7 @@ METHODS: dict[str, Method] = {
                       drafter_model=True),
     "ngram": Method("NASD: an n-gram table built online from the prompt and output"),
     "lookup": Method("prompt lookup: a copy of what followed the current suffix earlier"),
+    "forced": Method("no drafter: only the tokens a grammar forces, drafted for free (plain decoding without one)"),
     "suffix": Method("suffix drafting (SuffixDecoding) over the prompt, the output and earlier outputs"),
     "retrieval": Method("suffix drafting over a datastore (REST; `specdec datastore build`) and the text"),
     "tree": Method("a token tree (shape: sides, eagle2, sequoia, lookup, mixed, suffix, mixed-suffix), sized by "

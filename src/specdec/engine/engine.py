@@ -55,6 +55,7 @@ class Request:
     seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
     cache_salt: str = ""  # the tenant: prompt caches reuse only prompts kept under the same salt
     rules: LogitRules | None = None  # penalties, logit bias, min_tokens (`speculative_generate`'s rules)
+    grammar: object = None  # what the output must match (`speculative_generate`'s grammar)
     id: int = field(default=-1, compare=False)
 
 
@@ -460,7 +461,8 @@ class Engine:
         return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
                         max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
                         schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
-                        seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules)
+                        seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules,
+                        grammar=request.grammar)
 
 
 def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | Exception]:
