@@ -148,3 +148,21 @@ def test_a_model_that_holds_few_sequences_is_profiled_at_the_batches_it_holds(tm
     monkeypatch.setattr(target, "features", lambda: held)
     profile = load_costs(target, None)
     assert {b for b, _ in profile.target} == {1, 2} and profile.target_seconds(16, 1) > 0
+
+
+def test_a_batched_profile_yields_between_sizes_and_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """A server measures its batched profile between requests: asked to stop, it stops between two
+    sizes (`Interrupted`, nothing cached), and the next call measures only the sizes left."""
+    monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    target = tiny_model(0, vocab=32, exact_rows=True)
+    timed = []
+    batch_pass_seconds = passcost.batch_pass_seconds
+    monkeypatch.setattr(passcost, "batch_pass_seconds",
+                        lambda model, b, r, **kw: timed.append((b, r)) or batch_pass_seconds(model, b, r, **kw))
+    with pytest.raises(passcost.Interrupted):
+        load_costs(target, None, should_stop=lambda: len(timed) >= 4)
+    assert len(timed) == 4 and not (tmp_path / "pass-costs.json").exists()
+    profile = load_costs(target, None, should_stop=lambda: False)
+    sizes = {(b, r) for b in passcost.LOAD_BATCHES for r in passcost.LOAD_ROWS}
+    assert len(timed) == len(sizes) and set(timed) == sizes  # each size timed once in all
+    assert set(profile.target) == sizes

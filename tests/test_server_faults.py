@@ -233,3 +233,71 @@ def test_health_is_503_when_no_step_completes_while_work_waits(pair, monkeypatch
             release.set()
             assert reply.result().usage.completion_tokens == 2
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_failing_streak_stops_showing_once_the_stall_timeout_has_passed(pair, monkeypatch):
+    """Steps that failed three times in a row make /health 503, but not for ever: once
+    `stall_timeout` has passed without another failure, the idle server reports ok again, so
+    that a load balancer sends it work to try."""
+    with serving(lambda: Service(pair[0], None, limits=Limits(request_timeout=20)), stall_timeout=0.5) as (url, app):
+        worker = app.state.specdec["worker"]
+        step = worker.engine.step
+
+        def broken():
+            raise RuntimeError("a broken step")
+
+        monkeypatch.setattr(worker.engine, "step", broken)
+        with pytest.raises(openai.InternalServerError):
+            _client(url).completions.create(model=NAME, prompt=[1, 2], max_tokens=3, temperature=0)
+        assert httpx.get(url + "/health").status_code == 503
+        monkeypatch.setattr(worker.engine, "step", step)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "an idle server stayed 503 after its failures"
+            time.sleep(0.05)
+
+
+def test_a_request_that_fails_to_start_lets_go_of_its_caches_and_a_failed_crop_ends_one_alone(pair, monkeypatch):
+    import gc
+    import weakref
+
+    from specdec.engine import Engine, Request
+
+    target = pair[0]
+    engine = Engine(target, max_batch=2)
+    made = []
+    begin = Decoding.begin
+
+    def failing_begin(self):
+        begin(self)
+        made.append(weakref.ref(self.cache))
+        if _doomed(self.sequence):
+            raise RuntimeError("its drafter would not start")
+
+    monkeypatch.setattr(Decoding, "begin", failing_begin)
+    bad = engine.add(Request(DOOMED + [1], None, max_new_tokens=4))
+    good = engine.add(Request([1, 2, 3], None, max_new_tokens=4))
+    engine.step()
+    gc.collect()
+    assert bad in engine.failed and made[0]() is None  # the failed one's cache is gone, though its error is kept
+    monkeypatch.undo()
+    # a cache that cannot be put back after a failed batched pass ends that sequence alone
+    import specdec.engine.engine as engine_module
+
+    crop = engine_module.crop_cache
+
+    def batch(segments):
+        raise RuntimeError("the batched pass failed")
+
+    def failing_crop(cache, length):
+        if cache is doomed_cache:
+            raise RuntimeError("this cache cannot be cropped")
+        return crop(cache, length)
+
+    other = engine.add(Request([5, 6], None, max_new_tokens=4))
+    engine.step()  # admits the other one
+    doomed_cache = engine.running[good].cache
+    monkeypatch.setattr(target, "forward_batch", batch)
+    monkeypatch.setattr(engine_module, "crop_cache", failing_crop)
+    engine.step()
+    assert good in engine.failed and (other in engine.running or other in engine.results)

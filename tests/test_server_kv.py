@@ -264,3 +264,32 @@ def test_metrics_ask_for_a_key_where_keys_are_set_unless_public(tiny_pair):
     with _running(apps[0]) as url:
         assert httpx.get(url + "/metrics").status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
+
+
+def test_a_newcomer_heavier_than_every_tenant_evicts_nobody_else():
+    """A prompt whose tenant would then hold the most, while it keeps nothing yet, is not kept:
+    another tenant's smaller holding stays."""
+    class Cache:
+        def __init__(self, salt: str, tokens: list[int]):
+            layer = SlabLayer()
+            layer.update(torch.zeros(1, 1, len(tokens), 2), torch.zeros(1, 1, len(tokens), 2))
+            self.layers, self.held = [layer], Held(list(tokens), [len(tokens)], salt)
+
+    store = PromptStore(1000)
+    store.keep(Cache("key1/a", [1] * 600))
+    store.keep(Cache("key0/b", [2] * 900))
+    assert [held.salt for held, _ in store._entries.values()] == ["key1/a"]
+
+
+def test_suffix_caches_are_bounded_in_all_and_a_clients_salt_names_no_tenant(tiny_pair):
+    service = Service(tiny_pair[0], None, suffix_cache_tokens=1000)
+    for key in range(8):
+        for i in range(service_module.MAX_SALTS):
+            service.suffix_cache(f"key{key}/{i}", f"key{key}")
+    assert sum(map(len, service._suffix_caches.values())) <= service_module.MAX_SUFFIX_CACHES
+    assert min(map(len, service._suffix_caches.values())) >= service_module.MAX_SUFFIX_CACHES // 8 - 1
+    from specdec.backends.prompts import salt_tenant
+
+    # the server prefixes every salt with its key's tenant ("" without keys): "a/b" sent by a
+    # keyless client is "/a/b", the keyless tenant's, not a tenant "a" of its own
+    assert salt_tenant("/a/b") == "" and salt_tenant("key1/a/b") == "key1"

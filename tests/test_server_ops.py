@@ -256,7 +256,7 @@ def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
     release, timed = threading.Event(), []
 
     def slow(value):
-        def measure():
+        def measure(should_stop):
             timed.append(1)
             assert release.wait(20)
             return value

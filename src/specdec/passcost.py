@@ -223,8 +223,6 @@ def cache_path():
     return registry.home() / "pass-costs.json"
 
 
-
-
 def _read_cache() -> dict:
     try:
         data = json.loads(cache_path().read_text())
@@ -265,18 +263,27 @@ def pass_costs(target, drafter=None, say=lambda message: None) -> PassCosts:
     return PassCosts({int(k): float(v) for k, v in entry["target"].items()}, float(entry["drafter"]))
 
 
-def load_costs(target, drafter=None, say=lambda message: None) -> LoadCosts | None:
+class Interrupted(Exception):
+    """A measurement stopped early because work arrived (`should_stop`); what it measured so far
+    is kept, and the next call goes on from there."""
+
+
+_PARTIAL: dict[str, dict[str, float]] = {}  # sizes measured so far of an interrupted batched profile, by key
+
+
+def load_costs(target, drafter=None, say=lambda message: None, should_stop=None) -> LoadCosts | None:
     """The batched profile (`LoadCosts`) of a target and its drafter (None: a model-free one) on
     this machine: target passes over LOAD_BATCHES sequences of LOAD_ROWS rows each and drafter
     rounds over LOAD_BATCHES sequences, each model's from the cache or measured now (10-30 s for
     a 1.5B target on a CPU) and cached. None for a target that scores one sequence a pass (no
-    `forward_batch`)."""
+    `forward_batch`). should_stop: asked between sizes; where it says so, `Interrupted` is raised
+    (a server measuring between requests yields to one that arrives)."""
     if not features(target).batched:
         return None
-    target_seconds = _batched(target, LOAD_ROWS, say)
+    target_seconds = _batched(target, LOAD_ROWS, say, should_stop)
     if drafter is None:
         return LoadCosts(target_seconds)
-    rounds = {b: t for (b, _), t in _batched(drafter, (1,), say).items()}
+    rounds = {b: t for (b, _), t in _batched(drafter, (1,), say, should_stop).items()}
     return LoadCosts(target_seconds, rounds, _catch_up(drafter, say))
 
 
@@ -287,22 +294,27 @@ def _catch_up(drafter, say) -> float:
                              f"{drafter.name}'s catch-up passes", say))
 
 
-def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
+def _batched(model, rows: Sequence[int], say, should_stop=None) -> dict[tuple[int, int], float]:
     """Seconds of `model`'s passes over LOAD_BATCHES sequences (those it can hold: llama.cpp's
     holds a fixed number) of `rows` rows each (one sequence after another where it does not
-    batch), cached."""
+    batch), cached; `Interrupted` between sizes where `should_stop()` says so."""
     can = features(model)
     batches = [b for b in LOAD_BATCHES if can.sequences is None or b <= can.sequences]
     wanted = {f"{b},{r}" for b in batches for r in rows}
+    key = _key(model) + " batched rows " + ",".join(map(str, rows)) + " sequences " + ",".join(map(str, batches))
 
     def measure() -> dict[str, float]:
         if can.batched:
-            seconds = {}
+            seconds = _PARTIAL.setdefault(key, {})
             for b in batches:
                 for r in rows:
+                    if f"{b},{r}" in seconds:
+                        continue
+                    if should_stop is not None and should_stop():
+                        raise Interrupted(f"{len(seconds)} of {len(wanted)} sizes measured")
                     seconds[f"{b},{r}"] = batch_pass_seconds(model, b, r, repeats=3)
                     _said(say, f"{b} sequences x {r} rows ({len(seconds)} of {len(wanted)})", seconds[f"{b},{r}"])
-            return seconds
+            return dict(_PARTIAL.pop(key))
         alone = {}
         for r in rows:
             alone[r] = pass_seconds(model, r, repeats=3)
@@ -310,7 +322,7 @@ def _batched(model, rows: Sequence[int], say) -> dict[tuple[int, int], float]:
         return {f"{b},{r}": b * alone[r] for b in batches for r in rows}
 
     seconds = _remembered(
-        _key(model) + " batched rows " + ",".join(map(str, rows)) + " sequences " + ",".join(map(str, batches)),
+        key,
         lambda v: isinstance(v, dict) and set(v) == wanted and all(isinstance(t, (int, float)) and t > 0
                                                                    for t in v.values()),
         measure, f"{model.name}'s batched passes", say)

@@ -308,7 +308,7 @@ class LlamaCppModel:
             gc.collect()  # caches held only by reference cycles give their sequences back
             free = [seq for seq in range(self.sequences) if seq not in self._owners]
             if not free:
-                raise SpecdecError(f"{self.name}: all {self.sequences} sequences are in use (load it with more "
+                raise ModelFault(f"{self.name}: all {self.sequences} sequences are in use (load it with more "
                                    "sequences, or run fewer at once)")
         held, seq = None, None
         if prompt is not None and chunk and self._kept:
@@ -322,7 +322,8 @@ class LlamaCppModel:
         if seq is None:
             empty = [seq for seq in free if seq not in self._kept]
             # else a kept prompt goes: the oldest of the tenant keeping the most (`evictee`)
-            seq = empty[0] if empty else evictee(self._kept, salt) if self._kept else 0
+            victim = evictee(self._kept, salt) if self._kept else None
+            seq = empty[0] if empty else victim if victim is not None else next(iter(self._kept), 0)
             self._kept.pop(seq, None)
             if seq in self._owners:  # one sequence: the earlier cache loses it
                 self._live.pop(self._owners.pop(seq)[0])

@@ -61,13 +61,14 @@ def salt_tenant(salt: str) -> str:
 def evictee(kept: dict, salt: str = "", adding: int = 0):
     """Which of the `kept` prompts (key -> `Held`, least recently used first) to drop to keep
     `adding` more positions under `salt`: the least recently used of the tenant (`salt_tenant`)
-    that would hold the most, the newcomer counted. A tenant filling the store pushes out its own
-    prompts first, and never another's while that one holds less than it does."""
+    that would hold the most, the newcomer counted; None where that is the newcomer's tenant and
+    it keeps nothing yet (the newcomer alone is over its share: it is not kept). A tenant filling
+    the store pushes out its own prompts first, and never another's while that one holds less."""
     totals = Counter({salt_tenant(salt): adding})
     for held in kept.values():
         totals[salt_tenant(held.salt)] += len(held.tokens)
-    heaviest = max(dict.fromkeys(salt_tenant(held.salt) for held in kept.values()), key=totals.__getitem__)
-    return next(key for key, held in kept.items() if salt_tenant(held.salt) == heaviest)
+    heaviest = max(totals, key=totals.__getitem__)
+    return next((key for key, held in kept.items() if salt_tenant(held.salt) == heaviest), None)
 
 
 class PromptStore:
@@ -107,7 +108,10 @@ class PromptStore:
                     if other.tokens == tokens and other.salt == held.salt]:
             del self._entries[key]
         while self._entries and self.held_tokens + length > self.tokens:
-            del self._entries[evictee({key: other for key, (other, _) in self._entries.items()}, held.salt, length)]
+            victim = evictee({key: other for key, (other, _) in self._entries.items()}, held.salt, length)
+            if victim is None:
+                return
+            del self._entries[victim]
         copies = [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone()) for layer in layers]
         self._entries[self._next] = (Held(tokens, list(held.calls), held.salt), copies)
         self._next += 1

@@ -61,8 +61,8 @@ def serve(
     max_connections: int = typer.Option(1000, "--max-connections", help="Most connections and requests at once; "
                                         "beyond it, 503."),
     suffix_cache_tokens: int = typer.Option(100_000, "--suffix-cache-tokens", help="Most tokens of earlier "
-                                            "outputs the suffix method drafts from, shared by all requests "
-                                            "(0: none)."),
+                                            "outputs the suffix method drafts from, per cache (one per API key and "
+                                            "cache_salt; 0: none)."),
     datastore_dir: Optional[str] = typer.Option(None, "--datastore", help="A datastore (specdec datastore build) "
                                                 "the retrieval method drafts from."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help="Target weights: auto, fp32 or bf16 "
@@ -233,23 +233,26 @@ def _cost_steps(target_model, drafter_model, method: str, max_batch: int, say) -
     from ..methods import preset
     from ..passcost import flat_rows, load_costs, pass_costs
 
-    steps = {}
+    steps = {}  # each takes `should_stop` (`Service.measure_next`); only the long batched profile heeds it
     if drafter_model is not None:
-        steps["costs"] = lambda: pass_costs(target_model, drafter_model, say)
-    steps["lookup_costs"] = lambda: pass_costs(target_model, None, say)
+        steps["costs"] = lambda stop: pass_costs(target_model, drafter_model, say)
+    steps["lookup_costs"] = lambda stop: pass_costs(target_model, None, say)
     if target_model.features().tree_masks:
-        steps["lookahead_rows"] = lambda: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
+        steps["lookahead_rows"] = lambda stop: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
     if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
         uses_model = preset(method).needs_drafter_model()
-        steps["load_costs"] = lambda: load_costs(target_model, drafter_model if uses_model else None, say)
+        steps["load_costs"] = lambda stop: load_costs(target_model, drafter_model if uses_model else None, say, stop)
     return steps
 
 
 def _announced(measure, say, what: str):
     """`measure`, saying `what` it takes before it starts."""
-    def announced():
-        say(f"taking {what}")
-        return measure()
+    said = []
+
+    def announced(should_stop):
+        if not said:  # once: a measurement that yielded to requests goes on later
+            said.append(say(f"taking {what}"))
+        return measure(should_stop)
     return announced
 
 

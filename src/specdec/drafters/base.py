@@ -156,7 +156,7 @@ class Drafter:
     def most_nodes(self) -> int:
         """A tree drafter's most nodes in one tree (its policy's `max_nodes`: what a KV charge
         keeps room for); 0 for a chain drafter, whose schedule bounds its drafts."""
-        return 0
+        return self.policy.max_nodes if capabilities_of(self).trees else 0
 
 
 def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
@@ -168,9 +168,12 @@ def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
         Drafter.accept(drafter, start, path)
 
 
-def most_nodes(drafter) -> int:
-    """`Drafter.most_nodes`, also of a drafter written against the protocol alone (0: unknown)."""
-    return drafter.most_nodes() if isinstance(drafter, Drafter) else 0
+def most_nodes(drafter) -> int | None:
+    """`Drafter.most_nodes`; None for a tree drafter written against the protocol alone (its
+    width is unknown), 0 for such a chain drafter."""
+    if isinstance(drafter, Drafter):
+        return drafter.most_nodes()
+    return None if capabilities_of(drafter).trees else 0
 
 
 def _declared_trees(drafter) -> bool:

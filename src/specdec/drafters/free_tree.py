@@ -20,9 +20,6 @@ class ModelFreeTree:
 
     policy: TreeCost
 
-    def most_nodes(self) -> int:
-        return self.policy.max_nodes
-
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         """The tree its `grow` hangs after the context, cut to what pays (`select`)."""

@@ -89,9 +89,6 @@ class LookaheadDrafter(Drafter):
         self._name()
         self.start([])
 
-    def most_nodes(self) -> int:
-        return self.policy.max_nodes
-
     def _name(self) -> None:
         self.name = "lookahead" + ("" if self.shape is None else "-w{}n{}g{}".format(*self.shape))
 

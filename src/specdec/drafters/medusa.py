@@ -55,9 +55,6 @@ class MedusaDrafter(Drafter):
         self._parents: list[int] = []  # and its parents
         self._target = None
 
-    def most_nodes(self) -> int:
-        return self.policy.max_nodes
-
     def check_target(self, target) -> None:
         if self._target is target:  # checked and prepared for this target by an earlier generation
             return

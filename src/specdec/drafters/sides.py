@@ -73,9 +73,6 @@ class SidesDrafter(ModelDrafter):
         self._parents: list[int] = []
         self.sampled_value = sampled_value
 
-    def most_nodes(self) -> int:
-        return self.policy.max_nodes
-
     def start(self, prompt: Sequence[int]) -> None:
         super().start(prompt)
         self.policy.reset()

@@ -29,9 +29,6 @@ class TreeModelDrafter(ModelDrafter):
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
 
-    def most_nodes(self) -> int:
-        return self.policy.max_nodes
-
     def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)
         self.policy = policy or TreeCost(max_nodes=max_nodes)

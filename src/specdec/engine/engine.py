@@ -172,9 +172,7 @@ class Engine:
         """Free an admitted request's caches and memory at once -> whether it was admitted."""
         decoding = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
         if decoding is not None:
-            decoding.cache = None
-            if decoding.can.model:
-                decoding.drafter.cache = None
+            _free(decoding)
             self.reserved.pop(request_id, None)
             return True
         return False
@@ -207,19 +205,22 @@ class Engine:
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
         speculate = self._steer(decodings, lags)
-        fresh = {i: (len(d.sequence), d.out.remaining) for i, (request_id, d) in enumerate(zip(ids, decodings))
-                 if speculate and request_id in lags and lags[request_id] >= len(d.sequence)}
+        fresh = {i: (len(d.sequence), d.out.remaining) for i, d in enumerate(decodings)
+                 if speculate and id(d) in lags and lags[id(d)] >= len(d.sequence)}
         return StepPlan(ids, decodings, speculate, sum(_drafter_passes(d) for d in decodings),
                         _caught_up(decodings) if speculate is not None else None, fresh)
 
     def _lags(self) -> dict[int, int]:
         """How far each running sequence's drafter model lags its context (`ModelDrafter.lag`), by
-        request id, for the batch policy; a sequence whose drafter fails to say ends alone."""
+        id() of its `Decoding`, for the batch policy (none without one); a sequence whose drafter
+        fails to say ends alone."""
         lags = {}
+        if self.costs is None:
+            return lags
         for request_id, decoding in list(self.running.items()):
             if decoding.can.catches_up:
                 try:
-                    lags[request_id] = decoding.drafter.lag(decoding.sequence)
+                    lags[id(decoding)] = decoding.drafter.lag(decoding.sequence)
                 except Exception as error:
                     self._fail(request_id, error, "its drafter's lag")
         return lags
@@ -258,8 +259,8 @@ class Engine:
     def _score_alone(self, request_id: int, segment: Segment, length: int):
         """One sequence's segment scored alone after a failed pass (row-exact passes give its rows
         the same bits either way) -> its logits, or None where it fails again (it then ends)."""
-        crop_cache(segment.cache, length)
         try:
+            crop_cache(segment.cache, length)
             return self.target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents,
                                        tree_start=segment.tree_start)
         except Exception as error:  # this sequence's own trouble: it alone ends
@@ -320,7 +321,7 @@ class Engine:
         """Waiting requests in order, while the batch and the memory budget have room: each one's
         cache made and its drafter started; its prompt is fed by `_prefill`."""
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
-            request = self.waiting[0]
+            request, decoding = self.waiting[0], None
             try:
                 decoding = self._decoding(request)
                 need = _kv_need(request, decoding) if self.kv_memory is not None else 0
@@ -331,6 +332,8 @@ class Engine:
             except Exception as error:  # its drafter's start, its cache: this request alone ends
                 if self.waiting and self.waiting[0] is request:
                     self.waiting.pop(0)
+                if decoding is not None:  # what it made so far goes now (a llama.cpp sequence among it)
+                    _free(decoding)
                 self._fail(request.id, error, "starting")
                 continue
             self.prefilling[request.id] = decoding
@@ -358,7 +361,7 @@ class Engine:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
         whose output draft lengths cannot change and that may draft this step, but for those whose
         drafter's catch-up would cost more than drafting saves them -> the decision (None: no such
-        sequence). lags: `_lags`, by request id."""
+        sequence). lags: `_lags`."""
         if self.costs is None:
             return None
         # a step of first tokens only would time plain passes as drafting: it decides nothing
@@ -366,8 +369,6 @@ class Engine:
         if not steered:
             return None
         batch = len(decodings)
-        by_decoding = {id(d): request_id for request_id, d in self.running.items()}
-        lags = {id(d): lags[by_decoding[id(d)]] for d in steered if by_decoding[id(d)] in lags}
         # a sequence whose drafter would first catch up on more than drafting saves it (a new
         # one's whole prompt, under load) decodes plainly while the others draft
         sitting_out = {id(d) for d in steered if id(d) in lags and
@@ -398,9 +399,13 @@ class Engine:
             except Exception as error:  # this sequence's drafter: it alone ends
                 self._fail(ids[i], error, "drafting")
 
-        def alone(i: int, model) -> None:
+        def alone(i: int, model, length: int | None = None) -> None:
+            """Sequence i's drafter pass on its own (its cache first cropped to `length`, where a
+            batched pass failed)."""
             s = current[i]
             try:
+                if length is not None:
+                    crop_cache(s.cache, length)
                 logits = model.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents, tree_start=s.tree_start)
             except Exception as error:
                 self._fail(ids[i], error, "a drafter pass")
@@ -419,24 +424,22 @@ class Engine:
                 groups.setdefault(id(model), (model, []))[1].append(i)
             for model, members in groups.values():
                 shared = [i for i in members if _shares_drafter_passes(model, decodings[i])]
+                before = {i: cache_length(current[i].cache) for i in shared} if len(shared) > 1 else {}
                 batched = self._drafter_batch(model, [current[i] for i in shared]) if len(shared) > 1 else None
                 for i, logits in zip(shared, batched or ()):
                     advance(i, logits)
                 for i in members:
                     if batched is None or i not in shared:
-                        alone(i, model)
+                        alone(i, model, before.get(i))
         return segments, rounds
 
     def _drafter_batch(self, model, segments: list[Segment]) -> list | None:
-        """One batched drafter pass -> each segment's logits, or None where the pass failed (its
-        caches put back as they were, for each sequence to draft alone)."""
-        before = [cache_length(s.cache) for s in segments]
+        """One batched drafter pass -> each segment's logits, or None where the pass failed (each
+        sequence then drafts alone, its cache first put back as it was)."""
         try:
             return model.forward_batch(segments)
         except Exception:
             log.exception("a batched drafter pass failed; its sequences draft again one by one")
-            for segment, length in zip(segments, before):
-                crop_cache(segment.cache, length)
             return None
 
     def _fail(self, request_id: int, error: Exception, where: str) -> None:
@@ -463,6 +466,13 @@ class Engine:
                         schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
                         seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules,
                         grammar=request.grammar)
+
+
+def _free(decoding: Decoding) -> None:
+    """Let go of a sequence's caches (the target's and its drafter model's) at once."""
+    decoding.cache = None
+    if decoding.can.model:
+        decoding.drafter.cache = None
 
 
 def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | Exception]:
@@ -495,6 +505,10 @@ def _kv_need(request: Request, decoding: Decoding) -> int:
     target's cache and in its drafter model's (if it has one). A draft wider than the room charged
     for it (DRAFT_ROOM) would write past the charge: refused."""
     width = _draft_width(decoding)
+    if width is None:
+        raise SpecdecError(f"the tree drafter {decoding.drafter.name} does not say how wide its trees grow "
+                           "(subclass drafters.Drafter, whose most_nodes reads its policy), so a KV budget cannot "
+                           "charge them; run without a budget")
     if width > generate.DRAFT_ROOM:
         kind = "tree nodes" if decoding.trees else "draft tokens"
         raise SpecdecError(f"this request drafts up to {width} {kind} a step, more than the {generate.DRAFT_ROOM} "
@@ -502,8 +516,9 @@ def _kv_need(request: Request, decoding: Decoding) -> int:
     return kv_need(decoding.positions, [decoding.target, decoding.drafter_model])
 
 
-def _draft_width(decoding: Decoding) -> int:
-    """The most positions one step's draft can take: a tree's node cap, a chain's longest draft."""
+def _draft_width(decoding: Decoding) -> int | None:
+    """The most positions one step's draft can take: a tree's node cap, a chain's longest draft
+    (None: unknown)."""
     if decoding.drafter is None:
         return 0
     return most_nodes(decoding.drafter) if decoding.trees else decoding.schedule.ceiling()

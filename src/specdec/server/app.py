@@ -30,7 +30,6 @@ from .worker import STALL_TIMEOUT, STOPPED, EngineStopped, QueueFull, Worker, is
 
 log = logging.getLogger("specdec.server")
 
-log = logging.getLogger("specdec.server")
 POLL = 0.25  # seconds between checks for a vanished client while a request runs
 
 
@@ -211,14 +210,15 @@ class _BoundedSends:
             await self.app(scope, receive, bounded)
         except _Stalled:
             client = scope.get("client") or ("?", 0)
-            log.warning(f"a client ({client[0]}) read nothing for {limit:g} s (--write-timeout): its request is "
-                        "cancelled and its connection dropped")
+            log.warning("a client (%s) read nothing for %g s (--write-timeout): its request is cancelled and its "
+                        "connection dropped", client[0], limit)
             # uvicorn's own send is its request cycle's; its transport, aborted, drops what the
             # client never read (a plain close would wait for it to be read first)
             transport = getattr(getattr(send, "__self__", None), "transport", None)
-            if transport is not None:
-                transport.abort()
-                await asyncio.sleep(0)  # uvicorn hears of it: a client gone, not an answer left unfinished
+            if transport is None:  # another server than uvicorn, or another uvicorn: let it close the connection
+                raise
+            transport.abort()
+            await asyncio.sleep(0)  # uvicorn hears of it: a client gone, not an answer left unfinished
 
 
 class _App(FastAPI):
@@ -272,7 +272,7 @@ def api_key_from(flag: str | None, path=None) -> list[str] | None:
         if not keys:
             raise SpecdecError(f"--api-key-file {path} is empty")
         if os.name == "posix" and Path(path).stat().st_mode & 0o077:
-            log.warning(f"warning: --api-key-file {path} is readable by other users; chmod 600 {path}")
+            log.warning("--api-key-file %s is readable by other users; chmod 600 %s", path, path)
         return _ascii_keys(keys, f"--api-key-file {path}")
     if flag is not None:
         if not flag.strip():
@@ -325,7 +325,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             service = load()
             budget = kv_memory(service) if callable(kv_memory) else kv_memory
             engine = Engine(service.target, max_batch, budget, steer, service.load_costs)
-            worker = Worker(engine, service.limits.max_waiting, between=_between_requests(service, engine),
+            worker = Worker(engine, service.limits.max_waiting, between=_between_requests(service, engine, state),
                             stall_timeout=stall_timeout)
             worker.start()
             state["service"], state["worker"] = service, worker
@@ -428,8 +428,9 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                                  f"{service.limits.body_timeout:g} s", status=408, code="body_timeout") from None
             body = parse_body(raw, service.limits.max_body)
             job = parse_job(body, chat, service.name, service.default)
-            if tenant:  # each key its own tenant; its clients' salts apart within it
-                job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
+            # each key its own tenant, its clients' salts apart within it; always prefixed, so that a
+            # client's own salt ("a/b") never names a tenant
+            job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
             # tokenising up to --max-body of text, chat template and all, is CPU work: off the event
             # loop, so that other streams, their disconnect checks and timeouts go on meanwhile
             prompts = await asyncio.to_thread(service.prompt_ids, job)
@@ -492,17 +493,18 @@ def _check_json(content_type: str | None) -> None:
                          f"{(content_type or 'undeclared')[:100]!r}", status=415, code="unsupported_media_type")
 
 
-def _between_requests(service: Service, engine) -> Callable[[], None] | None:
+def _between_requests(service: Service, engine, state: dict) -> Callable[[], None] | None:
     """What the engine's thread does whenever no request is in the engine: the next cost still to
-    measure (the batched profile then becomes the engine's prior), else an `--online` drafter's
-    update; None where there is neither."""
+    measure, yielding between sizes to requests that arrive (the batched profile then becomes the
+    engine's prior), else an `--online` drafter's update; None where there is neither."""
     online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
     if not service.pending_costs and online is None:
         return None
 
     def between() -> None:
         if service.pending_costs:
-            if service.measure_next() == "load_costs" and engine.costs is not None:
+            arrived = lambda: state["worker"] is not None and state["worker"].work_waiting  # noqa: E731
+            if service.measure_next(arrived) == "load_costs" and engine.costs is not None:
                 engine.costs.prior = service.load_costs
         elif online is not None:
             online.update()

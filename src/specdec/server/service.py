@@ -23,6 +23,8 @@ from .schema import BadRequest, Job, Speculation
 log = logging.getLogger("specdec.server")
 
 MAX_SALTS = 32  # cache salts of one API key whose suffix caches are kept (its least recently used dropped first)
+PENDING_LOOKAHEAD_ROWS = 8  # lookahead's rows until the machine's are measured: wide passes cost little more anywhere
+MAX_SUFFIX_CACHES = 128  # suffix caches kept in all (memory): past it, the key holding the most loses its oldest
 
 
 KV_SHARE = 0.8  # of the memory free once the models are in, what the running sequences' KV caches may take
@@ -117,26 +119,39 @@ class Service:
         self.datastore = datastore
         # costs still to take (from the cache, or timed) between requests, by the field each fills;
         # until then requests are sized conservatively (schedules that time their own passes)
-        self.pending_costs: dict[str, Callable[[], object]] = {}
+        self.pending_costs: dict[str, Callable[[Callable[[], bool]], object]] = {}  # each given should_stop
         self._measured = 0
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._read_bytes = None  # `text.token_bytes_reader` of the target's tokenizer, made on first use
 
-    def measure_next(self) -> str | None:
+    def measure_next(self, should_stop: Callable[[], bool] | None = None) -> str | None:
         """Take the next of `pending_costs` (the engine's thread calls it between requests, so that
         timing and serving never share the machine) -> the field it filled, or None when none was
-        pending. A measurement that fails is logged and left out: its field keeps its default."""
+        pending or it stopped early. should_stop: asked between the sizes of a long measurement,
+        which then yields (`passcost.Interrupted`) and goes on from there at the next call. A
+        measurement that fails is logged and left out: its field keeps its default."""
+        from ..passcost import Interrupted
+
         if not self.pending_costs:
             return None
         name, measure = next(iter(self.pending_costs.items()))
         try:
-            setattr(self, name, measure())
+            setattr(self, name, measure(should_stop or (lambda: False)))
+        except Interrupted:
+            return None
         except Exception:
             log.exception("measuring %s failed; requests go on sized without it", name)
         del self.pending_costs[name]
         self._measured += 1
         return name
+
+    def _lookahead_rows(self) -> int | None:
+        """`lookahead_rows`, or while it waits to be measured a small shape's (a lookahead drafter
+        left to size itself would time passes on the engine's thread, mid-serving)."""
+        if self.lookahead_rows is None and "lookahead_rows" in self.pending_costs:
+            return PENDING_LOOKAHEAD_ROWS
+        return self.lookahead_rows
 
     def measuring(self) -> str | None:
         """How far the costs measured between requests have come ("pass costs (2 of 4)"), or None."""
@@ -148,7 +163,8 @@ class Service:
         """The earlier outputs that suffix drafting draws on for the tenant `salt` (None where the
         server keeps none): tenants never draft from each other's outputs. Each API key (`key`,
         `Job.tenant`) keeps the suffix caches of its MAX_SALTS most recently used salts, each up
-        to `suffix_cache_tokens`: one key's clients cannot evict another key's."""
+        to `suffix_cache_tokens`, and MAX_SUFFIX_CACHES bound them all (the key holding the most
+        loses its oldest first): one key's clients cannot evict another key's below its share."""
         if not self.suffix_cache_tokens:
             return None
         caches = self._suffix_caches.setdefault(key, OrderedDict())
@@ -156,6 +172,11 @@ class Service:
             caches[salt] = SuffixCache(self.suffix_cache_tokens)
             while len(caches) > MAX_SALTS:
                 caches.popitem(last=False)
+            while sum(map(len, self._suffix_caches.values())) > MAX_SUFFIX_CACHES:
+                heaviest = max(self._suffix_caches.values(), key=len)
+                if len(heaviest) <= 1:  # more keys than caches: each keeps its newest
+                    break
+                heaviest.popitem(last=False)
         caches.move_to_end(salt)
         return caches[salt]
 
@@ -333,6 +354,6 @@ class Service:
                                     costs=lambda model: self.costs if model is not None else self.lookup_costs,
                                     assumed=self.assumed, suffix_cache=self.suffix_cache(cache_salt, key),
                                     datastore=self.datastore,
-                                    lookahead_rows=self.lookahead_rows))
+                                    lookahead_rows=self._lookahead_rows()))
         return Request(prompt_ids, built.make_drafter, **common, schedule=built.make_schedule,
                        seed_rule=config.seed_rule)

@@ -16,6 +16,7 @@ from collections import deque
 from typing import Protocol
 
 from ..engine import Engine, Request
+from ..errors import ModelFault, SpecdecError
 from ..generate import GenerationResult
 
 log = logging.getLogger("specdec.server")
@@ -66,6 +67,7 @@ class Worker:
         self._sent: dict[int, int] = {}  # engine request id -> tokens handed to its sink so far
         self.last_step = time.monotonic()  # when a step last completed, or the engine last sat idle
         self.failed_in_a_row = 0  # steps that failed since the last one that did not
+        self.last_failure = 0.0  # when a step last failed: a failing streak is reported for stall_timeout after it
         self.busy_between = False  # whether `between` runs now (work then waits on it, not on a stalled step)
         self._recent: deque[bool] = deque(maxlen=RECENT)  # recent steps: whether each failed
         self._queued = 0  # submitted, not yet running or ended (read from other threads)
@@ -90,13 +92,18 @@ class Worker:
         return self._queued
 
     @property
+    def work_waiting(self) -> bool:
+        """Whether adds or cancels wait in the inbox (what the update between requests yields to)."""
+        return not self._inbox.empty()
+
+    @property
     def running(self) -> int:
         return len(self.engine.running) + len(self.engine.prefilling)
 
     def trouble(self) -> str | None:
         """Why the engine cannot be trusted to serve (steps failing in a row, or none completing
         while work waits), in words for /health; None when it is well."""
-        if self.failed_in_a_row >= FAILED_STEPS:
+        if self.failed_in_a_row >= FAILED_STEPS and time.monotonic() - self.last_failure < self.stall_timeout:
             return f"the last {self.failed_in_a_row} engine steps failed (see the server's log)"
         age = time.monotonic() - self.last_step
         if age > self.stall_timeout and (self._queued or self.running) and not self.busy_between:
@@ -200,8 +207,8 @@ class Worker:
         self._wake.clear()
 
     def _turn(self) -> None:
-        """Take in adds and cancels, then one engine step and what it committed handed out (or
-        wait idle). A step that fails outside every request's own guard ends the requests still
+        """Take in adds and cancels, then one engine step and what every request has committed
+        since handed out (or wait idle). A step that fails outside every request's own guard ends the requests still
         running, after what finished in it has been handed out."""
         self._drain()
         if not self.engine.busy:
@@ -251,7 +258,9 @@ class Worker:
     def _count(self, failed: bool) -> None:
         self._recent.append(failed)
         self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
-        if not failed:
+        if failed:
+            self.last_failure = time.monotonic()
+        else:
             self.last_step = time.monotonic()
 
     def _forget(self, request_id: int) -> Sink | None:
@@ -283,6 +292,4 @@ STOPPED = "the engine stopped on an internal error (see the server's log); this 
 
 def is_clients(error: Exception) -> bool:
     """Whether a request's error is the client's own (a 400), not the model's or the server's (5xx)."""
-    from ..errors import ModelFault, SpecdecError
-
     return isinstance(error, SpecdecError) and not isinstance(error, ModelFault)
