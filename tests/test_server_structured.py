@@ -315,7 +315,8 @@ def test_a_grammar_for_tool_tags_that_are_plain_text():
 @pytest.mark.real
 def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
     """Qwen2.5-Coder 0.5B's own template and tool tags: a required call parses into tool_calls
-    whose arguments validate, the same streamed; parse() returns the object."""
+    whose arguments validate, the same streamed; parse() returns the object. (One call: left to
+    call on, this small model goes on calling until max_tokens.)"""
     from specdec import models
 
     target = models.load("qwen2.5-coder-0.5b", role="target", exact_rows=True)
@@ -323,7 +324,7 @@ def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
     with serving(lambda: service, max_batch=2, steer=False) as (url, _):
         client = _client(url)
         options = dict(model=target.name, messages=[{"role": "user", "content": "Weather in Oslo, in celsius?"}],
-                       tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0,
+                       tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0, parallel_tool_calls=False,
                        extra_body={"speculative": {"method": "forced"}})
         reply = client.chat.completions.create(**options)
         calls = reply.choices[0].message.tool_calls
@@ -336,3 +337,17 @@ def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
             model=target.name, messages=[{"role": "user", "content": "Is it warm (ok), unit c, note hi?"}],
             response_format=Reading, temperature=0, max_tokens=64).choices[0].message.parsed
         assert isinstance(parsed, Reading)
+
+
+def test_tool_call_bodies_follow_openais_schema(server):
+    from test_server_openai import check
+
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120, "temperature": 0}
+    whole = _post(server, body).json()
+    assert whole["choices"][0]["message"]["tool_calls"]
+    check("CreateChatCompletionResponse", whole)
+    with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    for chunk in chunks:
+        check("CreateChatCompletionStreamResponse", chunk)
