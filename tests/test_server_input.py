@@ -145,10 +145,10 @@ def test_an_unknown_field_is_a_400_naming_it_and_its_close_match(server, chat):
 REFUSED = [("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("grammar", "root ::= x"),
            ("json_schema", {}), ("bad_words", ["x"]),
            ("truncate_prompt_tokens", 3), ("include_stop_str_in_output", "yes"), ("prompt_logprobs", 1),
-           ("echo", True), ("best_of", 2), ("response_format", {"type": "json_object"}), ("top_logprobs", 2),
+           ("echo", True), ("best_of", 2), ("top_logprobs", 2),
            ("max_completion_tokens", 5), ("skip_special_tokens", False), ("use_beam_search", True)]
 CHAT_REFUSED = [("continue_final_message", True), ("add_generation_prompt", False), ("chat_template", "{{x}}"),
-                ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("modalities", ["audio"]),
+                ("functions", [{"name": "f"}]), ("modalities", ["audio"]),
                 ("store", True), ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high")]
 
 
@@ -181,7 +181,7 @@ def test_stream_options_need_stream_and_bookkeeping_fields_change_nothing(server
     plain = _post(url, body).json()["choices"][0]["text"]
     assert _post(url, {**body, "user": "someone"}).json()["choices"][0]["text"] == plain
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    for field in ("metadata", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"):
+    for field in ("metadata", "service_tier", "prompt_cache_key", "safety_identifier"):
         assert FIELDS[field]["chat"] == IGNORED
         parse_job({**chat, field: "anything"}, True, NAME, Speculation())
 
@@ -320,7 +320,7 @@ def test_chat_takes_text_parts_and_the_developer_role(server, tokenizer):
     ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0]", "STRING"),
     ({"role": "user", "content": "x", "name": "alice"}, "messages[0].name", "not supported"),
     ({"role": "user", "content": "x", "colour": "red"}, "messages[0]", "unknown field 'colour'"),
-    ({"role": "tool", "content": "x"}, "messages[0]", "role system, developer, user or assistant"),
+    ({"role": "function", "content": "x"}, "messages[0]", "role system, developer, user, assistant or tool"),
 ])
 def test_chat_parts_other_than_text_and_message_fields_not_honoured_are_refused(message, param, needle):
     with pytest.raises(BadRequest) as caught:

@@ -26,6 +26,7 @@ from ..generate import GenerationResult
 from .metrics import Metrics, speculation_usage
 from .schema import BadRequest, Job, parse_body, parse_job
 from .service import Service
+from .tools import CallParser
 from .worker import STALL_TIMEOUT, STOPPED, EngineStopped, QueueFull, Worker, is_clients
 
 log = logging.getLogger("specdec.server")
@@ -433,6 +434,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
             job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
             # tokenising up to --max-body of text, chat template and all, is CPU work: off the event
             # loop, so that other streams, their disconnect checks and timeouts go on meanwhile
+            await asyncio.to_thread(service.constrain, job)  # compiling a schema is CPU work too
             prompts = await asyncio.to_thread(service.prompt_ids, job)
             bounds = [service.max_new_tokens(job, len(ids)) for ids in prompts]
             for ids, bound in zip(prompts, bounds):
@@ -541,6 +543,11 @@ class _Run:
         self.results: list[GenerationResult | None] = [None] * len(choices)
         self.reasons: list[str | None] = [None] * len(choices)
         self.status = "ok"
+        # the tool calls in each choice's text, where tools are offered
+        names = {tool["function"]["name"] for tool in job.tools or []}
+        one = not job.parallel_tool_calls or isinstance(job.tool_choice, dict)
+        self.calls = [CallParser(names, one) for _ in choices] if job.tools else None
+        self.call_counts = [0] * len(choices)
 
     async def _items(self):
         """(choice index, text piece, finish reason or None) as the engine commits tokens; cancels
@@ -634,15 +641,33 @@ class _Run:
                                 "target_passes": passes,
                                 "tokens_per_target_pass": round(completion / passes, 3) if passes else None}}
 
-    def _choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict:
+    def _choice(self, i: int, text: str, reason: str | None, delta: bool = False) -> dict | None:
+        """Choice i's part of a response (delta: of a chunk; None where a chunk would carry nothing)."""
+        calls = []
+        if self.calls is not None:  # the text is parsed for tool calls: it is content only outside them
+            parser = self.calls[i]
+            text, calls = parser.feed(text)
+            if reason is not None:
+                text += parser.finish()
+            for call in calls:
+                call["index"], self.call_counts[i] = self.call_counts[i], self.call_counts[i] + 1
+            if reason == "stop" and self.call_counts[i]:
+                reason = "tool_calls"
         logprobs = self._logprobs(i)
         if not self.chat:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if delta:
-            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                    "finish_reason": reason}
-        return {"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": reason}
+            if not text and not calls and reason is None and not (logprobs or {}).get("content"):
+                return None
+            message = {"content": text} if text else {}
+            if calls:
+                message["tool_calls"] = calls
+            return {"index": i, "delta": message, "logprobs": logprobs, "finish_reason": reason}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [{key: value for key, value in call.items() if key != "index"} for call in calls]
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, i: int) -> dict | None:
         """The `logprobs` of choice i's tokens that its text sent so far carries and no earlier
@@ -690,7 +715,9 @@ class _Run:
                                             "logprobs": None, "finish_reason": None}
                                            for i in range(len(self.choices))], True))
             async for i, piece, reason in self._items():
-                yield _sse(self._envelope([self._choice(i, piece, reason, delta=True)], True))
+                choice = self._choice(i, piece, reason, delta=True)
+                if choice is not None:
+                    yield _sse(self._envelope([choice], True))
             if include_usage:
                 yield _sse({**self._envelope([], True), "usage": self.usage()})
             yield _sse("[DONE]")

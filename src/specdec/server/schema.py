@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..penalties import LogitRules
@@ -20,6 +21,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; vLLM's def
 MAX_SALT = 1024  # characters of a cache_salt
 MAX_BIAS = 1024  # token ids in a logit_bias or stop_token_ids (vLLM takes any number; OpenAI's bias 300)
 MAX_STOP_CHARS = 1000  # characters of one stop string: a stream holds back as many, less one, until it cannot match
+MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's or a JSON schema's name (OpenAI's rule)
 
 HONOURED, IGNORED = "honoured", "ignored"  # how a field is taken; else a tuple of the values that change nothing
 ENDPOINTS = ("completions", "chat")
@@ -38,25 +41,23 @@ def _field_table() -> dict[str, dict[str, str | tuple]]:
 
     add("model max_tokens temperature top_p top_k seed stop n stream stream_options logprobs presence_penalty "
         "frequency_penalty repetition_penalty logit_bias min_tokens min_p ignore_eos stop_token_ids cache_salt "
-        "speculative include_stop_str_in_output allowed_token_ids", HONOURED)
+        "speculative include_stop_str_in_output allowed_token_ids response_format", HONOURED)
     add("prompt", HONOURED, ["completions"])
-    add("messages max_completion_tokens top_logprobs", HONOURED, ["chat"])
+    add("messages max_completion_tokens top_logprobs tools tool_choice parallel_tool_calls", HONOURED, ["chat"])
     add("max_completion_tokens top_logprobs suffix", (None,), ["completions"])
     add("user", IGNORED)  # OpenAI's bookkeeping and routing hints: nothing generated depends on them
-    add("metadata safety_identifier prompt_cache_key service_tier parallel_tool_calls", IGNORED, ["chat"])
+    add("metadata safety_identifier prompt_cache_key service_tier", IGNORED, ["chat"])
     add("best_of", (None, 1))
     add("echo use_beam_search return_tokens_as_token_ids", (None, False))
     add("skip_special_tokens spaces_between_special_tokens", (None, True))
     add("length_penalty", (None, 1))
-    add("response_format", (None, {"type": "text"}))
     add("guided_json guided_regex guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern "
         "structured_outputs grammar json_schema bad_words truncate_prompt_tokens prompt_logprobs "
         "add_special_tokens logits_processors priority request_id", (None,))
     add("store continue_final_message", (None, False), ["chat"])
     add("add_generation_prompt", (None, True), ["chat"])
-    add("tool_choice", (None, "none"), ["chat"])
     add("modalities", (None, ["text"]), ["chat"])
-    add("tools functions function_call audio prediction reasoning_effort web_search_options verbosity chat_template "
+    add("functions function_call audio prediction reasoning_effort web_search_options verbosity chat_template "
         "chat_template_kwargs documents", (None,), ["chat"])
     return table
 
@@ -148,6 +149,12 @@ class Job:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop: bool = False  # include_stop_str_in_output: the stop string kept at the end of the text
     include_usage: bool = False  # stream_options.include_usage: a last chunk with `usage`
+    # what the output must match (`grammar.Grammar`): response_format's; a required tool call's is
+    # added by `Service.constrain`, which also checks either against the model
+    grammar: object = None
+    tools: list[dict] | None = None  # the tools offered (None: none, or tool_choice "none")
+    tool_choice: str | dict = "none"  # "auto", "required", {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # False: at most one call
 
 
 def parse_body(raw: bytes, limit: int) -> dict:
@@ -257,7 +264,8 @@ def _stream_options(value, stream: bool) -> bool:
 
 
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
-                  "annotations", "reasoning_content"}  # OpenAI's; all but role and content taken only as null
+                  "annotations", "reasoning_content"}  # OpenAI's; those a role does not take, only as null
+ROLE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}  # taken beyond role and content
 
 
 def _messages(value) -> list[dict]:
@@ -266,21 +274,158 @@ def _messages(value) -> list[dict]:
     out = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"{where} must be an object with role system, developer, user or assistant and a "
+        if not isinstance(message, dict) or \
+                message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"{where} must be an object with role system, developer, user, assistant or tool and a "
                              f"content, got {message!r}"[:300], where)
+        taken = {"role", "content"} | ROLE_FIELDS.get(message["role"], set())
         for name, item in message.items():
             if name not in MESSAGE_FIELDS:
                 raise BadRequest(f"{where} has an unknown field {str(name)[:100]!r}", where, code="unknown_field")
-            if name not in ("role", "content") and item is not None and item != []:
+            if name not in taken and item is not None and item != []:
                 raise BadRequest(f"{where}.{name} is not supported by this server yet", f"{where}.{name}",
                                  code="unsupported")
         # developer: OpenAI's newer name for system, which chat templates know
         role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": _content(message.get("content"), where)})
-    if not any(m["content"] for m in out):
+        calls = _message_calls(message.get("tool_calls"), where) if role == "assistant" else []
+        # an assistant's turn that only called tools has no content (null, as OpenAI returns it)
+        content = "" if calls and message.get("content") is None else _content(message.get("content"), where)
+        entry = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise BadRequest(f"{where} is a tool result: it needs the tool_call_id of the call it answers",
+                                 f"{where}.tool_call_id")
+            entry["tool_call_id"] = call_id
+        out.append(entry)
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise BadRequest("messages are all empty", "messages")
     return out
+
+
+def _message_calls(value, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` (as a response gave them) -> the calls, checked."""
+    if value is None or value == []:
+        return []
+    if not isinstance(value, list):
+        raise BadRequest(f"{where}.tool_calls must be a list of calls", f"{where}.tool_calls")
+    calls = []
+    for k, call in enumerate(value):
+        at = f"{where}.tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" or \
+                set(call) - {"id", "type", "function"} or set(function) - {"name", "arguments"} or \
+                not isinstance(function.get("name"), str) or not isinstance(call.get("id", ""), str):
+            raise BadRequest(f'{at} must be {{"id": ID, "type": "function", "function": {{"name": NAME, '
+                             f'"arguments": JSON}}}}, got {call!r}'[:300], at)
+        arguments = function.get("arguments")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise BadRequest(f"{at}.function.arguments must be a JSON object in a string, got {arguments!r}"[:300],
+                             f"{at}.function.arguments")
+        calls.append({"id": call.get("id", ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _response_format(value):
+    """`response_format` -> the output's grammar (`grammar.Grammar`; None: free text). Its
+    structure is checked here; the schema itself against the model (`Service.constrain`)."""
+    from ..grammar import Grammar
+
+    kinds = ("text", "json_object", "json_schema")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise BadRequest(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                         f'"json_schema", "json_schema": {{"name", "schema", "strict", "description"}}}}, '
+                         f"got {value!r}"[:300], "response_format")
+    kind = value["type"]
+    extra = set(value) - {"type"} - ({"json_schema"} if kind == "json_schema" else set())
+    if extra:
+        raise BadRequest(f"response_format of type {kind!r} takes no {', '.join(map(str, sorted(extra)))}"[:300],
+                         "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json()
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
+        raise BadRequest(f"response_format.json_schema must be an object with name, schema, strict and description, "
+                         f"got {spec!r}"[:300], "response_format")
+    if not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"]):
+        raise BadRequest(f"response_format.json_schema.name must be 1 to 64 letters, digits, _ or -, got "
+                         f"{spec.get('name')!r}"[:300], "response_format")
+    if not isinstance(spec.get("strict", False), (bool, type(None))) or \
+            not isinstance(spec.get("description", ""), (str, type(None))):
+        raise BadRequest("response_format.json_schema.strict must be true or false, and description a string",
+                         "response_format")
+    if not isinstance(spec.get("schema"), dict):
+        raise BadRequest(f"response_format.json_schema.schema must be a JSON Schema (an object), got "
+                         f"{spec.get('schema')!r}"[:300], "response_format")
+    return Grammar.json_schema(spec["schema"])
+
+
+def _tools(value) -> list[dict] | None:
+    """`tools` -> OpenAI's function tools, checked (None: no tools)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
+        raise BadRequest(f'tools must be a list of 1 to {MAX_TOOLS} {{"type": "function", "function": {{"name", '
+                         f'"description", "parameters"}}}} objects', "tools")
+    tools, names = [], set()
+    for k, tool in enumerate(value):
+        where = f"tools[{k}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}} (function tools only), '
+                             f"got {tool!r}"[:300], where)
+        unknown = set(function) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise BadRequest(f"{where}.function takes name, description, parameters and strict, not "
+                             f"{sorted(map(str, unknown))}"[:300], f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}"[:300],
+                             f"{where}.function.name")
+        if name in names:
+            raise BadRequest(f"tools name the function {name!r} twice", f"{where}.function.name")
+        names.add(name)
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise BadRequest(f"{where}.function.parameters must be a JSON Schema (an object)",
+                             f"{where}.function.parameters")
+        if not isinstance(function.get("description", ""), (str, type(None))) or \
+                not isinstance(function.get("strict", False), (bool, type(None))):
+            raise BadRequest(f"{where}.function's description must be a string and strict true or false",
+                             f"{where}.function")
+        tools.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return tools
+
+
+def _tool_choice(value, tools: list[dict] | None):
+    """`tool_choice` -> "none", "auto", "required" or {"type": "function", "function": {"name"}}
+    (default: "auto" with tools, else "none")."""
+    if value is None:
+        return "auto" if tools else "none"
+    names = [tool["function"]["name"] for tool in tools or []]
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise BadRequest(f"tool_choice {value!r} needs tools", "tool_choice")
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and value.get("type") == "function" and set(value) == {"type", "function"} \
+            and set(function) == {"name"} and isinstance(function["name"], str):
+        if function["name"] not in names:
+            raise BadRequest(f"tool_choice names the function {function['name'][:100]!r}, which tools do not hold"
+                             + (f" (they hold {', '.join(names)})" if names else ""), "tool_choice")
+        return {"type": "function", "function": {"name": function["name"]}}
+    raise BadRequest(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+                     f'{{"name": NAME}}}}, got {value!r}'[:300], "tool_choice")
 
 
 def _content(value, where: str) -> str:
@@ -362,7 +507,19 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         stop_token_ids=_id_list(body.get("stop_token_ids"), "stop_token_ids"),
         include_stop=_flag(body, "include_stop_str_in_output"),
         include_usage=include_usage,
+        grammar=_response_format(body.get("response_format")),
     )
+    if chat:
+        tools = _tools(body.get("tools"))
+        job.tool_choice = _tool_choice(body.get("tool_choice"), tools)
+        job.tools = tools if job.tool_choice != "none" else None
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise BadRequest(f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls")
+        job.parallel_tool_calls = parallel is not False
+        if job.tools and job.grammar is not None:
+            raise BadRequest("response_format constrains the whole output, which leaves no room for tool calls: "
+                             'send tools with tool_choice "none", or no response_format', "response_format")
     if job.max_tokens is not None and job.rules.min_tokens > job.max_tokens:
         raise BadRequest(f"min_tokens is {job.rules.min_tokens}, more than max_tokens ({job.max_tokens})",
                          "min_tokens")

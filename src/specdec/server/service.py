@@ -13,12 +13,14 @@ from typing import Callable
 from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
+from ..grammar import Grammar
 from ..methods import METHODS, Parts, build, preset
 from ..penalties import LogitRules
 from ..samplers import Sampler
 from ..spec import SpecConfig
 from ..text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
+from .tools import call_grammar, template_message, template_offers_tools
 
 log = logging.getLogger("specdec.server")
 
@@ -198,19 +200,48 @@ class Service:
             data = self._token_bytes[token] = self._read_bytes(token)
         return data
 
+    def constrain(self, job: Job) -> None:
+        """Set `job.grammar` to what its output must match: a required or named tool call's
+        grammar, or its response_format's; a 400 naming the field where the model cannot take it
+        (a schema that does not compile, a keyword llguidance does not support). CPU work of
+        milliseconds (the first grammar on a model also reads its vocabulary, seconds)."""
+        if job.tools and job.tool_choice not in ("none", "auto"):
+            for k, tool in enumerate(job.tools):
+                if "parameters" in tool["function"]:
+                    self._check(Grammar.json_schema(tool["function"]["parameters"]), f"tools[{k}].function.parameters")
+            job.grammar = call_grammar(job.tools, job.tool_choice, job.parallel_tool_calls, self.target.tokenizer)
+            self._check(job.grammar, "tools")
+        elif job.grammar is not None:
+            self._check(job.grammar, "response_format")
+
+    def _check(self, grammar: Grammar, param: str) -> None:
+        try:
+            grammar.check(self.target)
+        except SpecdecError as error:
+            raise BadRequest(f"{param}: {error}", param) from None
+
     def prompt_ids(self, job: Job) -> list[list[int]]:
-        """The job's prompts as token ids (chat messages through the model's chat template: one)."""
+        """The job's prompts as token ids (chat messages through the model's chat template, with
+        the tools it offers: one)."""
         if job.messages is not None:
-            return [self._prompt_ids(job.messages, None)]
+            return [self._prompt_ids(job.messages, None, job.tools)]
         return [self._prompt_ids(None, prompt) for prompt in job.prompts]
 
-    def _prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+    def _prompt_ids(self, messages: list[dict] | None, prompt: str | list[int] | None,
+                    tools: list[dict] | None = None) -> list[int]:
         tokenizer = self.target.tokenizer
         if messages is not None:
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 raise BadRequest(f"{self.name} has no chat template; use /v1/completions", "messages")
+            # the template writes the tools and the calls; another syntax would never be parsed back
+            called = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+            if (tools or called) and not template_offers_tools(tokenizer):
+                raise BadRequest(f"the chat template of {self.name} does not offer tools in the syntax this server "
+                                 f"parses (<tool_call> JSON, as Qwen2.5's)", "tools" if tools else "messages")
+            extra = {"tools": tools} if tools else {}
             try:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = tokenizer.apply_chat_template([template_message(m) for m in messages],
+                                                    add_generation_prompt=True, tokenize=True, **extra)
             except Exception as error:  # the template's own rules (e.g. roles that must alternate)
                 raise BadRequest(f"the chat template of {self.name} refused these messages: {error}",
                                  "messages") from None
@@ -292,16 +323,21 @@ class Service:
         ends = None
         if job.ignore_eos or job.stop_token_ids:  # vLLM: stop_token_ids end a choice with or without ignore_eos
             ends = ([] if job.ignore_eos else list(self.target.eos_token_ids)) + job.stop_token_ids
+        if job.grammar is not None and ends == []:
+            raise BadRequest("a constrained output ends with an end token where its grammar is complete, and "
+                             "ignore_eos leaves none: give stop_token_ids, or leave ignore_eos", "ignore_eos")
         if job.rules.allowed and job.rules.min_tokens and \
                 set(job.rules.allowed) <= set(self.target.eos_token_ids if ends is None else ends):
             raise BadRequest("allowed_token_ids holds only end tokens, which min_tokens rules out: no token could "
                              "come", "allowed_token_ids")
         requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules, job.tenant)
+                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules, job.tenant,
+                                  job.grammar)
                     for i in range(job.n)]
         for request in requests:
             request.logprobs, request.cache_salt, request.rules, request.eos_token_ids = \
                 job.logprobs, job.cache_salt, job.rules, ends
+            request.grammar = job.grammar
         return requests
 
     def config(self, speculation: Speculation) -> SpecConfig | None:
@@ -340,7 +376,8 @@ class Service:
         return config
 
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
-                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None, key: str = "") -> Request:
+                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None, key: str = "",
+                 grammar=None) -> Request:
         common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
         config = self.config(speculation)
         if config is None:
@@ -348,6 +385,10 @@ class Service:
         if rules is not None and rules.active and METHODS[config.method].trees:
             raise BadRequest(f"penalties, logit_bias and min_tokens apply to chain drafts; speculative.method "
                              f"{config.method!r} drafts token trees: use chain, lookup, suffix or false",
+                             "speculative.method")
+        if grammar is not None and METHODS[config.method].trees:
+            raise BadRequest(f"response_format and required tool calls constrain chain drafts; speculative.method "
+                             f"{config.method!r} drafts token trees: use chain, lookup, suffix, forced or false",
                              "speculative.method")
         # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
         built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
