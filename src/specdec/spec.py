@@ -15,7 +15,7 @@ from .errors import SpecdecError
 
 ACCEPTANCE = ("exact", "lenient", "typical")
 SEED_RULES = ("coupled", "stream")
-MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval")  # --drafter values that name no model
+MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval", "forced")  # --drafter values that name no model
 
 
 @dataclass(frozen=True)
