@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -154,6 +155,7 @@ class Constraint:
         self._words = torch.empty((vocab + 31) // 32, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
         self.mask_calls = 0  # masks computed (what the bench reports a cost per token of)
+        self.mask_seconds = 0.0  # inside `masks`: the matcher's speculative advance, masks and rollback
 
     def _mask(self) -> torch.Tensor:
         """[V] bool: the tokens allowed in the matcher's state (the end tokens once it accepts)."""
@@ -180,6 +182,7 @@ class Constraint:
         """[rows, V] bool: row j the tokens allowed after the committed output and draft[:j]. Rows
         past the first token the grammar forbids repeat that row's mask (they are never used: that
         token is rejected)."""
+        began = time.perf_counter()
         body = list(draft[:rows - 1])
         body = body[:next((i for i, t in enumerate(body) if t in self.ends), len(body))]  # rows past an end: unused
         keep = self.matcher.validate_tokens(body)
@@ -191,6 +194,7 @@ class Constraint:
         if keep:
             self.matcher.rollback(keep)
         out[keep + 1:] = out[keep]
+        self.mask_seconds += time.perf_counter() - began
         return out
 
     def forced(self, after: Sequence[int], most: int) -> list[int]:

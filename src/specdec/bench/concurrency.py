@@ -402,6 +402,8 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     for spec in datasets:
         name, count, _ = parse_dataset(spec, limit, [temperature])
         prompts += load_prompts(name, count, tasks if name != "humaneval" else None)
+    if any(p.schema is not None for p in prompts):  # their outputs would go unconstrained and unchecked
+        raise SpecdecError("prompts with a schema (json-tasks) run without --concurrency, one at a time")
     # batched passes must be row-exact on the CPU (the engine refuses the target otherwise)
     target_model = load(target, device=device, role="target", exact_rows=True, say=say)
     drafter_model = None

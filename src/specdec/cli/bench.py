@@ -22,11 +22,14 @@ from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _ch
 @app.command()
 def bench(
     dataset: str = typer.Option("humaneval", help="Comma-separated: humaneval, spec-bench (chat template; its "
-                                "dev subset, carried), or JSONL files with a 'prompt' or 'turns' field. Each may carry "
+                                "dev subset, carried), json-tasks (extraction and function calls, each output "
+                                "constrained by its JSON Schema and checked against it; carried), or JSONL files "
+                                "with a 'prompt' or 'turns' field (and optionally 'schema'). Each may carry "
                                 "its own limit and temperatures: NAME:LIMIT:T+T, e.g. spec-bench:1:0+1."),
     limit: int = typer.Option(20, help="Prompts per dataset (per task for datasets with tasks)."),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated tasks to keep (spec-bench: mt_bench, "
-                                        "translation, summarization, qa, math_reasoning, rag)."),
+                                        "translation, summarization, qa, math_reasoning, rag; json-tasks: "
+                                        "extraction, function-call)."),
     methods: str = typer.Option(None, help="Default: ar,sd-cost,hf (with --concurrency: ar,sd-cost,lookup,"
                                 "tree-mixed,hf-cb,hf-padded). Comma-separated: ar, sd, sd-cost, sd-typical (LOSSY), sd-heuristic, sd-confidence, sd-egag, "
                                 "ngram, lookup, suffix, retrieval (--datastore DIR), tree-sides, tree-eagle2, tree-sequoia, tree-lookup, tree-mixed, "

@@ -67,6 +67,14 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the target's chat template."),
     first_target: bool = typer.Option(True, help="Take the first token from the target's prompt pass."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of coloured text."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain the output to JSON valid "
+                                               "against this JSON Schema file (exact under speculation: the output "
+                                               "is constrained plain decoding's)."),
+    json_object: bool = typer.Option(False, "--json-object", help="Constrain the output to any JSON object."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the whole output to match this regular "
+                                        "expression."),
+    grammar_file: Optional[Path] = typer.Option(None, "--grammar", help="Constrain the output to this Lark grammar "
+                                                "file (llguidance's Lark; it may embed JSON schemas with %json)."),
     dtype: str = typer.Option("auto", "--dtype", "--weights", help=TARGET_DTYPE_HELP),
     drafter_dtype: str = typer.Option("auto", help=DRAFTER_DTYPE_HELP),
     drafter_vocab: Optional[int] = typer.Option(None, "--drafter-vocab", help=DRAFTER_VOCAB_HELP),
@@ -94,6 +102,7 @@ def generate(
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         rows, kv_budget = _prompt_input(prompt, prompts_file, sampler, max_new_tokens, batch_size, debug, kv_memory)
+        grammar = cli_grammar(json_schema, json_object, regex, grammar_file)
         if gamma < 1:
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
         config = spec_config(method, drafter, tree, cascade, schedule, lenience, typical, gamma=gamma,
@@ -101,7 +110,11 @@ def generate(
                              ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
                              typical_epsilon=typical_epsilon, typical_delta=typical_delta,
                              lookahead_shape=_lookahead_shape(lookahead_shape))
+        _check_grammar_method(grammar, config)
         if _encoder_decoder(target):
+            if grammar is not None:
+                raise SpecdecError("a grammar constrains decoder-only targets; drop --json-schema, --json-object, "
+                                   "--regex and --grammar with an encoder-decoder target")
             _generate_seq2seq(prompt, target, config, sampler, dtype, device, max_new_tokens, seed, first_target,
                               as_json, rows is not None or chat or dtype == "gguf")
             return
@@ -116,12 +129,66 @@ def generate(
                                           suffix_cache=SuffixCache() if rows is not None else None))
         if rows is not None:
             _generate_batch(target_model, speculation, rows, batch_size, as_json, chat, kv_budget,
-                            online=_online(drafter_model) if online else None, drafter_model=drafter_model)
+                            online=_online(drafter_model) if online else None, drafter_model=drafter_model,
+                            grammar=grammar)
             return
         _generate_one(target_model, speculation, prompt, sampler, max_new_tokens, seed, first_target, chat, debug,
-                      as_json)
+                      as_json, grammar)
     except SpecdecError as exc:
         _fail(str(exc))
+
+
+def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, grammar_file: Path | None):
+    """The `grammar.Grammar` of generate's --json-schema, --json-object, --regex or --grammar (None
+    without one), read and compiled before any model loads: a one-line error for a missing file, a
+    schema that is not JSON or not valid, a bad regex or Lark grammar, or two of them at once."""
+    from llguidance import LLMatcher
+
+    from ..grammar import Grammar
+
+    given = [name for name, value in (("--json-schema", json_schema), ("--json-object", json_object),
+                                      ("--regex", regex), ("--grammar", grammar_file)) if value]
+    if len(given) > 1:
+        raise SpecdecError(f"{' and '.join(given)} each constrain the whole output: give one of them")
+    if not given:
+        return None
+
+    def read(path: Path, option: str) -> str:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise SpecdecError(f"cannot read {option} {path}: {exc.strerror or exc}") from None
+
+    if json_schema is not None:
+        text = read(json_schema, "--json-schema")
+        try:
+            grammar = Grammar.json_schema(json.loads(text))
+        except ValueError as error:
+            raise SpecdecError(f"--json-schema {json_schema} is not JSON: {error}") from None
+    elif json_object:
+        grammar = Grammar.json()
+    elif regex is not None:
+        grammar = Grammar.regex(regex)
+    else:
+        grammar = Grammar.lark(read(grammar_file, "--grammar"))
+    try:
+        message = LLMatcher.validate_grammar(grammar.text(), None)  # the model's tokenizer is checked at generation
+    except ValueError as error:
+        message = str(error)
+    if message:
+        lines = message.strip().splitlines()  # llguidance's first line, and the parser's own "error: ..." line
+        reason = " ".join([lines[0]] + [line.strip() for line in lines[1:] if line.strip().startswith("error:")][:1])
+        raise SpecdecError(f"{given[0]}: the {grammar.kind} grammar is not valid: {reason}"[:500])
+    return grammar
+
+
+def _check_grammar_method(grammar, config) -> None:
+    """A grammar constrains chain drafts only: a tree method is refused before any model loads."""
+    from ..methods import METHODS
+
+    if grammar is not None and config.speculative and METHODS[config.method].trees:
+        raise SpecdecError(f"a grammar constrains chain drafts only; the {config.method} method drafts token trees "
+                           "(use a chain method, e.g. the default, lookup or forced)")
 
 
 def _prompt_input(prompt, prompts_file, sampler, max_new_tokens: int, batch_size: int, debug: bool,
@@ -192,8 +259,9 @@ def _online(drafter_model):
 
 
 def _generate_one(target_model, speculation, prompt: str, sampler, max_new_tokens: int, seed, first_target: bool,
-                  chat: bool, debug: bool, as_json: bool) -> None:
-    """One prompt's generation, its steps drawn as they come (or one JSON object)."""
+                  chat: bool, debug: bool, as_json: bool, grammar=None) -> None:
+    """One prompt's generation, its steps drawn as they come (or one JSON object). grammar: what
+    the output must match (`grammar.Grammar`), or None."""
     from ..display import LEGEND, DebugPrinter, StepPrinter, summary_line
     from ..generate import autoregressive_generate, speculative_generate
 
@@ -209,10 +277,11 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
         result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
                                       max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
                                       on_step=printer, schedule=plan, lenience=config.effective_lenience(),
-                                      debug=debug, typical=config.typical(), seed_rule=config.seed_rule)
+                                      debug=debug, typical=config.typical(), seed_rule=config.seed_rule,
+                                      grammar=grammar)
     else:
         result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
-                                         seed=seed, on_step=printer)
+                                         seed=seed, on_step=printer, grammar=grammar)
     if as_json:
         print(json.dumps(_result_json(result, config, target_model, drafter_used, sampler, plan), ensure_ascii=False))
         return
@@ -325,14 +394,15 @@ def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
 
 
 def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int, as_json: bool, chat: bool,
-                    kv_memory: int | None = None, online=None, drafter_model=None) -> None:
+                    kv_memory: int | None = None, online=None, drafter_model=None, grammar=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
     file's order (a JSON line per prompt with --json), then one summary line. speculation: the
     built `methods.Speculation`, a drafter and a schedule per row; a row's output is that of its
     prompt alone (greedy, or seeded: the seeded AR output), whatever its batch. online: an
     `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one).
     drafter_model: the loaded drafter model, if any (with the target: the batched pass costs the
-    engine's batch policy starts from, `passcost.load_costs`)."""
+    engine's batch policy starts from, `passcost.load_costs`). grammar: what every row's output
+    must match (`grammar.Grammar`), or None."""
     import time
 
     from ..engine import Engine, Request
@@ -346,7 +416,8 @@ def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int
     engine = Engine(target_model, batch_size, kv_memory, load_costs=profile)
     requests = [Request(target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), speculation.make_drafter,
                         sampler=row["sampler"], max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
-                        schedule=speculation.make_schedule, seed_rule=speculation.config.seed_rule) for row in rows]
+                        schedule=speculation.make_schedule, seed_rule=speculation.config.seed_rule,
+                        grammar=grammar) for row in rows]
     began = time.perf_counter()
     if online is None:
         ids = [engine.add(request) for request in requests]
