@@ -25,7 +25,8 @@ from test_server_openai import SPECIALS, byte_level_tokenizer
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
           "required": ["name", "kind", "ok"], "additionalProperties": False}
-GRAMMARS = {"schema": Grammar.json_schema(SCHEMA), "json": Grammar.json(), "regex": Grammar.regex(r"(ab|ba)+c")}
+GRAMMARS = {"schema": Grammar.json_schema(SCHEMA), "json": Grammar.json(), "regex": Grammar.regex(r"(ab|ba)+c"),
+            "short": Grammar.regex(r"(ab|ba)c")}  # ends within a draft: the end is forced, nothing drafted after
 PROMPT_TEXT = "an answer: "
 METHODS = ["forced", "lookup", "suffix", "ngram", "chain", "cascade", "sd", "sd-heuristic"]
 
@@ -66,7 +67,7 @@ def _valid(target, grammar: Grammar, tokens: list[int]) -> bool:
     return grammar.constraint(target, target.eos_token_ids).valid(tokens) == len(tokens)
 
 
-CASES = [(m, g) for m in METHODS for g in GRAMMARS if g == "schema" or m in ("forced", "chain", "lookup")]
+CASES = [(m, g) for m in METHODS for g in GRAMMARS if g == "schema" or m in ("forced", "chain", "lookup", "sd")]
 
 
 @pytest.mark.parametrize("method, grammar", CASES, ids=[f"{m}-{g}" for m, g in CASES])
@@ -80,6 +81,8 @@ def test_greedy_constrained_output_is_constrained_ar_token_for_token(pair, promp
     drafter, schedule = _drafter(method, pair)
     out = speculative_generate(prompt, target, drafter, schedule=schedule, max_new_tokens=40, grammar=g)
     assert out.tokens == ar.tokens
+    if grammar == "short":
+        assert ar.stop_reason == "eos" and len(ar.tokens) <= 4
     if grammar == "schema":  # keys and punctuation are forced: drafted for free, counted apart
         assert out.stats.forced > 0 and out.stats.target_passes < ar.stats.target_passes
         assert out.stats.accepted <= out.stats.drafted

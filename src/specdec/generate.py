@@ -50,7 +50,7 @@ class Step:
     info: dict = field(default_factory=dict)  # the schedule's per-step values (e.g. EGAG's h_norm, gamma)
     tree_parents: list[int] | None = None
     path: list[int] | None = None
-    forced: int = 0  # of draft_tokens, the last ones a grammar forced (drafted for free, not by the drafter)
+    forced: tuple[int, ...] = ()  # positions in draft_tokens where a grammar allowed that token alone (free drafts)
 
     @property
     def accepted_tokens(self) -> list[int]:
@@ -419,12 +419,13 @@ class Decoding:
         self._prompt_tokens = None if self.rules is None else \
             self.rules.prompt_tokens(prompt, target.vocab_size, target.device)
         self.constraint = _constraint(grammar, target, eos)  # the grammar's state (None: unconstrained)
+        if self.constraint is not None and self.can.grammar:
+            drafter.constraint = self.constraint  # it drafts under the same masks, forced tokens for free
         # cache positions the sequence can reach: its prompt, its output and the widest draft
         self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
-        self._forced = 0  # of the planned draft, the last tokens the grammar forced
         # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
         self.online = self.drafter_model.online if isinstance(drafter, ModelDrafter) and \
             isinstance(self.drafter_model, TransformersModel) else None
@@ -545,7 +546,6 @@ class Decoding:
                                                 self.schedule.keep_going)
         else:
             draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
-        self._forced = 0
         if self.constraint is not None:
             draft = self._constrained(draft)
         self._drafted_at = time.perf_counter()
@@ -567,8 +567,10 @@ class Decoding:
         if self.rules is not None:
             logits = self.rules.apply(logits[-rows:], self._prompt_tokens, self.out.tokens,
                                       [] if draft is None else draft.tokens, self.out.eos)
+        forced: tuple[int, ...] = ()  # draft positions where the grammar left one token: drafted for free
         if self.constraint is not None:
             logits = self.constraint.mask_logits(logits[-rows:], [] if draft is None else draft.tokens)
+            forced = tuple(j for j in range(rows - 1) if self.constraint.single[j])
         stats.target_seconds += pass_seconds
         stats.target_passes += 1
         if self.noise is not None:
@@ -616,8 +618,8 @@ class Decoding:
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])
-        own = len(draft.tokens) - self._forced  # the drafter's own tokens: what its schedule learns from
-        self.schedule.update(own, min(num_accepted, own))
+        # the drafter's own tokens (not those the grammar forced): what its schedule learns from
+        self.schedule.update(len(draft.tokens) - len(forced), sum(j not in forced for j in range(num_accepted)))
         # greedy and coupled output are the same whatever the draft lengths, so timings may steer
         # them; under a lossy rule a seed pins the output, and draft lengths decide which draws are used
         if not self.pinned:
@@ -625,7 +627,7 @@ class Decoding:
                        time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
             (drafter if self.trees else self.schedule).timing(*timings)
         step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})},
-                    forced=self._forced)
+                    forced=forced)
         if self.trees:
             step.tree_parents, step.path = draft.parents, path
         emitted = self.out.add(step)
@@ -651,7 +653,6 @@ class Decoding:
         room = min(self.out.remaining - 1, DRAFT_ROOM) - len(tokens)
         forced = self.constraint.forced(tokens, room)
         if forced:
-            self._forced = len(forced)
             if probs is not None:
                 probs = torch.cat([probs, one_hot(forced, probs.shape[-1], probs.device).to(probs.dtype)])
             tokens += forced
@@ -832,12 +833,13 @@ class _Output:
         self.tokens += emitted
         self.steps.append(step)
         # a grammar's forced tokens are counted apart, so that acceptance says what the drafter did
-        drafted = len(step.draft_tokens) - step.forced
+        drafted = len(step.draft_tokens) - len(step.forced)
         self.stats.drafted += drafted
         # accepted drafts after an EOS that ended the output were never emitted: they do not count
-        accepted = min(step.num_accepted, len(emitted))
-        self.stats.forced += max(0, accepted - drafted)
-        accepted = min(accepted, drafted)
+        kept = min(step.num_accepted, len(emitted))
+        forced = sum(j in step.forced for j in range(kept))
+        self.stats.forced += forced
+        accepted = kept - forced
         self.stats.accepted += accepted
         if drafted:
             self.stats.accepted_per_step.append(accepted)

@@ -155,6 +155,7 @@ class Constraint:
         self._words = torch.empty((vocab + 31) // 32, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
         self.mask_calls = 0  # masks computed (what the bench reports a cost per token of)
+        self.single: list[bool] = []  # of the last `masks`' rows, those that allowed one token alone
         self.mask_seconds = 0.0  # inside `masks`: the matcher's speculative advance, masks and rollback
 
     def _mask(self) -> torch.Tensor:
@@ -194,8 +195,20 @@ class Constraint:
         if keep:
             self.matcher.rollback(keep)
         out[keep + 1:] = out[keep]
+        self.single = (out.sum(1) == 1).tolist()
         self.mask_seconds += time.perf_counter() - began
         return out
+
+    def mask_after(self, after: Sequence[int]) -> torch.Tensor:
+        """[V] bool: the tokens allowed after the committed output and `after`, a draft made under
+        these masks (none of its tokens an end token: nothing follows one)."""
+        if any(t in self.ends for t in after) or not self.matcher.consume_tokens(list(after)):
+            raise SpecdecError("a draft under a grammar went past its end or out of the grammar")
+        try:
+            return self._mask()
+        finally:
+            if after:
+                self.matcher.rollback(len(after))
 
     def forced(self, after: Sequence[int], most: int) -> list[int]:
         """The tokens the grammar forces after the committed output and `after` (the only ones it

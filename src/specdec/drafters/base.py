@@ -39,6 +39,8 @@ class Capabilities:
     finishes: `finish(sequence)` when its sequence ends (e.g. to share the output with later ones).
     one_pass: its drafter model proposes `k` tokens a pass (a parallel drafter): a token inside a
         pass costs a row of it, not a pass of its own (the cost schedule prices it so).
+    grammar: drafts under a grammar's state (`constraint`, a `grammar.Constraint` the loop sets):
+        its q masked as the target's p is, and the tokens the grammar forces taken without a pass.
     """
 
     trees: bool = False
@@ -50,6 +52,7 @@ class Capabilities:
     pins: bool = False
     finishes: bool = False
     one_pass: bool = False
+    grammar: bool = False
 
 
 def capabilities_of(drafter) -> Capabilities:

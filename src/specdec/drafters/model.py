@@ -30,7 +30,7 @@ class ModelDrafter(Drafter):
     target's ids, zero on ids the drafter lacks, and ids beyond the target's are never proposed.
     """
 
-    capabilities = Capabilities(batched_passes=True, model=True, catches_up=True)
+    capabilities = Capabilities(batched_passes=True, model=True, catches_up=True, grammar=True)
 
     def __init__(self, model: Backend):
         self.model = model
@@ -39,6 +39,7 @@ class ModelDrafter(Drafter):
         self.cache = None
         self.caught_up = [0, 0.0]  # tokens fed to catch up with the context (prompt, plain steps), seconds
         self.salt = ""  # the tenant whose kept prompts its model's prompt cache may reuse (Decoding's cache_salt)
+        self.constraint = None  # a grammar's state its drafts keep to (`Capabilities.grammar`), set by the loop
         self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
         embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
         self._embedded = embeddings.num_embeddings if embeddings is not None else None
@@ -75,17 +76,30 @@ class ModelDrafter(Drafter):
         # the whole previous draft was accepted)
         pending = self._inputs(context[cache_length(self.cache):])
         while len(tokens) < max_tokens:
+            forced = [] if self.constraint is None else self.constraint.forced(tokens, max_tokens - len(tokens))
+            if forced:  # p_g is 1 there: no pass asks the drafter what the grammar leaves no choice in
+                tokens += forced
+                probs += [self._one_hot(token, sampler) for token in forced]
+                pending = pending + self._inputs(forced)
+                if forced[-1] in self.constraint.ends:
+                    break  # the output ends there
+                continue
             logits = (yield Segment(pending, self.cache, 1))[-1]
             self.passes += 1
             logits = logits[:self.vocab_size]  # ids past the target's (head padding) are never proposed
+            if self.constraint is not None:  # q as the target's p is: masked by the grammar
+                allowed = self.constraint.mask_after(tokens)[:len(logits)].to(logits.device)
+                logits = logits.float().masked_fill(~allowed, float("-inf"))
             token, q = self._choose(logits, sampler, generator, len(context) + len(tokens))
             if q is not None:
                 probs.append(q)
             tokens.append(token)
             pending = self._inputs([token])
+            if self.constraint is not None and token in self.constraint.ends:
+                break  # the output ends there: nothing after it is scored
             if not keep_going(len(tokens), logits):
                 break
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return Draft(tokens, torch.stack(probs) if probs and not sampler.is_greedy else None)
 
     def _catch_up(self, context: Sequence[int]) -> None:
         """On a row-exact model, feed the prompt, or the tokens of steps that drafted nothing, in
@@ -122,6 +136,14 @@ class ModelDrafter(Drafter):
                 break
             offsets.append(fed.index(node))
         compact_cache(self.cache, start, offsets)
+
+    def _one_hot(self, token: int, sampler: Sampler) -> torch.Tensor | None:
+        """The q of a token the grammar forced: one-hot (None under greedy, as `_choose`'s)."""
+        if sampler.is_greedy:
+            return None
+        q = torch.zeros(self.vocab_size or self.model.vocab_size, device=self.model.device)
+        q[token] = 1.0
+        return q
 
     def _choose(self, logits: torch.Tensor, sampler: Sampler, generator: torch.Generator,
                 position: int) -> tuple[int, torch.Tensor | None]:
