@@ -31,7 +31,7 @@ PROMPT_TEXT = "an answer: "
 METHODS = ["forced", "lookup", "suffix", "ngram", "chain", "cascade", "sd", "sd-heuristic"]
 
 
-def _model(tokenizer, seed: int, layers: int, name: str) -> TransformersModel:
+def _model(tokenizer, seed: int, layers: int, name: str, kernels: str = "auto") -> TransformersModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ids = tokenizer.convert_tokens_to_ids(SPECIALS)
@@ -42,7 +42,7 @@ def _model(tokenizer, seed: int, layers: int, name: str) -> TransformersModel:
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # sharp enough that p and q differ
-    return TransformersModel(model, tokenizer, name, exact_rows=True)
+    return TransformersModel(model, tokenizer, name, kernels=kernels, exact_rows=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,18 @@ def test_greedy_constrained_output_is_constrained_ar_token_for_token(pair, promp
     if grammar == "schema":  # keys and punctuation are forced: drafted for free, counted apart
         assert out.stats.forced > 0 and out.stats.target_passes < ar.stats.target_passes
         assert out.stats.accepted <= out.stats.drafted
+
+
+def test_a_target_drafting_for_itself_keeps_to_the_grammar_too(pair, prompt):
+    """Self-drafting (layer skip): the target with layers left out drafts, unconstrained; the
+    verification's masks keep the output the constrained AR output."""
+    target = _model(pair[0].tokenizer, 0, 4, "tiny-grammar-4", kernels="stock")  # layers to skip
+    built = build(resolve("self-skip").replace(skip_layers=(1,)), Parts(target))
+    for g in (GRAMMARS["schema"], GRAMMARS["short"]):
+        ar = autoregressive_generate(prompt, target, max_new_tokens=30, grammar=g)
+        out = speculative_generate(prompt, target, built.make_drafter(), schedule=built.schedule(),
+                                   max_new_tokens=30, grammar=g)
+        assert out.tokens == ar.tokens and out.stats.drafted + out.stats.forced > 0
 
 
 @pytest.mark.parametrize("batch", [2, 5])
