@@ -89,8 +89,8 @@ def test_greedy_constrained_output_is_constrained_ar_token_for_token(pair, promp
 
 
 def test_a_target_drafting_for_itself_keeps_to_the_grammar_too(pair, prompt):
-    """Self-drafting (layer skip): the target with layers left out drafts, unconstrained; the
-    verification's masks keep the output the constrained AR output."""
+    """Self-drafting (layer skip): the target with layers left out drafts under the grammar as a
+    drafter model does; the output is the constrained AR output."""
     target = _model(pair[0].tokenizer, 0, 4, "tiny-grammar-4", kernels="stock")  # layers to skip
     built = build(resolve("self-skip").replace(skip_layers=(1,)), Parts(target))
     for g in (GRAMMARS["schema"], GRAMMARS["short"]):
@@ -184,3 +184,25 @@ def test_trees_ignore_eos_and_bad_grammars_are_refused_in_words(pair, prompt):
         autoregressive_generate(prompt, target, grammar={"type": "object", "properties": {"a": {"type": "strin"}}})
     with pytest.raises(SpecdecError, match="grammar must be"):
         autoregressive_generate(prompt, target, grammar=42)
+
+
+def test_a_reused_drafter_forgets_the_last_grammar_and_a_foreign_end_never_comes(pair, prompt):
+    """A drafter model object used again without a grammar drafts freely (it kept the last run's
+    finished matcher, which forced an end token into every draft); a sequence that ends on another
+    token than the model's own end never emits that one, though the grammar would allow it."""
+    from specdec.drafters import ModelDrafter
+
+    target, drafter_model = pair
+    drafter = ModelDrafter(drafter_model)
+    speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=20, grammar=GRAMMARS["short"])
+    free = speculative_generate(prompt, target, drafter, gamma=4, max_new_tokens=20)
+    assert free.tokens == autoregressive_generate(prompt, target, max_new_tokens=20).tokens
+    assert free.stats.drafted >= 4 and free.stats.forced == 0
+    other_end = target.encode("!")[0]
+    out = autoregressive_generate(prompt, target, max_new_tokens=10, eos_token_ids=[other_end],
+                                  grammar=Grammar.regex(r"(ab|ba)c!?"))
+    assert not set(out.tokens) & set(target.eos_token_ids)
+    with pytest.raises(SpecdecError, match="do not combine"):
+        from specdec.penalties import LogitRules
+
+        autoregressive_generate(prompt, target, max_new_tokens=10, grammar="json", rules=LogitRules(min_tokens=3))

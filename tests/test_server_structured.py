@@ -351,3 +351,45 @@ def test_tool_call_bodies_follow_openais_schema(server):
     assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
     for chunk in chunks:
         check("CreateChatCompletionStreamResponse", chunk)
+
+
+def test_a_call_with_a_name_not_a_string_and_a_closing_tag_inside_an_argument_parse_as_they_should():
+    parser = CallParser({"f"})
+    content, calls = parser.feed('<tool_call>\n{"name": ["f"], "arguments": {}}\n</tool_call>')
+    assert calls == [] and "name" in content  # not a call: given back as content, never a 500
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call>y"}}\n</tool_call>'
+    for pieces in ([text], list(text)):  # whole, and a character at a time
+        parser, calls = CallParser({"f"}), []
+        for piece in pieces:
+            calls += parser.feed(piece)[1]
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": "x</tool_call>y"}]
+
+
+def test_a_required_call_of_a_tool_whose_parameters_use_defs_is_taken(pair):
+    """Pydantic writes nested models under $defs: each tool's arguments keep their own root."""
+    from pydantic import BaseModel
+
+    from specdec.server.tools import call_grammar
+
+    class Place(BaseModel):
+        city: str
+
+    class Trip(BaseModel):
+        start: Place
+        end: Place
+
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}}] + TOOLS
+    assert "$defs" in tools[0]["function"]["parameters"]
+    grammar = call_grammar(tools, "required", True, pair[0].tokenizer)
+    grammar.check(pair[0])
+    constraint = grammar.constraint(pair[0], pair[0].eos_token_ids)
+    call = '<tool_call>\n{"name": "plan", "arguments": {"start": {"city": "A"}, "end": {"city": "B"}}}\n</tool_call>'
+    ids = pair[0].tokenizer.encode(call, add_special_tokens=False)
+    assert constraint.valid(ids) == len(ids)
+
+
+def test_min_tokens_and_allowed_ids_do_not_combine_with_a_grammar(server):
+    for field, value in (("min_tokens", 50), ("allowed_token_ids", [5, 6])):
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 60, "temperature": 0, field: value,
+                "response_format": {"type": "json_object"}}
+        assert _error(_post(server, body))["param"] == field

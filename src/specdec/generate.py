@@ -419,8 +419,12 @@ class Decoding:
         self._prompt_tokens = None if self.rules is None else \
             self.rules.prompt_tokens(prompt, target.vocab_size, target.device)
         self.constraint = _constraint(grammar, target, eos)  # the grammar's state (None: unconstrained)
-        if self.constraint is not None and self.can.grammar:
-            drafter.constraint = self.constraint  # it drafts under the same masks, forced tokens for free
+        if self.constraint is not None and self.rules is not None and (self.rules.min_tokens or self.rules.allowed):
+            # the grammar decides where the output ends and what may come: these could leave no token
+            raise SpecdecError("min_tokens and allowed tokens do not combine with a grammar (which decides where "
+                               "the output ends and which tokens may come)")
+        if self.can.grammar:  # it drafts under the same masks (None: none; a drafter object may be reused)
+            drafter.constraint = self.constraint
         # cache positions the sequence can reach: its prompt, its output and the widest draft
         self.positions = len(prompt) + limit + (DRAFT_ROOM if drafter is not None else 0)
         self.cache = None
@@ -716,7 +720,6 @@ def _constraint(grammar, target: Backend, ends: set[int]):
     if not ends:
         raise SpecdecError("a grammar ends the output where it is complete, which needs an end token: "
                            "not with ignore_eos and no stop token ids")
-    grammar.check(target)
     return grammar.constraint(target, sorted(ends))
 
 

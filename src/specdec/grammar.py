@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import SpecdecError
+from .errors import ModelFault, SpecdecError
 
 KINDS = ("json_schema", "json", "regex", "lark")
 ANY_JSON = {"type": "object"}  # "json": any JSON object (OpenAI's json_object mode)
@@ -83,10 +83,6 @@ class Grammar:
             return cls.json_schema(spec)
         raise SpecdecError(f"grammar must be a Grammar, 'json' or a JSON schema (a dict), got {spec!r}"[:200])
 
-    def __hash__(self):
-        return hash((self.kind, json.dumps(self.source, sort_keys=True) if isinstance(self.source, dict)
-                     else self.source))
-
     def text(self) -> str:
         """The grammar in llguidance's form."""
         from llguidance import LLMatcher
@@ -101,28 +97,37 @@ class Grammar:
             return LLMatcher.grammar_from_lark(self.source)
         raise SpecdecError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
 
-    def check(self, model) -> None:
+    def check(self, model=None) -> None:
         """SpecdecError naming the problem where this grammar cannot constrain `model` (a grammar
-        that does not compile, a keyword it does not support, a model without a tokenizer)."""
+        that does not compile, a keyword it does not support, a model without a tokenizer); with
+        no model, the grammar alone is checked (before any model loads)."""
         from llguidance import LLMatcher
 
         try:
-            text = self.text()
+            message = LLMatcher.validate_grammar(self.text(), None if model is None else _tokenizer(model))
         except ValueError as error:
-            raise SpecdecError(f"the {self.kind} grammar is not valid: {error}") from None
-        message = LLMatcher.validate_grammar(text, _tokenizer(model))
+            message = str(error)
         if message:
-            raise SpecdecError(f"the {self.kind} grammar is not valid: {message.strip().splitlines()[0]}"[:500])
+            lines = message.strip().splitlines()  # llguidance's first line, and the parser's own "error: ..." line
+            reason = " ".join([lines[0]] + [line.strip() for line in lines[1:] if line.strip().startswith("error:")][:1])
+            raise SpecdecError(f"the {self.kind} grammar is not valid: {reason}"[:500])
 
     def constraint(self, model, ends: Sequence[int]) -> "Constraint":
         """One sequence's matcher of this grammar on `model`'s vocabulary. ends: the sequence's
         end tokens, allowed once the grammar is satisfied (and forced once nothing else may come)."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(_tokenizer(model), self.text(), log_level=0)
+        try:
+            text = self.text()
+        except ValueError as error:
+            raise SpecdecError(f"the {self.kind} grammar is not valid: {error}") from None
+        matcher = LLMatcher(_tokenizer(model), text, log_level=0)
         if matcher.is_error():
             raise SpecdecError(f"the {self.kind} grammar is not valid: {matcher.get_error()}"[:500])
-        return Constraint(matcher, model.vocab_size, list(ends))
+        # llguidance allows the model's own end token once the grammar is satisfied; where this
+        # sequence does not end on it (ignore_eos with stop_token_ids), it is not allowed
+        foreign = [t for t in getattr(model, "eos_token_ids", None) or [] if t not in ends]
+        return Constraint(matcher, model.vocab_size, list(ends), foreign)
 
 
 _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its LLTokenizer (~2 s to make)
@@ -150,8 +155,9 @@ class Constraint:
     forces, and the committed output. The matcher holds the committed output; every speculative
     advance over a draft is rolled back before a method returns."""
 
-    def __init__(self, matcher, vocab: int, ends: list[int]):
+    def __init__(self, matcher, vocab: int, ends: list[int], foreign: Sequence[int] = ()):
         self.matcher, self.vocab, self.ends = matcher, vocab, ends
+        self._foreign = [t for t in foreign if t < vocab]  # end tokens of the model this sequence does not end on
         self._words = torch.empty((vocab + 31) // 32, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
         self.mask_calls = 0  # masks computed (what the bench reports a cost per token of)
@@ -165,6 +171,7 @@ class Constraint:
         allowed = ((self._words.unsqueeze(-1) >> self._bits) & 1).view(-1)[:self.vocab].bool()
         if self.matcher.is_accepting():
             allowed[[t for t in self.ends if t < self.vocab]] = True
+        allowed[self._foreign] = False
         return allowed
 
     def valid(self, tokens: Sequence[int]) -> int:
@@ -195,20 +202,23 @@ class Constraint:
         if keep:
             self.matcher.rollback(keep)
         out[keep + 1:] = out[keep]
-        self.single = (out.sum(1) == 1).tolist()
+        self.single = [alone and j <= keep for j, alone in enumerate((out.sum(1) == 1).tolist())]
         self.mask_seconds += time.perf_counter() - began
         return out
 
     def mask_after(self, after: Sequence[int]) -> torch.Tensor:
         """[V] bool: the tokens allowed after the committed output and `after`, a draft made under
         these masks (none of its tokens an end token: nothing follows one)."""
-        if any(t in self.ends for t in after) or not self.matcher.consume_tokens(list(after)):
-            raise SpecdecError("a draft under a grammar went past its end or out of the grammar")
+        began = time.perf_counter()
+        if any(t in self.ends for t in after) or self.matcher.validate_tokens(list(after)) < len(after):
+            raise ModelFault("a draft under a grammar went past its end or out of the grammar")  # a bug of ours
+        self.matcher.consume_tokens(list(after))
         try:
             return self._mask()
         finally:
             if after:
                 self.matcher.rollback(len(after))
+            self.mask_seconds += time.perf_counter() - began
 
     def forced(self, after: Sequence[int], most: int) -> list[int]:
         """The tokens the grammar forces after the committed output and `after` (the only ones it
@@ -217,8 +227,8 @@ class Constraint:
             return []
         self.matcher.consume_tokens(list(after))
         forced = list(self.matcher.compute_ff_tokens())[:most]
-        if self.matcher.is_stopped() and len(forced) < most and self.ends:
-            forced.append(self.ends[0])  # nothing more may come: the end is forced too
+        if self.matcher.is_stopped() and len(forced) < most and len(self.ends) == 1:
+            forced.append(self.ends[0])  # nothing more may come: the one end is forced too
         if after:
             self.matcher.rollback(len(after))
         return forced[:most]
@@ -227,8 +237,8 @@ class Constraint:
         """The output grew by `tokens` (each allowed where it came: the masks saw to it)."""
         ends = set(self.ends)
         body = [t for t in tokens if t not in ends]
-        if body and not self.matcher.consume_tokens(body):
-            raise SpecdecError(f"a committed token left the grammar: {self.matcher.get_error()}"[:300])
+        if body and not self.matcher.consume_tokens(body):  # the masks never allow it: a bug of ours
+            raise ModelFault(f"a committed token left the grammar: {self.matcher.get_error()}"[:300])
 
     def mask_logits(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:
         """logits [R, V] of R consecutive positions, row j after draft[:j] -> those logits (fp32)

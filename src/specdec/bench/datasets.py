@@ -59,6 +59,13 @@ def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
         schema = row.get("schema")
         if schema is not None and not isinstance(schema, dict):
             raise SpecdecError(f"{path}:{number}: 'schema' must be a JSON Schema (an object), got {schema!r}"[:200])
+        if schema is not None:  # every output is checked against it: a keyword the checker lacks is refused
+            from .schemas import check_supported
+
+            try:
+                check_supported(schema)
+            except SpecdecError as error:
+                raise SpecdecError(f"{path}:{number}: {error}") from None
         prompts.append(Prompt(text, dataset, str(row.get("task", dataset)), len(prompts), chat, schema))
     return prompts
 

@@ -110,11 +110,8 @@ def generate(
                              ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
                              typical_epsilon=typical_epsilon, typical_delta=typical_delta,
                              lookahead_shape=_lookahead_shape(lookahead_shape))
-        _check_grammar_method(grammar, config)
+        _check_grammar_method(grammar, config, target)
         if _encoder_decoder(target):
-            if grammar is not None:
-                raise SpecdecError("a grammar constrains decoder-only targets; drop --json-schema, --json-object, "
-                                   "--regex and --grammar with an encoder-decoder target")
             _generate_seq2seq(prompt, target, config, sampler, dtype, device, max_new_tokens, seed, first_target,
                               as_json, rows is not None or chat or dtype == "gguf")
             return
@@ -142,7 +139,6 @@ def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, 
     """The `grammar.Grammar` of generate's --json-schema, --json-object, --regex or --grammar (None
     without one), read and compiled before any model loads: a one-line error for a missing file, a
     schema that is not JSON or not valid, a bad regex or Lark grammar, or two of them at once."""
-    from llguidance import LLMatcher
 
     from ..grammar import Grammar
 
@@ -172,20 +168,20 @@ def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, 
     else:
         grammar = Grammar.lark(read(grammar_file, "--grammar"))
     try:
-        message = LLMatcher.validate_grammar(grammar.text(), None)  # the model's tokenizer is checked at generation
-    except ValueError as error:
-        message = str(error)
-    if message:
-        lines = message.strip().splitlines()  # llguidance's first line, and the parser's own "error: ..." line
-        reason = " ".join([lines[0]] + [line.strip() for line in lines[1:] if line.strip().startswith("error:")][:1])
-        raise SpecdecError(f"{given[0]}: the {grammar.kind} grammar is not valid: {reason}"[:500])
+        grammar.check()  # the model's tokenizer is checked at generation
+    except SpecdecError as error:
+        raise SpecdecError(f"{given[0]}: {error}") from None
     return grammar
 
 
-def _check_grammar_method(grammar, config) -> None:
-    """A grammar constrains chain drafts only: a tree method is refused before any model loads."""
+def _check_grammar_method(grammar, config, target: str) -> None:
+    """A grammar constrains a decoder-only target's chain drafts: a tree method or an
+    encoder-decoder target is refused before any model loads."""
     from ..methods import METHODS
 
+    if grammar is not None and _encoder_decoder(target):
+        raise SpecdecError("a grammar constrains decoder-only targets; drop --json-schema, --json-object, "
+                           "--regex and --grammar with an encoder-decoder target")
     if grammar is not None and config.speculative and METHODS[config.method].trees:
         raise SpecdecError(f"a grammar constrains chain drafts only; the {config.method} method drafts token trees "
                            "(use a chain method, e.g. the default, lookup or forced)")

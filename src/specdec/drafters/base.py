@@ -88,7 +88,8 @@ def derived_capabilities(drafter) -> Capabilities:
                         reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
                         reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
                         pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"),
-                        one_pass=bool(getattr(drafter, "one_pass", False)))
+                        one_pass=bool(getattr(drafter, "one_pass", False)),
+                        grammar=bool(getattr(drafter, "drafts_under_grammar", False)))
 
 
 def _own(drafter, member: str) -> bool:

@@ -19,7 +19,7 @@ from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
 from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens, sample
-from .base import Draft, KeepGoing, Proposal
+from .base import Capabilities, Draft, KeepGoing, Proposal
 from .lookup import find_continuation
 from .model import ModelDrafter
 from .suffix import SuffixDrafter
@@ -29,7 +29,12 @@ STAGES = ("suffix", "lookup")
 
 class CascadeDrafter(ModelDrafter):
     """The drafter model, with `stage` ("suffix" or "lookup") guessing up to `max_guess` of its
-    tokens per pass. Counts `guessed` (guess tokens the model scored) and `kept` (those it drew)."""
+    tokens per pass. Counts `guessed` (guess tokens the model scored) and `kept` (those it drew).
+    Under a grammar it drafts unconstrained (its stage's guesses would need masks of their own):
+    the target's masked verification keeps the output exact."""
+
+    capabilities = Capabilities(batched_passes=True, model=True, catches_up=True)
+    drafts_under_grammar = False
 
     def __init__(self, model: Backend, stage: str = "suffix", max_guess: int = 3):
         super().__init__(model)

@@ -16,12 +16,6 @@ class ForcedOnlyDrafter(Drafter):
     capabilities = Capabilities()
     name = "forced"
 
-    def __init__(self):
-        self.passes = 0
-
-    def check_target(self, target) -> None:
-        pass
-
     def start(self, prompt: Sequence[int]) -> None:
         pass
 

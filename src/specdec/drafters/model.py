@@ -31,6 +31,7 @@ class ModelDrafter(Drafter):
     """
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True, grammar=True)
+    drafts_under_grammar = True  # the member a drafter without a declaration would show (`derived_capabilities`)
 
     def __init__(self, model: Backend):
         self.model = model
@@ -71,6 +72,7 @@ class ModelDrafter(Drafter):
         across sequences."""
         tokens: list[int] = []
         probs = []
+        own = 0  # tokens the drafter chose (not forced by a grammar): what its schedule sizes
         self._catch_up(context)
         # what the drafter has not seen: the target's last token (and the last draft token when
         # the whole previous draft was accepted)
@@ -94,10 +96,11 @@ class ModelDrafter(Drafter):
             if q is not None:
                 probs.append(q)
             tokens.append(token)
+            own += 1
             pending = self._inputs([token])
             if self.constraint is not None and token in self.constraint.ends:
                 break  # the output ends there: nothing after it is scored
-            if not keep_going(len(tokens), logits):
+            if not keep_going(own, logits):
                 break
         return Draft(tokens, torch.stack(probs) if probs and not sampler.is_greedy else None)
 

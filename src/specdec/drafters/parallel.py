@@ -36,6 +36,7 @@ class ParallelDrafter(ModelDrafter):
     """
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True, one_pass=True)
+    drafts_under_grammar = False  # its k tokens a pass are drawn unmasked (the verification's masks keep it exact)
     one_pass = True  # the member a drafter without a declaration would show (`derived_capabilities`)
 
     def __init__(self, model):

@@ -206,13 +206,23 @@ class Service:
         (a schema that does not compile, a keyword llguidance does not support). CPU work of
         milliseconds (the first grammar on a model also reads its vocabulary, seconds)."""
         if job.tools and job.tool_choice not in ("none", "auto"):
+            named = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
             for k, tool in enumerate(job.tools):
-                if "parameters" in tool["function"]:
-                    self._check(Grammar.json_schema(tool["function"]["parameters"]), f"tools[{k}].function.parameters")
+                parameters = tool["function"].get("parameters")
+                if parameters is None or named not in (None, tool["function"]["name"]):
+                    continue
+                if parameters.get("type", "object") != "object":  # arguments are an object: no call could pass
+                    raise BadRequest(f"tools[{k}].function.parameters is not valid: a call's arguments are an object",
+                                     f"tools[{k}].function.parameters")
+                self._check(Grammar.json_schema(parameters), f"tools[{k}].function.parameters")
             job.grammar = call_grammar(job.tools, job.tool_choice, job.parallel_tool_calls, self.target.tokenizer)
             self._check(job.grammar, "tools")
         elif job.grammar is not None:
             self._check(job.grammar, "response_format")
+        if job.grammar is not None:
+            for name, on in (("min_tokens", job.rules.min_tokens), ("allowed_token_ids", job.rules.allowed)):
+                if on:  # the grammar decides where the output ends and what may come: these could leave nothing
+                    raise BadRequest(f"{name} does not combine with response_format or a required tool call", name)
 
     def _check(self, grammar: Grammar, param: str) -> None:
         try:
@@ -337,7 +347,6 @@ class Service:
         for request in requests:
             request.logprobs, request.cache_salt, request.rules, request.eos_token_ids = \
                 job.logprobs, job.cache_salt, job.rules, ends
-            request.grammar = job.grammar
         return requests
 
     def config(self, speculation: Speculation) -> SpecConfig | None:
@@ -378,7 +387,7 @@ class Service:
     def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
                  seed: int | None, cache_salt: str = "", rules: LogitRules | None = None, key: str = "",
                  grammar=None) -> Request:
-        common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed)
+        common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed, grammar=grammar)
         config = self.config(speculation)
         if config is None:
             return Request(prompt_ids, None, **common)

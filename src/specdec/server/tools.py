@@ -39,15 +39,17 @@ def call_grammar(tools: list[dict], choice, parallel: bool, tokenizer) -> Gramma
     `arguments` that tool's `parameters`."""
     named = choice["function"]["name"] if isinstance(choice, dict) else None
     functions = [tool["function"] for tool in tools if named is None or tool["function"]["name"] == named]
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or NO_PARAMETERS},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    body = {**options[0]} if len(options) == 1 else {"anyOf": options}
-    body["x-guidance"] = JSON_STYLE
+    # each call written as json.dumps writes {"name": NAME, "arguments": {...}}; each tool's
+    # arguments a %json rule of their own, so that its schema's $defs resolve from its own root
+    rules = []
+    for k, function in enumerate(functions):
+        head = json.dumps({"name": function["name"]})[:-1] + ', "arguments": '
+        schema = {**(function.get("parameters") or NO_PARAMETERS), "x-guidance": JSON_STYLE}
+        rules.append(f"body{k}: {json.dumps(head)} args{k} \"}}\"\nargs{k}: %json {json.dumps(schema)}\n")
     more = ' ("\\n" call)*' if parallel and named is None else ""
     return Grammar.lark(f"start: call{more}\n"
                         f'call: {_tag(tokenizer, OPEN)} "\\n" body "\\n" {_tag(tokenizer, CLOSE)}\n'
-                        f"body: %json {json.dumps(body)}\n")
+                        f"body: {' | '.join(f'body{k}' for k in range(len(functions)))}\n" + "".join(rules))
 
 
 def template_message(message: dict) -> dict:
@@ -84,8 +86,8 @@ class CallParser:
         content, calls = [], []
         while not self.done:
             if self.inside:
-                end = self.buffer.find(CLOSE)
-                if end < 0:
+                end = self._close()
+                if end is None:
                     break
                 raw, self.buffer, self.inside = self.buffer[:end], self.buffer[end + len(CLOSE):], False
                 call = self._call(raw)
@@ -107,6 +109,27 @@ class CallParser:
             self.buffer = self.buffer[len(self.buffer) - keep:]
             break
         return "".join(content), calls
+
+    def _close(self) -> int | None:
+        """Where the open call's closing tag starts in the buffer, None while it has not come: after
+        the JSON value the call holds (a closing tag inside one of its strings does not close it),
+        else at the first closing tag (a block that is not JSON is content)."""
+        start = len(self.buffer) - len(self.buffer.lstrip())
+        try:
+            _, end = json.JSONDecoder().raw_decode(self.buffer, start)
+        except json.JSONDecodeError as error:  # JSON still arriving (cut inside a string, or at the end): wait
+            if error.msg.startswith("Unterminated string") or error.pos >= len(self.buffer.rstrip()):
+                return None
+            end = None
+        if end is not None:
+            rest = self.buffer[end:]
+            gap = len(rest) - len(rest.lstrip())
+            if rest[gap:].startswith(CLOSE):
+                return end + gap
+            if CLOSE.startswith(rest[gap:]):  # the tag (or the space before it) still arriving
+                return None
+        found = self.buffer.find(CLOSE)
+        return None if found < 0 else found
 
     def finish(self) -> str:
         """The content left once the output ended (a tag never closed is content)."""
@@ -136,8 +159,8 @@ class CallParser:
             call = json.loads(raw)
         except ValueError:
             return None
-        if not isinstance(call, dict) or set(call) != {"name", "arguments"} or call["name"] not in self.names \
-                or not isinstance(call["arguments"], dict):
+        if not isinstance(call, dict) or set(call) != {"name", "arguments"} or not isinstance(call["name"], str) \
+                or call["name"] not in self.names or not isinstance(call["arguments"], dict):
             return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
