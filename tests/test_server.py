@@ -41,8 +41,19 @@ PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12], [3], [2, 4, 6, 8], [9, 9
 def serving(load, wait: bool = True, **options):
     """A live server on 127.0.0.1 (a free port) in this process -> (base URL, app); stopped after."""
     app = create_app(load, **options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    with live(app, wait) as url:
+        yield url, app
+
+
+@contextlib.contextmanager
+def live(app, wait: bool = True, config: dict | None = None, sockets=None):
+    """`app` served by uvicorn on 127.0.0.1 (a free port, or the listening `sockets`; uvicorn's
+    own settings in `config`) in this process -> its base URL, once /health says ready (`wait`)."""
+    options = {"log_level": "warning", **(config or {})}
+    if sockets is None:
+        options.update(host="127.0.0.1", port=0)
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets} if sockets else {}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -53,7 +64,7 @@ def serving(load, wait: bool = True, **options):
         while wait and httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(0.05)
-        yield url, app
+        yield url
     finally:
         server.should_exit = True
         thread.join(20)

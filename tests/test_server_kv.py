@@ -6,8 +6,6 @@ several keys, and `/metrics` asks for a key where keys are set.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from functools import partial
 
@@ -15,7 +13,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from typer.testing import CliRunner
 
 from specdec import generate
@@ -30,33 +27,12 @@ from specdec.server import service as service_module
 from specdec.server.service import Limits, Service
 
 from conftest import tiny_model
-from test_server import NAME, _client, serving
+from test_server import NAME, _client, live, serving
 
 
 @pytest.fixture(scope="module")
 def tiny_pair():
     return tiny_model(0, exact_rows=True, name=NAME), tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter")
-
-
-@contextlib.contextmanager
-def _running(app):
-    """An app made elsewhere (by `serve`'s own wiring) live on 127.0.0.1 -> its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    try:
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.05)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(20)
 
 
 # --- item 10: the KV budget charges what the caches really take ---
@@ -168,7 +144,7 @@ def test_serves_default_auto_budget_reaches_the_engine(tiny_pair, monkeypatch):
     monkeypatch.setattr(serve_module, "_run_until_stopped", lambda make_app, *args: apps.append(make_app(None)))
     result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model"])
     assert result.exit_code == 0, result.output
-    with _running(apps[0]) as url:
+    with live(apps[0]) as url:
         budget = apps[0].state.specdec["worker"].engine.kv_memory
         assert budget == int(service_module.KV_SHARE * (free - prompt_caches))
         client = _client(url)
@@ -261,7 +237,7 @@ def test_metrics_ask_for_a_key_where_keys_are_set_unless_public(tiny_pair):
         result = CliRunner().invoke(cli, ["serve", "--target", "no-such-model", "--drafter", "none", "--method", "ar",
                                           "--api-key", "alpha", "--metrics-public", "--kv-memory", "none"])
     assert result.exit_code == 0, result.output
-    with _running(apps[0]) as url:
+    with live(apps[0]) as url:
         assert httpx.get(url + "/metrics").status_code == 200
         assert httpx.get(url + "/v1/models").status_code == 401
 

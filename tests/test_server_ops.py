@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
 from specdec.cli import app as cli
@@ -20,7 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.server.app import create_app
 from specdec.server.service import Limits, Service
 
-from test_server import serving, NAME, _metric, _metrics
+from test_server import live, serving, NAME, _metric, _metrics
 from conftest import tiny_model
 
 
@@ -70,22 +69,10 @@ def _uvicorn(load, config: dict | None = None, send_buffer: int | None = None, *
     if send_buffer is not None:  # accepted connections inherit it
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     listening.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **(config or {})))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     try:
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.05)
-        yield url, app
+        with live(app, config=config, sockets=[listening]) as url:
+            yield url, app
     finally:
-        server.should_exit = True
-        thread.join(20)
         listening.close()
 
 
