@@ -208,8 +208,8 @@ class Worker:
 
     def _turn(self) -> None:
         """Take in adds and cancels, then one engine step and what every request has committed
-        since handed out (or wait idle). A step that fails outside every request's own guard ends the requests still
-        running, after what finished in it has been handed out."""
+        since handed out (or wait idle). A step that fails outside every request's own guard ends
+        the requests still running, after what finished in it has been handed out."""
         self._drain()
         if not self.engine.busy:
             self._idle()
