@@ -209,7 +209,7 @@ def test_generate_json_object_regex_and_lark_grammar(need_smollm2, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--json-schema", "no/such/schema.json"], "cannot read --json-schema no/such/schema.json"),
-    (["--json-schema", "{bad}"], "is not JSON"),
+    (["--json-schema", "{bad}"], "the JSON schema is not valid JSON"),
     (["--json-schema", '{"type": "strin"}'], "--json-schema: the json_schema grammar is not valid: Invalid type: strin"),
     (["--json-schema", "[1, 2]"], "a JSON schema must be a JSON object"),
     (["--json-object", "--regex", "a+"], "--json-object and --regex each constrain the whole output"),

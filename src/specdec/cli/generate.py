@@ -157,10 +157,10 @@ def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, 
 
     if json_schema is not None:
         text = read(json_schema, "--json-schema")
-        try:
-            grammar = Grammar.json_schema(json.loads(text))
-        except ValueError as error:
-            raise SpecdecError(f"--json-schema {json_schema} is not JSON: {error}") from None
+        try:  # Grammar.json_schema says which is wrong: not JSON, or JSON but no object
+            grammar = Grammar.json_schema(text)
+        except SpecdecError as error:
+            raise SpecdecError(f"--json-schema {json_schema}: {error}") from None
     elif json_object:
         grammar = Grammar.json()
     elif regex is not None:
