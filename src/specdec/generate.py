@@ -102,6 +102,11 @@ class GenerationStats:
     greedy: bool | None = None  # whether the sampler was greedy (None: not recorded)
     cached_prompt_tokens: int = 0  # prompt entries taken as an earlier sequence left them (a prompt cache)
     forced: int = 0  # tokens a grammar forced and a pass accepted (not counted in drafted or accepted)
+    # Leviathan et al.'s α = E[β], β = Σ_x min(p(x), q(x)): summed over the chain positions the
+    # target scored given an accepted prefix (`chain_beta`), and their number
+    beta_sum: float = 0.0
+    beta_positions: int = 0
+    fixed_gamma: int | None = None  # a chain's draft length where a fixed schedule set it (None: varied, or a tree)
 
     def add_seconds(self, counter: str, seconds: float) -> None:
         """Add `seconds` to the timer `counter` (target_seconds, drafter_seconds, ...)."""
@@ -146,6 +151,29 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
+    def alpha(self) -> float | None:
+        """Leviathan et al.'s α, the quantity `theory` takes: the mean of β = Σ min(p, q) over the
+        positions the target scored where the loop had both laws (`beta_positions`), else implied by
+        the tokens per drafting step at a fixed γ (`theory.alpha_from_tokens`), else None (a tree,
+        a varied γ, nothing drafted). Not the acceptance rate, accepted / drafted: that one also
+        counts the drafts after a rejection, which nobody judged, so it is lower at any γ > 1."""
+        if self.beta_positions:
+            return self.beta_sum / self.beta_positions
+        if self.fixed_gamma is not None and self.accepted_per_step:
+            from .theory import alpha_from_tokens
+
+            steps = len(self.accepted_per_step)
+            return alpha_from_tokens((sum(self.accepted_per_step) + steps) / steps, self.fixed_gamma)
+        return None
+
+    @property
+    def alpha_source(self) -> str | None:
+        """How `alpha` was found: "beta" (Σ min(p, q)), "tokens per step" (implied), or None."""
+        if self.beta_positions:
+            return "beta"
+        return "tokens per step" if self.alpha is not None else None
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
@@ -172,7 +200,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, tokens_per_second=self.tokens_per_second,
+        d.update(lossy=self.lossy, acceptance_rate=self.acceptance_rate, alpha=self.alpha,
+                 alpha_source=self.alpha_source, tokens_per_second=self.tokens_per_second,
                  acceptance_by_position=self.acceptance_by_position,
                  tokens_per_target_pass=self.tokens_per_target_pass, loop_seconds=self.loop_seconds,
                  loop_ms_per_step=self.loop_ms_per_step)
@@ -605,6 +634,11 @@ class Decoding:
             num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
                                              self.typical, noise)
 
+        if not self.trees:  # α's β at the rows this pass judged: a min and a sum, no pass of its own
+            judged = [j for j in range(min(num_accepted + 1, len(draft.tokens))) if j not in forced]
+            stats.beta_sum += float(chain_beta(logits[-rows:], draft, self.sampler, judged).sum())
+            stats.beta_positions += len(judged)
+
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
         length = len(self.sequence)
         if self.online is not None and not self.trees and num_accepted < len(draft.tokens):  # p where q failed
@@ -707,6 +741,8 @@ class Decoding:
             self.stats.lenience = float(self.lenience)
             self.stats.typical = self.typical.describe() if self.typical is not None else None
         self.stats.greedy = self.sampler.is_greedy
+        if self.drafter is not None and not self.trees and type(self.schedule) is Fixed:
+            self.stats.fixed_gamma = self.schedule.gamma
         return self.out.finish()
 
 
@@ -762,6 +798,33 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
     if details:
         details.update({k: None if v is None else v.tolist() for k, v in details.items()})
     return tree.path_to(int(last)), int(next_token)
+
+
+def chain_beta(logits: torch.Tensor, draft: Draft, sampler: Sampler, positions: list[int]) -> torch.Tensor:
+    """β = Σ_x min(p(x), q(x)) at the chain draft's `positions` -> [len(positions)].
+
+    logits: [γ+1, V] the target's rows over the draft (row j scores draft token j). The loop asks
+    for the positions the target judged given an accepted prefix: 0 .. the first rejection
+    (included), all γ when every token passed, less the positions a grammar forced (q and p both
+    one-hot there; they are not the drafter's). p is the sampler's law, q the draft's `probs`, one-hot
+    at the drafted token where the drafter gave none (a deterministic drafter: β = p(token)). Under
+    greedy both are one-hot at their argmaxes (`logits_to_probs` at temperature 0), so β is 1 where
+    the target's argmax is the drafted token, else 0: the T = 0 α of Leviathan et al.'s Table 3.
+    Σ min(p, q), the standard rule's acceptance chance, whatever rule verified (lenient, typical
+    or a seed's coupled draws)."""
+    if not positions:
+        return logits.new_zeros(0, dtype=torch.float32)
+    rows = torch.tensor(positions, device=logits.device)
+    tokens = torch.tensor(draft.tokens, device=logits.device)[rows]
+    if sampler.is_greedy:
+        return (greedy_tokens(logits[rows]) == tokens).float()
+    p = sampler.probs(logits[rows])
+    if draft.probs is None:
+        return p.gather(-1, tokens[:, None]).squeeze(-1)
+    q = draft.probs.to(p.device)[rows]
+    from .theory import acceptance_beta
+
+    return acceptance_beta(p[:, :q.shape[-1]], q[:, :p.shape[-1]])
 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,

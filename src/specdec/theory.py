@@ -150,3 +150,69 @@ def typical_first_token_law(target_probs: torch.Tensor, draft_probs: torch.Tenso
 def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """½ Σ |a - b| over the last dimension: [..., V] -> [...]."""
     return 0.5 * (a.float() - b.float()).abs().sum(-1)
+
+
+def alpha_from_tokens(tokens_per_step: float, gamma: int) -> float:
+    """The α that Leviathan et al.'s E[tokens] = (1 − α^(γ+1)) / (1 − α) maps to `tokens_per_step`
+    at a fixed draft length γ (the inverse of `expected_tokens`, by bisection: it rises from 1 at
+    α = 0 to γ + 1 at α = 1). Tokens per step outside [1, γ + 1] are clamped to α = 0 or 1."""
+    _check(0.0, gamma)
+    if tokens_per_step <= 1:
+        return 0.0
+    if tokens_per_step >= gamma + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):  # 2^-60: far below any measured tokens per step's own error
+        middle = (low + high) / 2
+        if expected_tokens(middle, gamma) < tokens_per_step:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def rule_of_thumb_speedup(alpha: float, gamma: int, c: float) -> float:
+    """The speedup tutorials quote, (1 + γα) / (1 + γc): it counts γα accepted tokens per step, as
+    if a rejection did not end the step's acceptance. Theorem 3.8 (`walltime_improvement`) counts
+    α + α² + … + α^γ instead: never more, and far less at large γ. Kept to show the difference."""
+    _check(alpha, gamma, c)
+    return (1 + gamma * alpha) / (1 + gamma * c)
+
+
+def rule_of_thumb_gamma(c: float) -> float:
+    """The draft length tutorials pair with `rule_of_thumb_speedup`, γ* ≈ √(1/c − 1) (0 < c ≤ 1)."""
+    if not 0 < c <= 1:
+        raise SpecdecError(f"the rule of thumb's γ* needs c in (0, 1], got {c}")
+    return (1 / c - 1) ** 0.5
+
+
+def oracle_walltime_improvement(alpha: float, c: float) -> float:
+    """Expected speedup over AR with an oracle draft length (Leviathan et al. §3.5's bound): each
+    step drafts exactly the K tokens that will be accepted (K + 1 tokens for K drafter passes and one
+    target pass, so no draft is wasted). Under iid acceptance K is geometric, P(K = k) = α^k (1 − α),
+    and the long-run rate E[K + 1] / E[Kc + 1] is 1 / (1 − α + αc)."""
+    _check(alpha, c=c)
+    return 1 / (1 - alpha + alpha * c)
+
+
+def trace_speedup(accepted: list[bool], c: float, gamma: int | None = None) -> tuple[float, float]:
+    """(tokens per step, speedup over AR) of drafting along one acceptance trace, a fixed γ or an
+    oracle (gamma None). accepted[t]: whether the drafter's token at position t of the target's
+    continuation would pass given the text before it (greedy: the argmaxes agree; sampled: a draw
+    with probability β_t). A step starting at t accepts the run k of passes from t (cut at γ) and
+    adds the target's token after it: k + 1 tokens, next step at t + k + 1. It costs γc + 1 target
+    passes at fixed γ and kc + 1 with the oracle, which drafts exactly k. The trace's last step may
+    run past its end (cut there); an empty trace gives (0, 0)."""
+    if c < 0 or (gamma is not None and (not isinstance(gamma, int) or gamma < 1)):
+        raise SpecdecError(f"trace_speedup needs c >= 0 and gamma None or an integer >= 1, got {c!r}, {gamma!r}")
+    t = steps = tokens = 0
+    cost = 0.0
+    while t < len(accepted):
+        k = 0
+        while t + k < len(accepted) and accepted[t + k] and (gamma is None or k < gamma):
+            k += 1
+        made = min(k + 1, len(accepted) - t)
+        steps, tokens = steps + 1, tokens + made
+        cost += (k if gamma is None else gamma) * c + 1
+        t += k + 1
+    return (tokens / steps, tokens / cost) if steps else (0.0, 0.0)
