@@ -168,3 +168,105 @@ def test_rule_of_thumb_promises_more_than_theorem_3_8():
             assert rule_of_thumb_speedup(alpha, gamma, 0.1) >= walltime_improvement(alpha, gamma, 0.1) - 1e-12
     with pytest.raises(SpecdecError, match="c in"):
         rule_of_thumb_gamma(0.0)
+
+
+# ---- where stats are reported: the summary line, bench, /metrics, measure, `specdec theory` ----
+
+
+def _generation(sampler=GREEDY):
+    target, drafter = _pair()
+    return speculative_generate([0, 5, 7, 9], target, drafter, gamma=4, sampler=sampler, max_new_tokens=40, seed=1)
+
+
+def test_summary_line_names_the_acceptance_rate_and_alpha_apart():
+    from specdec.display import summary_line
+
+    stats = _generation().stats
+    line = summary_line(stats, "sd")
+    assert f"acceptance rate {stats.acceptance_rate:.1%}" in line and f"α {stats.alpha:.3f} (Σ min(p, q))" in line
+    implied = GenerationStats(new_tokens=10, drafted=10, accepted=7, accepted_per_step=[4, 3], fixed_gamma=5)
+    assert f"α {implied.alpha:.3f} (implied by tokens per pass at γ = 5)" in summary_line(implied, "sd")
+    assert "α" not in summary_line(GenerationStats(new_tokens=3, target_passes=3), "ar")
+
+
+def test_bench_summary_and_table_report_alpha_beside_the_acceptance_rate():
+    from specdec.bench.methods import Record, merge_samples
+    from specdec.bench.report import render_table
+    from specdec.bench.run import summarize
+
+    stats = _generation().stats
+    ours = Record("p/0@t0", "sd", [], stats.new_tokens, 1.0, stats.target_passes, stats.drafted, stats.accepted,
+                  stats.accepted_per_step, beta_sum=stats.beta_sum, beta_positions=stats.beta_positions,
+                  fixed_gamma=4)
+    merged = merge_samples([ours, ours])
+    assert merged.beta_positions == 2 * stats.beta_positions and merged.fixed_gamma == 4
+    # a peer's records: no β, a fixed γ of 5 -> α implied by its tokens per step (4.37 -> 0.871)
+    steps = [4] * 37 + [3] * 63  # 3.37 accepted, 4.37 tokens per step
+    peer = [Record(f"p/{i}@t0", "peer", [], 10, 1.0, None, 50, 10, steps[i::10], fixed_gamma=5) for i in range(10)]
+    summary = summarize([ours, *peer], ["sd", "peer"])
+    assert summary["sd"]["alpha"] == pytest.approx(stats.alpha) and summary["sd"]["alpha_source"] == "beta"
+    assert summary["peer"]["alpha"] == pytest.approx(0.871, abs=0.001)
+    assert summary["peer"]["alpha_source"] == "tokens per step"
+    table = render_table(summary)
+    headers = [c.header for c in table.columns]
+    assert "acceptance rate" in headers and "α" in headers
+    assert f"{stats.alpha:.3f}" in list(table.columns[headers.index("α")].cells)
+
+
+def test_metrics_export_alpha_numerator_and_count():
+    from specdec.server.metrics import Metrics
+
+    result = _generation(Sampler(temperature=1.0))
+    metrics = Metrics()
+    metrics.finished(result, 4, 0.0, 0.1, 0.5)
+    metrics.finished(result, 0, 0.0, 0.1, 0.5)
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.text().decode().splitlines()
+              if line and not line.startswith("#")}
+    assert values["specdec:alpha_beta_sum_total"] == pytest.approx(2 * result.stats.beta_sum)
+    assert values["specdec:alpha_positions_total"] == 2 * result.stats.beta_positions
+    assert values["specdec:spec_decode_num_accepted_tokens_total"] == 2 * result.stats.accepted  # kept
+
+
+def test_oracle_rows_on_traces():
+    from specdec.bench.measure import oracle_rows
+
+    # greedy traces: β is 0 or 1; two prompts whose steps are counted by hand
+    rows = oracle_rows([[1.0, 1.0, 0.0], [0.0, 1.0]], 0.5, [1, 2], greedy=True)
+    # oracle: [T,T,F] -> 1 step of 3 tokens, cost 2; [F,T] -> steps of 1 (cost 1) and 1 (the run of 1 cut at the end)
+    assert rows["tokens"] == pytest.approx(5 / 3)
+    assert rows["speedup"] == pytest.approx(5 / (2.0 + 1.0 + 1.5))
+    assert rows["fixed"][2] == pytest.approx(5 / (3 * 2.0))  # steps: [T,T,F], [F], [T]; each 2c + 1 = 2
+    assert rows["best_gamma"] in (1, 2) and rows["speedup"] >= rows["best_fixed"]
+    # sampled: draws with the β chances; long iid traces approach the closed form
+    sampled = oracle_rows([[0.8] * 2000], 0.1, [3, 6], greedy=False, draws=32, seed=2)
+    assert sampled["speedup"] == pytest.approx(oracle_walltime_improvement(0.8, 0.1), rel=0.02)
+    assert sampled["fixed"][6] == pytest.approx(walltime_improvement(0.8, 6, 0.1), rel=0.02)
+    assert sampled["iid"] == pytest.approx(oracle_walltime_improvement(0.8, 0.1))
+
+
+def test_measure_markdown_shows_rule_of_thumb_theorem_and_oracle():
+    from specdec.bench.measure import measure_markdown
+
+    row = {"gamma": 4, "expected_tokens": 3.36, "measured_tokens": 3.3, "acceptance_rate": 0.58, "alpha_in_runs": 0.8,
+           "verification_cost": 1.1, "rule_of_thumb": 3.0, "predicted_iid": 2.4, "predicted_measured_cost": 2.2,
+           "measured": 2.1, "predicted_flat": 2.3}
+    m = {"target": "t", "drafter": "d", "prompts": 1, "max_new_tokens": 8, "sampler": "greedy", "alpha": 0.8,
+         "positions": 8, "c": 0.1, "drafter_ms": 1, "target_ms": 10, "rows": [row],
+         "oracle": {"tokens": 5.0, "speedup": 3.5, "best_gamma": 4, "best_fixed": 2.4, "iid": 3.57}}
+    text = measure_markdown(m)
+    assert "rule of thumb (1 + γα)/(1 + γc)" in text and "Theorem 3.8" in text
+    assert "| 4 | 3.36 | 3.30 | 58.0% | 0.800 | 1.10 | 3.00× | 2.40× | 2.20× | 2.10× | 2.30× |" in text
+    assert "3.50× at cost kc + 1 against 2.40× for the best fixed γ (4)" in text
+
+
+def test_theory_command_prints_both_columns():
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    result = CliRunner().invoke(app, ["theory", "--alpha", "0.8", "--c", "0.1", "--gamma-max", "8"])
+    assert result.exit_code == 0, result.output
+    assert "rule of thumb" in result.output and "Theorem 3.8" in result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 4}
+    assert "2.17×" in rows["2"] and "2.03×" in rows["2"] and "4.11×" in rows["8"] and "2.40×" in rows["8"]
+    assert "oracle γ 3.57×" in " ".join(result.output.split())

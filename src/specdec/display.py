@@ -84,7 +84,10 @@ def summary_line(stats: GenerationStats, method: str) -> str:
     if stats.lossy:
         parts.insert(0, f"LOSSY ({stats.lossy_reason}: not the target's distribution)")
     if stats.acceptance_rate is not None:
-        parts.append(f"acceptance {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
+        parts.append(f"acceptance rate {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
+    if stats.alpha is not None:  # Leviathan's α, what `specdec theory --alpha` takes (docs/glossary.md)
+        how = "Σ min(p, q)" if stats.alpha_source == "beta" else f"implied by tokens per pass at γ = {stats.fixed_gamma}"
+        parts.append(f"α {stats.alpha:.3f} ({how})")
     parts.append(f"{stats.target_passes} target passes for {stats.new_tokens} tokens "
                  f"({stats.tokens_per_target_pass:.2f} per pass)")
     if method == "sd":

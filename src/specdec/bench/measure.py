@@ -22,8 +22,8 @@ from ..backends import Backend
 from ..generate import autoregressive_generate, speculative_generate
 from ..samplers import Sampler
 from ..text import check_pair
-from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, step_speedup,
-                      walltime_improvement)
+from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, oracle_walltime_improvement,
+                      rule_of_thumb_speedup, step_speedup, trace_speedup, walltime_improvement)
 from .forward_cost import forward_ms
 
 
@@ -36,8 +36,11 @@ class GammaRow:
     predicted_iid: float  # the paper's walltime factor
     predicted_measured_cost: float  # expected tokens / (γc + v(γ))
     measured: float  # AR wall time / SD wall time, summed over the prompts
-    measured_alpha: float  # accepted / drafted in this γ's runs
+    acceptance_rate: float  # accepted / drafted in this γ's runs (not α: drafts after a rejection count)
     predicted_flat: float  # measured tokens / (γc + flat_verification(γ)): where wide passes are nearly free
+    alpha_in_runs: float | None = None  # α in this γ's runs: mean Σ min(p, q) where the loop judged (GenerationStats)
+    rule_of_thumb: float = 0.0  # the tutorials' (1 + γα)/(1 + γc), which ignores that a rejection ends acceptance
+    trace_speedup: float = 0.0  # fixed γ along the acceptance traces (`oracle_rows`), iid cost γc + 1
 
 
 RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
@@ -58,6 +61,44 @@ def measure_alpha(target: Backend, drafter: Backend, prompt: list[int], generate
     beta = acceptance_beta(p, q)
     coupled = beta if sampler.is_greedy else coupled_acceptance(p, q)
     return beta.tolist(), p.gather(-1, ranked), coupled.tolist()
+
+
+def oracle_rows(traces: list[list[float]], c: float, gammas: list[int], greedy: bool, draws: int = 64,
+                seed: int = 0) -> dict:
+    """The oracle-γ bound (Leviathan et al. §3.5) against fixed γ, on the measured acceptance traces.
+
+    traces: per prompt, β at each position of the target's own continuation (`measure_alpha`).
+    A trace of passes says, for each position t, whether the drafter's token there would be
+    accepted given the text before it: greedy, β_t itself (1 where the argmaxes agree, else 0);
+    sampled, a draw with probability β_t (the standard rule's acceptance chance there), `draws`
+    traces per prompt, seeded. Along a trace (`theory.trace_speedup`) a fixed γ drafts γ and keeps
+    the run of passes up to γ, cost γc + 1; the oracle drafts exactly the run, cost kc + 1: no draft
+    wasted. -> {"tokens", "speedup"} of the oracle, {γ: speedup} fixed, the best fixed γ, and the
+    iid closed form 1 / (1 − α + αc) at the traces' α."""
+    g = torch.Generator().manual_seed(seed)
+    runs = []
+    for beta in traces:
+        if greedy:
+            runs.append([b > 0.5 for b in beta])
+        else:
+            chances = torch.tensor(beta, dtype=torch.float64)
+            runs += (torch.rand(draws, len(beta), generator=g, dtype=torch.float64) < chances).tolist()
+
+    def pooled(gamma: int | None) -> tuple[float, float]:
+        # every trace's steps, tokens and cost added up: the rate a long run of them makes
+        steps = tokens = cost = 0.0
+        for run in runs:
+            per_step, speedup = trace_speedup(run, c, gamma)
+            if per_step:
+                steps, tokens, cost = steps + len(run) / per_step, tokens + len(run), cost + len(run) / speedup
+        return (tokens / steps, tokens / cost) if steps else (0.0, 0.0)
+
+    tokens, speedup = pooled(None)
+    fixed = {gamma: pooled(gamma)[1] for gamma in gammas}
+    best = max(fixed, key=fixed.get) if fixed else None
+    alpha = statistics.fmean(b for beta in traces for b in beta) if any(traces) else 0.0
+    return {"tokens": tokens, "speedup": speedup, "fixed": fixed, "best_gamma": best,
+            "best_fixed": fixed[best] if best is not None else 0.0, "iid": oracle_walltime_improvement(alpha, c)}
 
 
 def tree_rows(target: Backend, drafter: Backend, prompts: list[list[int]], acceptance: list[float],
@@ -130,6 +171,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
 
     runs = {"ar": [], **{g: [] for g in gammas}}
     betas: list[float] = []
+    traces: list[list[float]] = []  # β per prompt, in order along its continuation (`oracle_rows`)
     coupled: list[float] = []
     rank_p: list[torch.Tensor] = []
     autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
@@ -143,6 +185,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             if ar.tokens:
                 beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler)
                 betas += beta
+                traces.append(beta)
                 coupled += agree
                 rank_p.append(ranked)
             progress.advance(bar)
@@ -165,10 +208,12 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
 
     alpha = statistics.fmean(betas)
     ar_seconds = sum(s.wall_seconds for s in runs["ar"])
+    oracle = oracle_rows(traces, c, gammas, sampler.is_greedy, seed=seed)
     rows = []
     for g in gammas:
         stats = runs[g]
         drafted = sum(s.drafted for s in stats)
+        judged = sum(s.beta_positions for s in stats)
         steps = sum(len(s.accepted_per_step) for s in stats)
         tokens = (sum(s.accepted for s in stats) + steps) / steps if steps else 0.0
         rows.append(GammaRow(
@@ -177,8 +222,10 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             verification_cost=verification[g], predicted_iid=walltime_improvement(alpha, g, c),
             predicted_measured_cost=expected_tokens(alpha, g) / (g * c + verification[g]),
             measured=ar_seconds / sum(s.wall_seconds for s in stats),
-            measured_alpha=sum(s.accepted for s in stats) / drafted if drafted else 0.0,
-            predicted_flat=step_speedup(max(1.0, tokens), g, c, flat_verification(g))))
+            acceptance_rate=sum(s.accepted for s in stats) / drafted if drafted else 0.0,
+            predicted_flat=step_speedup(max(1.0, tokens), g, c, flat_verification(g)),
+            alpha_in_runs=sum(s.beta_sum for s in stats) / judged if judged else None,
+            rule_of_thumb=rule_of_thumb_speedup(alpha, g, c), trace_speedup=oracle["fixed"][g]))
     acceptance = torch.cat(rank_p).mean(0).tolist() if rank_p else [0.0] * RANKS
     trees = tree_rows(target, drafter, prompts, acceptance, tree_sizes, max_new_tokens, sampler, seed) \
         if tree_sizes else []
@@ -193,7 +240,8 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             "alpha_coupled_bound": statistics.fmean(b / (2 - b) for b in betas), "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
-            "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections}
+            "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections,
+            "oracle": {k: v for k, v in oracle.items() if k != "fixed"}}
 
 
 def measure_markdown(m: dict) -> str:
@@ -204,14 +252,24 @@ def measure_markdown(m: dict) -> str:
                 f"positions (bound (1 − TV)/(1 + TV): {m['alpha_coupled_bound']:.3f})"]
                if "alpha_coupled" in m and m["sampler"] != "greedy" else []),
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
-             "| γ | expected tokens / step (iid) | measured tokens / step | acceptance | v(γ) = (γ+1)-token pass / "
-             "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup | projected where wide "
-             "passes are nearly free |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| γ | expected tokens / step (iid) | measured tokens / step | acceptance rate | α in the runs | "
+             "v(γ) = (γ+1)-token pass / 1-token | rule of thumb (1 + γα)/(1 + γc) | predicted speedup (paper, "
+             "Theorem 3.8) | predicted with v(γ) | measured speedup | projected where wide passes are nearly free |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in m["rows"]:
+        runs_alpha = "–" if r.get("alpha_in_runs") is None else f"{r['alpha_in_runs']:.3f}"
         lines.append(f"| {r['gamma']} | {r['expected_tokens']:.2f} | {r['measured_tokens']:.2f} | "
-                     f"{r['measured_alpha']:.1%} | {r['verification_cost']:.2f} | {r['predicted_iid']:.2f}× | "
+                     f"{r['acceptance_rate']:.1%} | {runs_alpha} | {r['verification_cost']:.2f} | "
+                     f"{r['rule_of_thumb']:.2f}× | {r['predicted_iid']:.2f}× | "
                      f"{r['predicted_measured_cost']:.2f}× | {r['measured']:.2f}× | {r['predicted_flat']:.2f}× |")
+    if m.get("oracle"):
+        o = m["oracle"]
+        lines += ["", f"- oracle γ (each step drafts exactly what will be accepted; Leviathan et al. §3.5) along "
+                  f"the α traces: {o['tokens']:.2f} tokens / step, {o['speedup']:.2f}× at cost kc + 1 against "
+                  f"{o['best_fixed']:.2f}× for the best fixed γ ({o['best_gamma']}) along the same traces; iid "
+                  f"closed form 1 / (1 − α + αc) = {o['iid']:.2f}×",
+                  "- the rule of thumb counts γα accepted tokens a step, as if a rejection did not end the "
+                  "step's acceptance; Theorem 3.8 counts α + … + α^γ (docs/usage.md#measure-theory-forward-cost-profile)"]
     if m.get("trees"):
         ranks = ", ".join(f"{a:.3f}" for a in m["rank_acceptance"])
         lines += ["", f"- per-rank acceptance (p of the drafter's rank-r token, r = 1..{len(m['rank_acceptance'])}): "

@@ -156,6 +156,11 @@ class Record:
     mask_seconds: float = 0.0
     valid: bool | None = None  # None: no schema to check against
     problem: str | None = None  # why the output is not valid (truncated, not JSON, the schema's complaint)
+    # ours, chains: Σ min(p, q) over the positions the target judged, their number, and a fixed γ
+    # (GenerationStats.beta_sum, beta_positions, fixed_gamma): α apart from the acceptance rate
+    beta_sum: float = 0.0
+    beta_positions: int = 0
+    fixed_gamma: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -202,7 +207,9 @@ def merge_samples(records: list[Record]) -> Record:
                   forced=sum(r.forced for r in records), mask_calls=sum(r.mask_calls for r in records),
                   mask_seconds=sum(r.mask_seconds for r in records),
                   valid=None if first.valid is None else all(r.valid for r in records),
-                  problem=next((r.problem for r in records if r.problem), None))
+                  problem=next((r.problem for r in records if r.problem), None),
+                  beta_sum=sum(r.beta_sum for r in records), beta_positions=sum(r.beta_positions for r in records),
+                  fixed_gamma=first.fixed_gamma if len({r.fixed_gamma for r in records}) == 1 else None)
 
 
 def position_sums(lists: list[list[int]]) -> list[int]:
@@ -362,7 +369,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                   widths_per_step=s.widths_per_step, drafter_passes_per_step=s.drafter_passes_per_step,
                   typical_tv=divergence, drafted_at=list(s.drafted_at), accepted_at=list(s.accepted_at),
                   forced=s.forced, mask_calls=sum(c.mask_calls for c in grammar.made) if grammar else 0,
-                  mask_seconds=sum(c.mask_seconds for c in grammar.made) if grammar else 0.0)
+                  mask_seconds=sum(c.mask_seconds for c in grammar.made) if grammar else 0.0,
+                  beta_sum=s.beta_sum, beta_positions=s.beta_positions, fixed_gamma=s.fixed_gamma)
 
 
 _DATASTORES: dict[str, object] = {}  # by folder: opened once a run

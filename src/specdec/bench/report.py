@@ -15,7 +15,7 @@ def _baselines(summary: dict) -> list[str]:
 def _columns(summary: dict) -> list[str]:
     versus = [f"median speedup vs {b}" + (" (faster on)" if b in ("hf-assisted", "sd-cost", "llama-cpp") else "")
               for b in _baselines(summary)]
-    return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance", "tokens / target pass",
+    return ["method", "median tok/s", "aggregate tok/s", *versus, "acceptance rate", "α", "tokens / target pass",
             "accepted / step", "tree nodes / step", "identical to ar"]
 
 
@@ -40,7 +40,7 @@ def _cells(method: str, s: dict, baselines: list[str]) -> list[str]:
     versus = [_versus(s, b) if b in ("hf-assisted", "sd-cost", "llama-cpp") else _fmt(s.get(f"median_speedup_vs_{b}"), ".2f", "×")
               for b in baselines]
     return [method, _fmt(s["median_tokens_per_second"]), _fmt(s["aggregate_tokens_per_second"]), *versus,
-            _fmt(s["acceptance_rate"], ".1%"), _fmt(s["tokens_per_target_pass"]),
+            _fmt(s["acceptance_rate"], ".1%"), _fmt(s.get("alpha"), ".3f"), _fmt(s["tokens_per_target_pass"]),
             _fmt(s.get("mean_accepted_per_step")), _fmt(s.get("mean_nodes_per_step"), ".1f"), identical]
 
 

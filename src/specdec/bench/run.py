@@ -122,6 +122,22 @@ def _median_or_none(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _alpha(records: list[Record]) -> dict:
+    """Leviathan et al.'s α over a method's records, apart from its acceptance rate: the mean of
+    Σ min(p, q) over every judged position (`GenerationStats.alpha`), else implied by the tokens per
+    drafting step where every record drafted at one fixed γ (`theory.alpha_from_tokens`), else None."""
+    positions = sum(r.beta_positions for r in records)
+    if positions:
+        return {"alpha": sum(r.beta_sum for r in records) / positions, "alpha_source": "beta"}
+    steps = [n for r in records for n in r.accepted_per_step]
+    gammas = {r.fixed_gamma for r in records}
+    if steps and len(gammas) == 1 and None not in gammas:
+        from ..theory import alpha_from_tokens
+
+        return {"alpha": alpha_from_tokens(1 + sum(steps) / len(steps), gammas.pop()), "alpha_source": "tokens per step"}
+    return {"alpha": None, "alpha_source": None}
+
+
 def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts | None = None) -> dict[str, dict]:
     """Per method: median and aggregate tok/s, median time to first token and decoding rate after it,
     median per-prompt speedups vs ar, hf and hf-assisted (with a bootstrap interval, on how many
@@ -140,6 +156,7 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             "median_tokens_per_second": statistics.median(r.tokens_per_second for r in rs),
             "aggregate_tokens_per_second": sum(r.new_tokens for r in rs) / sum(r.wall_seconds for r in rs),
             "acceptance_rate": sum(r.accepted for r in rs) / drafted if drafted else None,
+            **_alpha(rs),
             "tokens_per_target_pass": (sum(r.new_tokens for r in rs) / sum(r.target_passes for r in rs)
                                           if all(r.target_passes for r in rs) else None),
             "accepted_histogram": dict(sorted(Counter(n for r in rs for n in r.accepted_per_step).items())),

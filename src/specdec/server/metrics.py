@@ -43,6 +43,13 @@ class Metrics:
         self.accepted_per_pos = Counter(name + "spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each position of their draft (0: first)",
                                         ["position"], registry=registry)
+        # Leviathan et al.'s α = alpha_beta_sum / alpha_positions (not accepted / draft tokens, the
+        # acceptance rate): Σ min(p, q) over the chain positions the target judged (`GenerationStats.alpha`)
+        self.beta_sum = Counter(name + "alpha_beta_sum", "Σ min(p, q) over the draft positions the target judged "
+                                "(up to and including each draft's first rejection; chains)", registry=registry)
+        self.beta_positions = Counter(name + "alpha_positions", "Draft positions the target judged (the count "
+                                      "alpha_beta_sum is summed over): α = alpha_beta_sum / alpha_positions",
+                                      registry=registry)
 
     def finished(self, result: GenerationResult, prompt_tokens: int, arrival_seconds: float, first_seconds: float,
                  end_seconds: float) -> None:
@@ -60,6 +67,8 @@ class Metrics:
         self.accepted.inc(usage["accepted_tokens"])
         for position, count in enumerate(usage["accepted_per_position"]):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
+        self.beta_sum.inc(result.stats.beta_sum)
+        self.beta_positions.inc(result.stats.beta_positions)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
