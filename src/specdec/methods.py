@@ -33,6 +33,7 @@ def _presets() -> dict[str, tuple[SpecConfig, str]]:
         "sd-cost-flat": (chain.replace(assumed=True), "sd-cost sized for assumed nearly-free wide passes"),
         "ngram-fixed": (SpecConfig("ngram", schedule="fixed"), "ngram at a fixed γ"),
         "lookup-fixed": (SpecConfig("lookup", schedule="fixed"), "lookup at a fixed γ"),
+        "bigram-fixed": (SpecConfig("bigram", schedule="fixed"), "bigram at a fixed γ (--gamma)"),
         "lookahead-flat": (SpecConfig("lookahead", assumed=True),
                            "lookahead shaped for assumed nearly-free wide passes"),
         "medusa-uncalibrated": (SpecConfig("medusa", calibrated=False),
@@ -188,6 +189,14 @@ def _ngram(config, parts):
     return lambda: NgramDrafter(config.ngram_n)
 
 
+def _bigram(config, parts):
+    from .drafters.bigram import BigramDrafter, corpus_table
+
+    target = parts.target  # counted once here, shared by every drafter made
+    table = corpus_table(getattr(target, "tokenizer", None), target.vocab_size) if target is not None else None
+    return lambda: BigramDrafter(table=table)
+
+
 def _lookup(config, parts):
     from .drafters import LookupDrafter
 
@@ -277,7 +286,7 @@ def _self_skip(config, parts):
     return make
 
 
-_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "lookup": _lookup, "forced": _forced, "suffix": _suffix,
+_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "bigram": _bigram, "lookup": _lookup, "forced": _forced, "suffix": _suffix,
              "retrieval": _retrieval, "tree": _tree, "lookahead": _lookahead, "medusa": _self_drafting,
              "eagle": _self_drafting, "self-skip": _self_skip}
 

@@ -15,7 +15,8 @@ from .errors import SpecdecError
 
 ACCEPTANCE = ("exact", "lenient", "typical")
 SEED_RULES = ("coupled", "stream")
-MODEL_FREE_DRAFTERS = ("ngram", "lookup", "suffix", "retrieval", "forced")  # --drafter values that name no model
+# --drafter values that name no model
+MODEL_FREE_DRAFTERS = ("ngram", "bigram", "lookup", "suffix", "retrieval", "forced")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ METHODS: dict[str, Method] = {
     "cascade": Method("the drafter model's chain with a model-free stage (suffix or lookup) guessing its tokens",
                       drafter_model=True),
     "ngram": Method("NASD: an n-gram table built online from the prompt and output"),
+    "bigram": Method("a bigram table counted from a corpus (Python's standard library) alone: a drafter "
+                     "that costs nothing (Leviathan et al. §3.6)"),
     "lookup": Method("prompt lookup: a copy of what followed the current suffix earlier"),
     "forced": Method("no drafter: only the tokens a grammar forces, drafted for free (plain decoding without one)"),
     "suffix": Method("suffix drafting (SuffixDecoding) over the prompt, the output and earlier outputs"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 # each module registers its commands, in the order `specdec --help` lists them
 from . import generate, chat, training, models, bench, serve  # noqa: F401,I001
+from . import reproduce  # noqa: F401,I001
 from .common import _drafter_weights, _tokenizer, app, parse_bytes  # noqa: F401 (the app; the rest: tests)
 from .generate import _generate_batch  # noqa: F401 (tests)
 from .serve import _home_as_tilde  # noqa: F401 (tests)
