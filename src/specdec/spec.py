@@ -62,7 +62,7 @@ METHODS: dict[str, Method] = {
                          self_drafting=True),
     "multi-draft": Method("SpecInfer's several drafters: the drafter model's and the target's early-exit chains "
                           "merged into one token tree", drafter_model=True, chains=False, self_drafting=True),
-    "cascade-horizontal": Method("the drafter model for a chain's first tokens (--cascade-split), a model-free "
+    "cascade-horizontal": Method("the drafter model for a chain's first tokens (2), a model-free "
                                  "stage (suffix or lookup) for the rest", drafter_model=True),
 }
 
