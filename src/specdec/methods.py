@@ -40,6 +40,8 @@ def _presets() -> dict[str, tuple[SpecConfig, str]]:
                                 "medusa with node values from the heads' raw q (an ablation)"),
         "eagle-uncalibrated": (SpecConfig("eagle", calibrated=False),
                                "eagle with node values from the layer's raw q (an ablation)"),
+        "cascade-horizontal-lookup": (SpecConfig("cascade-horizontal", cascade="lookup"),
+                                      "cascade-horizontal with prompt lookup for the later tokens"),
     }
     for shape, summary in TREES.items():
         if shape != "lookahead":
@@ -145,7 +147,7 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
     if METHODS[config.method].trees:  # a tree drafter's own TreeCost sizes its drafts, up to gamma_max deep
         return Speculation(config, make_drafter, None)
     costs = None  # measured once here, shared by every schedule made
-    if config.schedule == "cost" and parts.costs is not None and config.method != "self-skip":
+    if config.schedule == "cost" and parts.costs is not None and config.method not in ("self-skip", "early-exit"):
         costs = parts.costs(parts.drafter_model if METHODS[config.method].drafter_model else None)
     assumed = _assumed(config, parts)
     return Speculation(config, make_drafter, lambda: make_schedule(
@@ -286,9 +288,50 @@ def _self_skip(config, parts):
     return make
 
 
-_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "bigram": _bigram, "lookup": _lookup, "forced": _forced, "suffix": _suffix,
+def _early_exit(config, parts):
+    from .drafters.early_exit import early_exit_drafter
+
+    return _searched_once(lambda exit_layer: early_exit_drafter(parts.target, exit_layer), config.exit_layer)
+
+
+def _searched_once(make_drafter, exit_layer):
+    """Drafters of the target's first layers: the exit search runs once, at the first drafter;
+    later ones exit where it chose."""
+    first: list = []
+
+    def make():
+        if not first:
+            first.append(make_drafter(exit_layer))
+            return first[0]
+        return make_drafter(first[0].model.exit_layer)
+
+    return make
+
+
+def _multi_draft(config, parts):
+    # the drafter model and the target's own first layers: two drafters of one vocabulary that
+    # err differently (a second model, or a model-free chain, mostly agrees with one of them)
+    from .drafters import ModelDrafter
+    from .drafters.early_exit import early_exit_drafter
+    from .drafters.multi import MultiDrafter
+    from .schedules import TreeCost
+
+    early = _searched_once(lambda exit_layer: early_exit_drafter(parts.target, exit_layer), config.exit_layer)
+    return lambda: MultiDrafter([ModelDrafter(parts.drafter_model), early()], gamma=min(config.gamma, config.gamma_max),
+                                policy=TreeCost(max_depth=config.gamma_max, max_nodes=config.tree_nodes))
+
+
+def _cascade_horizontal(config, parts):
+    from .drafters.horizontal import HorizontalCascadeDrafter
+
+    return lambda: HorizontalCascadeDrafter(parts.drafter_model, config.cascade, config.cascade_split)
+
+
+_DRAFTERS = {"chain": _chain, "parallel": _parallel, "cascade": _cascade, "ngram": _ngram, "bigram": _bigram,
+             "lookup": _lookup, "forced": _forced, "suffix": _suffix,
              "retrieval": _retrieval, "tree": _tree, "lookahead": _lookahead, "medusa": _self_drafting,
-             "eagle": _self_drafting, "self-skip": _self_skip}
+             "eagle": _self_drafting, "self-skip": _self_skip, "early-exit": _early_exit,
+             "multi-draft": _multi_draft, "cascade-horizontal": _cascade_horizontal}
 
 
 def open_files(config: SpecConfig) -> None:

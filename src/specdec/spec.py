@@ -61,6 +61,12 @@ METHODS: dict[str, Method] = {
     "eagle": Method("the target drafts for itself with an EAGLE layer (a checkpoint): EAGLE-2 trees",
                     chains=False, self_drafting=True),
     "self-skip": Method("the target drafts for itself with layers skipped (chosen at start)", self_drafting=True),
+    "early-exit": Method("the target drafts for itself with its first layers and its own head (exit chosen at start)",
+                         self_drafting=True),
+    "multi-draft": Method("SpecInfer's several drafters: the drafter model's and the target's early-exit chains "
+                          "merged into one token tree", drafter_model=True, chains=False, self_drafting=True),
+    "cascade-horizontal": Method("the drafter model for a chain's first tokens (2), a model-free "
+                                 "stage (suffix or lookup) for the rest", drafter_model=True),
 }
 
 
@@ -69,7 +75,8 @@ class SpecConfig:
     """One speculation, by name and options.
 
     method: a registered method (`methods.METHODS`: ar, chain, parallel, cascade, ngram, lookup, suffix,
-        retrieval, tree, lookahead, medusa, eagle, self-skip).
+        retrieval, tree, lookahead, medusa, eagle, self-skip, early-exit, multi-draft,
+        cascade-horizontal).
     drafter: the drafter model's name, for methods that draft with one (None: the run's default).
     tree, tree_nodes, tree_scheme: the `tree` method's shape (`drafters.TREES`), its node budget
         (also lookahead's, medusa's and eagle's) and how sampled trees draw siblings.
@@ -79,12 +86,14 @@ class SpecConfig:
         `typical_delta`): the last two are LOSSY under sampling and take chains only.
     seed_rule: what a seed pins (`speculative_generate`): coupled (the seeded AR output whatever
         drafts) or stream (the standard rule's streams, per method).
-    cascade: the cascade method's model-free stage (suffix or lookup).
+    cascade: the cascade method's model-free stage (suffix or lookup); also cascade-horizontal's.
     ngram_n: the ngram drafter's longest n-gram. lookahead_shape: lookahead's (W, N, G), or
         None to size it from measured costs.
     checkpoint: the medusa or eagle method's folder (`specdec train-heads`); calibrated: their
         node values from measured acceptance (False: the raw q, an ablation).
     skip_layers: self-skip's layers (None: chosen at start). datastore: retrieval's folder.
+    exit_layer: early-exit's (and multi-draft's second drafter's) exit layer (None: chosen at start).
+    cascade_split: cascade-horizontal's chain positions drafted by the drafter model.
     assumed: sized for assumed nearly-free wide passes (`schedules.AssumedCosts`, the bench's
         `-flat` presets) instead of this machine's measured costs.
     """
@@ -113,6 +122,8 @@ class SpecConfig:
     skip_layers: tuple[int, ...] | None = None
     datastore: str | None = None
     assumed: bool = False
+    exit_layer: int | None = None
+    cascade_split: int = 2
 
     def replace(self, **changes) -> "SpecConfig":
         """This config with `changes` (field names), not validated."""
@@ -165,10 +176,14 @@ class SpecConfig:
             check_tree_options(self.tree, self.tree_nodes, self.tree_scheme)
             if self.tree == "lookahead":
                 raise SpecdecError("the lookahead tree is its own method: lookahead")
-        if self.method == "cascade":
+        if self.method in ("cascade", "cascade-horizontal"):
             from .drafters.cascade import STAGES
 
             _choice("cascade stage", self.cascade, STAGES)
+        for name in ("exit_layer", "cascade_split"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SpecdecError(f"{name} must be an integer >= 1, got {value!r}")
         if self.lookahead_shape is not None:
             if self.method != "lookahead":
                 raise SpecdecError("a lookahead shape applies to the lookahead method")
@@ -260,6 +275,13 @@ def special_drafter(drafter: str) -> dict | None:
             return {"method": kind, "checkpoint": drafter.removeprefix(kind + ":")}
     if drafter == "self-skip":
         return {"method": "self-skip"}
+    if drafter == "early-exit":
+        return {"method": "early-exit"}
+    if drafter.startswith("early-exit:"):
+        layer = drafter.removeprefix("early-exit:").strip()
+        if not layer.isdigit():
+            raise SpecdecError(f"early-exit:LAYER takes one layer number (the exit), got {drafter!r}")
+        return {"method": "early-exit", "exit_layer": int(layer)}
     if drafter.startswith("self-skip:"):
         try:
             layers = tuple(int(part) for part in drafter.removeprefix("self-skip:").split(",") if part.strip())

@@ -104,6 +104,7 @@ class Settings:
     parallel: str | None = None  # a parallel drafter's folder (the sd-parallel method)
     other_drafter: str = "smollm2-135m"  # the drafter with another tokenizer (sd-other-tokenizer, hf-…-other-tokenizer)
     skip_layers: list[int] | None = None  # the self-skip method's layers (None: chosen by its search)
+    exit_layer: int | None = None  # early-exit's and multi-draft's exit layer (None: chosen by its search)
     pass_costs: PassCosts | None = None  # sd-cost's profile of the pair (None: not measured)
     free_costs: PassCosts | None = None  # the target's profile with a model-free drafter (suffix)
     load_costs: LoadCosts | None = None  # batched passes with the drafter model (bench --concurrency)
@@ -267,6 +268,8 @@ def bench_config(method: str, settings: Settings) -> SpecConfig:
         options["checkpoint"] = getattr(settings, CHECKPOINT_OPTIONS[config.method][0])
     if config.method == "self-skip" and settings.skip_layers:
         options["skip_layers"] = tuple(settings.skip_layers)
+    if config.method in ("early-exit", "multi-draft") and settings.exit_layer:
+        options["exit_layer"] = settings.exit_layer
     return config.replace(**options).validate()
 
 

@@ -99,7 +99,7 @@ def _projected(method: str, rs: list, assumed: AssumedCosts | None) -> dict:
     (`AssumedCosts.projected_speedup`: its tokens per step, its passes' widths on that machine's cost
     curve, its drafter passes at the pair's c). AR is 1 by definition; none for the peers and for
     self-drafting, whose drafter passes are not the pair's drafter's."""
-    if assumed is None or checkpoint_kind(method) or method == "self-skip" or not rs:
+    if assumed is None or checkpoint_kind(method) or method in ("self-skip", "early-exit", "multi-draft") or not rs:
         return {}
     if method == "ar":
         return {"projected_speedup": 1.0}
@@ -349,6 +349,11 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
     if "self-skip" in methods and not settings.skip_layers:  # searched once, used on every prompt
         settings.skip_layers, self_skip_search = choose_skipped(target_model)
         say(f"self-skip: skipping layers {settings.skip_layers}")
+    if {"early-exit", "multi-draft"} & set(methods) and not settings.exit_layer:  # searched once too
+        from ..drafters.early_exit import choose_exit
+
+        settings.exit_layer = choose_exit(target_model)[0]
+        say(f"early-exit: exiting after layer {settings.exit_layer}")
     drafter_model = (load(drafter, dtype=drafter_dtype, device=device, role="drafter", say=say, vocab=drafter_vocab,
                           vocab_corpus=drafter_vocab_corpus)
                      if NEEDS_DRAFTER & set(methods) else None)

@@ -22,7 +22,7 @@ def train_heads(
     corpus: str = typer.Option("stdlib", help="Training text: stdlib (Python's standard library sources), "
                                "humaneval, spec-bench, or a text file."),
     tokens: int = typer.Option(32768, help="Corpus tokens to run through the target (a tenth is held out)."),
-    heads: int = typer.Option(3, "--heads", help="Medusa: heads; head k predicts the token k+1 ahead."),
+    heads: int = typer.Option(5, "--heads", help="Medusa: heads; head k predicts the token k+1 ahead."),
     vocab: int = typer.Option(32768, help="Most frequent ids the loss and the drafting score."),
     epochs: Optional[int] = typer.Option(None, help="Passes over the corpus (default: medusa 3, eagle 4)."),
     batch: Optional[int] = typer.Option(None, help="Examples per step (default: medusa 64 positions, eagle 2 "

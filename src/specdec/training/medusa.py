@@ -91,7 +91,7 @@ def check_heads_target(heads: Heads, target) -> None:
 
 @dataclass
 class TrainConfig:
-    num_heads: int = 3
+    num_heads: int = 5  # as Medusa (Cai et al. 2024) drafts: heads for the 2nd..6th token
     tokens: int = 32768  # corpus tokens run through the target (a tenth held out)
     vocab: int = 32768  # ids the loss and the drafting score
     seq_len: int = 256  # tokens per target pass while caching hidden states
