@@ -210,18 +210,20 @@ class Entry:
     proposes_everywhere: bool = True  # False: model-free, scored where it proposes
 
 
-def _self_skip(ctx: Context):
-    from ..drafters.layerskip import self_skip_drafter
+def registry_drafter(name: str, target) -> Callable[[], object]:
+    """The drafter factory of method `name` on `target` alone, through the method registry."""
+    from ..methods import Parts, build, resolve
 
-    return ModelScorer(self_skip_drafter(ctx.target).model)
+    return build(resolve(name), Parts(target)).make_drafter
+
+
+def _self_skip(ctx: Context):
+    return ModelScorer(registry_drafter("self-skip", ctx.target)().model)
 
 
 def _free(name: str) -> Callable[[Context], object]:
     def make(ctx: Context):
-        from ..drafters import LookupDrafter, NgramDrafter, SuffixDrafter
-
-        made = {"lookup": LookupDrafter, "ngram": NgramDrafter, "suffix": SuffixDrafter}[name]
-        return ProposalScorer(made, ctx.target, ctx.seed)
+        return ProposalScorer(registry_drafter(name, ctx.target), ctx.target, ctx.seed)
     return make
 
 

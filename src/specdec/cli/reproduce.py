@@ -222,9 +222,9 @@ def coverage_command(
         models = {}
         for name in names:
             if name == "self-skip":
-                from ..drafters.layerskip import self_skip_drafter
+                from ..bench.reproduce import registry_drafter
 
-                models[name] = self_skip_drafter(target_model).model
+                models[name] = registry_drafter("self-skip", target_model)().model
             else:
                 models[name] = _load(name, drafter_dtype, device, "drafter")
                 check_pair(target_model, models[name])
