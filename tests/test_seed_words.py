@@ -35,3 +35,86 @@ def test_a_model_free_drafter_and_self_drafting_pass_the_role_check():
     target = tiny_model(0, vocab=16, role="drafter")
     assert len(speculative_generate([2, 3, 2, 3], target, LookupDrafter(), max_new_tokens=4).tokens) == 4
     assert len(speculative_generate([2, 3], target, target, max_new_tokens=4).tokens) == 4
+
+
+def _tiny_pair_with_text(monkeypatch):
+    """generate's loader swapped for two tiny models that read text (a SentencePiece-style vocabulary)."""
+    from test_server_openai import sentencepiece_tokenizer
+
+    from specdec.cli import generate as generate_cli
+
+    tokenizer = sentencepiece_tokenizer()
+    target = tiny_model(0, vocab=len(tokenizer), name="tiny-target")
+    drafter = tiny_model(0, vocab=len(tokenizer), layers=1, name="tiny-drafter", role="drafter")
+    target.tokenizer = drafter.tokenizer = tokenizer
+    monkeypatch.setattr(generate_cli, "_load_pair", lambda config, *args: (target, drafter))
+
+
+def _generate_json(*args: str) -> dict:
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "abc", "--max-new-tokens", "40", "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_gamma_alone_is_a_fixed_gamma(monkeypatch):
+    _tiny_pair_with_text(monkeypatch)
+    out = _generate_json("--gamma", "3")
+    drafted = [len(step["drafted"]) for step in out["steps"]]
+    assert max(drafted) == 3 and len(out["tokens"]) == 40
+    assert all(n == 3 for n in drafted[1:-3])  # after the target's first token, 3 a step (fewer near the end)
+
+
+def test_gamma_with_a_schedule_that_reads_none_bounds_its_drafts(monkeypatch):
+    _tiny_pair_with_text(monkeypatch)
+    # τ = 0: the confidence schedule drafts to its ceiling, which --gamma sets
+    out = _generate_json("--gamma", "3", "--schedule", "confidence", "--confidence", "0")
+    assert max(len(step["drafted"]) for step in out["steps"]) == 3
+    out = _generate_json("--gamma", "3", "--gamma-max", "2", "--schedule", "confidence", "--confidence", "0")
+    assert max(len(step["drafted"]) for step in out["steps"]) == 2  # the lower bound of the two
+
+
+def test_gamma_in_python_follows_the_same_rule():
+    from specdec.methods import from_options, resolve
+    from specdec.spec import SpecConfig
+
+    assert from_options("default", gamma=3).schedule == "fixed"  # the command line's --gamma 3 alone
+    assert from_options("sd-heuristic", gamma=3).schedule == "heuristic"  # a schedule that reads it keeps it
+    assert from_options("default", gamma=3, schedule="cost").effective_gamma_max() == 3
+    assert SpecConfig(gamma=3).effective_gamma_max() == 3  # the cost schedule: bounded, not ignored
+    assert SpecConfig("tree", gamma=3, gamma_max=4).effective_gamma_max() == 3
+    assert SpecConfig(schedule="heuristic", gamma=3).effective_gamma_max() == 20  # its start, not its bound
+    assert resolve("sd", gamma=3).effective_gamma() == 3
+    assert SpecConfig().effective_gamma_max() == 20 and SpecConfig(schedule="fixed").effective_gamma() == 5
+
+
+def test_gamma_alone_on_the_server_is_a_fixed_gamma():
+    from specdec.server.schema import Speculation
+    from specdec.server.service import Service
+
+    target = tiny_model(0, vocab=16)
+    drafter = tiny_model(1, vocab=16, layers=1, role="drafter")
+    service = Service(target, drafter, default=Speculation("default"))
+    assert service.config(Speculation("default", gamma=3)).schedule == "fixed"
+    assert service.config(Speculation("sd-egag")).effective_gamma_max() == 5
+
+
+def test_egag_reaches_at_most_gamma_where_gamma_max_is_not_given():
+    from specdec.methods import Parts, build, from_options
+
+    target = tiny_model(0, vocab=16)
+    drafter = tiny_model(0, vocab=16, layers=1, role="drafter")
+    for gamma, ceiling in ((None, 5), (3, 3)):
+        config = from_options("sd-egag", gamma=gamma)
+        assert config.effective_gamma_max() == ceiling
+        schedule = build(config, Parts(target, drafter)).schedule()
+        assert schedule.gamma_max == ceiling
+        result = speculative_generate([2, 3], target, drafter, max_new_tokens=40, schedule=schedule)
+        assert max(len(step.draft_tokens) for step in result.steps) <= ceiling
+    assert from_options("sd-egag", gamma_max=7).effective_gamma_max() == 7
+    assert from_options("sd-cost").effective_gamma_max() == 20  # the others keep theirs

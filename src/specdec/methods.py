@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import SpecdecError
-from .spec import METHODS, Method, SpecConfig, special_drafter, from_flags  # noqa: F401 (Method: its entries)
+from .spec import GAMMA_SCHEDULES, METHODS, Method, SpecConfig, special_drafter, from_flags  # noqa: F401 (Method: its entries)
 
 
 def _presets() -> dict[str, tuple[SpecConfig, str]]:
@@ -148,7 +148,8 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
         costs = parts.costs(parts.drafter_model if METHODS[config.method].drafter_model else None)
     assumed = _assumed(config, parts)
     return Speculation(config, make_drafter, lambda: make_schedule(
-        config.schedule, config.gamma, config.gamma_min, config.gamma_max, config.egag_beta, config.confidence,
+        config.schedule, config.effective_gamma(), config.gamma_min, config.effective_gamma_max(), config.egag_beta,
+        config.confidence,
         costs, assumed))
 
 
@@ -237,7 +238,8 @@ def _tree(config, parts):
 
     assumed = _assumed(config, parts)
     return lambda: make_tree_drafter(config.tree, parts.drafter_model, config.tree_nodes, config.tree_scheme,
-                                     assumed=assumed, suffix_cache=parts.suffix_cache, max_depth=config.gamma_max)
+                                     assumed=assumed, suffix_cache=parts.suffix_cache,
+                                     max_depth=config.effective_gamma_max())
 
 
 def _lookahead(config, parts):
@@ -248,7 +250,7 @@ def _lookahead(config, parts):
     if shape is None and parts.lookahead_rows is not None and assumed is None:
         shape = lookahead_shape(min(parts.lookahead_rows, config.tree_nodes))
     return lambda: make_tree_drafter("lookahead", None, config.tree_nodes, assumed=assumed, lookahead_shape=shape,
-                                     max_depth=config.gamma_max)
+                                     max_depth=config.effective_gamma_max())
 
 
 def _self_drafting(config, parts):
@@ -258,7 +260,7 @@ def _self_drafting(config, parts):
 
     checkpoint = _opened(config.method, config.checkpoint)
     made = MedusaDrafter if config.method == "medusa" else EagleDrafter
-    return lambda: made(checkpoint, policy=TreeCost(max_depth=config.gamma_max, max_nodes=config.tree_nodes,
+    return lambda: made(checkpoint, policy=TreeCost(max_depth=config.effective_gamma_max(), max_nodes=config.tree_nodes,
                                                     calibrate=config.calibrated))
 
 
@@ -329,6 +331,8 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
             changes["drafter"] = drafter
     if schedule is not None:
         changes["schedule"] = schedule
+    elif fields.get("gamma") is not None and base.replace(**changes).schedule not in GAMMA_SCHEDULES:
+        changes["schedule"] = "fixed"  # --gamma N alone: a fixed γ = N, as in the papers and their code
     if typical and lenience != 1:
         raise SpecdecError("--typical and --lenience are two acceptance rules; choose one")
     if typical:

@@ -24,7 +24,7 @@ from ..methods import Parts, build, names, preset, summary
 from ..passcost import LoadCosts, PassCosts
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
-from ..spec import SpecConfig
+from ..spec import DEFAULT_GAMMA, SpecConfig
 from ..verify import Typical
 from .vllm_peer import METHODS as VLLM_METHODS, check_threads
 
@@ -497,7 +497,7 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
                                              "tokenizer": model.tokenizer,
                                              "assistant_tokenizer": drafter.tokenizer if drafter else None},
              "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
-             "hf-lookup": {"prompt_lookup_num_tokens": settings.option("gamma")}}
+             "hf-lookup": {"prompt_lookup_num_tokens": settings.option("gamma") or DEFAULT_GAMMA}}
     if drafter is not None:
         # transformers reads these from the *assistant's* generation config and may carry state
         # across calls (a "heuristic" schedule keeps its grown γ): set them afresh on every call
@@ -506,7 +506,8 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
             config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
             config.assistant_confidence_threshold = 0.4
         else:
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = settings.option("gamma"), "constant"
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = \
+                settings.option("gamma") or DEFAULT_GAMMA, "constant"
             config.assistant_confidence_threshold = 0.0
     if sampler.is_greedy:
         sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)

@@ -53,9 +53,12 @@ def bench(
                                 "repeats, and the ratio to ar is also shown per repeat (the machine's drift)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
-    gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
+    gamma: Optional[int] = typer.Option(None, help="γ of the fixed schedule (sd, ngram-fixed, lookup-fixed, "
+                                        "hf-assisted-fixed, hf-lookup; default 5) and heuristic's start; the other "
+                                        "methods' bound, as --gamma-max."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ of the heuristic and egag schedules."),
-    gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ of cost, heuristic, confidence and egag."),
+    gamma_max: Optional[int] = typer.Option(None, "--gamma-max", help="Largest γ of cost, heuristic, confidence "
+                                            "and egag, a tree's depth (default 20; egag's: γ)."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="Threshold τ of sd-confidence."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
