@@ -118,3 +118,64 @@ def test_egag_reaches_at_most_gamma_where_gamma_max_is_not_given():
         assert max(len(step.draft_tokens) for step in result.steps) <= ceiling
     assert from_options("sd-egag", gamma_max=7).effective_gamma_max() == 7
     assert from_options("sd-cost").effective_gamma_max() == 20  # the others keep theirs
+
+
+def test_the_lenient_first_token_law_matches_verify_drafts_samples():
+    import torch
+
+    from specdec.theory import lenient_first_token_law, total_variation
+    from specdec.verify import verify_draft
+
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])
+    n = 200_000
+    for lenience in (1.0, 0.5, 0.2):
+        draft = torch.multinomial(q, n, replacement=True, generator=generator)  # [n]
+        accepted, next_token = verify_draft(p.expand(n, 2, 5), q.expand(n, 1, 5), draft[:, None], generator,
+                                            lenience=lenience)
+        first = torch.where(accepted > 0, draft, next_token)  # the step's first emitted token
+        observed = torch.bincount(first, minlength=5).float() / n
+        law = lenient_first_token_law(p, q, lenience)
+        # 5 ids, 200k samples: each frequency's sd is at most 0.0012; 0.006 is 5 sd
+        assert (observed - law).abs().max() < 0.006, (lenience, observed, law)
+        assert float(law.sum()) == pytest.approx(1.0)
+    assert float(total_variation(p, lenient_first_token_law(p, q, 1.0))) < 1e-6  # exact: r = p
+    assert float(total_variation(p, lenient_first_token_law(p, q, 0.2))) > 0.05  # lenient: lossy
+
+
+def _tiny_models_with_text():
+    from test_server_openai import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer()
+    target = tiny_model(0, vocab=len(tokenizer), name="tiny-target")
+    drafter = tiny_model(3, vocab=len(tokenizer), layers=1, name="tiny-drafter", role="drafter")
+    target.tokenizer = drafter.tokenizer = tokenizer
+    return target, drafter
+
+
+def test_measure_with_lenience_reports_the_tv_it_costs(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec.cli import bench as bench_cli
+
+    target, drafter = _tiny_models_with_text()
+    monkeypatch.setattr(bench_cli, "_load", lambda name, dtype, device, role, **options:
+                        target if role == "target" else drafter)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello"}\n')
+    args = ["measure", "--dataset", str(prompts), "--gammas", "2", "--max-new-tokens", "12", "--temperature", "1"]
+    results = {}
+    for lenience in ("1", "0.5"):
+        out = tmp_path / f"measure-{lenience}.json"
+        result = CliRunner().invoke(app, args + ["--lenience", lenience, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        results[lenience] = json.loads(out.read_text())
+    assert results["1"]["lenience_tv"] < 1e-6  # exact: the first token's law is p
+    assert results["0.5"]["lenience"] == 0.5 and results["0.5"]["lenience_tv"] > 1e-3  # lenient: lossy
+    assert "lenience l = 0.5" in CliRunner().invoke(app, args + ["--lenience", "0.5"]).output
+    refused = CliRunner().invoke(app, args + ["--lenience", "0"])
+    assert refused.exit_code != 0 and "--lenience must be in (0, 1]" in refused.output

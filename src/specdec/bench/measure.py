@@ -22,8 +22,8 @@ from ..backends import Backend
 from ..generate import autoregressive_generate, speculative_generate
 from ..samplers import Sampler
 from ..text import check_pair
-from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, step_speedup,
-                      walltime_improvement)
+from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, lenient_first_token_law,
+                      step_speedup, total_variation, walltime_improvement)
 from .forward_cost import forward_ms
 
 
@@ -44,18 +44,23 @@ RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
 
 
 def measure_alpha(target: Backend, drafter: Backend, prompt: list[int], generated: list[int],
-                  sampler: Sampler) -> tuple[list[float], torch.Tensor, list[float]]:
+                  sampler: Sampler, lenience: float = 1.0,
+                  divergence: list[float] | None = None) -> tuple[list[float], torch.Tensor, list[float]]:
     """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes),
     p(x_r) [n, RANKS] of the drafter's rank-r token x_r there (with deterministic siblings, top-k
     children, the rank-r child is the accepted one with probability exactly p(x_r)), and a seed's
-    coupled acceptance there (`theory.coupled_acceptance`; under greedy, β itself)."""
+    coupled acceptance there (`theory.coupled_acceptance`; under greedy, β itself). With lenience
+    l < 1, β is Σ min(q, p/l), and `divergence` receives at each position TV(p, the law of the
+    first token a lenient step emits there) (`theory.lenient_first_token_law`)."""
     ids = prompt + generated
     n = len(generated)
     p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from
     drafter_logits = drafter.forward(ids[:-1], None, n)[:, :p.shape[-1]]
     q = sampler.probs(drafter_logits)
     ranked = drafter_logits.topk(RANKS, dim=-1).indices
-    beta = acceptance_beta(p, q)
+    beta = acceptance_beta(p, q, lenience)
+    if divergence is not None:
+        divergence += total_variation(p, lenient_first_token_law(p, q, lenience)).tolist()
     coupled = beta if sampler.is_greedy else coupled_acceptance(p, q)
     return beta.tolist(), p.gather(-1, ranked), coupled.tolist()
 
@@ -117,10 +122,12 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
 
 def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gammas: list[int],
                 max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None,
-                tree_sizes: list[int] | None = None) -> dict:
+                tree_sizes: list[int] | None = None, lenience: float = 1.0) -> dict:
     """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt);
     with `tree_sizes`, also the per-rank acceptance and predicted vs measured tokens per step of
-    trees of those sizes."""
+    trees of those sizes. lenience l < 1: every speculative run accepts leniently (LOSSY under
+    sampling), α is the lenient Σ min(q, p/l), and the result's `lenience_tv` is the mean TV
+    between p and the first emitted token's law over the measured positions."""
     console = console or Console(stderr=True)
     check_pair(target, drafter)
     target_ms = forward_ms(target, 1)
@@ -132,6 +139,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
     betas: list[float] = []
     coupled: list[float] = []
     rank_p: list[torch.Tensor] = []
+    divergence: list[float] = []
     autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
     speculative_generate(prompts[0][:16], target, drafter, gamma=2, sampler=sampler, max_new_tokens=4, seed=seed)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -141,7 +149,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: α")
             ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i, seed_rule="stream")
             if ar.tokens:
-                beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler)
+                beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler, lenience, divergence)
                 betas += beta
                 coupled += agree
                 rank_p.append(ranked)
@@ -156,7 +164,8 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
                                                      seed_rule="stream")
                 else:
                     result = speculative_generate(ids, target, drafter, gamma=g, sampler=sampler,
-                                                  max_new_tokens=max_new_tokens, seed=seed + i, seed_rule="stream")
+                                                  max_new_tokens=max_new_tokens, seed=seed + i, seed_rule="stream",
+                                                  lenience=lenience)
                 runs[g].append(result.stats)
                 progress.advance(bar)
                 if not console.is_terminal:  # a log file gets no live bar: one line per generation
@@ -193,7 +202,8 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             "alpha_coupled_bound": statistics.fmean(b / (2 - b) for b in betas), "positions": len(betas), "c": c, "target_ms": target_ms, "drafter_ms": drafter_ms,
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
-            "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections}
+            "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections,
+            "lenience": lenience, "lenience_tv": statistics.fmean(divergence) if divergence else 0.0}
 
 
 def measure_markdown(m: dict) -> str:
@@ -203,6 +213,9 @@ def measure_markdown(m: dict) -> str:
              *([f"- under a seed (coupled draws, docs/exactness.md#seeds): α = {m['alpha_coupled']:.3f} at the same "
                 f"positions (bound (1 − TV)/(1 + TV): {m['alpha_coupled_bound']:.3f})"]
                if "alpha_coupled" in m and m["sampler"] != "greedy" else []),
+             *([f"- lenience l = {m['lenience']:g} (LOSSY under sampling; α above is Σ min(q, p/l)): its cost, "
+                f"TV(p, law of a step's first token) = {m['lenience_tv']:.4f}, the mean over the same positions "
+                "(closed form, `theory.lenient_first_token_law`; 0 under greedy)"] if m.get("lenience", 1) < 1 else []),
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
              "| γ | expected tokens / step (iid) | measured tokens / step | acceptance | v(γ) = (γ+1)-token pass / "
              "1-token | predicted speedup (paper) | predicted with v(γ) | measured speedup | projected where wide "

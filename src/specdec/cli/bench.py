@@ -184,6 +184,8 @@ def measure(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     tree_nodes: str = typer.Option("", "--tree-nodes", help="Comma-separated tree sizes: also predict tokens per "
                                    "step of the best tree of each size from the per-rank acceptance, and measure them."),
+    lenience: float = typer.Option(1.0, help="1 = exact; l in (0, 1): lenient acceptance (LOSSY under sampling), "
+                                   "reporting the TV distance from the target's law it costs."),
 ):
     """Measure α, c and the verification cost, then predicted vs measured speedup for each γ."""
     from rich.markdown import Markdown
@@ -206,6 +208,10 @@ def measure(
             raise SpecdecError(f"--tree-nodes takes comma-separated integers, got {tree_nodes!r}") from None
         if sizes and min(sizes) < 1:
             raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+        if not 0 < lenience <= 1:
+            raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
+        if lenience < 1 and sizes:
+            raise SpecdecError("--lenience applies to chains; trees (--tree-nodes) are verified exactly")
         sampler = Sampler(temperature=temperature)
         prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
         target_model = _load(target, dtype, device, "target")
@@ -213,7 +219,7 @@ def measure(
                               vocab_corpus=drafter_vocab_corpus)
         ids = [target_model.encode(p.text, chat=p.chat) for p in prompts]
         result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
-                             sizes)
+                             sizes, lenience)
     except SpecdecError as exc:
         _fail(str(exc))
     text = measure_markdown(result)
