@@ -179,3 +179,28 @@ def test_measure_with_lenience_reports_the_tv_it_costs(tmp_path, monkeypatch):
     assert "lenience l = 0.5" in CliRunner().invoke(app, args + ["--lenience", "0.5"]).output
     refused = CliRunner().invoke(app, args + ["--lenience", "0"])
     assert refused.exit_code != 0 and "--lenience must be in (0, 1]" in refused.output
+
+
+def test_sd_lenient_presets_resolve_and_run_in_the_bench():
+    from specdec import Sampler
+    from specdec.bench.methods import METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy, run_method
+    from specdec.methods import resolve
+
+    config = resolve("sd-lenient:0.5")
+    assert (config.method, config.schedule, config.effective_lenience()) == ("chain", "fixed", 0.5)
+    for bad in ("sd-lenient:1", "sd-lenient:0", "sd-lenient:x"):
+        with pytest.raises(SpecdecError, match="sd-lenient:L takes a lenience L in"):
+            resolve(bad)
+    check_methods(["ar", "sd-lenient:0.5", "sd-lenient:0.02"])
+    assert {"sd-lenient:0.5", "sd-lenient:0.02"} <= NEEDS_DRAFTER and "LOSSY" in METHODS["sd-lenient:0.5"]
+    assert is_lossy("sd-lenient:0.5") and not is_lossy("sd-cost")
+    target = tiny_model(1, vocab=32)
+    drafter = tiny_model(1, vocab=32, logit_scale=0.3, name="softer", role="drafter")  # the target, softened
+    settings, sampler = Settings(max_new_tokens=64), Sampler(1.0)
+    rates = {}
+    for method in ("sd", "sd-lenient:0.02"):
+        records = [run_method(method, [3, 5, 7], target, drafter, settings, sampler, seed=seed) for seed in range(4)]
+        assert all(r.new_tokens > 0 for r in records)
+        rates[method] = sum(r.accepted for r in records) / sum(r.drafted for r in records)
+    assert rates["sd-lenient:0.02"] > rates["sd"] + 0.1, rates
+    print(rates)  # the lenience reached the run

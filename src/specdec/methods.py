@@ -50,6 +50,22 @@ def _presets() -> dict[str, tuple[SpecConfig, str]]:
 
 
 PRESETS = _presets()
+LENIENT = "sd-lenient:"  # sd-lenient:L, a preset with a parameter: the chain accepting with lenience L
+
+
+def lenient_preset(name: str) -> SpecConfig | None:
+    """The config of `sd-lenient:L`: sd (the drafter model's chain at a fixed γ) accepting with
+    lenience L in (0, 1) (Leviathan et al. A.5, LOSSY under sampling); None for another name,
+    SpecdecError for a bad L."""
+    if not name.startswith(LENIENT):
+        return None
+    try:
+        lenience = float(name.removeprefix(LENIENT))
+    except ValueError:
+        lenience = float("nan")
+    if not 0 < lenience < 1:  # nan too
+        raise SpecdecError(f"{name}: sd-lenient:L takes a lenience L in (0, 1), e.g. sd-lenient:0.5")
+    return SpecConfig("chain", schedule="fixed", acceptance="lenient", lenience=lenience)
 
 
 def names() -> list[str]:
@@ -68,8 +84,11 @@ def preset(name: str) -> SpecConfig:
         return SpecConfig(name)
     if name in PRESETS:
         return PRESETS[name][0]
-    raise SpecdecError(f"unknown method {name!r}; choose from {describe_names()} (`specdec methods` says what "
-                       "each does)")
+    lenient = lenient_preset(name)
+    if lenient is not None:
+        return lenient
+    raise SpecdecError(f"unknown method {name!r}; choose from {describe_names()}, sd-lenient:L (`specdec methods` "
+                       "says what each does)")
 
 
 def resolve(name: str, **options) -> SpecConfig:
@@ -79,6 +98,9 @@ def resolve(name: str, **options) -> SpecConfig:
 
 
 def summary(name: str) -> str:
+    if name.startswith(LENIENT):
+        return (f"sd with lenient acceptance l = {lenient_preset(name).lenience:g} (Leviathan et al. A.5): LOSSY "
+                "under sampling, greedy unchanged")
     return METHODS[name].summary if name in METHODS else PRESETS[name][1]
 
 
