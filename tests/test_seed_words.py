@@ -204,3 +204,25 @@ def test_sd_lenient_presets_resolve_and_run_in_the_bench():
         rates[method] = sum(r.accepted for r in records) / sum(r.drafted for r in records)
     assert rates["sd-lenient:0.02"] > rates["sd"] + 0.1, rates
     print(rates)  # the lenience reached the run
+
+
+def test_theory_with_lenience_bounds_the_lenient_alpha():
+    import torch
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec.theory import acceptance_beta, lenient_alpha_range
+
+    generator = torch.Generator().manual_seed(1)
+    for lenience in (0.9, 0.5, 0.1):
+        p = torch.rand(500, 8, generator=generator).pow(4).softmax(-1)
+        q = (torch.rand(500, 8, generator=generator) * 3).softmax(-1)
+        alpha = float(acceptance_beta(p, q).mean())
+        lenient = float(acceptance_beta(p, q, lenience).mean())
+        low, high = lenient_alpha_range(alpha, lenience)
+        assert low <= lenient <= high and lenient > alpha  # the range holds, and lenience accepts more
+    assert lenient_alpha_range(0.6, 0.5) == (0.6, 1.0)
+    result = CliRunner().invoke(app, ["theory", "--alpha", "0.6", "--lenience", "0.8"])
+    assert result.exit_code == 0 and "lies in [0.600, 0.750]" in result.output
+    refused = CliRunner().invoke(app, ["theory", "--lenience", "1.5"])
+    assert refused.exit_code != 0 and "--lenience must be in (0, 1]" in refused.output

@@ -53,6 +53,16 @@ def coupled_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, to
     return agree.reshape(lead)
 
 
+def lenient_alpha_range(alpha: float, lenience: float) -> tuple[float, float]:
+    """Where α under lenience l, E[Σ min(q, p/l)] (`acceptance_beta`), lies given the exact α =
+    E[Σ min(q, p)] alone: [α, min(1, α/l)], as min(q, p) ≤ min(q, p/l) ≤ min(q, p)/l and Σ q = 1.
+    Which point depends on p and q (`specdec measure --lenience` measures it)."""
+    _check(alpha)
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"lenience must be in (0, 1], got {lenience}")
+    return alpha, min(1.0, alpha / lenience)
+
+
 def alpha_from_distributions(target_probs: torch.Tensor, draft_probs: torch.Tensor, lenience: float = 1.0) -> float:
     """α = E[β] over all leading positions of [..., V] distributions."""
     return float(acceptance_beta(target_probs, draft_probs, lenience).mean())

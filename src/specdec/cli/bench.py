@@ -240,13 +240,17 @@ def theory(
     c: float = typer.Option(0.24, help="Cost coefficient: drafter pass / target pass (measured: docs/kernels.md)."),
     c_hat: float = typer.Option(0.0, "--c-hat", help="Arithmetic ratio ĉ of drafter to target per token."),
     gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ to tabulate."),
+    lenience: float = typer.Option(1.0, help="l in (0, 1): also say where α under lenient acceptance lies "
+                                   "(LOSSY under sampling) and the best γ at its top."),
 ):
     """Expected tokens per step, walltime improvement and extra arithmetic per γ (Leviathan et al. §3)."""
     from rich.table import Table
 
-    from ..theory import arithmetic_increase, expected_tokens, optimal_gamma, walltime_improvement
+    from ..theory import arithmetic_increase, expected_tokens, lenient_alpha_range, optimal_gamma, walltime_improvement
 
     try:
+        if not 0 < lenience <= 1:
+            raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
         console = Console()
         for a in alpha:
             best = optimal_gamma(a, c)
@@ -258,6 +262,12 @@ def theory(
                 table.add_row(str(g), f"{expected_tokens(a, g):.2f}", f"{walltime_improvement(a, g, c):.2f}×{mark}",
                               f"{arithmetic_increase(a, g, c_hat):.2f}×")
             console.print(table)
+            if lenience < 1:
+                low, high = lenient_alpha_range(a, lenience)
+                top = optimal_gamma(high, c)
+                console.print(f"lenience {lenience:g}: α = Σ min(q, p/l) lies in [{low:.3f}, {high:.3f}] (where, p and "
+                              f"q decide: `specdec measure --lenience {lenience:g}`); at {high:.3f}, optimal γ = {top} "
+                              f"({walltime_improvement(high, top, c):.2f}×)", highlight=False)
         err.print("[dim]assumes iid acceptance and a verification pass that costs one target pass; "
                   "on CPUs it costs more (docs/kernels.md)[/]")
     except SpecdecError as exc:
