@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..backends import Backend
+from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
 from ..samplers import Sampler
 from ..text import check_pair
@@ -118,6 +119,17 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
     return {"c": c, "chain_speedup": chain[0], "chain_gamma": chain[1],
             "chain_tokens": expected_tokens(acceptance[0], chain[1]),
             "tree_speedup": tree[0], "tree_nodes": tree[1], "tree_depth": tree[2], "tree_tokens": tree[3]}
+
+
+def check_measure_options(lenience: float, tree_sizes: list[int], tree_nodes: str) -> None:
+    """`measure`'s --lenience and --tree-nodes (as `tree_sizes`), checked before any model loads
+    (a SpecdecError naming the option)."""
+    if tree_sizes and min(tree_sizes) < 1:
+        raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
+    if lenience < 1 and tree_sizes:
+        raise SpecdecError("--lenience applies to chains; trees (--tree-nodes) are verified exactly")
 
 
 def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gammas: list[int],

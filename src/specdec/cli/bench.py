@@ -191,7 +191,7 @@ def measure(
     from rich.markdown import Markdown
 
     from ..bench.datasets import load_prompts
-    from ..bench.measure import measure_markdown, measure_plot, run_measure
+    from ..bench.measure import check_measure_options, measure_markdown, measure_plot, run_measure
     from ..samplers import Sampler
 
     try:
@@ -206,12 +206,7 @@ def measure(
             sizes = [int(n) for n in _csv(tree_nodes)] if tree_nodes else []
         except ValueError:
             raise SpecdecError(f"--tree-nodes takes comma-separated integers, got {tree_nodes!r}") from None
-        if sizes and min(sizes) < 1:
-            raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
-        if not 0 < lenience <= 1:
-            raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
-        if lenience < 1 and sizes:
-            raise SpecdecError("--lenience applies to chains; trees (--tree-nodes) are verified exactly")
+        check_measure_options(lenience, sizes, tree_nodes)
         sampler = Sampler(temperature=temperature)
         prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
         target_model = _load(target, dtype, device, "target")
