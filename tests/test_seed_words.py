@@ -226,3 +226,11 @@ def test_theory_with_lenience_bounds_the_lenient_alpha():
     assert result.exit_code == 0 and "lies in [0.600, 0.750]" in result.output
     refused = CliRunner().invoke(app, ["theory", "--lenience", "1.5"])
     assert refused.exit_code != 0 and "--lenience must be in (0, 1]" in refused.output
+
+
+def test_make_schedule_gives_egag_gamma_as_its_ceiling_by_default():
+    from specdec.schedules import make_schedule
+
+    assert make_schedule("egag", gamma=4).gamma_max == 4 and make_schedule("egag").gamma_max == 5
+    assert make_schedule("egag", gamma=4, gamma_max=9).gamma_max == 9
+    assert make_schedule("confidence").gamma == 10  # the others keep theirs
