@@ -285,11 +285,12 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     parameters than the target, is refused (`roles.check_roles`); `allow_larger_drafter=True`
     lets a larger drafter through where that is meant.
     """
-    check_roles(target, drafter, allow_larger_drafter)
-    return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
+    decoding = Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
                         schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar))
+                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar)
+    check_roles(target, drafter, allow_larger_drafter)  # after the pair's own checks (a vocabulary that differs)
+    return run(decoding)
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,

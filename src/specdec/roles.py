@@ -50,7 +50,7 @@ def check_roles(target, drafter, allow_larger_drafter: bool = False) -> None:
         return
     target_size, drafter_size = parameter_count(target), parameter_count(model)
     if target_size is not None and drafter_size is not None and drafter_size > target_size:
-        raise SpecdecError(f"the drafter ({getattr(model, 'name', 'drafter')}, {drafter_size / 1e6:,.0f}M parameters) "
+        raise SpecdecError(f"the drafter ({getattr(model, 'name', 'drafter')}, {drafter_size:,} parameters) "
                            f"is larger than the target ({getattr(target, 'name', 'target')}, "
-                           f"{target_size / 1e6:,.0f}M): the output would follow the drafter's law; swap them "
+                           f"{target_size:,}): the output would follow the drafter's law; swap them "
                            f"({fix}), or pass allow_larger_drafter=True if that is meant")
