@@ -234,3 +234,13 @@ def test_make_schedule_gives_egag_gamma_as_its_ceiling_by_default():
     assert make_schedule("egag", gamma=4).gamma_max == 4 and make_schedule("egag").gamma_max == 5
     assert make_schedule("egag", gamma=4, gamma_max=9).gamma_max == 9
     assert make_schedule("confidence").gamma == 10  # the others keep theirs
+
+
+def test_generate_many_refuses_a_swapped_pair_too():
+    from specdec import generate_many
+
+    small = tiny_model(0, vocab=16, layers=1, name="small", exact_rows=True)  # the engine's batches need it
+    large = tiny_model(1, vocab=16, layers=2, name="large", exact_rows=True)
+    with pytest.raises(SpecdecError, match="larger than the target"):
+        generate_many([[2, 3]], small, large, max_new_tokens=4)
+    assert len(generate_many([[2, 3]], small, large, max_new_tokens=4, allow_larger_drafter=True)[0].tokens) == 4
