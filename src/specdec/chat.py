@@ -38,8 +38,8 @@ class ChatSession:
     load_drafter(name): the drafter model of that name, loaded (called once a name)."""
 
     def __init__(self, target: Backend, load_drafter: Callable[[str], Backend], drafter: str,
-                 console: Console, method: str = "default", schedule: str | None = None, gamma: int = 5,
-                 gamma_max: int = 20, sampler: Sampler | None = None, debug: bool = False,
+                 console: Console, method: str = "default", schedule: str | None = None, gamma: int | None = None,
+                 gamma_max: int | None = None, sampler: Sampler | None = None, debug: bool = False,
                  max_new_tokens: int = 256, tree: str = "off"):
         self.target, self.load_drafter, self.console = target, load_drafter, console
         self.method, self.schedule, self.gamma, self.gamma_max = method, schedule, gamma, gamma_max

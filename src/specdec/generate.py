@@ -27,6 +27,7 @@ from .drafters.retokenize import OtherTokenizerDrafter
 from .errors import SpecdecError
 from .logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
 from .penalties import LogitRules
+from .roles import check_roles
 from .samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens, race, sample
 from .schedules import CostAware, Fixed, Schedule
 from .text import pair_mode
@@ -260,7 +261,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
                          schedule: Schedule | None = None, lenience: float = 1.0,
                          debug: bool = False, logprobs: int | None = None,
                          typical: Typical | None = None, seed_rule: str = "coupled",
-                         rules: LogitRules | None = None, grammar=None) -> GenerationResult:
+                         rules: LogitRules | None = None, grammar=None,
+                         allow_larger_drafter: bool = False) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -306,15 +308,23 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     come from the target's prompt pass alone, before any drafting. Drafts shrink near
     `max_new_tokens` and the context limit. Generation stops at any id in `eos_token_ids`
     (default: the target's), also when one arrives inside an accepted draft.
+
+    The target comes before the drafter (romsto's code has them the other way round): a pair the
+    loader marked the other way round (`specdec.load(..., role=)`), or a drafter model with more
+    parameters than the target, is refused (`roles.check_roles`); `allow_larger_drafter=True`
+    lets a larger drafter through where that is meant.
     """
-    return run(Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
+    decoding = Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
                         eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
                         schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar))
+                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar)
+    check_roles(target, drafter, allow_larger_drafter)  # after the pair's own checks (a vocabulary that differs)
+    return run(decoding)
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
-                                         decoder_prompt: Sequence[int] | None = None, **options) -> GenerationResult:
+                                         decoder_prompt: Sequence[int] | None = None,
+                                         allow_larger_drafter: bool = False, **options) -> GenerationResult:
     """Encoder-decoder targets (T5, BART; `backends.seq2seq.Seq2SeqModel`): each model encodes
     `source_ids` [S] once, then the decoders run `speculative_generate`'s loop, their own caches
     cropped on rejection (chains only). Without a drafter, autoregressive decoding of the target.
@@ -324,6 +334,7 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
         tokens), or None.
     decoder_prompt: the decoder's first tokens (default: its start token alone); the result holds
         what follows them.
+    allow_larger_drafter: as `speculative_generate`'s (a larger drafter is refused without it).
     options: as `speculative_generate`'s (sampler, max_new_tokens, seed, schedule, ...).
     """
     from .backends.seq2seq import Seq2SeqModel
@@ -338,6 +349,7 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
         if drafter.decoder_start_token_id != target.decoder_start_token_id:
             raise SpecdecError(f"the drafter's decoder starts with id {drafter.decoder_start_token_id}, the target's "
                                f"with {target.decoder_start_token_id}: they must share one vocabulary")
+        check_roles(target, drafter, allow_larger_drafter)
         drafter = drafter.bind(source_ids)
     prompt = [target.decoder_start_token_id] if decoder_prompt is None else list(decoder_prompt)
     return run(Decoding(prompt, target.bind(source_ids), drafter, **options))

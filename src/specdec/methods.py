@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import SpecdecError
-from .spec import METHODS, Method, SpecConfig, special_drafter, from_flags  # noqa: F401 (Method: its entries)
+from .spec import GAMMA_SCHEDULES, METHODS, Method, SpecConfig, special_drafter, from_flags  # noqa: F401 (Method: its entries)
 
 
 def _presets() -> dict[str, tuple[SpecConfig, str]]:
@@ -53,6 +53,22 @@ def _presets() -> dict[str, tuple[SpecConfig, str]]:
 
 
 PRESETS = _presets()
+LENIENT = "sd-lenient:"  # sd-lenient:L, a preset with a parameter: the chain accepting with lenience L
+
+
+def lenient_preset(name: str) -> SpecConfig | None:
+    """The config of `sd-lenient:L`: sd (the drafter model's chain at a fixed γ) accepting with
+    lenience L in (0, 1) (Leviathan et al. A.5, LOSSY under sampling); None for another name,
+    SpecdecError for a bad L."""
+    if not name.startswith(LENIENT):
+        return None
+    try:
+        lenience = float(name.removeprefix(LENIENT))
+    except ValueError:
+        lenience = float("nan")
+    if not 0 < lenience < 1:  # nan too
+        raise SpecdecError(f"{name}: sd-lenient:L takes a lenience L in (0, 1), e.g. sd-lenient:0.5")
+    return SpecConfig("chain", schedule="fixed", acceptance="lenient", lenience=lenience)
 
 
 def names() -> list[str]:
@@ -71,8 +87,11 @@ def preset(name: str) -> SpecConfig:
         return SpecConfig(name)
     if name in PRESETS:
         return PRESETS[name][0]
-    raise SpecdecError(f"unknown method {name!r}; choose from {describe_names()} (`specdec methods` says what "
-                       "each does)")
+    lenient = lenient_preset(name)
+    if lenient is not None:
+        return lenient
+    raise SpecdecError(f"unknown method {name!r}; choose from {describe_names()}, sd-lenient:L (`specdec methods` "
+                       "says what each does)")
 
 
 def resolve(name: str, **options) -> SpecConfig:
@@ -82,6 +101,9 @@ def resolve(name: str, **options) -> SpecConfig:
 
 
 def summary(name: str) -> str:
+    if name.startswith(LENIENT):
+        return (f"sd with lenient acceptance l = {lenient_preset(name).lenience:g} (Leviathan et al. A.5): LOSSY "
+                "under sampling, greedy unchanged")
     return METHODS[name].summary if name in METHODS else PRESETS[name][1]
 
 
@@ -151,7 +173,8 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
         costs = parts.costs(parts.drafter_model if METHODS[config.method].drafter_model else None)
     assumed = _assumed(config, parts)
     return Speculation(config, make_drafter, lambda: make_schedule(
-        config.schedule, config.gamma, config.gamma_min, config.gamma_max, config.egag_beta, config.confidence,
+        config.schedule, config.effective_gamma(), config.gamma_min, config.effective_gamma_max(), config.egag_beta,
+        config.confidence,
         costs, assumed))
 
 
@@ -248,7 +271,8 @@ def _tree(config, parts):
 
     assumed = _assumed(config, parts)
     return lambda: make_tree_drafter(config.tree, parts.drafter_model, config.tree_nodes, config.tree_scheme,
-                                     assumed=assumed, suffix_cache=parts.suffix_cache, max_depth=config.gamma_max)
+                                     assumed=assumed, suffix_cache=parts.suffix_cache,
+                                     max_depth=config.effective_gamma_max())
 
 
 def _lookahead(config, parts):
@@ -259,7 +283,7 @@ def _lookahead(config, parts):
     if shape is None and parts.lookahead_rows is not None and assumed is None:
         shape = lookahead_shape(min(parts.lookahead_rows, config.tree_nodes))
     return lambda: make_tree_drafter("lookahead", None, config.tree_nodes, assumed=assumed, lookahead_shape=shape,
-                                     max_depth=config.gamma_max)
+                                     max_depth=config.effective_gamma_max())
 
 
 def _self_drafting(config, parts):
@@ -269,7 +293,7 @@ def _self_drafting(config, parts):
 
     checkpoint = _opened(config.method, config.checkpoint)
     made = MedusaDrafter if config.method == "medusa" else EagleDrafter
-    return lambda: made(checkpoint, policy=TreeCost(max_depth=config.gamma_max, max_nodes=config.tree_nodes,
+    return lambda: made(checkpoint, policy=TreeCost(max_depth=config.effective_gamma_max(), max_nodes=config.tree_nodes,
                                                     calibrate=config.calibrated))
 
 
@@ -381,6 +405,8 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
             changes["drafter"] = drafter
     if schedule is not None:
         changes["schedule"] = schedule
+    elif fields.get("gamma") is not None and base.replace(**changes).schedule not in GAMMA_SCHEDULES:
+        changes["schedule"] = "fixed"  # --gamma N alone: a fixed γ = N, as in the papers and their code
     if typical and lenience != 1:
         raise SpecdecError("--typical and --lenience are two acceptance rules; choose one")
     if typical:

@@ -635,12 +635,15 @@ def _check_range(gamma_min, gamma_max) -> None:
         raise SpecdecError(f"gamma_min ({gamma_min}) must not exceed gamma_max ({gamma_max})")
 
 
-def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma_max: int = 10,
+def make_schedule(name: str = "fixed", gamma: int = 5, gamma_min: int = 1, gamma_max: int | None = None,
                   beta: float = 0.0, confidence: float = 0.4, pass_costs=None,
                   assumed: AssumedCosts | None = None) -> Schedule:
     """A schedule by name: fixed (gamma), heuristic (starts at gamma, in [gamma_min, gamma_max]),
     confidence (threshold `confidence`, up to gamma_max), egag (gamma_min, gamma_max, beta),
-    cost (measured costs, up to gamma_max; `pass_costs`, `assumed`: see CostAware)."""
+    cost (measured costs, up to gamma_max; `pass_costs`, `assumed`: see CostAware). gamma_max
+    None: 10, but egag's is gamma (the EGAG code's `gamma_max=None` -> γ)."""
+    if gamma_max is None:
+        gamma_max = gamma if name == "egag" else 10
     if name == "fixed":
         return Fixed(gamma)
     if name == "heuristic":

@@ -17,6 +17,9 @@ ACCEPTANCE = ("exact", "lenient", "typical")
 SEED_RULES = ("coupled", "stream")
 # --drafter values that name no model
 MODEL_FREE_DRAFTERS = ("ngram", "bigram", "lookup", "suffix", "retrieval", "forced")
+DEFAULT_GAMMA = 5  # the fixed schedule's γ, the heuristic's start and EGAG's ceiling where gamma is not given
+DEFAULT_GAMMA_MAX = 20  # the longest draft of the cost, heuristic and confidence schedules, a tree's depth
+GAMMA_SCHEDULES = ("fixed", "heuristic", "egag")  # --gamma N alone keeps these (EGAG: γ is its ceiling); else fixed
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,11 @@ class SpecConfig:
         (also lookahead's, medusa's and eagle's) and how sampled trees draw siblings.
     schedule, gamma, gamma_min, gamma_max, egag_beta, confidence: a chain's draft length
         (`schedules.make_schedule`); gamma_max also bounds a tree's depth (its TreeCost's `max_depth`).
+        gamma (None: 5) is the fixed schedule's γ and the heuristic's start; under the other
+        schedules and for trees, a given gamma bounds every draft as gamma_max does (the lower
+        of the two rules). gamma_max None is 20, but EGAG's is γ, as in the EGAG code
+        (`effective_gamma`, `effective_gamma_max`). The command line's `--gamma N` alone picks
+        the fixed schedule (`from_options`).
     acceptance: exact (rejection sampling), lenient (`lenience` < 1) or typical (`typical_epsilon`,
         `typical_delta`): the last two are LOSSY under sampling and take chains only.
     seed_rule: what a seed pins (`speculative_generate`): coupled (the seeded AR output whatever
@@ -104,9 +112,9 @@ class SpecConfig:
     tree_nodes: int = 64
     tree_scheme: str = "without-replacement"
     schedule: str = "cost"
-    gamma: int = 5
+    gamma: int | None = None
     gamma_min: int = 1
-    gamma_max: int = 20
+    gamma_max: int | None = None
     egag_beta: float = 0.0
     confidence: float = 0.4
     acceptance: str = "exact"
@@ -142,6 +150,21 @@ class SpecConfig:
     def effective_lenience(self) -> float:
         return self.lenience if self.acceptance == "lenient" else 1.0
 
+    def effective_gamma(self) -> int:
+        """γ of the fixed schedule, the heuristic's start (gamma, or 5 where not given)."""
+        return DEFAULT_GAMMA if self.gamma is None else self.gamma
+
+    def effective_gamma_max(self) -> int:
+        """The longest draft (a tree's depth). The heuristic's: gamma_max (20 where not given),
+        its gamma being where it starts. Elsewhere the lower of gamma_max and gamma where given;
+        where neither is, 20, but EGAG's is γ = 5 (the EGAG code's `gamma_max=None` -> γ)."""
+        if self.schedule == "heuristic" and method_chains(self.method):
+            return DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
+        given = [bound for bound in (self.gamma, self.gamma_max) if bound is not None]
+        if given:
+            return min(given)
+        return DEFAULT_GAMMA if self.schedule == "egag" and method_chains(self.method) else DEFAULT_GAMMA_MAX
+
     def validate(self, target=None) -> "SpecConfig":
         """Raise SpecdecError naming the first option out of range or that the method does not
         take; with `target` (a loaded model), also what its backend cannot run (trees and
@@ -153,13 +176,16 @@ class SpecConfig:
         _choice("schedule", self.schedule, _schedules())
         for name in ("gamma", "gamma_min", "gamma_max", "tree_nodes", "ngram_n"):
             value = getattr(self, name)
+            if value is None and name in ("gamma", "gamma_max"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpecdecError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.gamma_min > self.gamma_max:
-            raise SpecdecError(f"gamma_min ({self.gamma_min}) is above gamma_max ({self.gamma_max})")
-        if self.schedule == "heuristic" and not self.gamma_min <= self.gamma <= self.gamma_max:
-            raise SpecdecError(f"the heuristic schedule starts at gamma ({self.gamma}), which must lie in "
-                               f"[gamma_min, gamma_max] = [{self.gamma_min}, {self.gamma_max}]")
+        gamma, gamma_max = self.effective_gamma(), self.effective_gamma_max()
+        if self.gamma_min > gamma_max:
+            raise SpecdecError(f"gamma_min ({self.gamma_min}) is above gamma_max ({gamma_max})")
+        if self.schedule == "heuristic" and not self.gamma_min <= gamma <= gamma_max:
+            raise SpecdecError(f"the heuristic schedule starts at gamma ({gamma}), which must lie in "
+                               f"[gamma_min, gamma_max] = [{self.gamma_min}, {gamma_max}]")
         _choice("acceptance", self.acceptance, ACCEPTANCE)
         _choice("seed_rule", self.seed_rule, SEED_RULES)
         if not 0 < self.lenience <= 1:
@@ -217,6 +243,11 @@ class SpecConfig:
         default = SpecConfig()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name) or f.name == "method"}
+
+
+def method_chains(method: str) -> bool:
+    """Whether a registered method drafts chains (unknown names: True, refused elsewhere)."""
+    return method not in METHODS or METHODS[method].chains
 
 
 def _schedules():

@@ -53,6 +53,16 @@ def coupled_acceptance(target_probs: torch.Tensor, draft_probs: torch.Tensor, to
     return agree.reshape(lead)
 
 
+def lenient_alpha_range(alpha: float, lenience: float) -> tuple[float, float]:
+    """Where α under lenience l, E[Σ min(q, p/l)] (`acceptance_beta`), lies given the exact α =
+    E[Σ min(q, p)] alone: [α, min(1, α/l)], as min(q, p) ≤ min(q, p/l) ≤ min(q, p)/l and Σ q = 1.
+    Which point depends on p and q (`specdec measure --lenience` measures it)."""
+    _check(alpha)
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"lenience must be in (0, 1], got {lenience}")
+    return alpha, min(1.0, alpha / lenience)
+
+
 def alpha_from_distributions(target_probs: torch.Tensor, draft_probs: torch.Tensor, lenience: float = 1.0) -> float:
     """α = E[β] over all leading positions of [..., V] distributions."""
     return float(acceptance_beta(target_probs, draft_probs, lenience).mean())
@@ -145,6 +155,25 @@ def typical_first_token_law(target_probs: torch.Tensor, draft_probs: torch.Tenso
     passes = (p > typical_threshold(p, Typical(epsilon, delta)).unsqueeze(-1)).float()
     kept = q * passes
     return kept + (1 - kept.sum(-1, keepdim=True)) * p
+
+
+def lenient_first_token_law(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                            lenience: float = 1.0) -> torch.Tensor:
+    """The law of the first token a step emits under lenient acceptance (`verify_draft`'s
+    `lenience` l; Leviathan et al. A.5) when the drafter draws x ~ q: x is kept with probability
+    min(1, p(x)/(l·q(x))), else the target's token comes from the residual norm(max(0, p − q)), so
+    r(y) = min(q(y), p(y)/l) + (1 − β_l)·norm(max(0, p − q))(y), with β_l = Σ min(q, p/l)
+    (`acceptance_beta`). p, q: [..., V] -> r [..., V]. With l = 1, r = p (the exact rule); for
+    l < 1 the distance TV(p, r) (`total_variation`) is what the lenience costs at one position."""
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"lenience must be in (0, 1], got {lenience}")
+    p, q = target_probs.float(), draft_probs.float()
+    kept = torch.minimum(q, p / lenience)
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    # an empty residual only where p = q, where nothing is rejected; verify_draft then samples p
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+    return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * residual
 
 
 def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

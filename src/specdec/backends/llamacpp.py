@@ -250,6 +250,11 @@ class LlamaCppModel:
         if tokenizer is not None:
             self._check_tokenizer(tokenizer)
 
+    @property
+    def num_parameters(self) -> int:
+        """The model's weights, as llama.cpp counts them (`roles.check_roles`)."""
+        return int(self._lib.llama_model_n_params(self._model))
+
     def __del__(self):
         lib = getattr(self, "_lib", None)
         if lib is None:

@@ -56,6 +56,8 @@ class TransformersModel:
         if int8 and (role != "drafter" or not int8_supported(hf_model.get_output_embeddings().weight.device)):
             raise SpecdecError("int8 weights are for drafters on the CPU only")
         self.hf = hf_model.eval()
+        # counted before packing, which moves weights out of parameters (`roles.check_roles`)
+        self.num_parameters = sum(p.numel() for p in hf_model.parameters())
         self.tokenizer = tokenizer
         self.prompt_store = None  # a PromptStore (`use_prompt_cache`)
         self.name = name

@@ -19,11 +19,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..backends import Backend
+from ..errors import SpecdecError
 from ..generate import autoregressive_generate, speculative_generate
 from ..samplers import Sampler
 from ..text import check_pair
-from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, oracle_walltime_improvement,
-                      rule_of_thumb_speedup, step_speedup, trace_speedup, walltime_improvement)
+from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, lenient_first_token_law,
+                      oracle_walltime_improvement, rule_of_thumb_speedup, step_speedup, total_variation, trace_speedup,
+                      walltime_improvement)
 from .forward_cost import forward_ms
 
 
@@ -47,18 +49,23 @@ RANKS = 8  # per-rank acceptance is measured for the drafter's 8 best tokens
 
 
 def measure_alpha(target: Backend, drafter: Backend, prompt: list[int], generated: list[int],
-                  sampler: Sampler) -> tuple[list[float], torch.Tensor, list[float]]:
+                  sampler: Sampler, lenience: float = 1.0,
+                  divergence: list[float] | None = None) -> tuple[list[float], torch.Tensor, list[float]]:
     """β = Σ min(p, q) at each position of the target-generated continuation (cache-free passes),
     p(x_r) [n, RANKS] of the drafter's rank-r token x_r there (with deterministic siblings, top-k
     children, the rank-r child is the accepted one with probability exactly p(x_r)), and a seed's
-    coupled acceptance there (`theory.coupled_acceptance`; under greedy, β itself)."""
+    coupled acceptance there (`theory.coupled_acceptance`; under greedy, β itself). With lenience
+    l < 1, β is Σ min(q, p/l), and `divergence` receives at each position TV(p, the law of the
+    first token a lenient step emits there) (`theory.lenient_first_token_law`)."""
     ids = prompt + generated
     n = len(generated)
     p = sampler.probs(target.forward(ids[:-1], None, n))  # [n, V]: the distributions each token came from
     drafter_logits = drafter.forward(ids[:-1], None, n)[:, :p.shape[-1]]
     q = sampler.probs(drafter_logits)
     ranked = drafter_logits.topk(RANKS, dim=-1).indices
-    beta = acceptance_beta(p, q)
+    beta = acceptance_beta(p, q, lenience)
+    if divergence is not None:
+        divergence += total_variation(p, lenient_first_token_law(p, q, lenience)).tolist()
     coupled = beta if sampler.is_greedy else coupled_acceptance(p, q)
     return beta.tolist(), p.gather(-1, ranked), coupled.tolist()
 
@@ -156,12 +163,25 @@ def flat_projection(acceptance: list[float], c: float, max_nodes: int = 64, max_
             "tree_speedup": tree[0], "tree_nodes": tree[1], "tree_depth": tree[2], "tree_tokens": tree[3]}
 
 
+def check_measure_options(lenience: float, tree_sizes: list[int], tree_nodes: str) -> None:
+    """`measure`'s --lenience and --tree-nodes (as `tree_sizes`), checked before any model loads
+    (a SpecdecError naming the option)."""
+    if tree_sizes and min(tree_sizes) < 1:
+        raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+    if not 0 < lenience <= 1:
+        raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
+    if lenience < 1 and tree_sizes:
+        raise SpecdecError("--lenience applies to chains; trees (--tree-nodes) are verified exactly")
+
+
 def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gammas: list[int],
                 max_new_tokens: int, sampler: Sampler, seed: int = 0, console: Console | None = None,
-                tree_sizes: list[int] | None = None) -> dict:
+                tree_sizes: list[int] | None = None, lenience: float = 1.0) -> dict:
     """Measure α, c and v(γ), then time AR and SD at each γ on every prompt (interleaved per prompt);
     with `tree_sizes`, also the per-rank acceptance and predicted vs measured tokens per step of
-    trees of those sizes."""
+    trees of those sizes. lenience l < 1: every speculative run accepts leniently (LOSSY under
+    sampling), α is the lenient Σ min(q, p/l), and the result's `lenience_tv` is the mean TV
+    between p and the first emitted token's law over the measured positions."""
     console = console or Console(stderr=True)
     check_pair(target, drafter)
     target_ms = forward_ms(target, 1)
@@ -174,6 +194,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
     traces: list[list[float]] = []  # β per prompt, in order along its continuation (`oracle_rows`)
     coupled: list[float] = []
     rank_p: list[torch.Tensor] = []
+    divergence: list[float] = []
     autoregressive_generate(prompts[0][:16], target, sampler, 4, seed=seed)  # warm-up
     speculative_generate(prompts[0][:16], target, drafter, gamma=2, sampler=sampler, max_new_tokens=4, seed=seed)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -183,7 +204,7 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             progress.update(bar, description=f"prompt {i + 1}/{len(prompts)}: α")
             ar = autoregressive_generate(ids, target, sampler, max_new_tokens, seed=seed + i, seed_rule="stream")
             if ar.tokens:
-                beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler)
+                beta, ranked, agree = measure_alpha(target, drafter, ids, ar.tokens, sampler, lenience, divergence)
                 betas += beta
                 traces.append(beta)
                 coupled += agree
@@ -199,7 +220,8 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
                                                      seed_rule="stream")
                 else:
                     result = speculative_generate(ids, target, drafter, gamma=g, sampler=sampler,
-                                                  max_new_tokens=max_new_tokens, seed=seed + i, seed_rule="stream")
+                                                  max_new_tokens=max_new_tokens, seed=seed + i, seed_rule="stream",
+                                                  lenience=lenience)
                 runs[g].append(result.stats)
                 progress.advance(bar)
                 if not console.is_terminal:  # a log file gets no live bar: one line per generation
@@ -241,7 +263,8 @@ def run_measure(target: Backend, drafter: Backend, prompts: list[list[int]], gam
             "rows": [vars(r) for r in rows], "sampler": sampler.describe(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "target": target.name, "drafter": drafter.name,
             "rank_acceptance": acceptance, "trees": trees, "flat_projections": projections,
-            "oracle": {k: v for k, v in oracle.items() if k != "fixed"}}
+            "oracle": {k: v for k, v in oracle.items() if k != "fixed"},
+            "lenience": lenience, "lenience_tv": statistics.fmean(divergence) if divergence else 0.0}
 
 
 def measure_markdown(m: dict) -> str:
@@ -251,6 +274,9 @@ def measure_markdown(m: dict) -> str:
              *([f"- under a seed (coupled draws, docs/exactness.md#seeds): α = {m['alpha_coupled']:.3f} at the same "
                 f"positions (bound (1 − TV)/(1 + TV): {m['alpha_coupled_bound']:.3f})"]
                if "alpha_coupled" in m and m["sampler"] != "greedy" else []),
+             *([f"- lenience l = {m['lenience']:g} (LOSSY under sampling; α above is Σ min(q, p/l)): its cost, "
+                f"TV(p, law of a step's first token) = {m['lenience_tv']:.4f}, the mean over the same positions "
+                "(closed form, `theory.lenient_first_token_law`; 0 under greedy)"] if m.get("lenience", 1) < 1 else []),
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
              "| γ | expected tokens / step (iid) | measured tokens / step | acceptance rate | α in the runs | "
              "v(γ) = (γ+1)-token pass / 1-token | rule of thumb (1 + γα)/(1 + γc) | predicted speedup (paper, "

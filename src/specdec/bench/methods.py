@@ -20,11 +20,11 @@ from ..errors import SpecdecError
 from ..generate import autoregressive_generate, seed_pins_drafts, speculative_generate
 from ..grammar import Grammar
 from ..training.medusa import load_heads
-from ..methods import Parts, build, names, preset, summary
+from ..methods import Parts, build, lenient_preset, names, preset, summary
 from ..passcost import LoadCosts, PassCosts
 from ..samplers import Sampler
 from ..schedules import AssumedCosts
-from ..spec import SpecConfig
+from ..spec import DEFAULT_GAMMA, SpecConfig
 from ..verify import Typical
 from .vllm_peer import METHODS as VLLM_METHODS, check_threads
 
@@ -63,6 +63,11 @@ LOSSY = tuple(name for name in names() if preset(name).acceptance != "exact")
 STREAM = tuple(name for name in names() if preset(name).seed_rule == "stream")
 REFERENCE = {"beam-sd": "beam"}  # the output a method must reproduce on greedy prompts (default: ar's)
 FLAT = "-flat"  # suffix of a method sized for assumed costs (Settings.assumed) instead of measured ones
+
+
+def is_lossy(method: str) -> bool:
+    """Whether one of our methods accepts by a lossy rule (its sampled output leaves the target's law)."""
+    return method in LOSSY or lenient_preset(method) is not None
 
 
 def is_peer(method: str) -> bool:
@@ -247,6 +252,12 @@ def typical_divergence(target, drafter, prompt_ids: list[int], output: list[int]
 
 
 def check_methods(methods: list[str]) -> None:
+    """SpecdecError for a method the bench does not know; a preset with a parameter (sd-lenient:L)
+    is checked and taken in with the rest."""
+    for m in methods:
+        if m not in METHODS and lenient_preset(m) is not None:
+            METHODS[m] = "ours: " + summary(m)
+            NEEDS_DRAFTER.add(m)
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SpecdecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
@@ -342,7 +353,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     typical = config.typical()
     grammar = None if schema is None else CountedGrammar("json_schema", schema)
     common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=config.seed_rule,
-                  seed=None if seed_pins_drafts(seed, sampler, typical=typical) else seed, grammar=grammar)
+                  seed=None if seed_pins_drafts(seed, sampler, config.effective_lenience(), typical) else seed,
+                  grammar=grammar)
     if method == "ar":
         result = autoregressive_generate(ids, target, **common)
     elif method in BEAM_METHODS:
@@ -362,7 +374,8 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         speculation = build(config, parts)
         with learning(method, drafter):
             result = speculative_generate(ids, target, speculation.make_drafter(),
-                                          schedule=speculation.schedule(), typical=typical, **common)
+                                          schedule=speculation.schedule(), typical=typical,
+                                          lenience=config.effective_lenience(), **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None
@@ -508,7 +521,7 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
                                              "tokenizer": model.tokenizer,
                                              "assistant_tokenizer": drafter.tokenizer if drafter else None},
              "hf-assisted-fixed": {"assistant_model": drafter.hf if drafter else None},
-             "hf-lookup": {"prompt_lookup_num_tokens": settings.option("gamma")}}
+             "hf-lookup": {"prompt_lookup_num_tokens": settings.option("gamma") or DEFAULT_GAMMA}}
     if drafter is not None:
         # transformers reads these from the *assistant's* generation config and may carry state
         # across calls (a "heuristic" schedule keeps its grown γ): set them afresh on every call
@@ -517,7 +530,8 @@ def hf_generate(method: str, model: TransformersModel, ids: list[int], settings:
             config.num_assistant_tokens, config.num_assistant_tokens_schedule = 20, "constant"
             config.assistant_confidence_threshold = 0.4
         else:
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = settings.option("gamma"), "constant"
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = \
+                settings.option("gamma") or DEFAULT_GAMMA, "constant"
             config.assistant_confidence_threshold = 0.0
     if sampler.is_greedy:
         sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)

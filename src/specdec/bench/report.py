@@ -125,9 +125,9 @@ def render_markdown(result: dict) -> str:
              + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}"
              + (f"; {info['samples']} generations per method of each sampled prompt, summed"
                 if info.get("samples", 1) > 1 and any(t > 0 for t in info["temperatures"]) else ""),
-             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {options['gamma']} (fixed), "
-             f"γ in [{options['gamma_min']}, {options['gamma_max']}] (heuristic, egag; confidence and cost up to "
-             f"γ_max), confidence τ = {options['confidence']:g}, EGAG β = {options['egag_beta']:g}, "
+             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {options['gamma'] or 5} (fixed), "
+             f"γ in [{options['gamma_min']}, {options['gamma_max'] or 20}] (heuristic; confidence and cost up to "
+             f"γ_max), egag's γ in [{options['gamma_min']}, {options['gamma_max'] or options['gamma'] or 5}], confidence τ = {options['confidence']:g}, EGAG β = {options['egag_beta']:g}, "
              f"n-gram n = {options['ngram_n']}",
              f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
              f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']}"

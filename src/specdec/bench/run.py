@@ -28,7 +28,7 @@ from ..schedules import AssumedCosts
 from ..spec import MODEL_FREE_DRAFTERS
 from ..text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, BEAM_METHODS, LOSSY, NEEDS_DRAFTER, STREAM, REFERENCE, PeerModels, Record, Settings,
+from .methods import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, is_lossy, STREAM, REFERENCE, PeerModels, Record, Settings,
                       check_grammar_methods, check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat,
                       is_peer, load_own_drafters, merge_samples, online_summary, open_datastore, position_sums, run_method,
                       self_drafting)
@@ -195,7 +195,7 @@ def summarize(records: list[Record], methods: list[str], assumed: AssumedCosts |
             entry["mismatched_prompts"] = mismatches
         # seeded sampled outputs of our exact methods are the seeded AR output (Gumbel-max coupling)
         sampled = [i for i, r in by[m].items() if r.temperature > 0 and i in by.get("ar", {})]
-        if m != "ar" and sampled and not is_peer(m) and m not in LOSSY + STREAM + BEAM_METHODS:
+        if m != "ar" and sampled and not is_peer(m) and not is_lossy(m) and m not in STREAM + BEAM_METHODS:
             mismatches = [i for i in sampled if by[m][i].tokens != by["ar"][i].tokens]
             entry["identical_sampled_to_ar"] = len(sampled) - len(mismatches)
             entry["sampled_prompts"] = len(sampled)

@@ -53,9 +53,12 @@ def bench(
                                 "repeats, and the ratio to ar is also shown per repeat (the machine's drift)."),
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafter: str = typer.Option(registry.DEFAULT_DRAFTER),
-    gamma: int = typer.Option(5, help="γ of the fixed schedule (sd, ngram, lookup, hf-assisted-fixed, hf-lookup)."),
+    gamma: Optional[int] = typer.Option(None, help="γ of the fixed schedule (sd, ngram-fixed, lookup-fixed, "
+                                        "hf-assisted-fixed, hf-lookup; default 5) and heuristic's start; the other "
+                                        "methods' bound, as --gamma-max."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ of the heuristic and egag schedules."),
-    gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ of cost, heuristic, confidence and egag."),
+    gamma_max: Optional[int] = typer.Option(None, "--gamma-max", help="Largest γ of cost, heuristic, confidence "
+                                            "and egag, a tree's depth (default 20; egag's: γ)."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="Threshold τ of sd-confidence."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
@@ -181,12 +184,14 @@ def measure(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     tree_nodes: str = typer.Option("", "--tree-nodes", help="Comma-separated tree sizes: also predict tokens per "
                                    "step of the best tree of each size from the per-rank acceptance, and measure them."),
+    lenience: float = typer.Option(1.0, help="1 = exact; l in (0, 1): lenient acceptance (LOSSY under sampling), "
+                                   "reporting the TV distance from the target's law it costs."),
 ):
     """Measure α, c and the verification cost, then predicted vs measured speedup for each γ."""
     from rich.markdown import Markdown
 
     from ..bench.datasets import load_prompts
-    from ..bench.measure import measure_markdown, measure_plot, run_measure
+    from ..bench.measure import check_measure_options, measure_markdown, measure_plot, run_measure
     from ..samplers import Sampler
 
     try:
@@ -201,8 +206,7 @@ def measure(
             sizes = [int(n) for n in _csv(tree_nodes)] if tree_nodes else []
         except ValueError:
             raise SpecdecError(f"--tree-nodes takes comma-separated integers, got {tree_nodes!r}") from None
-        if sizes and min(sizes) < 1:
-            raise SpecdecError(f"--tree-nodes must be integers >= 1, got {tree_nodes!r}")
+        check_measure_options(lenience, sizes, tree_nodes)
         sampler = Sampler(temperature=temperature)
         prompts = load_prompts(dataset, limit, _csv(tasks) if tasks else None)
         target_model = _load(target, dtype, device, "target")
@@ -210,7 +214,7 @@ def measure(
                               vocab_corpus=drafter_vocab_corpus)
         ids = [target_model.encode(p.text, chat=p.chat) for p in prompts]
         result = run_measure(target_model, drafter_model, ids, gamma_values, max_new_tokens, sampler, seed, err,
-                             sizes)
+                             sizes, lenience)
     except SpecdecError as exc:
         _fail(str(exc))
     text = measure_markdown(result)
@@ -231,14 +235,18 @@ def theory(
     c: float = typer.Option(0.24, help="Cost coefficient: drafter pass / target pass (measured: docs/kernels.md)."),
     c_hat: float = typer.Option(0.0, "--c-hat", help="Arithmetic ratio ĉ of drafter to target per token."),
     gamma_max: int = typer.Option(10, "--gamma-max", help="Largest γ to tabulate."),
+    lenience: float = typer.Option(1.0, help="l in (0, 1): also say where α under lenient acceptance lies "
+                                   "(LOSSY under sampling) and the best γ at its top."),
 ):
     """Expected tokens per step, walltime improvement and extra arithmetic per γ (Leviathan et al. §3)."""
     from rich.table import Table
 
-    from ..theory import (arithmetic_increase, expected_tokens, optimal_gamma, oracle_walltime_improvement,
-                          rule_of_thumb_gamma, rule_of_thumb_speedup, walltime_improvement)
+    from ..theory import (arithmetic_increase, expected_tokens, lenient_alpha_range, optimal_gamma,
+                          oracle_walltime_improvement, rule_of_thumb_gamma, rule_of_thumb_speedup, walltime_improvement)
 
     try:
+        if not 0 < lenience <= 1:
+            raise SpecdecError(f"--lenience must be in (0, 1] (1 = exact), got {lenience}")
         console = Console()
         for a in alpha:
             best = optimal_gamma(a, c)
@@ -253,6 +261,12 @@ def theory(
                 table.add_row(str(g), f"{expected_tokens(a, g):.2f}", f"{rule_of_thumb_speedup(a, g, c):.2f}×",
                               f"{walltime_improvement(a, g, c):.2f}×{mark}", f"{arithmetic_increase(a, g, c_hat):.2f}×")
             console.print(table)
+            if lenience < 1:
+                low, high = lenient_alpha_range(a, lenience)
+                top = optimal_gamma(high, c)
+                console.print(f"lenience {lenience:g}: α = Σ min(q, p/l) lies in [{low:.3f}, {high:.3f}] (where, p and "
+                              f"q decide: `specdec measure --lenience {lenience:g}`); at {high:.3f}, optimal γ = {top} "
+                              f"({walltime_improvement(high, top, c):.2f}×)", highlight=False)
         err.print("[dim]assumes iid acceptance and a verification pass that costs one target pass; "
                   "on CPUs it costs more (docs/kernels.md). The rule of thumb counts γα accepted tokens a step, "
                   "as if a rejection did not end acceptance; Theorem 3.8 counts α + … + α^γ. Oracle γ: each "

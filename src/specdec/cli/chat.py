@@ -22,8 +22,8 @@ def chat(
     tree: str = typer.Option("off", help="The tree method's shape (as generate's --tree)."),
     schedule: Optional[str] = typer.Option(None, help="cost, fixed, heuristic, confidence, egag (default: the "
                                            "method's)."),
-    gamma: int = typer.Option(5),
-    gamma_max: int = typer.Option(20, "--gamma-max"),
+    gamma: Optional[int] = typer.Option(None, help="A fixed γ (alone it picks the fixed schedule; as generate's)."),
+    gamma_max: Optional[int] = typer.Option(None, "--gamma-max", help="Largest γ (default 20; egag's: γ)."),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),

@@ -39,13 +39,16 @@ def generate(
                                 "or the target drafting for itself: 'medusa:DIR' or 'eagle:DIR' (from `specdec "
                                 "train-heads`; token trees) or 'self-skip[:LAYERS]' (layers skipped, chosen at start)."),
     method: str = typer.Option("default", help=METHOD_HELP),
-    gamma: int = typer.Option(5, help="Draft tokens per step (γ ≥ 1) for the fixed schedule; start of heuristic."),
+    gamma: Optional[int] = typer.Option(None, help="Draft tokens per step (γ ≥ 1): alone, a fixed γ (the fixed "
+                                        "schedule; default 5); with --schedule heuristic its start; with the "
+                                        "others (and trees) a bound, as --gamma-max."),
     schedule: Optional[str] = typer.Option(None, help="Draft length: cost (stop when the draft is unlikely to pay "
                                            "for another token, from measured costs), fixed, heuristic (+2 / −1), "
                                            "confidence (stop below τ), egag (entropy-guided). Default: the method's "
                                            "(cost; fixed for sd)."),
     gamma_min: int = typer.Option(1, "--gamma-min", help="Smallest γ (heuristic, egag)."),
-    gamma_max: int = typer.Option(20, "--gamma-max", help="Largest γ (cost, heuristic, confidence, egag)."),
+    gamma_max: Optional[int] = typer.Option(None, "--gamma-max", help="Largest γ (cost, heuristic, confidence, "
+                                            "egag; a tree's depth). Default 20; egag's: γ (the EGAG code's)."),
     egag_beta: float = typer.Option(0.0, "--egag-beta", help="EGAG's EMA weight on past entropy (0 = none)."),
     confidence: float = typer.Option(0.4, help="τ of the confidence schedule."),
     ngram_n: int = typer.Option(4, "--ngram-n", help="Longest n-gram of the ngram drafter."),
@@ -103,7 +106,7 @@ def generate(
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
         rows, kv_budget = _prompt_input(prompt, prompts_file, sampler, max_new_tokens, batch_size, debug, kv_memory)
         grammar = cli_grammar(json_schema, json_object, regex, grammar_file)
-        if gamma < 1:
+        if gamma is not None and gamma < 1:
             raise SpecdecError(f"--gamma must be >= 1, got {gamma}")
         config = spec_config(method, drafter, tree, cascade, schedule, lenience, typical, gamma=gamma,
                              gamma_min=gamma_min, gamma_max=gamma_max, egag_beta=egag_beta, confidence=confidence,

@@ -27,7 +27,8 @@ def serve(
                                "`specdec methods` but the self-drafting ones (default: the drafter model's chain, "
                                "cost-aware; lookup; suffix, over the request's text and earlier outputs; retrieval, "
                                "--datastore; tree, the mixed tree; lookahead; ar; tree-sides; sd; ...)."),
-    gamma_max: int = typer.Option(20, "--gamma-max", help="Longest draft (chains) or deepest tree (at most 64)."),
+    gamma_max: Optional[int] = typer.Option(None, "--gamma-max", help="Longest draft (chains) or deepest tree (at "
+                                            "most 64; default 20, egag's γ)."),
     tree_nodes: int = typer.Option(64, "--tree-nodes", help="Most nodes in a tree (methods tree, lookahead; "
                                    "at most 64)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
@@ -132,7 +133,7 @@ def _check_bounds(**values) -> None:
         if values[name] is not None and values[name] < low:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= {low}, got {values[name]}")
     for name in ("gamma_max", "tree_nodes"):
-        if values[name] > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
+        if values[name] is not None and values[name] > DRAFT_ROOM:  # a wider draft would write past the room its KV charge keeps
             raise SpecdecError(f"--{name.replace('_', '-')} must be <= {DRAFT_ROOM}, got {values[name]}")
     if not (values["request_timeout"] > 0 and values["grace"] >= 0 and values["stall_timeout"] > 0):  # nan too
         raise SpecdecError("--request-timeout and --stall-timeout must be > 0, --grace >= 0")

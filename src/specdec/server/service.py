@@ -17,7 +17,7 @@ from ..grammar import Grammar
 from ..methods import METHODS, Parts, build, preset
 from ..penalties import LogitRules
 from ..samplers import Sampler
-from ..spec import SpecConfig
+from ..spec import GAMMA_SCHEDULES, SpecConfig
 from ..text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
 from .tools import call_grammar, template_message, template_offers_tools
@@ -358,12 +358,14 @@ class Service:
             return None
         if name == "default" and self.default.method not in (None, "default"):
             name = self.default.method
-        fields = {"gamma_max": speculation.gamma_max or self.default.gamma_max or 20,
+        fields = {"gamma_max": speculation.gamma_max or self.default.gamma_max,  # None: 20 (egag: γ)
                   "tree_nodes": speculation.tree_nodes or self.default.tree_nodes or 64,
                   "assumed": self.assumed is not None}
         for key in ("tree", "schedule", "gamma"):
             if getattr(speculation, key) is not None:
                 fields[key] = getattr(speculation, key)
+        if "gamma" in fields and "schedule" not in fields and preset(name).schedule not in GAMMA_SCHEDULES:
+            fields["schedule"] = "fixed"  # gamma alone: a fixed γ, as `specdec generate --gamma N`
         param = "speculative.method"
         config = preset(name).replace(**fields)
         try:
