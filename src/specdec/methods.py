@@ -341,8 +341,10 @@ def _multi_draft(config, parts):
     from .schedules import TreeCost
 
     early = _searched_once(lambda exit_layer: early_exit_drafter(parts.target, exit_layer), config.exit_layer)
-    return lambda: MultiDrafter([ModelDrafter(parts.drafter_model), early()], gamma=min(config.gamma, config.gamma_max),
-                                policy=TreeCost(max_depth=config.gamma_max, max_nodes=config.tree_nodes))
+    gamma_max = config.effective_gamma_max()
+    return lambda: MultiDrafter([ModelDrafter(parts.drafter_model), early()],
+                                gamma=min(config.effective_gamma(), gamma_max),
+                                policy=TreeCost(max_depth=gamma_max, max_nodes=config.tree_nodes))
 
 
 def _cascade_horizontal(config, parts):
