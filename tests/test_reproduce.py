@@ -159,7 +159,15 @@ def test_continuations_round_trip_and_a_bad_file_is_refused(tmp_path):
 def test_spec_bench_prompts_cover_every_task_round_robin():
     tasks = [task for task, _ in reproduce.spec_bench_prompts(6)]
     assert len(set(tasks)) == 6
-    assert reproduce.prompts_for(10_000, 128) * 128 >= 10_000
+
+
+def test_continuations_stop_at_the_batch_that_reaches_the_tokens_asked_for():
+    target = tiny_model(0, vocab=32, exact_rows=True)
+    prompts = [[1 + i % 7, 2] for i in range(10)]
+    made = reproduce.generate_continuations(target, prompts, Sampler(temperature=0.0), 5, batch=3, until=7)
+    assert made.total >= 7 and len(made.prompts) == 3 and len(made.tokens) == 3  # one batch of 3 gives 15
+    whole = reproduce.generate_continuations(target, prompts, Sampler(temperature=0.0), 5, batch=3)
+    assert len(whole.tokens) == 10 and whole.tokens[:3] == made.tokens
 
 
 # --- coverage ---------------------------------------------------------------------------------------

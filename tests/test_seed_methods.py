@@ -245,3 +245,25 @@ def test_medusa_trains_five_heads_by_default_and_loads_a_three_head_checkpoint(t
     save_heads(tmp_path, _random_heads(target, num_heads=3))
     loaded = load_heads(str(tmp_path))
     assert isinstance(loaded.heads, MedusaHeads) and loaded.heads.num_heads == 3
+
+
+def test_a_seeded_multi_draft_draws_its_later_chains_apart_from_the_first():
+    """Under a seed the first chain races the shared noise; a second chain of the same drafter drawn
+    from that same noise would repeat it at every step (the review saw 4 of 4), wasting its nodes."""
+    target = tiny_model(1, vocab=32, layers=2)
+    twin = tiny_model(1, vocab=32, layers=2, name="same")
+    multi = MultiDrafter([ModelDrafter(twin), ModelDrafter(twin)], gamma=4)
+    same = total = 0
+
+    def on_step(step):
+        nonlocal same, total
+        if len(multi.chains) == 2 and multi.chains[0]:
+            total += 1
+            same += multi.chains[0] == multi.chains[1]
+
+    first = speculative_generate(PROMPT, target, multi, sampler=Sampler(1.0), seed=0, max_new_tokens=30,
+                                 eos_token_ids=[], on_step=on_step)
+    assert total >= 5 and same < total
+    again = speculative_generate(PROMPT, target, MultiDrafter([ModelDrafter(twin), ModelDrafter(twin)], gamma=4),
+                                 sampler=Sampler(1.0), seed=0, max_new_tokens=30, eos_token_ids=[])
+    assert again.tokens == first.tokens  # still pinned by the seed

@@ -244,3 +244,15 @@ def test_generate_many_refuses_a_swapped_pair_too():
     with pytest.raises(SpecdecError, match="larger than the target"):
         generate_many([[2, 3]], small, large, max_new_tokens=4)
     assert len(generate_many([[2, 3]], small, large, max_new_tokens=4, allow_larger_drafter=True)[0].tokens) == 4
+
+
+def test_gamma_with_a_preset_that_names_its_own_sizing_bounds_it_and_keeps_it():
+    """`--method sd-confidence --gamma 3` stays the confidence schedule, bounded at 3, as in the
+    bench; only a plain method's chain turns fixed (the review found every preset turned fixed)."""
+    from specdec.methods import from_options, gamma_means_fixed, preset
+
+    for name in ("sd-cost", "sd-confidence", "tree-sides"):
+        config = from_options(name, gamma=3)
+        assert config.schedule == preset(name).schedule and config.effective_gamma_max() == 3, name
+    assert from_options("lookup", gamma=3).schedule == "fixed"  # a plain method: fixed, as romsto's
+    assert not gamma_means_fixed("sd-cost", preset("sd-cost")) and gamma_means_fixed("default", preset("default"))

@@ -635,6 +635,7 @@ class Decoding:
             self._finish()
             return emitted
         details = {} if self.debug else None
+        probs = None  # the sampler's law of the chain's rows, where verification computed it
         if self.trees:
             noise = None if self.noise is None else self._noise_rows([0] + depths(draft.parents), logits)
             path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details, noise)
@@ -643,12 +644,14 @@ class Decoding:
             num_accepted, next_token = decided
         else:
             noise = None if self.noise is None else self._noise_rows(range(len(logits)), logits)
+            probs = None if self.sampler.is_greedy else self.sampler.probs(logits)  # once, for both
             num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
-                                             self.typical, noise)
+                                             self.typical, noise, probs)
 
         if not self.trees:  # α's β at the rows this pass judged: a min and a sum, no pass of its own
             judged = [j for j in range(min(num_accepted + 1, len(draft.tokens))) if j not in forced]
-            stats.beta_sum += float(chain_beta(logits[-rows:], draft, self.sampler, judged).sum())
+            shared = probs if probs is not None and probs.shape[0] == rows else None
+            stats.beta_sum += float(chain_beta(logits[-rows:], draft, self.sampler, judged, shared).sum())
             stats.beta_positions += len(judged)
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
@@ -812,7 +815,8 @@ def _verify_tree(logits: torch.Tensor, tree: Tree, sampler: Sampler, generator: 
     return tree.path_to(int(last)), int(next_token)
 
 
-def chain_beta(logits: torch.Tensor, draft: Draft, sampler: Sampler, positions: list[int]) -> torch.Tensor:
+def chain_beta(logits: torch.Tensor, draft: Draft, sampler: Sampler, positions: list[int],
+               target_probs: torch.Tensor | None = None) -> torch.Tensor:
     """β = Σ_x min(p(x), q(x)) at the chain draft's `positions` -> [len(positions)].
 
     logits: [γ+1, V] the target's rows over the draft (row j scores draft token j). The loop asks
@@ -823,14 +827,15 @@ def chain_beta(logits: torch.Tensor, draft: Draft, sampler: Sampler, positions: 
     greedy both are one-hot at their argmaxes (`logits_to_probs` at temperature 0), so β is 1 where
     the target's argmax is the drafted token, else 0: the T = 0 α of Leviathan et al.'s Table 3.
     Σ min(p, q), the standard rule's acceptance chance, whatever rule verified (lenient, typical
-    or a seed's coupled draws)."""
+    or a seed's coupled draws). target_probs [γ+1, V]: the sampler's law of `logits` where the
+    verification computed it (else computed here for the judged rows)."""
     if not positions:
         return logits.new_zeros(0, dtype=torch.float32)
     rows = torch.tensor(positions, device=logits.device)
     tokens = torch.tensor(draft.tokens, device=logits.device)[rows]
     if sampler.is_greedy:
         return (greedy_tokens(logits[rows]) == tokens).float()
-    p = sampler.probs(logits[rows])
+    p = sampler.probs(logits[rows]) if target_probs is None else target_probs[rows]
     if draft.probs is None:
         return p.gather(-1, tokens[:, None]).squeeze(-1)
     q = draft.probs.to(p.device)[rows]
@@ -841,27 +846,30 @@ def chain_beta(logits: torch.Tensor, draft: Draft, sampler: Sampler, positions: 
 
 def _verify(logits: torch.Tensor, draft: Draft, sampler: Sampler, generator: torch.Generator,
             lenience: float = 1.0, details: dict | None = None, typical: Typical | None = None,
-            noise: torch.Tensor | None = None) -> tuple[int, int]:
+            noise: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> tuple[int, int]:
     """(num_accepted, next_token) for the target's logits [γ+1, V] over `draft`; with a `details`
     dict, also the lists "p", "q", "u" of each draft token (for the step view); `noise` [γ+1, V]:
-    each row's shared races under a seed (`verify_coupled`), else None."""
+    each row's shared races under a seed (`verify_coupled`), else None; `probs` [γ+1, V]: the
+    sampler's law of `logits` where the caller has it (else computed here)."""
     if not draft.tokens:
         return 0, int(_target_token(logits[-1], sampler, generator, None if noise is None else noise[-1]))
     tokens = torch.tensor(draft.tokens, device=logits.device)
+    if not sampler.is_greedy and probs is None:
+        probs = sampler.probs(logits)
     if sampler.is_greedy or noise is not None:
         if sampler.is_greedy:
             num_accepted, next_token = verify_greedy(greedy_tokens(logits), tokens)
         else:
-            num_accepted, next_token = verify_coupled(sampler.probs(logits), noise, tokens)
+            num_accepted, next_token = verify_coupled(probs, noise, tokens)
         if details is not None:  # one-hot p and q as under greedy: a token passes iff it is the target's
-            target_tokens = greedy_tokens(logits) if sampler.is_greedy else race(sampler.probs(logits), noise)
+            target_tokens = greedy_tokens(logits) if sampler.is_greedy else race(probs, noise)
             matches = (target_tokens[:-1] == tokens).float()
             details.update(p=matches, q=torch.ones_like(matches), u=None)
     elif typical is not None:
-        num_accepted, next_token = verify_typical(sampler.probs(logits), tokens, typical, generator)
+        num_accepted, next_token = verify_typical(probs, tokens, typical, generator)
     else:
         q = draft.probs if draft.probs is not None else one_hot(draft.tokens, logits.shape[-1], logits.device)
-        num_accepted, next_token = verify_draft(sampler.probs(logits), q, tokens, generator, lenience, details)
+        num_accepted, next_token = verify_draft(probs, q, tokens, generator, lenience, details)
     if details:
         details.update({k: None if v is None else v.tolist() for k, v in details.items()})
     return int(num_accepted), int(next_token)

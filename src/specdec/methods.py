@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import SpecdecError
-from .spec import GAMMA_SCHEDULES, METHODS, Method, SpecConfig, special_drafter, from_flags  # noqa: F401 (Method: its entries)
+from .spec import (GAMMA_SCHEDULES, METHODS, Method, SpecConfig, from_flags, method_chains,  # noqa: F401 (Method: its entries)
+                   special_drafter)
 
 
 def _presets() -> dict[str, tuple[SpecConfig, str]]:
@@ -92,6 +93,15 @@ def preset(name: str) -> SpecConfig:
         return lenient
     raise SpecdecError(f"unknown method {name!r}; choose from {describe_names()}, sd-lenient:L (`specdec methods` "
                        "says what each does)")
+
+
+def gamma_means_fixed(name: str, config: SpecConfig) -> bool:
+    """Whether a γ given without a schedule turns `config` (preset `name`'s) to a fixed γ: a plain
+    method's chain ("default", "chain", "lookup", ...) whose schedule does not read γ. A preset
+    that names its own sizing (sd-cost, sd-confidence, the trees, ...) keeps it, γ bounding its
+    drafts as `gamma_max` does (`SpecConfig.effective_gamma_max`)."""
+    plain = name == "default" or name in METHODS
+    return plain and method_chains(config.method) and config.schedule not in GAMMA_SCHEDULES
 
 
 def resolve(name: str, **options) -> SpecConfig:
@@ -407,7 +417,7 @@ def from_options(method: str = "default", drafter: str | None = None, tree: str 
             changes["drafter"] = drafter
     if schedule is not None:
         changes["schedule"] = schedule
-    elif fields.get("gamma") is not None and base.replace(**changes).schedule not in GAMMA_SCHEDULES:
+    elif fields.get("gamma") is not None and gamma_means_fixed(method, base.replace(**changes)):
         changes["schedule"] = "fixed"  # --gamma N alone: a fixed γ = N, as in the papers and their code
     if typical and lenience != 1:
         raise SpecdecError("--typical and --lenience are two acceptance rules; choose one")

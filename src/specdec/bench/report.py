@@ -115,6 +115,19 @@ def _group_name(g: dict) -> str:
     return f"{where}, " + ("greedy" if g["temperature"] == 0 else f"temperature {g['temperature']:g}")
 
 
+def _gamma_bounds(options: dict) -> str:
+    """What each schedule's draft lengths were, read through `SpecConfig` as the runs read them."""
+    from ..spec import SpecConfig
+
+    def bound(schedule: str) -> int:
+        return SpecConfig("chain", schedule=schedule, gamma=options["gamma"],
+                          gamma_max=options["gamma_max"]).effective_gamma_max()
+
+    gamma = options["gamma"] or SpecConfig("chain").effective_gamma()
+    return (f"γ = {gamma} (fixed), γ in [{options['gamma_min']}, {bound('heuristic')}] (heuristic), "
+            f"[{options['gamma_min']}, {bound('egag')}] (egag), up to {bound('cost')} (cost, confidence)")
+
+
 def render_markdown(result: dict) -> str:
     """The whole report: settings, the overall table, one table per group, histograms, mismatches."""
     info, summary = result["info"], result["summary"]
@@ -125,10 +138,8 @@ def render_markdown(result: dict) -> str:
              + ", ".join(f"{t:g}" for t in info["temperatures"]) + f" (0 = greedy); seed {info['seed']}"
              + (f"; {info['samples']} generations per method of each sampled prompt, summed"
                 if info.get("samples", 1) > 1 and any(t > 0 for t in info["temperatures"]) else ""),
-             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); γ = {options['gamma'] or 5} (fixed), "
-             f"γ in [{options['gamma_min']}, {options['gamma_max'] or 20}] (heuristic; confidence and cost up to "
-             f"γ_max), egag's γ in [{options['gamma_min']}, {options['gamma_max'] or options['gamma'] or 5}], confidence τ = {options['confidence']:g}, EGAG β = {options['egag_beta']:g}, "
-             f"n-gram n = {options['ngram_n']}",
+             f"- {st['max_new_tokens']} new tokens at most (EOS stops earlier); {_gamma_bounds(options)}, "
+             f"confidence τ = {options['confidence']:g}, EGAG β = {options['egag_beta']:g}, n-gram n = {options['ngram_n']}",
              f"- target: {info['target']} ({info['target_dtype']}, {info['target_kernels']} linears); "
              f"drafter: {info['drafter']} ({info['drafter_dtype']}, {info['drafter_kernels']}"
              + (f", head over {info['drafter_vocab']} frequent ids" if info.get("drafter_vocab") else "") + ")",

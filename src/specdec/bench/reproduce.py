@@ -16,7 +16,6 @@ Drafters are a registry (`DRAFTERS`): adding one is one entry.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -92,33 +91,31 @@ def spec_bench_prompts(count: int | None = None) -> list[tuple[str, str]]:
     return order[:count] if count is not None else order
 
 
-def prompts_for(tokens: int, max_new_tokens: int) -> int:
-    """How many prompts give `tokens` continuation tokens at `max_new_tokens` each, with a margin
-    for the ones that end early."""
-    if tokens < 1 or max_new_tokens < 1:
-        raise SpecdecError(f"tokens and max_new_tokens must be >= 1, got {tokens} and {max_new_tokens}")
-    return math.ceil(1.25 * tokens / max_new_tokens)
-
-
 def generate_continuations(target, prompts: Sequence[Sequence[int]], sampler: Sampler, max_new_tokens: int,
                            seed: int = 0, tasks: Sequence[str] | None = None, batch: int = BATCH,
-                           console: Console | None = None) -> Continuations:
+                           console: Console | None = None, until: int | None = None) -> Continuations:
     """The target's continuations of `prompts` (plain decoding, `batch` sequences in flight; seeded
-    per prompt, `seed + i`, under sampling)."""
+    per prompt, `seed + i`, under sampling). until: stop after the batch that brings the total to
+    this many tokens (the prompts after it are left out; how many a prompt gives is known only
+    once it has ended)."""
     from ..engine import generate_many
 
     tokens: list[list[int]] = []
     with Progress(*COLUMNS, console=console or Console(stderr=True), transient=True) as progress:
-        bar = progress.add_task(f"target continuations ({sampler.describe()})", total=len(prompts))
+        bar = progress.add_task(f"target continuations ({sampler.describe()})", total=until or len(prompts))
         for start in range(0, len(prompts), batch):
             chunk = [list(p) for p in prompts[start:start + batch]]
             seeds = None if sampler.is_greedy else [seed + start + i for i in range(len(chunk))]
             results = generate_many(chunk, target, None, max_batch=batch, seeds=seeds, sampler=sampler,
                                     max_new_tokens=max_new_tokens)
             tokens += [list(r.tokens) for r in results]
-            progress.advance(bar, len(chunk))
-    return Continuations(target.name, sampler.describe(), seed, max_new_tokens, [list(p) for p in prompts],
-                         list(tasks or ["-"] * len(prompts)), tokens)
+            made = sum(len(t) for t in tokens)
+            progress.update(bar, completed=min(made, until) if until else len(tokens))
+            if until is not None and made >= until:
+                break
+    used = len(tokens)
+    return Continuations(target.name, sampler.describe(), seed, max_new_tokens, [list(p) for p in prompts[:used]],
+                         list(tasks or ["-"] * len(prompts))[:used], tokens)
 
 
 # --- stage (ii): teacher-forced scoring ----------------------------------------------------------
@@ -217,8 +214,9 @@ def registry_drafter(name: str, target) -> Callable[[], object]:
     return build(resolve(name), Parts(target)).make_drafter
 
 
-def _self_skip(ctx: Context):
-    return ModelScorer(registry_drafter("self-skip", ctx.target)().model)
+def _own_layers(method: str) -> Callable[[Context], object]:
+    """The target drafting for itself (self-skip, early-exit), scored teacher-forced."""
+    return lambda ctx: ModelScorer(registry_drafter(method, ctx.target)().model)
 
 
 def _free(name: str) -> Callable[[Context], object]:
@@ -228,7 +226,9 @@ def _free(name: str) -> Callable[[Context], object]:
 
 
 DRAFTERS: dict[str, Entry] = {
-    "self-skip": Entry("the target with layers skipped (chosen at start), scored teacher-forced", _self_skip),
+    "self-skip": Entry("the target with layers skipped (chosen at start), scored teacher-forced", _own_layers("self-skip")),
+    "early-exit": Entry("the target's first layers and its own head (exit chosen at start), scored teacher-forced",
+                        _own_layers("early-exit")),
     "lookup": Entry("prompt lookup (one-hot q where it proposes)", _free("lookup"), proposes_everywhere=False),
     "ngram": Entry("NASD n-gram, n = 4, online (its count q where it proposes)", _free("ngram"),
                    proposes_everywhere=False),
@@ -273,7 +273,8 @@ def score(continuations: Continuations, target, scorers: dict[str, object], samp
 
 def alpha_markdown(result: dict) -> str:
     """Our Table 3 (drafter × α at T = 0 and T = 1, positions, share proposed) beside the paper's."""
-    lines = [f"Target {result['target']}, {result['positions']['0']} (T = 0) and {result['positions']['1']} (T = 1) "
+    positions = result["positions"]
+    lines = [f"Target {result['target']}, {positions.get('0', 0)} (T = 0) and {positions.get('1', 0)} (T = 1) "
              f"target tokens of its own continuations of {result['prompts']} Spec-Bench prompts; "
              f"unigram and bigram counted over {result['corpus']}.", "",
              "| drafter | α (T = 0) | α (T = 1) | positions scored (T = 0 / T = 1) | share proposed (T = 0 / T = 1) |",

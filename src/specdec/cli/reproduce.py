@@ -39,24 +39,25 @@ def _check_sizes(tokens: int, max_new_tokens: int) -> None:
 
 
 def _continuations(target_model, sampler, label: str, tokens: int, max_new_tokens: int, seed: int, out: Path):
-    """The target's continuations under `sampler`: read from `out` where an earlier run wrote the
-    same ones (target, sampler, seed, length, prompt count), else generated and written there."""
-    from ..bench.reproduce import Continuations, generate_continuations, prompts_for, spec_bench_prompts
+    """The target's continuations under `sampler`, Spec-Bench's prompts in turn until they hold
+    `tokens` tokens: read from `out` where an earlier run wrote such ones (same target, sampler,
+    seed and length, at least as many tokens), else generated and written there."""
+    from ..bench.reproduce import Continuations, generate_continuations, spec_bench_prompts
 
-    chosen = spec_bench_prompts(prompts_for(tokens, max_new_tokens))
+    chosen = spec_bench_prompts()
     path = out / f"continuations-{label}.json"
     if path.is_file():
         kept = Continuations.load(path)
-        if (kept.target, kept.sampler, kept.seed, kept.max_new_tokens, len(kept.prompts)) == \
-                (target_model.name, sampler.describe(), seed, max_new_tokens, len(chosen)):
+        if (kept.target, kept.sampler, kept.seed, kept.max_new_tokens) == \
+                (target_model.name, sampler.describe(), seed, max_new_tokens) and kept.total >= tokens:
             err.print(f"[dim]continuations ({sampler.describe()}): reusing {path}[/]", highlight=False)
             return kept
     ids = [target_model.encode(text, chat=True) for _, text in chosen]
     made = generate_continuations(target_model, ids, sampler, max_new_tokens, seed, [task for task, _ in chosen],
-                                  console=err)
+                                  console=err, until=tokens)
     if made.total < tokens:
-        err.print(f"[yellow]the continuations hold {made.total} tokens, fewer than --tokens {tokens} (prompts ended "
-                  f"early); raise --max-new-tokens[/]", highlight=False)
+        err.print(f"[yellow]all {len(chosen)} prompts' continuations hold {made.total} tokens, fewer than --tokens "
+                  f"{tokens}; raise --max-new-tokens[/]", highlight=False)
     made.save(path)
     return made
 
@@ -125,6 +126,8 @@ def _alpha(target: str, names: list[str], tokens: int, max_new_tokens: int, seed
     ctx = Context(target_model, lambda name: _load(name, drafter_dtype, device, "drafter"),
                   _table(target_model, corpus), seed)
     scorers, left_out = _scorers(names, target_model, ctx, device, drafter_dtype)
+    if not scorers:
+        raise SpecdecError("no drafter left to score: " + "; ".join(f"{n}: {why}" for n, why in left_out.items()))
     rows: dict[str, dict] = {name: {} for name in scorers}
     positions, prompts = {}, 0
     for temperature in (0, 1):
@@ -143,9 +146,9 @@ def _alpha(target: str, names: list[str], tokens: int, max_new_tokens: int, seed
 def alpha_command(
     target: str = typer.Option(registry.DEFAULT_TARGET),
     drafters: Optional[str] = typer.Option(None, help="Comma-separated drafters (default: every catalogue model "
-                                           "but the target, self-skip, lookup, ngram, suffix, unigram, bigram)."),
+                                           "but the target, self-skip, early-exit, lookup, ngram, suffix, unigram, bigram)."),
     tokens: int = typer.Option(10_000, help=TOKENS_HELP),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens per continuation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens per continuation at most."),
     seed: int = typer.Option(0, help="Seeds the T = 1 continuations (prompt i: seed + i)."),
     corpus: Optional[str] = typer.Option(None, help=CORPUS_HELP),
     out: Path = typer.Option(Path("docs/reproductions"), help=OUT_HELP),
@@ -169,7 +172,7 @@ def alpha_command(
 def bigram_command(
     target: str = typer.Option(registry.DEFAULT_TARGET),
     tokens: int = typer.Option(10_000, help=TOKENS_HELP),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens per continuation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens per continuation at most."),
     seed: int = typer.Option(0, help="Seeds the T = 1 continuations (prompt i: seed + i)."),
     corpus: Optional[str] = typer.Option(None, help=CORPUS_HELP),
     out: Path = typer.Option(Path("docs/reproductions"), help=OUT_HELP),
@@ -198,7 +201,7 @@ def coverage_command(
     drafters: str = typer.Option(f"{registry.DEFAULT_DRAFTER},self-skip",
                                  help="Comma-separated drafter models (catalogue names, or self-skip)."),
     tokens: int = typer.Option(10_000, help=TOKENS_HELP),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens per continuation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens per continuation at most."),
     top_p: float = typer.Option(0.9, "--top-p", help="The nucleus continuations' top-p (at T = 1)."),
     seed: int = typer.Option(0, help="Seeds the nucleus continuations (prompt i: seed + i)."),
     out: Path = typer.Option(Path("docs/reproductions"), help=OUT_HELP),

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler
+from ..samplers import CoupledGenerator, Sampler
 from ..schedules import TreeCost
 from ..trees import Tree
 from .base import Capabilities, Drafter, accept_draft, capabilities_of
@@ -64,8 +64,9 @@ class MultiDrafter(Drafter):
     def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
                      generator: torch.Generator) -> Tree:
         depth = min(max_depth, self.gamma)
-        drafts = [d.propose(context, depth, sampler, generator, lambda drafted, estimate: True)
-                  for d in self.drafters]
+        drafts = [d.propose(context, depth, sampler, generator if k == 0 else _ordinary(generator),
+                            lambda drafted, estimate: True)
+                  for k, d in enumerate(self.drafters)]
         self.chains = [list(draft.tokens) for draft in drafts]
         tree, merged = merge_chains(drafts, merge=sampler.is_greedy or all(d.probs is None for d in drafts))
         self._tokens, self.merged = tree.tokens, self.merged + merged
@@ -85,6 +86,18 @@ class MultiDrafter(Drafter):
     def timing(self, draft_seconds: float, drafter_passes: int, verify_seconds: float, width: int,
                emitted: int) -> None:
         self.policy.timing(draft_seconds, drafter_passes, verify_seconds, width, emitted)
+
+
+def _ordinary(generator: torch.Generator) -> torch.Generator:
+    """The later chains' random source: under a seed (`CoupledGenerator`) the first chain's draws
+    race the shared noise, and a later chain drawing from that same noise would mostly repeat it;
+    its draws come from an ordinary stream seeded off the seeded generator instead (still pinned by
+    the seed; the coupled verification keeps the output whatever the siblings)."""
+    if not isinstance(generator, CoupledGenerator):
+        return generator
+    plain = torch.Generator(device=generator.device)
+    plain.manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator)))
+    return plain
 
 
 def merge_chains(drafts: Sequence, merge: bool) -> tuple[Tree, int]:

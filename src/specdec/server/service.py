@@ -14,10 +14,10 @@ from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
 from ..grammar import Grammar
-from ..methods import METHODS, Parts, build, preset
+from ..methods import METHODS, Parts, build, gamma_means_fixed, preset
 from ..penalties import LogitRules
 from ..samplers import Sampler
-from ..spec import GAMMA_SCHEDULES, SpecConfig
+from ..spec import SpecConfig
 from ..text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
 from .tools import call_grammar, template_message, template_offers_tools
@@ -364,7 +364,7 @@ class Service:
         for key in ("tree", "schedule", "gamma"):
             if getattr(speculation, key) is not None:
                 fields[key] = getattr(speculation, key)
-        if "gamma" in fields and "schedule" not in fields and preset(name).schedule not in GAMMA_SCHEDULES:
+        if "gamma" in fields and "schedule" not in fields and gamma_means_fixed(name, preset(name)):
             fields["schedule"] = "fixed"  # gamma alone: a fixed γ, as `specdec generate --gamma N`
         param = "speculative.method"
         config = preset(name).replace(**fields)
