@@ -250,7 +250,7 @@ bench-other-tokenizer: setup
 # (so every output is also checked token for token against AR; ~100 min)
 bench-policies: setup
 	$(BIN)/specdec bench --dataset humaneval:10:0,spec-bench:1:0 \
-		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram-fixed,lookup-fixed --gamma 5 --gamma-max 20 \
+		--methods ar,sd,sd-heuristic,sd-confidence,sd-egag,sd-cost,ngram-fixed,lookup-fixed --gamma 5 \
 		--max-new-tokens 128 --markdown docs/benchmarks/policies.md --json docs/benchmarks/policies.json \
 		--plot docs/benchmarks/policies.png
 
