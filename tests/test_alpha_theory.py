@@ -185,7 +185,7 @@ def test_summary_line_names_the_acceptance_rate_and_alpha_apart():
     line = summary_line(stats, "sd")
     assert f"acceptance rate {stats.acceptance_rate:.1%}" in line and f"α {stats.alpha:.3f} (Σ min(p, q))" in line
     implied = GenerationStats(new_tokens=10, drafted=10, accepted=7, accepted_per_step=[4, 3], fixed_gamma=5)
-    assert f"α {implied.alpha:.3f} (implied by tokens per pass at γ = 5)" in summary_line(implied, "sd")
+    assert f"α {implied.alpha:.3f} (implied by tokens per drafting step at γ = 5)" in summary_line(implied, "sd")
     assert "α" not in summary_line(GenerationStats(new_tokens=3, target_passes=3), "ar")
 
 
@@ -270,3 +270,12 @@ def test_theory_command_prints_both_columns():
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 4}
     assert "2.17×" in rows["2"] and "2.03×" in rows["2"] and "4.11×" in rows["8"] and "2.40×" in rows["8"]
     assert "oracle γ 3.57×" in " ".join(result.output.split())
+
+
+def test_the_oracle_bound_is_unbounded_where_every_draft_passes_for_free():
+    import math
+
+    from specdec.theory import oracle_walltime_improvement
+
+    assert oracle_walltime_improvement(1.0, 0.0) == math.inf
+    assert oracle_walltime_improvement(1.0, 0.25) == 4.0

@@ -256,3 +256,16 @@ def test_gamma_with_a_preset_that_names_its_own_sizing_bounds_it_and_keeps_it():
         assert config.schedule == preset(name).schedule and config.effective_gamma_max() == 3, name
     assert from_options("lookup", gamma=3).schedule == "fixed"  # a plain method: fixed, as romsto's
     assert not gamma_means_fixed("sd-cost", preset("sd-cost")) and gamma_means_fixed("default", preset("default"))
+
+
+def test_a_multi_draft_drafter_is_checked_member_by_member():
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.multi import MultiDrafter
+    from specdec.roles import check_roles
+
+    target = tiny_model(0, vocab=16, role="drafter")
+    swapped = tiny_model(1, vocab=16, layers=1, role="target")
+    fine = tiny_model(2, vocab=16, layers=1, role="drafter")
+    with pytest.raises(SpecdecError, match="swapped"):
+        check_roles(target, MultiDrafter([ModelDrafter(fine), ModelDrafter(swapped)]))
+    check_roles(tiny_model(0, vocab=16, role="target"), MultiDrafter([ModelDrafter(fine), ModelDrafter(fine)]))

@@ -86,7 +86,7 @@ def summary_line(stats: GenerationStats, method: str) -> str:
     if stats.acceptance_rate is not None:
         parts.append(f"acceptance rate {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})")
     if stats.alpha is not None:  # Leviathan's α, what `specdec theory --alpha` takes (docs/glossary.md)
-        how = "Σ min(p, q)" if stats.alpha_source == "beta" else f"implied by tokens per pass at γ = {stats.fixed_gamma}"
+        how = "Σ min(p, q)" if stats.alpha_source == "beta" else f"implied by tokens per drafting step at γ = {stats.fixed_gamma}"
         parts.append(f"α {stats.alpha:.3f} ({how})")
     parts.append(f"{stats.target_passes} target passes for {stats.new_tokens} tokens "
                  f"({stats.tokens_per_target_pass:.2f} per pass)")

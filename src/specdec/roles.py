@@ -37,7 +37,10 @@ def check_roles(target, drafter, allow_larger_drafter: bool = False) -> None:
     """SpecdecError when `target` and `drafter` look swapped: the loader marked them the other way
     round (role "drafter" in the target's place and "target" in the drafter's), or the drafter
     holds more parameters than the target (unless `allow_larger_drafter`). A drafter that is no
-    model (n-gram, lookup) and the target drafting for itself pass."""
+    model (n-gram, lookup) and the target drafting for itself pass; a drafter of several
+    (multi-draft) is checked member by member."""
+    for member in getattr(drafter, "drafters", None) or ():
+        check_roles(target, member, allow_larger_drafter)
     model = drafter_model(drafter)
     if model is None or model is target or getattr(model, "model", None) is target:
         return

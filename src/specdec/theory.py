@@ -7,6 +7,8 @@ c_hat: arithmetic operations of one drafter token / one target token.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import SpecdecError
@@ -219,9 +221,11 @@ def oracle_walltime_improvement(alpha: float, c: float) -> float:
     """Expected speedup over AR with an oracle draft length (Leviathan et al. §3.5's bound): each
     step drafts exactly the K tokens that will be accepted (K + 1 tokens for K drafter passes and one
     target pass, so no draft is wasted). Under iid acceptance K is geometric, P(K = k) = α^k (1 − α),
-    and the long-run rate E[K + 1] / E[Kc + 1] is 1 / (1 − α + αc)."""
+    and the long-run rate E[K + 1] / E[Kc + 1] is 1 / (1 − α + αc): unbounded (inf) at α = 1 and
+    c = 0, where every draft passes and drafting is free."""
     _check(alpha, c=c)
-    return 1 / (1 - alpha + alpha * c)
+    denominator = 1 - alpha + alpha * c
+    return math.inf if denominator <= 0 else 1 / denominator
 
 
 def trace_speedup(accepted: list[bool], c: float, gamma: int | None = None) -> tuple[float, float]:
