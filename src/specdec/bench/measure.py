@@ -278,7 +278,8 @@ def measure_markdown(m: dict) -> str:
                 f"TV(p, law of a step's first token) = {m['lenience_tv']:.4f}, the mean over the same positions "
                 "(closed form, `theory.lenient_first_token_law`; 0 under greedy)"] if m.get("lenience", 1) < 1 else []),
              f"- c = {m['c']:.3f} (drafter pass {m['drafter_ms']:.0f} ms / target pass {m['target_ms']:.0f} ms)", "",
-             "| γ | expected tokens / step (iid) | measured tokens / step | acceptance rate | α in the runs | "
+             "| γ | expected tokens / step (iid) | measured tokens / step | acceptance rate | "
+             + ("exact α in the runs, Σ min(p, q)" if m.get("lenience", 1) < 1 else "α in the runs") + " | "
              "v(γ) = (γ+1)-token pass / 1-token | rule of thumb (1 + γα)/(1 + γc) | predicted speedup (paper, "
              "Theorem 3.8) | predicted with v(γ) | measured speedup | projected where wide passes are nearly free |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
