@@ -19,7 +19,7 @@ import hashlib
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -35,6 +35,20 @@ def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "site-packages", "idlelib", "lib2to3"}
     return sorted(f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts))
+
+
+def jsonl_rows(text: str, path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of JSONL `text` read from `path`;
+    SpecdecError naming the file and line where one is not JSON."""
+    import json
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecdecError(f"{path}:{number}: not JSON ({exc.msg})") from None
 
 
 def corpus_texts(corpus: str | Path | None) -> tuple[list[str], str]:

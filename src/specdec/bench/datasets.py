@@ -4,11 +4,11 @@ JSON Schema each, written for specdec, in bench/data/) or any JSONL file."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError
+from ..vocab import jsonl_rows
 
 SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
 JSON_TASKS_FILE = "json-tasks.jsonl"
@@ -40,13 +40,7 @@ def spec_bench_path() -> Path:
 
 def _read_jsonl(path: Path, dataset: str) -> list[Prompt]:
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecdecError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    for number, row in jsonl_rows(path.read_text(), path):
         if "prompt" in row:
             text = row["prompt"]
         elif row.get("turns"):

@@ -13,7 +13,6 @@ vocab.py): code, carried by every Python install, and disjoint from the benchmar
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -76,7 +75,7 @@ class BigramTable:
 def corpus_documents(corpus: str | Path | None) -> tuple[list[str], str]:
     """(texts, identity) of a bigram corpus: None for Python's standard library, a JSONL file
     (each row's 'text', 'prompt' or first of 'turns') or a plain text file."""
-    from ..vocab import corpus_texts
+    from ..vocab import corpus_texts, jsonl_rows
 
     if corpus is None or not str(corpus).endswith(".jsonl"):
         return corpus_texts(corpus)
@@ -84,13 +83,7 @@ def corpus_documents(corpus: str | Path | None) -> tuple[list[str], str]:
     if not path.is_file():
         raise SpecdecError(f"bigram corpus not found: {path}")
     texts = []
-    for number, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecdecError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    for number, row in jsonl_rows(path.read_text(errors="ignore"), path):
         row = row if isinstance(row, dict) else {}
         text = row.get("text") or row.get("prompt") or (row.get("turns") or [None])[0]
         if not isinstance(text, str):
