@@ -373,9 +373,12 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                       datastore=open_datastore(settings) if config.method == "retrieval" else None)
         speculation = build(config, parts)
         with learning(method, drafter):
+            # --other-drafter names its role (and the only pair of two tokenizers here has the larger
+            # model drafting one way round), so no size check there
             result = speculative_generate(ids, target, speculation.make_drafter(),
                                           schedule=speculation.schedule(), typical=typical,
-                                          lenience=config.effective_lenience(), **common)
+                                          lenience=config.effective_lenience(),
+                                          allow_larger_drafter=method == "sd-other-tokenizer", **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \
         if method == "sd-typical" else None
