@@ -62,6 +62,27 @@ def _generate_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+def test_generate_refuses_a_larger_drafter_in_one_line_unless_allowed(monkeypatch):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec.cli import generate as generate_cli
+
+    from test_server_openai import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer()
+    small = tiny_model(0, vocab=len(tokenizer), layers=1, name="tiny-small")
+    large = tiny_model(1, vocab=len(tokenizer), layers=2, name="tiny-large")
+    small.tokenizer = large.tokenizer = tokenizer
+    monkeypatch.setattr(generate_cli, "_load_pair", lambda config, *args: (small, large))
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", "abc", "--max-new-tokens", "4"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "larger than the target" in result.output and "--allow-larger-drafter" in result.output
+    assert "allow_larger_drafter=True" not in result.output  # the command's flag, not the library's keyword
+    assert runner.invoke(app, ["generate", "abc", "--max-new-tokens", "4", "--allow-larger-drafter"]).exit_code == 0
+
+
 def test_gamma_alone_is_a_fixed_gamma(monkeypatch):
     _tiny_pair_with_text(monkeypatch)
     out = _generate_json("--gamma", "3")

@@ -33,18 +33,20 @@ def drafter_model(drafter):
     return model if model is not None and (hasattr(model, "role") or hasattr(model, "hf")) else None
 
 
-def check_roles(target, drafter, allow_larger_drafter: bool = False) -> None:
+def check_roles(target, drafter, allow_larger_drafter: bool = False, cli: bool = False) -> None:
     """SpecdecError when `target` and `drafter` look swapped: the loader marked them the other way
     round (role "drafter" in the target's place and "target" in the drafter's), or the drafter
     holds more parameters than the target (unless `allow_larger_drafter`). A drafter that is no
     model (n-gram, lookup) and the target drafting for itself pass; a drafter of several
-    (multi-draft) is checked member by member."""
+    (multi-draft) is checked member by member. cli: the error names the command's flags."""
     for member in getattr(drafter, "drafters", None) or ():
-        check_roles(target, member, allow_larger_drafter)
+        check_roles(target, member, allow_larger_drafter, cli)
     model = drafter_model(drafter)
     if model is None or model is target or getattr(model, "model", None) is target:
         return
-    fix = "pass them as speculative_generate(prompt_ids, target, drafter)"
+    fix = "give them as --target and --drafter the other way round" if cli else \
+        "pass them as speculative_generate(prompt_ids, target, drafter)"
+    allow = "--allow-larger-drafter" if cli else "allow_larger_drafter=True"
     if getattr(target, "role", None) == "drafter" and getattr(model, "role", None) == "target":
         raise SpecdecError(f"the target and the drafter are swapped: {getattr(target, 'name', 'the target')} was "
                            f"loaded as a drafter and {getattr(model, 'name', 'the drafter')} as a target; {fix} "
@@ -56,4 +58,4 @@ def check_roles(target, drafter, allow_larger_drafter: bool = False) -> None:
         raise SpecdecError(f"the drafter ({getattr(model, 'name', 'drafter')}, {drafter_size:,} parameters) "
                            f"is larger than the target ({getattr(target, 'name', 'target')}, "
                            f"{target_size:,}): the output would follow the drafter's law; swap them "
-                           f"({fix}), or pass allow_larger_drafter=True if that is meant")
+                           f"({fix}), or pass {allow} if that is meant")

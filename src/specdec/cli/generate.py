@@ -12,6 +12,7 @@ from rich.console import Console
 
 from .. import registry
 from ..errors import SpecdecError
+from ..roles import check_roles
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _weights_of,
                      _measured_costs, _drafter_rows, _load, KERNELS_HELP, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
                      DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP, EXACT_ROWS_HELP, METHOD_HELP, _lookahead_shape,
@@ -92,6 +93,9 @@ def generate(
     tree_scheme: str = typer.Option("without-replacement", "--tree-scheme", help=TREE_SCHEME_HELP),
     lookahead_shape: Optional[str] = typer.Option(None, "--lookahead-shape", help=LOOKAHEAD_SHAPE_HELP +
                                                   " With --tree lookahead."),
+    allow_larger_drafter: bool = typer.Option(False, "--allow-larger-drafter", help="Run a drafter model with "
+                                              "more parameters than the target (refused by default: the two "
+                                              "were likely given the wrong way round)."),
     online: bool = typer.Option(False, "--online", help="With --prompts (--batch-size 1) and a drafter model's "
                                 "chains: the drafter learns from its rejected drafts (OSD), its adapter updated "
                                 "between prompts. Outputs stay exact."),
@@ -122,6 +126,8 @@ def generate(
         vocab = dict(vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, kernels=_kernels(kernels))
         target_model, drafter_model = _load_pair(config, target, dtype, drafter_dtype, device, exact_rows, vocab,
                                                  batch_size if rows is not None else 1)
+        if drafter_model is not None:
+            check_roles(target_model, drafter_model, allow_larger_drafter, cli=True)
         # measured costs size drafts, but not where a seed's output hangs on them (the stream rule, lossy rules)
         pinned = rows is None and _seed_pins(seed, sampler, config)
         speculation = build(config, Parts(target_model, drafter_model, costs=None if pinned else
@@ -277,7 +283,7 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
                                       max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
                                       on_step=printer, schedule=plan, lenience=config.effective_lenience(),
                                       debug=debug, typical=config.typical(), seed_rule=config.seed_rule,
-                                      grammar=grammar)
+                                      grammar=grammar, allow_larger_drafter=True)  # the command checked the pair
     else:
         result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                          seed=seed, on_step=printer, grammar=grammar)
