@@ -126,8 +126,7 @@ def generate(
         vocab = dict(vocab=drafter_vocab, vocab_corpus=drafter_vocab_corpus, kernels=_kernels(kernels))
         target_model, drafter_model = _load_pair(config, target, dtype, drafter_dtype, device, exact_rows, vocab,
                                                  batch_size if rows is not None else 1)
-        if drafter_model is not None:
-            check_roles(target_model, drafter_model, allow_larger_drafter, cli=True)
+        check_roles(target_model, drafter_model, allow_larger_drafter, cli=True)  # None (no model): passes
         # measured costs size drafts, but not where a seed's output hangs on them (the stream rule, lossy rules)
         pinned = rows is None and _seed_pins(seed, sampler, config)
         speculation = build(config, Parts(target_model, drafter_model, costs=None if pinned else
