@@ -261,7 +261,8 @@ def summarize_level(run: LevelRun, reference: dict[int, list[int]] | None) -> di
            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
            "target_passes": run.target_passes,
-           "tokens_per_target_pass": tokens / sum(passes) if passes and len(passes) == len(records) else None,
+           "tokens_per_target_pass": tokens / sum(passes) if passes and len(passes) == len(records) else
+           tokens / run.target_passes if run.target_passes and run.level == 1 else None,  # vLLM's iterations alone
            "acceptance_rate": acceptance}
     if reference is not None:
         out["identical"] = sum(reference.get(r.prompt) == r.tokens for r in records)
@@ -338,6 +339,8 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
     for (method, _), repeated in grouped.items():
         reference = alone.get("ar") if sampler.is_greedy or not method.startswith("hf") else alone.get(method)
         summary = summarize_level(merge_runs(repeated), reference)
+        if method in VLLM_METHODS and method != "vllm" and "vllm" in alone:  # vLLM's drafts against its own plain output
+            summary["identical_vllm"] = summarize_level(merge_runs(repeated), alone["vllm"])["identical"]
         summary["repeat_tokens_per_second"] = [sum(len(r.tokens) for r in run.records) / run.wall_seconds
                                                for run in repeated]
         summaries.append(summary)
@@ -360,6 +363,8 @@ def render_levels(summaries: list[dict]) -> str:
     for s in sorted(summaries, key=lambda s: (s["concurrency"], s["method"])):
         ratio = s["output_tokens_per_second"] / ar[s["concurrency"]] if s["concurrency"] in ar else None
         identical = f'{s["identical"]}/{s["requests"]}' if "identical" in s else "–"
+        if "identical_vllm" in s:
+            identical += f' (vLLM plain: {s["identical_vllm"]}/{s["requests"]})'
         by_repeat = ""
         if repeated:
             ratios = [mine / theirs for mine, theirs in zip(s.get("repeat_tokens_per_second") or (),
@@ -414,7 +419,9 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
         settings.load_costs = load_costs(target_model, drafter_model, say)
     settings.free_load_costs = load_costs(target_model, None, say)
     if set(VLLM_METHODS) & set(methods):
-        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, max(levels), say)
+        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, max(levels), say,
+                                           datastore=settings.datastore, eager=settings.vllm_eager,
+                                           dtype=settings.vllm_dtype)
     encoded = [target_model.encode(p.text, chat=p.chat) for p in prompts]
     sampler = Sampler(temperature=temperature)
     say(f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens; levels {levels}")

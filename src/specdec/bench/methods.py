@@ -116,6 +116,8 @@ class Settings:
     free_load_costs: LoadCosts | None = None  # batched passes with a model-free drafter (bench --concurrency)
     vllm: object | None = None  # vLLM's workers (bench/vllm_peer.py: VllmPeers) where vllm methods run
     vllm_threads: str = "tuned"  # their thread setup (bench/vllm_peer.py)
+    vllm_eager: bool = False  # their workers without torch.compile (loads in a third of the time; tests)
+    vllm_dtype: str = "bfloat16"  # their weights' dtype (float32 in tests: bf16 rows drift apart between batch shapes)
     flat_at16: float = 1.2  # the assumed machine: 16 drafted tokens cost this many one-token passes
     assumed: AssumedCosts | None = None  # the -flat methods' costs: that curve and this pair's c
     num_beams: int = 4  # beam and beam-sd

