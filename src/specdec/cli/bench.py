@@ -100,6 +100,8 @@ def bench(
     vllm_threads: str = typer.Option("tuned", "--vllm-threads", help="The vllm methods' threads: tuned (OpenMP "
                                      "threads bound to every core, Intel OpenMP preloaded, as vLLM's CPU docs "
                                      "advise) or default (vLLM's own: one core kept for its front end on 2 cores)."),
+    vllm_eager: bool = typer.Option(False, "--vllm-eager", help="The vllm methods without torch.compile: a load "
+                                    "in a third of the time, passes slower (say so beside their figures)."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from ..bench.methods import Settings
@@ -117,11 +119,11 @@ def bench(
         if not flat_at16 >= 1:
             raise SpecdecError(f"--flat-at16 must be >= 1 (a wide pass costs at least a 1-token one), got {flat_at16}")
         spec = dict(gamma=gamma, gamma_min=gamma_min, gamma_max=gamma_max, egag_beta=egag_beta, confidence=confidence,
-                    ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme,
-                    lookahead_shape=_lookahead_shape(lookahead_shape))
+                    ngram_n=ngram_n, tree_nodes=tree_nodes, tree_scheme=tree_scheme, lookahead_shape=_lookahead_shape(lookahead_shape))
         settings = Settings(max_new_tokens=max_new_tokens, spec=spec, flat_at16=flat_at16, heads=heads, eagle=eagle,
                             datastore=datastore, distilled=distilled, parallel=parallel, other_drafter=other_drafter,
-                            skip_layers=_skip_layers(skip_layers), num_beams=num_beams, vllm_threads=vllm_threads)
+                            skip_layers=_skip_layers(skip_layers), num_beams=num_beams, vllm_threads=vllm_threads,
+                            vllm_eager=vllm_eager)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
         if concurrency is not None:
