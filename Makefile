@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-installed
 
-.PHONY: setup models peers llama-server vllm test-vllm demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation bench-serve-vllm clean
+.PHONY: setup models peers llama-server vllm test-vllm demo test test-fast test-cuda docs-check bench bench-llama bench-gguf bench-free bench-retrieval bench-suffix-trees bench-lookahead bench-lookahead-shapes bench-beam bench-cascade bench-typical bench-other-tokenizer bench-policies bench-trees bench-default-tree bench-self-all bench-seeds bench-parallel bench-serve-gguf bench-serve-hf bench-serve-speculation bench-serve-vllm bench-vllm-proposers clean
 
 setup: $(STAMP) models
 
@@ -162,6 +162,24 @@ bench-serve-vllm: setup vllm
 	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
 		--fields 'ours-ar={"speculative": false}' --url vllm=http://127.0.0.1:8771 --model vllm=vllm \
 		--json $(VLLM_OUT).json --markdown $(VLLM_OUT).md
+
+# our drafters inside vLLM (specdec.vllm, docs/scaling.md) beside vLLM plain and its own n-gram
+# speculation, on Spec-Bench's summarization and RAG prompts, alone and 8 in flight: our suffix
+# proposer on the default target (~25 min on 2 cores), then every proposer on SmolLM2-135M, the
+# retrieval one from a datastore of those prompts' texts (vLLM eager: loads in a third of the time;
+# ~15 min). docs/benchmarks.md#our-drafters-inside-vllm
+PROPOSERS_OUT := docs/benchmarks/vllm/proposers
+PROPOSERS_LOAD := --dataset spec-bench --limit 4 --tasks summarization,rag --max-new-tokens 64 --concurrency 1,8
+bench-vllm-proposers: setup vllm
+	$(BIN)/specdec bench $(PROPOSERS_LOAD) --methods vllm,vllm-ngram,vllm-specdec-suffix \
+		--json $(PROPOSERS_OUT).json --markdown $(PROPOSERS_OUT).md
+	rm -rf .peers/store-smollm2 && $(BIN)/python -c "from specdec.bench.datasets import load_prompts; \
+		print('\n\n'.join(p.text for p in load_prompts('spec-bench', 4, tasks=['summarization', 'rag'])))" \
+		> .peers/spec-bench-texts.txt
+	$(BIN)/specdec datastore build --corpus .peers/spec-bench-texts.txt --target smollm2-135m --out .peers/store-smollm2
+	$(BIN)/specdec bench $(PROPOSERS_LOAD) --target smollm2-135m --drafter smollm2-135m --vllm-eager \
+		--methods vllm,vllm-ngram,vllm-specdec-suffix,vllm-specdec-lookup,vllm-specdec-ngram,vllm-specdec-retrieval \
+		--datastore .peers/store-smollm2 --json $(PROPOSERS_OUT)-135m.json --markdown $(PROPOSERS_OUT)-135m.md
 
 bench: setup
 	$(BIN)/specdec bench --dataset humaneval:20:0,spec-bench:1:1 \

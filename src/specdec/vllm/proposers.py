@@ -76,11 +76,14 @@ class Requests:
         """The request in `row` (tokens [≥ length]: `length` after this step, `produced` of them
         new) -> (request, whether it is new). The one that row held last is tried first; a known
         request continues where its key matches and its length grew by what the step produced."""
-        known = ([self.rows[row]] if row in self.rows else []) + \
-            [r for held, r in self.rows.items() if held != row] + self.missing
-        for request in known:
-            if (id(request) not in self._claimed_ids and request.length + produced == length
-                    and _key(tokens, len(request.key) // 4) == request.key):
+        def continues(request: Request | None) -> bool:
+            return (request is not None and id(request) not in self._claimed_ids and request.length + produced == length
+                    and _key(tokens, len(request.key) // 4) == request.key)
+
+        if continues(self.rows.get(row)):  # most calls: every request where it was
+            return self._claim(row, self.rows[row]), False
+        for request in [*self.rows.values(), *self.missing]:
+            if continues(request):
                 return self._claim(row, request), False
         prompt = length - produced
         request = Request(_key(tokens, min(KEY_TOKENS, prompt)), prompt, prompt, self.new_drafter(),
