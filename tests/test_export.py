@@ -87,3 +87,77 @@ def test_cli_export_errors_are_one_line(tmp_path):
                           (["export-heads", str(tmp_path), "--out", str(tmp_path / "o")], "medusa.json is missing")):
         result = runner.invoke(app, args)
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def _random_lora(model, seed: int):
+    from specdec.adapter import DraftAdapter, adapted_layers
+
+    torch.manual_seed(seed)
+    lora = DraftAdapter(adapted_layers(model), rank=2)
+    with torch.no_grad():
+        for b in lora.b.values():
+            b.normal_(0, 0.5)  # a trained adapter's B is not zero; a zero one would hide a missing merge
+    return lora
+
+
+def test_a_distilled_drafter_exports_as_a_plain_folder_that_computes_what_ours_drafts(tmp_path):
+    """The exported folder, loaded by transformers as vLLM's draft_model loads any model, gives the
+    logits our drafter gives with the adapter merged (`--drafter distilled:DIR`)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.adapter import Distilled, attach
+    from specdec.export import export_drafter
+
+    drafter = tiny_model(3, vocab=32, role="drafter", kernels="stock")
+    lora = _random_lora(drafter, 0)
+    folder = export_drafter(drafter, Distilled(lora, {"drafter": "tiny-3", "drafter_sha256": "x"}), tmp_path / "d",
+                            dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["specdec"]["kind"] == "distilled drafter"
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[2, 7, 1, 30, 4, 4, 9]])
+    with torch.no_grad():
+        plain = drafter.hf(ids).logits
+        attach(drafter, lora)
+        ours = drafter.hf(ids).logits
+        theirs = exported(ids).logits
+    assert torch.allclose(theirs, ours, atol=1e-5) and not torch.allclose(theirs, plain, atol=1e-3)
+
+
+def test_a_parallel_drafter_exports_with_its_mask_id_and_embedding_where_vllm_reads_them(tmp_path):
+    """vLLM (v1/spec_decode/llm_base_proposer.py) reads the mask id from the drafter's config as
+    `mask_token_id` or `pard_token`, and requires the drafter's vocabulary to be the target's: the
+    mask takes a row of the table, its embedding ours, and the LoRA is merged into every row."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.parallel import Parallel, ParallelAdapter
+    from specdec.export import export_parallel, merged_state
+
+    drafter = tiny_model(4, vocab=32, role="drafter", kernels="stock")
+    lora = _random_lora(drafter, 1)
+    adapter = ParallelAdapter(lora.shapes, 2, drafter.hidden_size, k=3)
+    adapter.lora.load_state_dict(lora.state_dict())
+    with torch.no_grad():
+        adapter.mask.normal_()
+    folder = export_parallel(drafter, Parallel(adapter, {"drafter": "tiny-4"}), tmp_path / "p", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["pard_token"] == config["mask_token_id"] == 31 and config["vocab_size"] == 32  # no tokenizer: the last row
+    assert config["specdec"]["k"] == 3 and config["specdec"]["mask_replaces_token"] is True
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    embeddings = exported.get_input_embeddings().weight
+    assert torch.equal(embeddings[31], adapter.mask)
+    assert torch.equal(embeddings[:31], drafter.hf.get_input_embeddings().weight[:31])
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.allclose(exported.state_dict()[q_proj], merged_state(drafter, lora)[q_proj])
+    assert not torch.allclose(exported.state_dict()[q_proj], drafter.hf.state_dict()[q_proj], atol=1e-3)
+
+
+def test_export_refuses_eagle_quoting_vllms_layer_and_an_unknown_kind_in_one_line(tmp_path):
+    runner = CliRunner()
+    for kind, message in (("eagle", "input_layernorm = nn.Identity()"), ("onnx", "unknown kind 'onnx'")):
+        result = runner.invoke(app, ["export", str(tmp_path), "--kind", kind, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    for kind, message in (("drafter", "adapter.json"), ("parallel", "parallel.json"), ("medusa", "medusa.json")):
+        result = runner.invoke(app, ["export", str(tmp_path), "--kind", kind, "--out", str(tmp_path / "o")])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
