@@ -37,6 +37,9 @@ def _vllm_medusa_logits(folder, hidden: torch.Tensor) -> torch.Tensor:
             w, b = weights[f"blocks.{k}.layers.{j}.weight"], weights[f"blocks.{k}.layers.{j}.bias"]
             x = x + torch.nn.functional.silu(w.float() @ x + b.float())
         logits = weights["lm_head.weight"].float() @ x
+        if config["truncated_vocab_size"] == config["vocab_size"]:  # vLLM keeps no token_map then
+            rows.append(logits)
+            continue
         full = torch.full((config["vocab_size"],), float("-inf"))
         full[weights["token_map"]] = logits
         rows.append(full)
@@ -49,7 +52,7 @@ def test_medusa_heads_export_to_vllms_layout_and_score_what_ours_do(tmp_path):
     heads = _random_heads(target, num_heads=3)
     ids = torch.tensor([0, 1, 4, 5, 9, 17, 30])  # a scored subset, as a frequent-token head has
     heads = Heads(heads.heads, ids, heads.info)
-    folder = export_heads(heads, target, tmp_path / "vllm")
+    folder = export_heads(heads, target, tmp_path / "vllm", token_map=True)
     weights = load_file(str(folder / "model.safetensors"))
     hidden_size = target.hidden_size
     expected = {f"blocks.{k}.layers.0.{p}" for k in range(3) for p in ("weight", "bias")} | {"lm_head.weight", "token_map"}
@@ -63,6 +66,26 @@ def test_medusa_heads_export_to_vllms_layout_and_score_what_ours_do(tmp_path):
     theirs = _vllm_medusa_logits(folder, hidden)
     assert torch.allclose(theirs[:, ids], ours, atol=1e-5)
     assert torch.isinf(theirs[:, [i for i in range(32) if i not in ids.tolist()]]).all()
+
+
+def test_medusa_heads_export_with_the_whole_head_by_default_as_vllm_032_loads_them(tmp_path):
+    """vLLM 0.32's Medusa loader refuses a token_map ("Following weights were not initialized from
+    checkpoint: {'token_map'}"): the default writes every row of the target's head; on the ids the
+    heads were trained to score it gives the logits ours gives."""
+    target = tiny_model(0, vocab=32)
+    heads = _random_heads(target, num_heads=2)
+    ids = torch.tensor([0, 1, 4, 5, 9, 17, 30])
+    heads = Heads(heads.heads, ids, heads.info)
+    folder = export_heads(heads, target, tmp_path / "vllm")
+    weights = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    assert "token_map" not in weights and weights["lm_head.weight"].shape == (32, target.hidden_size)
+    assert config["truncated_vocab_size"] == config["vocab_size"] == 32
+    hidden = torch.randn(target.hidden_size, generator=torch.Generator().manual_seed(1))
+    ours = heads.heads(hidden.float()) @ head_rows(target, ids).float().cpu().T
+    theirs = _vllm_medusa_logits(folder, hidden)
+    assert theirs.shape == (2, 32) and torch.isfinite(theirs).all()
+    assert torch.allclose(theirs[:, ids], ours, atol=1e-5)
 
 
 def test_export_refuses_eagle_another_target_and_a_used_folder(tmp_path):

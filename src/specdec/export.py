@@ -17,6 +17,11 @@ num_hidden_layers 1 per head, truncated_vocab_size, medusa_fc_bias, original_lm_
 as ours), `lm_head.weight` [N, H] (the target's output-head rows for the N ids the heads score,
 one head shared by all, as ours) and `token_map` [N] (those ids, which vLLM scatters the N logits
 back to). vLLM's Medusa proposes head k's argmax as the token k + 1 ahead of the target's, as ours.
+vLLM 0.32's Medusa loader refuses that truncated layout (its `load_weights` keeps `token_map` but
+does not report it loaded: "ValueError: Following weights were not initialized from checkpoint:
+{'token_map'}"), so by default the whole head is written ([V, H], no `token_map`): heads trained on
+the N most frequent ids then score every id, and propose another token than ours only where an id
+outside the N outscores those inside.
 
 EAGLE is refused (`EAGLE_REFUSAL`). Ours: x = fc([e; f]) + b, x += attn(norm(x)), x += mlp(norm(x)).
 vLLM 0.32's `eagle` (model_executor/models/llama_eagle.py) builds layer 0 with
@@ -48,26 +53,29 @@ EAGLE_REFUSAL = ("EAGLE heads cannot be exported: vLLM 0.32's eagle layer skips 
                  "fc([e; f]) + b, so either would compute another function")
 
 
-def medusa_tensors(heads: Heads, target) -> dict[str, torch.Tensor]:
-    """vLLM's Medusa state dict for `heads`, trained for `target` (whose head rows it copies)."""
+def medusa_tensors(heads: Heads, target, token_map: bool = False) -> dict[str, torch.Tensor]:
+    """vLLM's Medusa state dict for `heads`, trained for `target` (whose head rows it copies):
+    token_map, the scored ids' rows and their ids; else every row of the target's head."""
     check_heads_target(heads, target)
     tensors = {}
     for k, block in enumerate(heads.heads.blocks):
         tensors[f"blocks.{k}.layers.0.weight"] = block.weight.detach().float().cpu().contiguous()
         tensors[f"blocks.{k}.layers.0.bias"] = block.bias.detach().float().cpu().contiguous()
-    ids = heads.vocab_ids.long().cpu()
+    ids = heads.vocab_ids.long().cpu() if token_map else torch.arange(int(target.vocab_size))
     tensors["lm_head.weight"] = head_rows(target, ids).detach().cpu().contiguous()
-    tensors["token_map"] = ids.contiguous()
+    if token_map:
+        tensors["token_map"] = ids.contiguous()
     return tensors
 
 
-def medusa_config(heads: Heads, target) -> dict:
+def medusa_config(heads: Heads, target, token_map: bool = False) -> dict:
     """vLLM's Medusa config.json for `heads` (with specdec's provenance under "specdec")."""
     blocks = heads.heads.blocks
     dtype = str(getattr(target, "dtype", torch.float32)).removeprefix("torch.")
     return {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": blocks[0].in_features,
             "vocab_size": int(target.vocab_size), "num_heads": len(blocks), "num_hidden_layers": 1,
-            "truncated_vocab_size": len(heads.vocab_ids), "medusa_fc_bias": True, "original_lm_head": True,
+            "truncated_vocab_size": len(heads.vocab_ids) if token_map else int(target.vocab_size),
+            "medusa_fc_bias": True, "original_lm_head": True,
             "torch_dtype": dtype,
             "specdec": {**{k: heads.info.get(k) for k in ("target", "target_sha256", "corpus", "tokens",
                                                            "heldout_top1", "created")},
@@ -82,13 +90,15 @@ def check_format(fmt: str) -> None:
         raise SpecdecError(f"unknown format {fmt!r}; use medusa")
 
 
-def export_heads(heads: Heads, target, out: str | Path, fmt: str = "medusa") -> Path:
-    """Write `heads` (trained for `target`) into `out` in `fmt`'s layout; returns the folder."""
+def export_heads(heads: Heads, target, out: str | Path, fmt: str = "medusa", token_map: bool = False) -> Path:
+    """Write `heads` (trained for `target`) into `out` in `fmt`'s layout; returns the folder.
+    token_map: the truncated layout (the scored ids' rows and `token_map`), which vLLM 0.32's
+    loader refuses; by default the target's whole head."""
     from safetensors.torch import save_file
 
     check_format(fmt)
     out = new_folder(out)
-    tensors, config = medusa_tensors(heads, target), medusa_config(heads, target)
+    tensors, config = medusa_tensors(heads, target, token_map), medusa_config(heads, target, token_map)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS))
     (out / CONFIG).write_text(json.dumps(config, indent=1))

@@ -213,7 +213,8 @@ def export_heads_command(
     except SpecdecError as exc:
         _fail(str(exc))
     err.print(f"{heads.heads.num_heads} Medusa heads for {target_model.name} in {written} (vLLM: speculative_config "
-              f"{{\"model\": \"{written}\", \"num_speculative_tokens\": {heads.heads.num_heads}}})", highlight=False)
+              f"{{\"method\": \"medusa\", \"model\": \"{written}\", \"num_speculative_tokens\": "
+              f"{heads.heads.num_heads}}})", highlight=False)
 
 
 @app.command("export")
