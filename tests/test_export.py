@@ -184,3 +184,13 @@ def test_export_refuses_eagle_quoting_vllms_layer_and_an_unknown_kind_in_one_lin
     for kind, message in (("drafter", "adapter.json"), ("parallel", "parallel.json"), ("medusa", "medusa.json")):
         result = runner.invoke(app, ["export", str(tmp_path), "--kind", kind, "--out", str(tmp_path / "o")])
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_the_written_dtype_defaults_to_the_one_the_drafters_config_names(tmp_path):
+    from specdec.export import source_dtype
+
+    for key, name, dtype in (("torch_dtype", "bfloat16", torch.bfloat16), ("dtype", "float32", torch.float32)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({key: name}))
+        assert source_dtype(str(tmp_path / name)) == dtype
+    assert source_dtype(str(tmp_path / "none")) is None
