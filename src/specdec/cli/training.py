@@ -1,4 +1,4 @@
-"""`specdec train-heads`, `distill-drafter`, `train-parallel-drafter`, `export-heads`: the target's own
+"""`specdec train-heads`, `distill-drafter`, `train-parallel-drafter`, `export` (`export-heads`): the target's own
 drafting modules and a drafter's adapters, trained here."""
 
 from __future__ import annotations
@@ -213,4 +213,55 @@ def export_heads_command(
     except SpecdecError as exc:
         _fail(str(exc))
     err.print(f"{heads.heads.num_heads} Medusa heads for {target_model.name} in {written} (vLLM: speculative_config "
-              f"{{\"model\": \"{written}\", \"num_speculative_tokens\": {heads.heads.num_heads}}})", highlight=False)
+              f"{{\"method\": \"medusa\", \"model\": \"{written}\", \"num_speculative_tokens\": "
+              f"{heads.heads.num_heads}}})", highlight=False)
+
+
+@app.command("export")
+def export_command(
+    folder: str = typer.Argument(..., help="A checkpoint trained here: heads (train-heads), a distilled drafter "
+                                 "(distill-drafter) or a parallel drafter (train-parallel-drafter)."),
+    out: str = typer.Option(..., "--out", help="New folder to write vLLM's layout into."),
+    kind: str = typer.Option(..., "--kind", help="medusa (vLLM's Medusa), drafter (a plain model folder for "
+                             "vLLM's draft_model), parallel (draft_model with parallel_drafting). eagle is refused: "
+                             "vLLM's EAGLE layers differ from ours."),
+    target: Optional[str] = typer.Option(None, help="medusa: the target the heads were trained for (default: the "
+                                         "one their checkpoint names); its output-head rows are copied."),
+    dtype: str = typer.Option("auto", "--dtype", help="medusa: target dtype, the head rows keep it. drafter, "
+                              "parallel: the written weights' dtype (auto: the drafter's own config)."),
+):
+    """Write what was trained here in the layout vLLM 0.32 loads (docs/usage.md#export-to-vllm)."""
+    from ..export import check_kind
+
+    try:
+        check_kind(kind)  # before minutes of loading
+    except SpecdecError as exc:
+        _fail(str(exc))
+    if kind == "medusa":
+        return export_heads_command(folder, out, "medusa", target, dtype)
+    import torch
+
+    from ..export import check_trained_on, export_drafter, export_parallel, source_dtype
+
+    try:
+        if dtype not in ("auto", "bf16", "fp32", "fp16"):
+            raise SpecdecError(f"--dtype {dtype} cannot be written: auto, bf16, fp32 or fp16")
+        if kind == "drafter":
+            from ..adapter import load_adapter
+        else:
+            from ..parallel import load_adapter
+        checkpoint = load_adapter(folder)
+        model = _load(checkpoint.info["drafter"], "fp32", "cpu", "drafter", vocab=0, kernels="stock")  # dense, whole head
+        check_trained_on(model, checkpoint.info, folder)
+        written_dtype = {"auto": source_dtype(checkpoint.info["drafter"]), "bf16": torch.bfloat16,
+                         "fp32": torch.float32, "fp16": torch.float16}[dtype]
+        with err.status("writing…"):
+            write = export_drafter if kind == "drafter" else export_parallel
+            written = write(model, checkpoint, out, written_dtype)
+    except SpecdecError as exc:
+        _fail(str(exc))
+    extra = "" if kind == "drafter" else ', "parallel_drafting": true'
+    k = checkpoint.info.get("k", 4)
+    err.print(f"the {'distilled' if kind == 'drafter' else 'parallel'} drafter {model.name} in {written} (vLLM: "
+              f"speculative_config {{\"method\": \"draft_model\", \"model\": \"{written}\", "
+              f"\"num_speculative_tokens\": {k}{extra}}})", highlight=False)
