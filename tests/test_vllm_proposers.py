@@ -146,6 +146,24 @@ def test_an_ended_requests_output_drafts_for_the_next_ones():
     assert proposer.accepted - before > 0.8 * (len(answer) - 2)
 
 
+def test_a_reset_forgets_earlier_outputs_and_requests():
+    proposer = SuffixProposer(vllm_config(k=8))
+    runner = FakeRunner(proposer)
+    answer = list(range(10, 70))
+    for name in ("first", "filler", "filler again", "and again"):
+        runner.add(name, [1, 2, 3, 4] + answer if name == "first" else [5, 6, 7, 8, 9], 4)
+        runner.run()
+    assert proposer.cache.index.held > len(answer)
+    runner.add("second", [90, 91, 92, 93] + answer, 4)
+    runner.step()
+    runner.step()
+    assert proposer.requests.rows and proposer.drafted
+    proposer.reset()
+    assert not proposer.requests.rows and proposer.cache.index.held == 0 and proposer.drafted == 0
+    runner.run()  # the request in flight is met afresh, as a new one, with nothing to copy from
+    assert runner.outputs["second"] == answer and proposer.accepted == 0
+
+
 def test_a_request_whose_drafts_fail_drafts_shorter():
     proposer = LookupProposer(vllm_config(k=8))
     runner = FakeRunner(proposer)

@@ -9,7 +9,9 @@ memory), so one is alive at a time, kept until another method's is needed:
 - `vllm-draft`: its draft-model speculation with the same drafter model, 4 tokens a step;
 - `vllm-ngram`: its n-gram speculation (prompt lookup, its defaults), 4 tokens a step;
 - `vllm-specdec-suffix`, `-lookup`, `-ngram`, `-retrieval`: our drafters inside vLLM, as its
-  `custom_class` proposers (`specdec.vllm`), up to 8 tokens a step, sized by our cost-aware rule.
+  `custom_class` proposers (`specdec.vllm`), up to 8 tokens a step, sized by our cost-aware rule;
+  each run starts them afresh (`reset` through vLLM's `collective_rpc`: no suffix cache carried
+  from an earlier run of the same prompts).
   The worker imports this checkout's specdec package (a folder holding only a link to it goes on
   its PYTHONPATH, so vLLM keeps its own transformers); `-retrieval` reads the bench's
   `--datastore` ($SPECDEC_DATASTORE).
@@ -152,6 +154,7 @@ class VllmWorker:
         env = worker_env(threads, python)
         if method in PROPOSERS:
             env["PYTHONPATH"] = str(specdec_path())
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # `collective_rpc` sends the reset as a function
             if method == "vllm-specdec-retrieval":
                 if not datastore:
                     raise SpecdecError(f"{method} needs a datastore: --datastore DIR (`specdec datastore build`)")
@@ -189,12 +192,14 @@ class VllmWorker:
 
     def run(self, prompts: list[list[int]], level: int, max_tokens: int, temperature: float = 0.0,
             top_p: float = 1.0, seeds: list[int | None] | None = None, stop_token_ids: list[int] = (),
-            timeout: float = 3600) -> dict:
+            timeout: float = 3600, reset: bool = False) -> dict:
         """Every prompt, at most `level` in flight -> the worker's answer: `records` (per prompt:
         tokens, seconds from admission to the last token and to the first), `wall_seconds`,
-        `iterations` (target passes), `drafted`, `accepted`."""
+        `iterations` (target passes), `drafted`, `accepted`. `reset`: our proposer forgets earlier
+        runs first."""
         message = {"op": "run", "prompts": prompts, "level": level, "max_tokens": max_tokens,
-                   "temperature": temperature, "top_p": top_p, "seeds": seeds, "stop_token_ids": list(stop_token_ids)}
+                   "temperature": temperature, "top_p": top_p, "seeds": seeds, "stop_token_ids": list(stop_token_ids),
+                   "reset": reset}
         self.process.stdin.write(json.dumps(message) + "\n")
         self.process.stdin.flush()
         return self._receive(timeout)
@@ -273,8 +278,10 @@ class VllmPeers:
             seeds: list[int | None], stop_token_ids: list[int]) -> dict:
         """`method`'s run of every prompt, at most `level` in flight, sampling as `sampler` says
         (`VllmWorker.run`'s answer)."""
+        # every run of our proposers starts with nothing learnt: a suffix cache kept from the last
+        # run (or the warm-up) of the same prompts would draft their outputs from memory
         return self.worker(method).run(prompts, level, max_tokens, sampler.temperature, sampler.top_p, seeds,
-                                       stop_token_ids)
+                                       stop_token_ids, reset=method in PROPOSERS)
 
     def describe(self) -> dict:
         """What each worker started so far ran with (its last start), for a report."""

@@ -10,7 +10,7 @@ all of them given as prompt ids, and answers each request's tokens and timings, 
 engine's iterations (target passes) and draft counts read from vLLM's own metrics.
 
     {"op": "run", "prompts": [[ids]], "level": n, "max_tokens": m, "temperature": t,
-     "top_p": p, "seeds": [s | null], "stop_token_ids": [ids]}
+     "top_p": p, "seeds": [s | null], "stop_token_ids": [ids], "reset": bool}
     -> {"ok": true, "wall_seconds": w, "records": [{"tokens", "seconds", "first_token_seconds"}],
         "iterations": i, "drafted": d, "accepted": a}
     {"op": "exit"}
@@ -43,10 +43,22 @@ def _counters(llm) -> dict:
     return totals
 
 
+def _reset_proposer(worker) -> None:
+    """Run in each of vLLM's workers: a custom proposer with a `reset` (specdec.vllm's) forgets
+    what earlier runs taught it."""
+    reset = getattr(getattr(worker.model_runner, "drafter", None), "reset", None)
+    if callable(reset):
+        reset()
+
+
 def run(llm, message: dict) -> dict:
-    """One run: every prompt of `message`, at most `level` in flight -> the answer."""
+    """One run: every prompt of `message`, at most `level` in flight -> the answer. With
+    `reset`, the proposer forgets earlier runs first (a cross-request cache would otherwise
+    hold these prompts' outputs from the last run of them)."""
     from vllm import SamplingParams, TokensPrompt
 
+    if message.get("reset"):
+        llm.collective_rpc(_reset_proposer)
     engine = llm.llm_engine
     prompts, level = message["prompts"], int(message["level"])
     seeds = message.get("seeds") or [None] * len(prompts)

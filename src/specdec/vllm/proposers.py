@@ -163,9 +163,14 @@ class Proposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vllm_config = vllm_config
         self.target = SimpleNamespace(vocab_size=int(vllm_config.model_config.get_vocab_size()), tokenizer=None)
+        self.generator = torch.Generator()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request, what was learnt across them and the fitted costs: as built (a
+        benchmark calls it between runs of the same prompts, through vLLM's `collective_rpc`)."""
         self.requests = Requests(self.new_drafter, self.gamma)
         self.costs = StepCosts()
-        self.generator = torch.Generator()
         self.drafted = self.accepted = self.proposals = 0  # over every request: what came back
 
     def new_drafter(self):
@@ -238,8 +243,13 @@ class SuffixProposer(Proposer):
         self.depth = int(getattr(config, "suffix_decoding_max_tree_depth", 24) or 24)
         self.factor = float(getattr(config, "suffix_decoding_max_spec_factor", 1.0) or 1.0)
         self.min_prob = float(getattr(config, "suffix_decoding_min_token_prob", 0.1) or 0.1)
-        self.cache = SuffixCache(self.cache_tokens, self.depth)
         super().__init__(vllm_config)
+
+    def reset(self) -> None:
+        from ..drafters.suffix import SuffixCache
+
+        self.cache = SuffixCache(self.cache_tokens, self.depth)  # earlier outputs forgotten too
+        super().reset()
 
     def new_drafter(self):
         from ..drafters.suffix import SuffixDrafter
