@@ -71,9 +71,10 @@ $(VLLM_STAMP):
 	.peers/vllm/bin/python -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
 	touch $@
 
-# the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm): the bench peer and
-# each `specdec export` kind (tests/test_vllm_export.py, ~5 min); ~9 min on 2 cores once
-# built, most of it vLLM loading the model, one worker at a time
+# the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm): the bench peer,
+# each of our proposers (tests/test_vllm_proposers.py, ~4 min) and each `specdec export` kind
+# (tests/test_vllm_export.py, ~5 min); ~13 min on 2 cores once built, most of it vLLM loading the
+# model, one worker at a time
 test-vllm: setup vllm
 	$(BIN)/python -m pytest -q -m vllm
 

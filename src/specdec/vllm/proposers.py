@@ -237,8 +237,6 @@ class SuffixProposer(Proposer):
     cache_tokens = 100_000  # earlier outputs held, the oldest dropped beyond it
 
     def __init__(self, vllm_config):
-        from ..drafters.suffix import SuffixCache
-
         config = vllm_config.speculative_config
         self.depth = int(getattr(config, "suffix_decoding_max_tree_depth", 24) or 24)
         self.factor = float(getattr(config, "suffix_decoding_max_spec_factor", 1.0) or 1.0)
