@@ -97,6 +97,22 @@ def test_the_methods_map_to_vllms_speculative_configs():
         speculative_config("vllm-eagle", None)
 
 
+def test_our_proposers_are_custom_class_configs_and_their_worker_imports_this_package(stand_in):
+    import specdec
+    from specdec.bench.vllm_peer import PROPOSERS, specdec_path
+
+    assert speculative_config("vllm-specdec-suffix", None) == {
+        "method": "custom_class", "model": "specdec.vllm.SuffixProposer", "num_speculative_tokens": 8}
+    for method, name in PROPOSERS.items():
+        assert speculative_config(method, None)["model"] == f"specdec.vllm.{name}"
+        assert hasattr(__import__("specdec.vllm", fromlist=[name]), name)
+    folder = specdec_path()  # what goes on the worker's PYTHONPATH: this package and nothing else
+    assert [p.name for p in folder.iterdir()] == ["specdec"]
+    assert (folder / "specdec").resolve() == Path(specdec.__file__).parent.resolve()
+    with pytest.raises(SpecdecError, match="needs a datastore"):
+        VllmWorker("vllm-specdec-retrieval", "model", python=Path(sys.executable), worker=stand_in)
+
+
 def test_a_worker_that_fails_says_so_in_one_error(stand_in, tmp_path):
     with pytest.raises(SpecdecError, match=r"vllm: ValueError: no such model"):
         VllmWorker("vllm", "broken", python=Path(sys.executable), worker=stand_in)

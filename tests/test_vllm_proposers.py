@@ -44,7 +44,14 @@ class FakeRunner:
         self.rows.append({"name": name, "text": text, "prompt": prompt, "length": 0})
         self.drafts.append([])
 
-    def step(self) -> None:
+    def swap(self, a: int, b: int) -> None:
+        """vLLM's batch reordered: rows a and b trade places."""
+        self.tokens[[a, b]] = self.tokens[[b, a]]
+        self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+        self.drafts[a], self.drafts[b] = self.drafts[b], self.drafts[a]
+
+    def step(self, propose: bool = True) -> None:
+        """One engine step; `propose` False: vLLM skips the proposer this step (no drafts next)."""
         sampled, counts = [], []
         for row, (state, draft) in enumerate(zip(self.rows, self.drafts)):
             if state["length"] < state["prompt"]:  # prefill, in chunks
@@ -70,8 +77,13 @@ class FakeRunner:
             counts.append(state["length"])
         self.steps += 1
         self.seconds += 0.1 + 0.02 * sum(1 + len(d) for d in self.drafts)
+        if not propose:
+            self.drafts = [[] for _ in self.rows]
+            return
         self.drafts = self.proposer.propose(sampled, np.array(counts + [0] * 3), self.tokens)
         assert len(self.drafts) == len(self.rows)
+        for row, request in self.proposer.requests.rows.items():  # each request's text is its row's
+            assert request.text == list(self.tokens[row, :request.length]), row
         assert all(len(d) <= self.proposer.gamma for d in self.drafts)
         for row in reversed(range(len(self.rows))):  # ended requests leave; the last row fills the hole
             state = self.rows[row]
@@ -128,6 +140,37 @@ def test_a_request_is_told_apart_from_another_with_the_same_prompt():
     runner.run()
     assert (proposer.drafted, proposer.accepted) == (runner.drafted, runner.accepted)
     assert runner.outputs == {"a": first[30:], "b": second[30:]}
+
+
+def test_requests_with_one_long_prompt_are_told_apart_when_their_rows_trade_places():
+    proposer = SuffixProposer(vllm_config())
+    runner = FakeRunner(proposer)
+    prompt = repetitive(7, 100)  # longer than the key: both requests have the same one
+    texts = {"a": prompt + repetitive(8, 60), "b": prompt + repetitive(9, 60)}
+    for name, text in texts.items():
+        runner.add(name, text, 100)
+    for i in range(40):
+        runner.step()
+        if i % 3 == 1 and len(runner.rows) == 2:
+            runner.swap(0, 1)
+    runner.run()
+    assert runner.outputs == {name: text[100:] for name, text in texts.items()}
+    assert (proposer.drafted, proposer.accepted) == (runner.drafted, runner.accepted)
+
+
+def test_a_call_vllm_skips_leaves_every_request_followed():
+    proposer = LookupProposer(vllm_config())
+    runner = FakeRunner(proposer)
+    for i in range(3):
+        runner.add(f"r{i}", repetitive(i, 90), 30)
+    for _ in range(3):
+        runner.step()
+    followed = [id(r) for r in proposer.requests.rows.values()]
+    runner.step(propose=False)  # vLLM skipped the proposer (a row near max_model_len)
+    runner.step()
+    assert [id(r) for r in proposer.requests.rows.values()] == followed
+    runner.run()
+    assert runner.outputs == {f"r{i}": repetitive(i, 90)[30:] for i in range(3)}
 
 
 def test_an_ended_requests_output_drafts_for_the_next_ones():
@@ -194,19 +237,16 @@ def test_step_costs_fit_the_batch_and_ignore_an_idle_engine():
     costs = StepCosts(decay=1.0)
     clock = 0.0
     assert costs.costs() is None
+    costs.step(clock, produced=2, width=0, clean=True)
     for width in [1, 5, 2, 8, 3, 6] * 3:
-        costs.step(clock, produced=2, clean=True)
-        costs.scheduled(width)
         clock += 0.1 + 0.02 * width
-    costs.step(clock, produced=2, clean=True)
-    costs.scheduled(4)
+        costs.step(clock, produced=2, width=width, clean=True)
     rate, drafter, slope, one = costs.costs()
     assert slope == pytest.approx(0.02, rel=1e-6) and one == pytest.approx(0.12, rel=1e-6) and drafter == 0
-    costs.step(clock + 1000.0, produced=2, clean=True)  # the engine sat idle: not a step
+    costs.step(clock + 1000.0, produced=2, width=4, clean=True)  # the engine sat idle: not a step
     assert costs.costs()[2] == pytest.approx(0.02, rel=1e-6)
     steps = costs.steps
-    costs.scheduled(4)
-    costs.step(clock + 1000.2, produced=2, clean=False)  # a prefill ran in it: its width is unknown
+    costs.step(clock + 1000.2, produced=2, width=4, clean=False)  # a prefill ran in it: its width is unknown
     assert costs.steps == steps
 
 

@@ -339,9 +339,10 @@ def run_levels(prompts: list[list[int]], levels: list[int], methods: list[str], 
     for (method, level), repeated in grouped.items():
         reference = alone.get("ar") if sampler.is_greedy or not method.startswith("hf") else alone.get(method)
         summary = summarize_level(merge_runs(repeated), reference)
-        if method in VLLM_METHODS and "vllm" in alone and (method, level) != ("vllm", levels[0]):
-            # vLLM's outputs against its own plain ones at the lowest level: where drafts change
-            # them, whether another batch size alone does too (its numerics, not the drafts)
+        if sampler.is_greedy and method in VLLM_METHODS and "vllm" in alone and (method, level) != ("vllm", levels[0]):
+            # vLLM's greedy outputs against its own plain ones at the lowest level: where drafts
+            # change them, whether another batch size alone does too (its numerics, not the drafts);
+            # sampled, its rejection sampler draws other numbers than plain decoding, seeded or not
             summary["identical_vllm"] = summarize_level(merge_runs(repeated), alone["vllm"])["identical"]
         summary["repeat_tokens_per_second"] = [sum(len(r.tokens) for r in run.records) / run.wall_seconds
                                                for run in repeated]

@@ -121,8 +121,11 @@ def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
 def specdec_path() -> Path:
     """A folder holding only a link to this specdec package, for a worker's PYTHONPATH: vLLM's
     environment then imports our proposers without our environment's other packages."""
+    import hashlib
+
     package = Path(__file__).resolve().parents[1]
-    folder = Path(tempfile.gettempdir()) / f"specdec-for-vllm-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    checkout = hashlib.sha1(str(package).encode()).hexdigest()[:12]  # one folder a checkout: runs of two never mix
+    folder = Path(tempfile.gettempdir()) / f"specdec-for-vllm-{os.getuid() if hasattr(os, 'getuid') else 0}-{checkout}"
     folder.mkdir(exist_ok=True)
     link = folder / "specdec"
     if not (link.is_symlink() and link.resolve() == package):

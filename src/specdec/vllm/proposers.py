@@ -36,6 +36,7 @@ from ..samplers import GREEDY
 from ..schedules import CostAware, WidthFit
 
 KEY_TOKENS = 64  # prompt tokens that identify a request from call to call
+TAIL = 16  # and its latest tokens (requests with one prompt part where their outputs do)
 GRACE = 2  # calls a request may miss (a step that did not schedule it) before it counts as ended
 WARMUP = 4  # timed steps before the fitted costs replace the starting threshold
 STALL = 4.0  # a gap over this many times the mean step is an idle engine, not a step: not timed
@@ -75,10 +76,14 @@ class Requests:
     def find(self, row: int, tokens: np.ndarray, length: int, produced: int) -> tuple[Request, bool]:
         """The request in `row` (tokens [≥ length]: `length` after this step, `produced` of them
         new) -> (request, whether it is new). The one that row held last is tried first; a known
-        request continues where its key matches and its length grew by what the step produced."""
+        request continues where its first prompt tokens and its last `TAIL` tokens are in the row
+        and its length grew by at least what the step produced (more where vLLM skipped calls)."""
         def continues(request: Request | None) -> bool:
-            return (request is not None and id(request) not in self._claimed_ids and request.length + produced == length
-                    and _key(tokens, len(request.key) // 4) == request.key)
+            if request is None or id(request) in self._claimed_ids or request.length + produced > length:
+                return False
+            tail = min(TAIL, request.length)
+            return (_key(tokens, len(request.key) // 4) == request.key
+                    and np.array_equal(tokens[request.length - tail:request.length], request.text[-tail:]))
 
         if continues(self.rows.get(row)):  # most calls: every request where it was
             return self._claim(row, self.rows[row]), False
@@ -118,24 +123,19 @@ class StepCosts:
         self.fit, self.decay = WidthFit(decay), decay
         self.tokens = self.seconds = self.widths = self.steps = 0.0  # decayed sums of the timed steps
         self.began: float | None = None
-        self.width = 0  # tokens the step now running scores
 
-    def step(self, now: float, produced: int, clean: bool) -> None:
-        """A call at `now`: the step since the last call produced `produced` tokens; `clean`: it
-        ran no prefill (a new request, or a row still in prefill), so its width is known."""
-        if self.began is not None and clean and self.width > 0:
+    def step(self, now: float, produced: int, width: int, clean: bool) -> None:
+        """A call at `now`: the step since the last call scored `width` tokens and produced
+        `produced`; `clean`: it ran no prefill and every row's draft is known (else its width is not)."""
+        if self.began is not None and clean and width > 0:
             seconds = now - self.began
-            if not self.steps or seconds < STALL * self.seconds / self.steps * max(1.0, self.width * self.steps / self.widths):
-                self.fit.add(self.width, seconds)
+            if not self.steps or seconds < STALL * self.seconds / self.steps * max(1.0, width * self.steps / self.widths):
+                self.fit.add(width, seconds)
                 self.tokens = self.tokens * self.decay + produced
                 self.seconds = self.seconds * self.decay + seconds
-                self.widths = self.widths * self.decay + self.width
+                self.widths = self.widths * self.decay + width
                 self.steps = self.steps * self.decay + 1
         self.began = now
-
-    def scheduled(self, width: int) -> None:
-        """The step that starts now scores `width` tokens of the rows the proposer saw (1 + draft a row)."""
-        self.width = width
 
     def costs(self) -> tuple[float, float, float, float] | None:
         """(rate, drafter pass, slope, one-token pass) as `CostAware.impose` takes them; None
@@ -189,7 +189,7 @@ class Proposer:
         self.requests.begin_call()
         costs = self.costs.costs()
         drafts: list[list[int]] = []
-        clean = True  # the step that just ended ran no prefill
+        clean, width = True, 0  # whether the step that just ended ran no prefill; the tokens it scored
         for row, sampled in enumerate(sampled_token_ids):
             if not len(sampled):
                 drafts.append([])
@@ -197,16 +197,18 @@ class Proposer:
                 continue
             length = int(num_tokens_no_spec[row])
             request, new = self.requests.find(row, token_ids_cpu[row], length, len(sampled))
-            clean = clean and not new
+            clean = clean and not new and request.length + len(sampled) == length
+            width += 1 + request.drafted
             drafts.append(self._draft(request, token_ids_cpu[row], length, len(sampled), costs))
-        self.costs.step(now, sum(len(s) for s in sampled_token_ids), clean)
-        self.costs.scheduled(sum(1 + len(d) for d, s in zip(drafts, sampled_token_ids) if len(s)))
+        self.costs.step(now, sum(len(s) for s in sampled_token_ids), width, clean)
         for request in self.requests.end_call():
             request.drafter.finish(request.text)
         return drafts
 
     def _draft(self, request: Request, tokens: np.ndarray, length: int, produced: int, costs) -> list[int]:
         """Tell `request`'s drafter what came back of its last draft; its next draft."""
+        if request.length + produced != length:  # vLLM skipped calls: what its drafts became is unknown
+            request.drafted = 0
         accepted = min(produced - 1, request.drafted)
         if request.drafted:
             request.drafter.rollback(request.length + accepted)
