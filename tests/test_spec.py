@@ -218,8 +218,9 @@ DRAFTER_MAKERS = re.compile(r"\b(make_tree_drafter|LookupDrafter|NgramDrafter|Su
                             r"LookaheadDrafter|MedusaDrafter|EagleDrafter|self_skip_drafter|Eagle2Drafter|"
                             r"SequoiaDrafter|SidesDrafter|MixedDrafter|LookupTreeDrafter|SuffixTreeDrafter|ParallelDrafter)\(")
 # modules that make drafters for a purpose of their own, not from a method's name: speculative beam
-# search drafts a tree per beam, and `measure` reads acceptance off a Sequoia tree of its own
-OWN_PURPOSE = {"beam.py", "bench/measure.py"}
+# search drafts a tree per beam, `measure` reads acceptance off a Sequoia tree of its own, and a
+# vLLM proposer class (vLLM's config names the class) drafts with the one drafter it wraps
+OWN_PURPOSE = {"beam.py", "bench/measure.py", "vllm/proposers.py"}
 
 
 def assembly_sites(root: Path = SRC) -> list[str]:
@@ -256,7 +257,8 @@ def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     self_drafting = {n for n in names() if METHODS[preset(n).method].self_drafting}
     assert set(SERVED) == set(names()) - self_drafting
     assert set(LOAD_METHODS) - set(PEERS) == set(names()) - self_drafting
-    assert {"hf-cb", "hf-padded", "vllm", "vllm-draft", "vllm-ngram"} == set(PEERS)
+    assert {"hf-cb", "hf-padded", "vllm", "vllm-draft", "vllm-ngram", "vllm-specdec-suffix", "vllm-specdec-lookup",
+            "vllm-specdec-ngram", "vllm-specdec-retrieval"} == set(PEERS)
 
 
 # ---------------------------------------------------------------- declared, not probed
