@@ -9,7 +9,8 @@ proposals, which is exact for any draft that does not depend on the target's ran
 proposer here keeps vLLM's output distribution (greedy: vLLM's own greedy output).
 
 vLLM names rows, not requests (rows move as requests end), so `Requests` follows each request
-from call to call by the first tokens of its prompt and its length (`Requests.find`). A request
+from call to call by the first tokens of its prompt, its latest tokens and its length
+(`Requests.find`). A request
 that no row holds for `GRACE` calls has ended: its drafter's `finish` sees its text (suffix
 drafting adds its output to the shared cache of earlier outputs).
 
