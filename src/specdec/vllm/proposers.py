@@ -48,7 +48,6 @@ class Request:
     """One request as the proposer follows it."""
 
     key: bytes  # its first prompt tokens
-    prompt: int  # its prompt's length
     length: int  # tokens it held at the last call
     drafter: object
     schedule: CostAware
@@ -92,7 +91,7 @@ class Requests:
             if continues(request):
                 return self._claim(row, request), False
         prompt = length - produced
-        request = Request(_key(tokens, min(KEY_TOKENS, prompt)), prompt, prompt, self.new_drafter(),
+        request = Request(_key(tokens, min(KEY_TOKENS, prompt)), prompt, self.new_drafter(),
                           CostAware(gamma_max=self.gamma))
         request.text = [int(t) for t in tokens[:prompt]]
         request.drafter.start(request.text)
@@ -155,7 +154,6 @@ class Proposer:
     """A vLLM `custom_class` proposer over one of our chain drafters (`new_drafter`), one drafter
     and one cost-aware schedule per request."""
 
-    name = "drafter"
     clock = staticmethod(time.perf_counter)  # what a step is timed by
 
     def __init__(self, vllm_config):
@@ -172,7 +170,7 @@ class Proposer:
         benchmark calls it between runs of the same prompts, through vLLM's `collective_rpc`)."""
         self.requests = Requests(self.new_drafter, self.gamma)
         self.costs = StepCosts()
-        self.drafted = self.accepted = self.proposals = 0  # over every request: what came back
+        self.drafted = self.accepted = 0  # over every request: drafted, and what came back of it
 
     def new_drafter(self):
         """A drafter for one new request."""
@@ -227,7 +225,6 @@ class Proposer:
                                         request.schedule.keep_going)
         tokens_out = [int(t) for t in draft.tokens][:room]
         request.drafted = len(tokens_out)
-        self.proposals += bool(tokens_out)
         return tokens_out
 
 
@@ -236,7 +233,6 @@ class SuffixProposer(Proposer):
     cache shared by the requests of this vLLM worker). Reads vLLM's own suffix settings from the
     speculative config (`suffix_decoding_max_tree_depth`, `_max_spec_factor`, `_min_token_prob`)."""
 
-    name = "suffix"
     cache_tokens = 100_000  # earlier outputs held, the oldest dropped beyond it
 
     def __init__(self, vllm_config):
@@ -262,7 +258,6 @@ class LookupProposer(Proposer):
     """Prompt lookup: what followed the latest earlier occurrence of the text's last 3, 2 or 1
     tokens."""
 
-    name = "lookup"
     max_ngram, min_ngram = 3, 1
 
     def new_drafter(self):
@@ -275,7 +270,6 @@ class NgramProposer(Proposer):
     """NASD: next-token counts after every context of 1..n−1 tokens of the request's text, the
     most frequent drafted (vLLM verifies one-hot drafts)."""
 
-    name = "ngram"
     n = 4
 
     def new_drafter(self):
@@ -291,7 +285,6 @@ class RetrievalProposer(Proposer):
     whose folder $SPECDEC_DATASTORE names (or a subclass's `datastore`); checked against the
     target's tokenizer when vLLM builds the proposer."""
 
-    name = "retrieval"
     datastore: str | None = None
 
     def __init__(self, vllm_config):
