@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specdec import TransformersModel, load
-from specdec import registry
+from specdec.models.loading import catalogue as registry
 from specdec.backends import transformers as transformers_backend
-from specdec.kernels import bf16_rows_exact
+from specdec.backends.kernels import bf16_rows_exact
 
 # `SPECDEC_TEST_DEVICE=cuda` (`make test-cuda`) runs every model the tests wrap on that device;
 # tensors a test builds itself stay where it builds them (CONTRIBUTING.md).
@@ -222,9 +222,9 @@ class TableModel:
 
 
 def tiny_parallel(seed: int, vocab: int = 16, k: int = 3, layers: int = 1, scale: float = 0.3, **options):
-    """A tiny random drafter made a parallel drafter (parallel.py) of k tokens a pass, with a
+    """A tiny random drafter made a parallel drafter (adapters/pard.py) of k tokens a pass, with a
     random LoRA and mask embedding (an untrained one would give the masks' rows little to test)."""
-    from specdec.parallel import make_parallel, new_adapter
+    from specdec.adapters.pard import make_parallel, new_adapter
 
     model = tiny_model(seed, vocab=vocab, layers=layers, role="drafter", **options)
     adapter = new_adapter(model, k, 2)

@@ -1,11 +1,11 @@
-"""Drafter distillation (adapter.py): the divergences, the adapter, offline and online training,
+"""Drafter distillation (adapters/lora.py): the divergences, the adapter, offline and online training,
 and that a distilled drafter leaves the output exact."""
 
 import pytest
 import torch
 
 from specdec import Sampler, autoregressive_generate, speculative_generate
-from specdec.adapter import (DistillConfig, DraftAdapter, OnlineDistiller, adapted_layers, agreement, attach,
+from specdec.adapters.lora import (DistillConfig, DraftAdapter, OnlineDistiller, adapted_layers, agreement, attach,
                              distill_drafter, divergence, hooked, load_adapter, load_distilled)
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
@@ -226,7 +226,7 @@ def test_a_distilled_drafter_is_loaded_by_name_and_refused_as_a_target(tmp_path)
 def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     from torch import nn
 
-    from specdec.kernels import Int8Linear, PackedLinear, dense_weight, int8_supported, set_dense_weight
+    from specdec.backends.kernels import Int8Linear, PackedLinear, dense_weight, int8_supported, set_dense_weight
 
     torch.manual_seed(0)
     old, new, x = torch.randn(32, 64), torch.randn(32, 64), torch.randn(3, 64)
@@ -299,7 +299,7 @@ def test_the_servers_worker_updates_the_drafter_only_while_no_request_runs():
 
 
 def test_the_bench_runs_sd_distilled_and_sd_online_on_drafters_of_their_own(tmp_path):
-    from specdec.bench.methods import OWN_DRAFTERS, Settings, load_own_drafters, online_summary, run_method
+    from specdec.bench.runners import OWN_DRAFTERS, Settings, load_own_drafters, online_summary, run_method
 
     target = tiny_model(0, vocab=64)
     ids = torch.randint(0, 64, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -335,8 +335,8 @@ def test_generate_prompts_online_runs_them_one_by_one_and_learns_between_them(ca
     import json
 
     from specdec import cli
-    from specdec.methods import Parts, build
-    from specdec.spec import SpecConfig
+    from specdec.decoding.speculation import Parts, build
+    from specdec.decoding.config import SpecConfig
 
     target = tiny_model(0, vocab=64, exact_rows=True)
     drafter = tiny_model(1, vocab=64, layers=1, role="drafter", exact_rows=True)

@@ -1,5 +1,5 @@
 """Two meanings of α kept apart (acceptance rate = accepted / drafted; α = E[Σ min(p, q)]), the
-closed forms of theory.py against simulation, the oracle-γ bound and the tutorials' rule of thumb."""
+closed forms of sizing/theory.py against simulation, the oracle-γ bound and the tutorials' rule of thumb."""
 
 import pytest
 import torch
@@ -7,12 +7,12 @@ import torch
 from conftest import tiny_model
 from specdec import SpecdecError, TransformersModel
 from specdec.bench.measure import measure_alpha
-from specdec.generate import GenerationStats, chain_beta, speculative_generate
-from specdec.samplers import GREEDY, Sampler
-from specdec.theory import (alpha_from_tokens, arithmetic_increase, expected_tokens, optimal_gamma,
+from specdec.decoding.loop import GenerationStats, chain_beta, speculative_generate
+from specdec.core.samplers import GREEDY, Sampler
+from specdec.sizing.theory import (alpha_from_tokens, arithmetic_increase, expected_tokens, optimal_gamma,
                             oracle_walltime_improvement, rule_of_thumb_gamma, rule_of_thumb_speedup, trace_speedup,
                             walltime_improvement)
-from specdec.trees import Draft
+from specdec.core.trees import Draft
 
 # ---- simulation of iid acceptance (Leviathan et al. §3's model) ----
 
@@ -179,7 +179,7 @@ def _generation(sampler=GREEDY):
 
 
 def test_summary_line_names_the_acceptance_rate_and_alpha_apart():
-    from specdec.display import summary_line
+    from specdec.ui.display import summary_line
 
     stats = _generation().stats
     line = summary_line(stats, "sd")
@@ -190,7 +190,7 @@ def test_summary_line_names_the_acceptance_rate_and_alpha_apart():
 
 
 def test_bench_summary_and_table_report_alpha_beside_the_acceptance_rate():
-    from specdec.bench.methods import Record, merge_samples
+    from specdec.bench.runners import Record, merge_samples
     from specdec.bench.report import render_table
     from specdec.bench.run import summarize
 
@@ -275,7 +275,7 @@ def test_theory_command_prints_both_columns():
 def test_the_oracle_bound_is_unbounded_where_every_draft_passes_for_free():
     import math
 
-    from specdec.theory import oracle_walltime_improvement
+    from specdec.sizing.theory import oracle_walltime_improvement
 
     assert oracle_walltime_improvement(1.0, 0.0) == math.inf
     assert oracle_walltime_improvement(1.0, 0.25) == 4.0

@@ -4,12 +4,12 @@ there from a run's own steps (AssumedCosts.projected_speedup, the bench's projec
 import pytest
 
 from specdec import SpecdecError, autoregressive_generate, speculative_generate
-from specdec.bench.methods import Record
+from specdec.bench.runners import Record
 from specdec.bench.report import render_markdown
 from specdec.bench.run import summarize
 from specdec.drafters import make_tree_drafter
-from specdec.schedules import AssumedCosts, CostAware, TreeCost
-from specdec.theory import flat_verification
+from specdec.sizing.schedules import AssumedCosts, CostAware, TreeCost
+from specdec.sizing.theory import flat_verification
 
 from conftest import TableModel
 
@@ -109,7 +109,7 @@ def test_the_bench_reports_tokens_per_pass_and_the_projection():
 def test_a_kind_left_for_a_while_is_judged_by_its_next_probe():
     """Both kinds' sums decay at every step: after a long plain stretch one good drafting probe
     outweighs a bad old record (decayed per step of its own kind only, it would not: rate 0.93)."""
-    from specdec.schedules import FasterOf
+    from specdec.sizing.schedules import FasterOf
 
     kinds = FasterOf(warmup=1, probe=8, decay=0.9, waits={True: 8, False: 8})
     for _ in range(3):

@@ -12,7 +12,7 @@ import torch
 from specdec import SpecdecError, autoregressive_generate
 from specdec.backends import BatchedBackend, Segment
 from specdec.backends.cache import cache_length, crop_cache
-from specdec.trees import input_parents
+from specdec.core.trees import input_parents
 
 from test_layout import protocol_gaps
 from test_rows import _ids, qwen_like
@@ -155,7 +155,7 @@ def test_the_transformers_backend_is_a_batched_backend():
 
 
 def test_the_profile_times_the_engines_batched_pass():
-    from specdec.passcost import batch_pass_seconds
+    from specdec.sizing.pass_costs import batch_pass_seconds
 
     model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
     assert batch_pass_seconds(model, 3, 4, context=16, repeats=2) > 0

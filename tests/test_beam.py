@@ -7,10 +7,10 @@ import torch
 
 from specdec import (SpecdecError, autoregressive_generate, beam_search_generate, load, make_tree_drafter,
                      speculative_beam_search)
-from specdec.beam import BeamState
+from specdec.decoding.beam import BeamState
 
 from conftest import tiny_model
-from specdec.kernels import bf16_rows_exact
+from specdec.backends.kernels import bf16_rows_exact
 from test_rows import _ids, qwen_like
 
 

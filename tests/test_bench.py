@@ -8,7 +8,7 @@ import pytest
 
 from specdec import SpecdecError
 from specdec.bench.datasets import load_prompts, parse_dataset
-from specdec.bench.methods import Record, check_methods, merge_samples
+from specdec.bench.runners import Record, check_methods, merge_samples
 from specdec.bench.report import render_markdown, render_paired, render_plot, render_table
 from specdec.bench.run import bootstrap_median_interval, group_summaries, method_orders, summarize
 
@@ -160,7 +160,7 @@ def test_method_orders_are_counterbalanced(k):
 def test_bench_serve_counterbalances_which_variant_loads_a_level_first(monkeypatch):
     """On one server the variant that runs first at a level also pays for the batch policy's
     learning of the new sizes: over the levels each must go first equally often."""
-    import specdec.bench.serve as serve
+    import specdec.bench.serving as serve
 
     calls = []
 
@@ -253,7 +253,7 @@ def test_the_assisted_peer_runs_without_transformers_own_config_warning():
     from transformers.utils import logging as hf_logging
 
     from specdec import GREEDY
-    from specdec.bench.methods import Settings, hf_generate
+    from specdec.bench.runners import Settings, hf_generate
 
     messages = []
     handler = logging.Handler()
@@ -281,9 +281,9 @@ def test_typical_divergence_is_the_first_token_laws_distance_from_p():
 
     from conftest import tiny_model
     from specdec import Sampler
-    from specdec.bench.methods import typical_divergence
-    from specdec.theory import total_variation, typical_first_token_law
-    from specdec.verify import Typical
+    from specdec.bench.runners import typical_divergence
+    from specdec.sizing.theory import total_variation, typical_first_token_law
+    from specdec.core.verify import Typical
 
     target, drafter = tiny_model(1, vocab=32), tiny_model(2, vocab=32)
     prompt, output, sampler = [3, 5, 7], [9, 2, 4, 4], Sampler(1.0)

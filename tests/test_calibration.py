@@ -20,7 +20,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.sides import SidesDrafter
 from specdec.errors import SpecdecError
-from specdec.schedules import Calibration, TreeCost, tried_nodes
+from specdec.sizing.schedules import Calibration, TreeCost, tried_nodes
 
 from conftest import tiny_model
 from test_dynamic_trees import _pair

@@ -1,5 +1,5 @@
 """A cheaper drafter: int8 weight-only linears (kernels.Int8Linear) and a head that scores only the
-most frequent ids (vocab.py, FR-Spec). Both may change acceptance, never the output."""
+most frequent ids (models/vocab.py, FR-Spec). Both may change acceptance, never the output."""
 
 import copy
 
@@ -10,9 +10,9 @@ from torch import nn
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
-from specdec.kernels import (Int8Linear, int8_fits, int8_supported, pack_linears, packed_bf16_supported, quantize_int8,
+from specdec.backends.kernels import (Int8Linear, int8_fits, int8_supported, pack_linears, packed_bf16_supported, quantize_int8,
                              quantize_linears)
-from specdec.vocab import count_tokens, frequent_ids, rank_ids, token_counts
+from specdec.models.loading.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -209,10 +209,10 @@ def test_the_default_drafter_is_int8_with_a_frequent_vocabulary(default_pair):
 @cpu_only
 def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypatch, native_bf16, amx):
     import specdec.backends.transformers
-    import specdec.kernels
+    import specdec.backends.kernels
 
     monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: native_bf16)
-    monkeypatch.setattr(specdec.kernels, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(specdec.backends.kernels, "cpu_has_amx", lambda: amx)
     short = 2 if amx or packed_bf16_supported() else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
@@ -234,18 +234,18 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
 def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
     import builtins
 
-    import specdec.kernels
+    import specdec.backends.kernels
 
     real_open = builtins.open
     for flags, expected in (("fpu avx512_bf16 amx_bf16 amx_tile amx_int8", True), ("fpu avx512_bf16", False)):
         info = tmp_path / "cpuinfo"
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
-        assert specdec.kernels.cpu_has_amx() is expected
+        assert specdec.backends.kernels.cpu_has_amx() is expected
         # without AMX: 2 rows where the bf16 path is packed for oneDNN, 8 over plain bf16
-        assert specdec.kernels.int8_short_rows() == (2 if expected or packed_bf16_supported() else 8)
-        monkeypatch.setattr(specdec.kernels, "packed_bf16_supported", lambda: False)
-        assert specdec.kernels.int8_short_rows() == (2 if expected else 8)
+        assert specdec.backends.kernels.int8_short_rows() == (2 if expected or packed_bf16_supported() else 8)
+        monkeypatch.setattr(specdec.backends.kernels, "packed_bf16_supported", lambda: False)
+        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else 8)
         monkeypatch.undo()
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no such file")))
-    assert specdec.kernels.cpu_has_amx() is False
+    assert specdec.backends.kernels.cpu_has_amx() is False

@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specdec import SpecdecError, registry
+from specdec import SpecdecError
+from specdec.models.loading import catalogue as registry
 from specdec.cli import app
 
 from conftest import bf16_rows
@@ -147,7 +148,7 @@ def test_measure_on_a_self_drafting_pair(need_smollm2, tmp_path):
     assert m["rank_acceptance"][0] > 0.95 and [t["nodes"] for t in m["trees"]] == [1, 3]
     assert m["trees"][1]["predicted_tokens"] == pytest.approx(1 + sum(m["rank_acceptance"][0] ** k for k in (1, 2, 3)))
     assert all(t["measured_tokens"] > 1.5 for t in m["trees"])
-    from specdec.theory import flat_verification
+    from specdec.sizing.theory import flat_verification
 
     for t in m["trees"]:  # the projections follow from the measured tokens, depth, c and pass costs
         assert t["depth"] >= 1 and t["verification_cost"] > 0
@@ -408,7 +409,7 @@ def test_a_drafter_model_gets_row_exact_passes_where_its_passes_can_batch():
     drafts the same in both); a tree's only where the run batches (alone, its depth passes would
     pay a call per row); --batched-rows turns both off."""
     from specdec.cli.common import _drafter_rows
-    from specdec.methods import resolve
+    from specdec.decoding.speculation import resolve
 
     chain, tree = resolve("default"), resolve("tree-mixed")
     assert _drafter_rows(chain, None) is True and _drafter_rows(chain, True) is True

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 from specdec.bench.concurrency import (LevelRun, LoadRecord, percentile, render_levels, run_levels,
                                        summarize_level)
 from specdec.bench.datasets import load_prompts
-from specdec.bench.methods import Settings
+from specdec.bench.runners import Settings
 from specdec.bench.run import method_orders
 from specdec.cli import app
-from specdec.samplers import Sampler
+from specdec.core.samplers import Sampler
 
 from test_rows import _ids, qwen_like
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specdec.generate as generate
+import specdec.decoding.loop as generate
 from specdec import Sampler, autoregressive_generate, generate_many, speculative_generate
 from specdec.drafters import (CascadeDrafter, LookaheadDrafter, LookupDrafter, NgramDrafter, OtherTokenizerDrafter,
                               SuffixDrafter, make_tree_drafter)
 from specdec.drafters import SidesDrafter
 from specdec.drafters.layerskip import LayerSkipModel, self_skip_drafter
 from specdec.drafters.medusa import MedusaDrafter
-from specdec.samplers import SeededNoise, position_noise, race
-from specdec.schedules import CostAware, TreeCost
-from specdec.trees import depths
-from specdec.verify import verify_coupled, verify_tree_coupled
+from specdec.core.samplers import SeededNoise, position_noise, race
+from specdec.sizing.schedules import CostAware, TreeCost
+from specdec.core.trees import depths
+from specdec.core.verify import verify_coupled, verify_tree_coupled
 
 from conftest import TableModel, tiny_model, tiny_parallel
 from test_retokenize import CharTokenizer
@@ -305,7 +305,7 @@ def test_a_seed_rule_outside_the_two_is_refused():
 
 
 def test_the_coupled_acceptance_formula_matches_the_races_and_sits_within_the_bounds():
-    from specdec.theory import acceptance_beta, coupled_acceptance
+    from specdec.sizing.theory import acceptance_beta, coupled_acceptance
 
     p, q = _laws(3, 12, 7, sharpness=1.2), _laws(3, 12, 8, sharpness=1.2)
     exact = coupled_acceptance(p, q)

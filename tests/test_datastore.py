@@ -1,4 +1,4 @@
-"""The retrieval datastore (datastore.py): its suffix array against a brute-force scan, what a
+"""The retrieval datastore (drafters/datastore.py): its suffix array against a brute-force scan, what a
 damaged or foreign datastore gets, and drafting from it (greedy identity, the sampled law)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specdec import Sampler, SpecdecError, autoregressive_generate, speculative_generate
-from specdec.datastore import MIN_MATCH, Datastore, build, sort_suffixes, tokenizer_key
+from specdec.drafters.datastore import MIN_MATCH, Datastore, build, sort_suffixes, tokenizer_key
 from specdec.drafters import SuffixDrafter
 
 from conftest import TableModel, tiny_model
@@ -158,7 +158,7 @@ def test_the_cli_builds_a_datastore_and_generate_drafts_from_it(tmp_path):
     output identical to AR, drafts taken from the corpus."""
     from typer.testing import CliRunner
 
-    from specdec import registry
+    from specdec.models.loading import catalogue as registry
     from specdec.cli import app
 
     if not registry.is_installed("smollm2-135m"):

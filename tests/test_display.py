@@ -6,9 +6,9 @@ import random
 import pytest
 from rich.console import Console
 
-from specdec import registry
-from specdec.display import StepPrinter
-from specdec.generate import Step
+from specdec.models.loading import catalogue as registry
+from specdec.ui.display import StepPrinter
+from specdec.decoding.loop import Step
 
 TEXT = "Café naïve façade — über Straße 😀🎉 日本語 👩‍👩‍👧 ok. ñ"
 

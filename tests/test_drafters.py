@@ -7,7 +7,7 @@ from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, spec
 from specdec.drafters import LookupDrafter, NgramDrafter, SuffixDrafter
 from specdec.drafters.lookup import find_continuation, find_continuations
 from specdec.drafters.ngram import count_ngrams
-from specdec.schedules import EGAG, Confidence, CostAware, Heuristic, make_schedule, normalized_entropy
+from specdec.sizing.schedules import EGAG, Confidence, CostAware, Heuristic, make_schedule, normalized_entropy
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -161,7 +161,7 @@ def _policy_decisions(kind: str, draft_step: tuple[float, int], plain_step: tupl
     """A cost policy fed simulated steps: (seconds, tokens) of a step that drafted (width 4) or not
     (width 1). The tree drafters ask a TreeCost `should_draft`; the chain loop asks a CostAware
     for its `budget` (0: no draft)."""
-    from specdec.schedules import TreeCost
+    from specdec.sizing.schedules import TreeCost
 
     policy, decisions = (TreeCost if kind == "tree" else CostAware)(warmup=2, probe=4), []
     policy.timing(3.0, 1, 1.0, 4, 3)  # the prompt step: left out of the rates
@@ -187,7 +187,7 @@ def test_cost_policy_drafts_nothing_where_drafting_is_measured_slower(kind):
 
 
 def test_tree_policy_drafts_while_unmeasured():
-    from specdec.schedules import TreeCost
+    from specdec.sizing.schedules import TreeCost
 
     policy = TreeCost()
     assert all(policy.should_draft() for _ in range(20))  # no timings (a seed under sampling): the priors

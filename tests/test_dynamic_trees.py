@@ -24,9 +24,9 @@ import torch
 from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
 from specdec.drafters.eagle2 import Eagle2Drafter
 from specdec.drafters.sequoia import SequoiaDrafter, _ShapeTables, sequoia_shape
-from specdec.schedules import TreeCost
-from specdec.theory import expected_tree_tokens
-from specdec.trees import Tree
+from specdec.sizing.schedules import TreeCost
+from specdec.sizing.theory import expected_tree_tokens
+from specdec.core.trees import Tree
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import chi_square_pvalue, exact_joint
@@ -38,7 +38,7 @@ VOCAB = 32
 
 
 # --- tiny transformers -------------------------------------------------------------------------
-# Every run is seeded: a seed keeps wall-clock timings away from the tree policy (generate.py), so
+# Every run is seeded: a seed keeps wall-clock timings away from the tree policy (decoding/loop.py), so
 # the trees, and the counts the tests assert, are the same on every machine and every run.
 
 @functools.lru_cache(maxsize=1)
@@ -444,7 +444,7 @@ def test_sequoia_shape_is_optimal_against_brute_force():
         # the smallest of the best trees: no node of value 0
         assert len(shape) == min(len(t) for t in trees[depth] if len(t) <= max_nodes and
                                  abs(_value(t, acceptance) - best) < 1e-12)
-    # the layout of trees.py: the main chain (rank 0 at each level) is nodes 0..D-1
+    # the layout of core/trees.py: the main chain (rank 0 at each level) is nodes 0..D-1
     shape = sequoia_shape([0.7, 0.2], 6, 4)
     chain = [i for i, (p, r) in enumerate(shape) if r == 0 and (p == i - 1)]
     assert chain[:2] == [0, 1] and Tree([0] * 6, [p for p, _ in shape]).main_chain_length >= 2

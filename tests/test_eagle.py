@@ -10,9 +10,9 @@ import torch
 from specdec import Sampler, autoregressive_generate, speculative_generate
 from specdec.training.distill import head_rows, target_fingerprint
 from specdec.drafters.eagle import EagleDrafter
-from specdec.training.eagle import Eagle, EagleLayer, EagleShape, EagleTrainConfig, load_eagle, save_eagle, train_eagle
+from specdec.training.fit_eagle import Eagle, EagleLayer, EagleShape, EagleTrainConfig, load_eagle, save_eagle, train_eagle
 from specdec.errors import SpecdecError
-from specdec.training.medusa import save_heads
+from specdec.training.fit_medusa import save_heads
 
 from conftest import tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue
@@ -262,7 +262,7 @@ def test_eagle_on_real_smollm2_trained_here_is_greedy_identical_and_exact(smollm
 
 
 def test_bench_and_cli_run_eagle(smollm2, tmp_path):
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
     from specdec.bench.run import run_benchmark
 
     save_eagle(tmp_path / "eagle", _random_eagle(smollm2, scale=0.0))

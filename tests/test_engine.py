@@ -11,8 +11,8 @@ from specdec import (Engine, Request, Sampler, SpecdecError, autoregressive_gene
                      speculative_generate)
 from specdec.drafters import (LookaheadDrafter, LookupDrafter, MixedDrafter, NgramDrafter, SidesDrafter,
                               make_tree_drafter)
-from specdec.schedules import TreeCost
-from specdec.verify import verify_ragged
+from specdec.sizing.schedules import TreeCost
+from specdec.core.verify import verify_ragged
 
 from conftest import tiny_model
 from test_rows import _ids, qwen_like
@@ -219,7 +219,7 @@ def test_a_failed_batched_drafter_pass_is_made_again_one_sequence_at_a_time(pair
 
 
 def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(pair, monkeypatch):
-    from specdec.generate import Decoding
+    from specdec.decoding.loop import Decoding
 
     target, _, other = pair
     prompts = _prompts()
@@ -305,7 +305,7 @@ def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output
     equal the seeded AR output; one seeded under the "stream" rule drafts alone, and equals the
     same seed's run alone."""
     from specdec import TransformersModel
-    from specdec.kernels import int8_supported
+    from specdec.backends.kernels import int8_supported
 
     target, _, other = pair
     if not int8_supported(torch.device("cpu")) or target.device.type != "cpu":
@@ -337,9 +337,9 @@ def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output
 
 
 def test_a_long_prompt_is_fed_a_chunk_a_step_while_the_others_decode(pair, monkeypatch):
-    import specdec.generate
+    import specdec.decoding.loop
 
-    monkeypatch.setattr(specdec.generate, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(specdec.decoding.loop, "PREFILL_CHUNK", 8)
     target, same, _ = pair
     short, long = _ids(5, VOCAB, 40), _ids(41, VOCAB, 41)
     reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in (short, long)]
@@ -430,8 +430,8 @@ def test_generate_many_takes_the_machines_batched_pass_costs(pair):
     """With a profile in which no draft can pay at any batch size (drafter rounds dearer than the
     target's pass), `generate_many` decodes plainly from the first step; without it, the same
     run drafts to learn that. The outputs are AR's either way."""
-    from specdec.passcost import LoadCosts
-    from specdec.schedules import CostAware
+    from specdec.sizing.pass_costs import LoadCosts
+    from specdec.sizing.schedules import CostAware
 
     target, same, _ = pair
     prompts = _prompts()

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from specdec.cli import app
 from specdec.training.distill import head_rows
 from specdec.errors import SpecdecError
-from specdec.export import export_heads
-from specdec.training.medusa import Heads
+from specdec.adapters.export import export_heads
+from specdec.training.fit_medusa import Heads
 
 from conftest import tiny_model
 from test_self_drafting import _random_heads
@@ -113,7 +113,7 @@ def test_cli_export_errors_are_one_line(tmp_path):
 
 
 def _random_lora(model, seed: int):
-    from specdec.adapter import DraftAdapter, adapted_layers
+    from specdec.adapters.lora import DraftAdapter, adapted_layers
 
     torch.manual_seed(seed)
     lora = DraftAdapter(adapted_layers(model), rank=2)
@@ -128,8 +128,8 @@ def test_a_distilled_drafter_exports_as_a_plain_folder_that_computes_what_ours_d
     logits our drafter gives with the adapter merged (`--drafter distilled:DIR`)."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.adapter import Distilled, attach
-    from specdec.export import export_drafter
+    from specdec.adapters.lora import Distilled, attach
+    from specdec.adapters.export import export_drafter
 
     drafter = tiny_model(3, vocab=32, role="drafter", kernels="stock")
     lora = _random_lora(drafter, 0)
@@ -153,8 +153,8 @@ def test_a_parallel_drafter_exports_with_its_mask_id_and_embedding_where_vllm_re
     mask takes a row of the table, its embedding ours, and the LoRA is merged into every row."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.parallel import Parallel, ParallelAdapter
-    from specdec.export import export_parallel, merged_state
+    from specdec.adapters.pard import Parallel, ParallelAdapter
+    from specdec.adapters.export import export_parallel, merged_state
 
     drafter = tiny_model(4, vocab=32, role="drafter", kernels="stock")
     lora = _random_lora(drafter, 1)
@@ -187,7 +187,7 @@ def test_export_refuses_eagle_quoting_vllms_layer_and_an_unknown_kind_in_one_lin
 
 
 def test_the_written_dtype_defaults_to_the_one_the_drafters_config_names(tmp_path):
-    from specdec.export import source_dtype
+    from specdec.adapters.export import source_dtype
 
     for key, name, dtype in (("torch_dtype", "bfloat16", torch.bfloat16), ("dtype", "float32", torch.float32)):
         (tmp_path / name).mkdir()

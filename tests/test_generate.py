@@ -158,8 +158,8 @@ def test_lenience_is_validated_and_greedy_output_ignores_it(tiny_pair):
 
 
 def test_greedy_runs_with_lenience_below_one_are_not_labelled_lossy():
-    from specdec.display import summary_line
-    from specdec.generate import GenerationStats
+    from specdec.ui.display import summary_line
+    from specdec.decoding.loop import GenerationStats
 
     greedy = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=True)
     sampled = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=False)
@@ -368,9 +368,9 @@ def test_beam_search_builds_its_tensors_on_the_models_device():
 
 def test_typical_acceptance_is_greedy_exact_lossy_under_sampling_and_chains_only(tiny_pair):
     from specdec import SpecdecError
-    from specdec.display import summary_line
+    from specdec.ui.display import summary_line
     from specdec.drafters import LookupTreeDrafter
-    from specdec.verify import Typical
+    from specdec.core.verify import Typical
 
     target, drafter = tiny_pair
     ar = autoregressive_generate([3, 4], target, max_new_tokens=16, eos_token_ids=[])

@@ -1,4 +1,4 @@
-"""Constrained output (grammar.py) exact under speculation: greedy output token for token the
+"""Constrained output (core/grammar.py) exact under speculation: greedy output token for token the
 constrained AR output for every chain method, alone and in engine batches; a seed pins the
 constrained AR output whatever drafted; sampling follows p_g (chi-square, with a power check);
 forced tokens drafted for free and counted apart. Tiny random models with a byte-level BPE
@@ -16,9 +16,9 @@ from specdec import Sampler
 from specdec.backends.transformers import TransformersModel
 from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
-from specdec.generate import autoregressive_generate, speculative_generate
-from specdec.grammar import Grammar
-from specdec.methods import Parts, build, resolve
+from specdec.decoding.loop import autoregressive_generate, speculative_generate
+from specdec.core.grammar import Grammar
+from specdec.decoding.speculation import Parts, build, resolve
 
 from test_server_openai import SPECIALS, byte_level_tokenizer
 
@@ -203,6 +203,6 @@ def test_a_reused_drafter_forgets_the_last_grammar_and_a_foreign_end_never_comes
                                   grammar=Grammar.regex(r"(ab|ba)c!?"))
     assert not set(out.tokens) & set(target.eos_token_ids)
     with pytest.raises(SpecdecError, match="do not combine"):
-        from specdec.penalties import LogitRules
+        from specdec.core.penalties import LogitRules
 
         autoregressive_generate(prompt, target, max_new_tokens=10, grammar="json", rules=LogitRules(min_tokens=3))

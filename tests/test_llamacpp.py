@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from specdec import registry
+from specdec.models.loading import catalogue as registry
 from specdec.errors import SpecdecError
-from specdec.models import load
+from specdec.models.loading.loading import load
 
 NEEDS_LLAMA = pytest.mark.skipif(
     "llama_cpp" not in sys.modules and __import__("importlib").util.find_spec("llama_cpp") is None,
@@ -149,7 +149,7 @@ def test_greedy_speculative_is_token_identical_to_greedy_ar_on_gguf(gguf_pair, h
     and a transformers int8 drafter beside the GGUF target; rejections asserted."""
     from specdec import autoregressive_generate, speculative_generate
     from specdec.drafters import LookupDrafter
-    from specdec.schedules import make_schedule
+    from specdec.sizing.schedules import make_schedule
 
     target, drafter = gguf_pair
     torch_drafter = load(registry.DEFAULT_DRAFTER, role="drafter", device="cpu")
@@ -226,7 +226,7 @@ def test_the_engine_batches_gguf_sequences_exactly(gguf_pair, gguf_batched, huma
     sampled chain gives what the same seed gives alone."""
     from specdec import autoregressive_generate, speculative_generate
     from specdec.engine import generate_many
-    from specdec.samplers import Sampler
+    from specdec.core.samplers import Sampler
 
     single, single_drafter = gguf_pair
     target, drafter = gguf_batched
@@ -276,7 +276,7 @@ def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair, g
     prompt that shares 300 ids, none for one that differs in its first chunk. Every output, with
     the target's log-probabilities, equals a cache-free model's."""
     from specdec import autoregressive_generate
-    from specdec.generate import PREFILL_CHUNK
+    from specdec.decoding.loop import PREFILL_CHUNK
 
     single, _ = gguf_pair
     cached, _ = gguf_batched  # its target keeps finished prompts
@@ -303,7 +303,7 @@ def test_compaction_keeps_a_kept_prompt(gguf_pair, gguf_batched):
     spare stream), so a later request still finds all of it, and its output stays exact."""
     from specdec import autoregressive_generate
     from specdec.backends import Segment
-    from specdec.generate import PREFILL_CHUNK
+    from specdec.decoding.loop import PREFILL_CHUNK
 
     single, _ = gguf_pair
     cached, _ = gguf_batched
@@ -328,7 +328,7 @@ def test_compaction_keeps_a_kept_prompt(gguf_pair, gguf_batched):
 def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
     from specdec import speculative_generate
     from specdec.drafters import make_tree_drafter
-    from specdec.beam import beam_search_generate
+    from specdec.decoding.beam import beam_search_generate
 
     target, drafter = gguf_pair
     with pytest.raises(SpecdecError, match="beam search is not supported on the llama.cpp backend"):
@@ -357,10 +357,10 @@ def test_gguf_backend_refuses_what_it_cannot_do(gguf_pair, tmp_path):
 def test_llama_cpp_peers_in_a_bench_run(tmp_path):
     """One tiny bench with ours on GGUF weights and llama.cpp's three peers (SmolLM2 drafting for itself)."""
     from specdec.bench.run import run_benchmark
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
 
     from specdec.cli import _tokenizer
-    from specdec.datastore import build_from_corpus
+    from specdec.drafters.datastore import build_from_corpus
 
     _installed_or_skip("smollm2-135m")
     corpus = tmp_path / "corpus.py"
@@ -389,8 +389,8 @@ def test_the_server_batches_gguf_sequences(gguf_pair, gguf_batched):
     that ask at once each get the target's AR output alone (the default chain and plain decoding)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from specdec.generate import autoregressive_generate
-    from specdec.schedules import AssumedCosts
+    from specdec.decoding.loop import autoregressive_generate
+    from specdec.sizing.schedules import AssumedCosts
     from specdec.server.service import Service
     from test_server import _client, serving
 

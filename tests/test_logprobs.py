@@ -1,4 +1,4 @@
-"""The target's log-probabilities of emitted tokens (logprobs.py): the pure functions alone, then
+"""The target's log-probabilities of emitted tokens (core/logprobs.py): the pure functions alone, then
 that every method and every batch reports, bit for bit, what plain decoding alone reports, and
 that sampled tokens carry the log-probability a full forward pass gives them."""
 
@@ -11,7 +11,7 @@ import torch
 
 from specdec import Engine, Request, Sampler, SpecdecError, autoregressive_generate, speculative_generate
 from specdec.drafters import LookupDrafter, make_tree_drafter
-from specdec.logprobs import collect, emitted_rows, token_logprobs
+from specdec.core.logprobs import collect, emitted_rows, token_logprobs
 
 from conftest import tiny_model
 from test_rows import _ids, qwen_like

@@ -6,8 +6,8 @@ import torch
 from specdec import Sampler, autoregressive_generate, speculative_generate
 from specdec.drafters import LookaheadDrafter, lookahead_shape, make_tree_drafter
 from specdec.errors import SpecdecError
-from specdec.passcost import affordable_rows
-from specdec.schedules import AssumedCosts, TreeCost
+from specdec.sizing.pass_costs import affordable_rows
+from specdec.sizing.schedules import AssumedCosts, TreeCost
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -169,7 +169,7 @@ def test_sampled_lookahead_follows_the_target_law(made, shape):
 
 def test_make_tree_drafter_sizes_lookahead_from_the_targets_measured_passes(tmp_path, monkeypatch):
     """Widths are measured up to the first past the overhead, once (then cached), never extrapolated."""
-    import specdec.passcost as passcost
+    import specdec.sizing.pass_costs as passcost
 
     measured = []
 

@@ -4,7 +4,8 @@ and drafters whose output head is padded to another width than the target's (one
 import pytest
 import torch
 
-from specdec import TransformersModel, Sampler, SpecdecError, autoregressive_generate, check_pair, registry
+from specdec import TransformersModel, Sampler, SpecdecError, autoregressive_generate, check_pair
+from specdec.models.loading import catalogue as registry
 from specdec import speculative_generate
 from specdec.drafters import ModelDrafter
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specdec import TransformersModel, SpecdecError, autoregressive_generate, load, speculative_generate
-from specdec import registry
-from specdec.kernels import PackedLinear
-from specdec.models import cpu_has_native_bf16, resolve_dtype
+from specdec.models.loading import catalogue as registry
+from specdec.backends.kernels import PackedLinear
+from specdec.models.loading.loading import cpu_has_native_bf16, resolve_dtype
 
 from conftest import TEST_DEVICE, tiny_model
 from specdec.backends.cache import cache_length, crop_cache
@@ -88,7 +88,7 @@ def test_end_of_text_tokens_of_a_tokenizer_end_a_generation_too():
     """A config naming only <|im_end|> still stops at the vocabulary's <|endoftext|> (special)."""
     from types import SimpleNamespace
 
-    from specdec.text import eos_ids
+    from specdec.backends.text import eos_ids
 
     special = lambda content: SimpleNamespace(content=content, special=True)  # noqa: E731
     tokenizer = SimpleNamespace(eos_token_id=7, added_tokens_decoder={

@@ -1,4 +1,4 @@
-"""The parallel drafter (PARD; parallel.py, drafters/parallel.py, training/parallel.py): the training
+"""The parallel drafter (PARD; adapters/pard.py, drafters/parallel.py, training/fit_parallel.py): the training
 layout and loss, the mask token, training on a learnable corpus, and that drafting with it is exact."""
 
 import pytest
@@ -9,10 +9,10 @@ from specdec.backends.cache import cache_length
 from specdec.drafters.parallel import ParallelDrafter
 from specdec.engine import generate_many
 from specdec.errors import SpecdecError
-from specdec.parallel import installed, load_adapter, load_parallel, make_parallel, mask_id, new_adapter
-from specdec.samplers import GREEDY
-from specdec.schedules import CostAware, Fixed
-from specdec.training.parallel import (ParallelConfig, anchors_for, parallel_loss, train_parallel_drafter,
+from specdec.adapters.pard import installed, load_adapter, load_parallel, make_parallel, mask_id, new_adapter
+from specdec.core.samplers import GREEDY
+from specdec.sizing.schedules import CostAware, Fixed
+from specdec.training.fit_parallel import (ParallelConfig, anchors_for, parallel_loss, train_parallel_drafter,
                                        training_layout)
 
 from conftest import tiny_model, tiny_parallel
@@ -227,7 +227,7 @@ def test_a_missing_checkpoint_names_the_command_that_makes_one(tmp_path):
 
 
 def test_the_bench_runs_sd_parallel_on_its_own_drafter_and_counts_acceptance_by_position(tmp_path):
-    from specdec.bench.methods import OWN_DRAFTERS, Settings, load_own_drafters, run_method
+    from specdec.bench.runners import OWN_DRAFTERS, Settings, load_own_drafters, run_method
     from specdec.bench.run import summarize
 
     target = tiny_model(0, vocab=32)

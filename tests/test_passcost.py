@@ -1,4 +1,4 @@
-"""Pass-cost profiles (passcost.py): the bound on what a draft can gain, its cache, and a cost
+"""Pass-cost profiles (sizing/pass_costs.py): the bound on what a draft can gain, its cache, and a cost
 schedule that drafts nothing where drafting cannot pay."""
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from specdec import autoregressive_generate, speculative_generate
-from specdec import passcost
-from specdec.passcost import LoadCosts, PassCosts, load_costs, pass_costs
-from specdec.schedules import CostAware
+from specdec.sizing import pass_costs as passcost
+from specdec.sizing.pass_costs import LoadCosts, PassCosts, load_costs, pass_costs
+from specdec.sizing.schedules import CostAware
 
 from conftest import TableModel, tiny_model
 

@@ -1,4 +1,4 @@
-"""Penalties, logit bias and min_tokens (penalties.py): the batched rule against a row-by-row
+"""Penalties, logit bias and min_tokens (core/penalties.py): the batched rule against a row-by-row
 reference, and speculative decoding under them exact: greedy token for token the AR output with
 the same rules (alone and batched), sampled following the rules' law."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec import Sampler, SpecdecError, autoregressive_generate, generate_many, speculative_generate
-from specdec.penalties import LogitRules
+from specdec.core.penalties import LogitRules
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue

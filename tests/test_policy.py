@@ -1,14 +1,14 @@
-"""Speculation under load (engine/policy.py): the batch's measured costs decide whether to draft
+"""Speculation under load (sizing/batch_policy.py): the batch's measured costs decide whether to draft
 and how high a draft token's chance must be; seeded sampled sequences are never steered."""
 
 import pytest
 import torch
 
 from specdec import Sampler
-from specdec.engine.policy import JOIN_DECAY, BatchCosts
-from specdec.passcost import LoadCosts
-from specdec.generate import Decoding
-from specdec.schedules import CostAware, TreeCost
+from specdec.sizing.batch_policy import JOIN_DECAY, BatchCosts
+from specdec.sizing.pass_costs import LoadCosts
+from specdec.decoding.loop import Decoding
+from specdec.sizing.schedules import CostAware, TreeCost
 
 from conftest import tiny_model
 from test_passcost import LOADED, ROUNDS

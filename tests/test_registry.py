@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec import SpecdecError, load, registry
+from specdec import SpecdecError, load
+from specdec.models.loading import catalogue as registry
 
 PAYLOAD = b"GGUF fake weights for the registry tests"
 FAKE = registry.ModelSpec(name="fake-model", description="a fake for tests", packages=("fake-part1==1.0",),

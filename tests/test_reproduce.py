@@ -10,14 +10,14 @@ import torch
 from typer.testing import CliRunner
 
 from specdec import Sampler, SpecdecError, autoregressive_generate, speculative_generate
-from specdec.bench import reproduce
+from specdec.bench import leviathan as reproduce
 from specdec.bench.coverage import coverage, in_top_k
-from specdec.bench.reproduce import (Continuations, CountsScorer, ModelScorer, ProposalScorer, generate_continuations,
+from specdec.bench.leviathan import (Continuations, CountsScorer, ModelScorer, ProposalScorer, generate_continuations,
                                      score, teacher_forced_logits)
 from specdec.bench.steps import step_rows, steps_html, steps_markdown
 from specdec.drafters import LookupDrafter
 from specdec.drafters.bigram import BigramDrafter, BigramTable
-from specdec.generate import Step
+from specdec.decoding.loop import Step
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -84,7 +84,7 @@ def test_the_bigram_drafter_under_sampling_hands_its_q_to_verification():
 
 
 def test_the_bigram_method_is_registered_and_needs_a_tokenizer_or_tokens():
-    from specdec.methods import Parts, build, resolve
+    from specdec.decoding.speculation import Parts, build, resolve
 
     assert resolve("bigram-fixed").schedule == "fixed"
     with pytest.raises(SpecdecError, match="tokenizer"):

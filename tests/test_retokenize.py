@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import Sampler, autoregressive_generate, load, registry, speculative_generate
+from specdec import Sampler, autoregressive_generate, load, speculative_generate
+from specdec.models.loading import catalogue as registry
 from specdec.drafters import Draft, OtherTokenizerDrafter
-from specdec.text import pair_mode
+from specdec.backends.text import pair_mode
 
 from conftest import TableModel
 from test_sampling_exactness import ALPHA, DEEP_PROMPT, _cyclic_target, chi_square_pvalue, exact_joint
@@ -154,7 +155,7 @@ def test_greedy_with_a_drafter_of_another_tokenizer_equals_ar(smollm2, gemma3, r
 
 
 def test_bench_runs_ours_and_transformers_with_a_drafter_of_another_tokenizer(smollm2, gemma3):
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
     from specdec.bench.run import run_benchmark
     from specdec.errors import SpecdecError
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.rows import key_spans, refine_top_logits
+from specdec.backends.rows import key_spans, refine_top_logits
 
 from conftest import bf16_rows, cpu_only
-from specdec.kernels import bf16_rows_exact, cpu_has_native_bf16
+from specdec.backends.kernels import bf16_rows_exact, cpu_has_native_bf16
 
 
 def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
@@ -64,7 +64,7 @@ def _one_row_gemv_differs(monkeypatch) -> None:
     """Make every bf16/fp32 GEMM on one row (`F.linear`, and packed bf16 linears' oneDNN call)
     round differently from the same row in a multi-row call, as an AVX512-BF16 EPYC's GEMV path
     did (docs/kernels.md)."""
-    from specdec.kernels import PackedBf16Linear
+    from specdec.backends.kernels import PackedBf16Linear
 
     real = torch.nn.functional.linear
 
@@ -90,11 +90,11 @@ def test_row_exact_passes_do_not_trust_a_one_row_gemm(monkeypatch, kernels):
 
 @pytest.mark.parametrize("kernels", BF16_KERNELS, ids=["stock", "packed"])
 def test_the_one_row_gemm_test_has_power(monkeypatch, kernels):
-    import specdec.kernels
+    import specdec.backends.kernels
 
     _one_row_gemv_differs(monkeypatch)
     # every linear path makes its calls through row_exact_calls: without it, a lone row is a 1-row call
-    monkeypatch.setattr(specdec.kernels, "row_exact_calls", lambda function, flat, least=2: function(flat))
+    monkeypatch.setattr(specdec.backends.kernels, "row_exact_calls", lambda function, flat, least=2: function(flat))
     model = qwen_like(torch.bfloat16, exact_rows=True, kernels=kernels)
     assert row_gap(model, _ids(20, 4096, 3), _ids(3, 4096, 53)) > 0.0
 
@@ -105,7 +105,7 @@ def test_packed_bf16_linears_compute_what_f_linear_computes():
     """A bf16 target on a native-bf16 CPU runs every linear, its head too, on weights packed once
     for oneDNN; each row comes out as `F.linear`'s over the same rows, in calls of 2..32 rows
     wherever the row sits, and a lone row padded to `least_rows` is the first row of such a call."""
-    from specdec.kernels import ROW_CHUNK, PackedBf16Linear, dense_weight
+    from specdec.backends.kernels import ROW_CHUNK, PackedBf16Linear, dense_weight
 
     model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
     assert model.kernels == "onednn-packed-bf16" and model.rows_invariant
@@ -225,7 +225,7 @@ def test_native_bf16_is_read_from_the_cpu_flags_on_x86(monkeypatch):
     decide there."""
     import platform
 
-    import specdec.kernels as kernels
+    import specdec.backends.kernels as kernels
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     for flags, native, rows_exact in (({"avx2", "avx512f", "avx512_vnni"}, False, False), ({"avx2"}, False, True),
@@ -253,7 +253,7 @@ def test_one_query_attention_is_grouped_query_attention():
     from transformers.integrations.sdpa_attention import repeat_kv
 
     from specdec.errors import SpecdecError
-    from specdec.rows import one_query_attention
+    from specdec.backends.rows import one_query_attention
 
     torch.manual_seed(0)
     for heads, kv_heads in ((12, 2), (8, 8), (6, 3)):
@@ -271,15 +271,15 @@ def test_one_query_attention_is_grouped_query_attention():
 def test_our_one_query_passes_pack_heads_and_transformers_own_do_not(monkeypatch, exact_rows):
     """Our decode steps (row-exact target or plain drafter) take the packed call in every layer;
     the same model object called as transformers' own (what its `generate` does) never does."""
-    import specdec.rows
+    import specdec.backends.rows
 
     calls = []
-    real = specdec.rows.one_query_attention
+    real = specdec.backends.rows.one_query_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(specdec.rows, "one_query_attention", counted)
+    monkeypatch.setattr(specdec.backends.rows, "one_query_attention", counted)
     model = qwen_like(torch.bfloat16, exact_rows=exact_rows, vocab=256)
     cache = model.new_cache()
     pending = model.prefill(_ids(20, 256, 1), cache)
@@ -298,7 +298,7 @@ def test_a_row_exact_pass_calls_each_gemm_with_two_to_32_rows():
     """The row counts at which every CPU measured computes a row the same whatever else the call
     holds (bf16 on an AMX Xeon changes from 33 rows on): a wide row-exact pass is cut to them, a
     lone row padded to two, and the rows come back in order."""
-    from specdec.kernels import ROW_CHUNK, row_exact_calls
+    from specdec.backends.kernels import ROW_CHUNK, row_exact_calls
 
     for rows in (1, 2, 31, 32, 33, 64, 65, 97):
         sizes = []
@@ -320,7 +320,7 @@ def test_on_cuda_a_row_exact_pass_calls_each_gemm_and_norm_with_the_same_rows():
     """cuBLAS and torch's reductions lay a call out by its whole shape, so on CUDA every call of a
     row-exact pass has CUDA_ROWS rows: zero-padded, wide inputs cut, rows back in order. The
     function is device-agnostic; here it runs on the CPU."""
-    from specdec.kernels import CUDA_ROWS, fixed_row_calls
+    from specdec.backends.kernels import CUDA_ROWS, fixed_row_calls
 
     for rows in (1, 2, CUDA_ROWS - 1, CUDA_ROWS, CUDA_ROWS + 1, 3 * CUDA_ROWS + 5):
         sizes = []
@@ -339,8 +339,8 @@ def test_norms_keep_their_output_when_their_rows_are_fixed():
     computes in fixed-row calls: the module keeps its weights and computes the same values."""
     import copy
 
-    from specdec.kernels import fix_norm_rows
-    from specdec.rows import row_exact
+    from specdec.backends.kernels import fix_norm_rows
+    from specdec.backends.rows import row_exact
 
     model = qwen_like(torch.float32, exact_rows=False)
     norms = [m for m in model.hf.modules() if type(m).__name__.endswith("RMSNorm")]

@@ -153,7 +153,7 @@ def test_a_row_of_minus_inf_logits_is_a_clear_error(temperature):
 
 
 def test_greedy_tokens_reject_a_row_of_minus_inf_logits():
-    from specdec.samplers import greedy_tokens
+    from specdec.core.samplers import greedy_tokens
 
     logits = torch.tensor([[NEG, INF, INF], [NEG, 0.0, 1.0]])
     assert greedy_tokens(logits).tolist() == [1, 2]
@@ -163,7 +163,7 @@ def test_greedy_tokens_reject_a_row_of_minus_inf_logits():
 
 def test_greedy_rows_give_each_block_what_greedy_tokens_gives_it():
     from specdec.errors import ModelFault
-    from specdec.samplers import greedy_rows, greedy_tokens
+    from specdec.core.samplers import greedy_rows, greedy_tokens
 
     generator = torch.Generator().manual_seed(0)
     blocks = [torch.randn(n, 9, generator=generator) for n in (1, 4, 2)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import specdec.generate as generate_module
+import specdec.decoding.loop as generate_module
 from specdec import Sampler, TransformersModel, sample, speculative_generate
 from specdec.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 
@@ -75,7 +75,7 @@ def test_speculative_sampling_matches_the_target_joint_distribution(sampler, gam
 @pytest.mark.slow
 def test_the_joint_test_catches_a_biased_loop(monkeypatch):
     """Power check: resampling from p after a rejection (a known bug elsewhere) is detected."""
-    import specdec.generate as generate
+    import specdec.decoding.loop as generate
     from specdec import sample, verify_draft
 
     def biased(p, q, tokens, generator=None, lenience=1.0, details=None):

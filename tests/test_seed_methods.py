@@ -13,9 +13,9 @@ from specdec.drafters import ModelDrafter
 from specdec.drafters.early_exit import EarlyExitModel, choose_exit, early_exit_drafter
 from specdec.drafters.horizontal import HorizontalCascadeDrafter
 from specdec.drafters.multi import MultiDrafter, merge_chains
-from specdec.methods import PRESETS, Parts, build, names, resolve
-from specdec.spec import METHODS, from_flags
-from specdec.trees import Draft
+from specdec.decoding.speculation import PRESETS, Parts, build, names, resolve
+from specdec.decoding.config import METHODS, from_flags
+from specdec.core.trees import Draft
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import (ALPHA, DEEP_PROMPT, _cyclic_target, _near_model_drafter, chi_square_pvalue,
@@ -236,7 +236,7 @@ def test_medusa_trains_five_heads_by_default_and_loads_a_three_head_checkpoint(t
     import inspect
 
     from specdec.cli.training import train_heads
-    from specdec.training.medusa import MedusaHeads, TrainConfig, load_heads, save_heads
+    from specdec.training.fit_medusa import MedusaHeads, TrainConfig, load_heads, save_heads
     from test_self_drafting import _random_heads
 
     assert TrainConfig().num_heads == 5

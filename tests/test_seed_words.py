@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model
 from specdec.errors import SpecdecError
-from specdec.generate import speculative_generate
+from specdec.decoding.loop import speculative_generate
 
 
 def test_swapped_roles_are_refused():
@@ -101,8 +101,8 @@ def test_gamma_with_a_schedule_that_reads_none_bounds_its_drafts(monkeypatch):
 
 
 def test_gamma_in_python_follows_the_same_rule():
-    from specdec.methods import from_options, resolve
-    from specdec.spec import SpecConfig
+    from specdec.decoding.speculation import from_options, resolve
+    from specdec.decoding.config import SpecConfig
 
     assert from_options("default", gamma=3).schedule == "fixed"  # the command line's --gamma 3 alone
     assert from_options("sd-heuristic", gamma=3).schedule == "heuristic"  # a schedule that reads it keeps it
@@ -126,7 +126,7 @@ def test_gamma_alone_on_the_server_is_a_fixed_gamma():
 
 
 def test_egag_reaches_at_most_gamma_where_gamma_max_is_not_given():
-    from specdec.methods import Parts, build, from_options
+    from specdec.decoding.speculation import Parts, build, from_options
 
     target = tiny_model(0, vocab=16)
     drafter = tiny_model(0, vocab=16, layers=1, role="drafter")
@@ -144,8 +144,8 @@ def test_egag_reaches_at_most_gamma_where_gamma_max_is_not_given():
 def test_the_lenient_first_token_law_matches_verify_drafts_samples():
     import torch
 
-    from specdec.theory import lenient_first_token_law, total_variation
-    from specdec.verify import verify_draft
+    from specdec.sizing.theory import lenient_first_token_law, total_variation
+    from specdec.core.verify import verify_draft
 
     generator = torch.Generator().manual_seed(0)
     p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
@@ -204,8 +204,8 @@ def test_measure_with_lenience_reports_the_tv_it_costs(tmp_path, monkeypatch):
 
 def test_sd_lenient_presets_resolve_and_run_in_the_bench():
     from specdec import Sampler
-    from specdec.bench.methods import METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy, run_method
-    from specdec.methods import resolve
+    from specdec.bench.runners import METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy, run_method
+    from specdec.decoding.speculation import resolve
 
     config = resolve("sd-lenient:0.5")
     assert (config.method, config.schedule, config.effective_lenience()) == ("chain", "fixed", 0.5)
@@ -232,7 +232,7 @@ def test_theory_with_lenience_bounds_the_lenient_alpha():
     from typer.testing import CliRunner
 
     from specdec.cli import app
-    from specdec.theory import acceptance_beta, lenient_alpha_range
+    from specdec.sizing.theory import acceptance_beta, lenient_alpha_range
 
     generator = torch.Generator().manual_seed(1)
     for lenience in (0.9, 0.5, 0.1):
@@ -250,7 +250,7 @@ def test_theory_with_lenience_bounds_the_lenient_alpha():
 
 
 def test_make_schedule_gives_egag_gamma_as_its_ceiling_by_default():
-    from specdec.schedules import make_schedule
+    from specdec.sizing.schedules import make_schedule
 
     assert make_schedule("egag", gamma=4).gamma_max == 4 and make_schedule("egag").gamma_max == 5
     assert make_schedule("egag", gamma=4, gamma_max=9).gamma_max == 9
@@ -270,7 +270,7 @@ def test_generate_many_refuses_a_swapped_pair_too():
 def test_gamma_with_a_preset_that_names_its_own_sizing_bounds_it_and_keeps_it():
     """`--method sd-confidence --gamma 3` stays the confidence schedule, bounded at 3, as in the
     bench; only a plain method's chain turns fixed (the review found every preset turned fixed)."""
-    from specdec.methods import from_options, gamma_means_fixed, preset
+    from specdec.decoding.speculation import from_options, gamma_means_fixed, preset
 
     for name in ("sd-cost", "sd-confidence", "tree-sides"):
         config = from_options(name, gamma=3)
@@ -282,7 +282,7 @@ def test_gamma_with_a_preset_that_names_its_own_sizing_bounds_it_and_keeps_it():
 def test_a_multi_draft_drafter_is_checked_member_by_member():
     from specdec.drafters import ModelDrafter
     from specdec.drafters.multi import MultiDrafter
-    from specdec.roles import check_roles
+    from specdec.models.loading.roles import check_roles
 
     target = tiny_model(0, vocab=16, role="drafter")
     swapped = tiny_model(1, vocab=16, layers=1, role="target")

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-import specdec.generate as generate
+import specdec.decoding.loop as generate
 from specdec import Sampler, speculative_generate
 from specdec.drafters import NgramDrafter
-from specdec.schedules import SCHEDULES, make_schedule
+from specdec.sizing.schedules import SCHEDULES, make_schedule
 
 from conftest import TableModel
 
@@ -87,7 +87,7 @@ def test_greedy_runs_under_a_seed_still_measure_costs(monkeypatch):
 
 
 def test_the_bench_seeds_every_exact_method(monkeypatch):
-    from specdec.bench import methods
+    from specdec.bench import runners as methods
 
     seeds = {}
 

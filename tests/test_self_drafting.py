@@ -12,9 +12,9 @@ from specdec.drafters.layerskip import LayerSkipModel, choose_skipped, self_skip
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters import ModelDrafter, SidesDrafter
 from specdec.errors import SpecdecError
-from specdec.training.medusa import (CONFIG, WEIGHTS, Heads, MedusaHeads, TrainConfig, load_heads, save_heads,
+from specdec.training.fit_medusa import (CONFIG, WEIGHTS, Heads, MedusaHeads, TrainConfig, load_heads, save_heads,
                             target_fingerprint, train_medusa)
-from specdec.schedules import TreeCost
+from specdec.sizing.schedules import TreeCost
 
 from conftest import tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue
@@ -318,7 +318,7 @@ class _ClaimsSampled(MedusaDrafter):
     the heads' q (they were not), which biases the output."""
 
     def propose_tree(self, context, max_depth, sampler, generator):
-        from specdec.trees import Tree
+        from specdec.core.trees import Tree
 
         tree = super().propose_tree(context, max_depth, sampler, generator)
         if not tree.tokens:
@@ -346,7 +346,7 @@ def test_the_joint_test_catches_trees_verified_with_the_wrong_law():
 
 
 def test_bench_runs_the_self_drafting_methods(smollm2, tmp_path):
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
     from specdec.bench.run import run_benchmark
 
     heads = _random_heads(smollm2, scale=0.0)  # zero blocks: each head guesses the next token again

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from specdec import Sampler
 from specdec.cli import app as cli
-from specdec.generate import Decoding, autoregressive_generate
-from specdec.schedules import AssumedCosts
+from specdec.decoding.loop import Decoding, autoregressive_generate
+from specdec.sizing.schedules import AssumedCosts
 from specdec.errors import SpecdecError
 from specdec.server.app import create_app
 from specdec.server.schema import BadRequest, Speculation, parse_job
@@ -168,8 +168,8 @@ class _IdTokenizer:
 def test_retrieval_requests_draft_from_the_servers_datastore(tmp_path):
     """A datastore holding the answer to a prompt: retrieval drafts it, the answer stays the target's;
     a server without a datastore refuses the method with a 400 naming the field."""
-    from specdec.datastore import Datastore, build
-    from specdec.vocab import tokenizer_key
+    from specdec.drafters.datastore import Datastore, build
+    from specdec.models.loading.vocab import tokenizer_key
 
     target = tiny_model(0, exact_rows=True, name=NAME)
     target.tokenizer = _IdTokenizer()
@@ -434,8 +434,8 @@ def test_fields_the_server_does_not_honour_are_refused_by_name_never_ignored(ser
 
 def test_penalties_bias_and_length_fields_are_honoured_as_ar_decoding_honours_them(server, tiny_pair):
     """Each field shapes the target's logits at every position, drafts included: the served greedy
-    text is the AR text under the same rules (penalties.py), and differs from the plain one."""
-    from specdec.penalties import LogitRules
+    text is the AR text under the same rules (core/penalties.py), and differs from the plain one."""
+    from specdec.core.penalties import LogitRules
 
     url, _ = server
     target, _ = tiny_pair
@@ -745,8 +745,8 @@ def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
     """The default pair (bf16 row-exact target, int8 drafter): 8 clients stream chat completions
     at once, half under the default method and half drafting trees; each text is the target's AR
     output alone, and the speculation of the whole run shows in /metrics."""
-    from specdec.models import load
-    from specdec import registry
+    from specdec.models.loading.loading import load
+    from specdec.models.loading import catalogue as registry
 
     target = default_pair[0]  # row-exact, as the server loads it
     drafter = load(registry.DEFAULT_DRAFTER, device="cpu", role="drafter", exact_rows=True)
@@ -910,7 +910,7 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(server):
-    from specdec.bench.serve import Server, bench_serve, bench_servers, render
+    from specdec.bench.serving import Server, bench_serve, bench_servers, render
 
     url, _ = server
     prompts = [(PROMPTS[0], False), (PROMPTS[2], False)]
@@ -980,7 +980,7 @@ def _faulty_sites(target, drafter_counts: dict) -> list[tuple[object, str, objec
     from specdec.drafters.base import Drafter
     from specdec.drafters.model import ModelDrafter
     from specdec.drafters.suffix import SuffixDrafter
-    from specdec.penalties import LogitRules
+    from specdec.core.penalties import LogitRules
 
     def faulty(site, original):
         def wrapped(*args, **kwargs):
@@ -1102,7 +1102,7 @@ def test_chaos_soak_1000_requests_at_16_with_disconnects_faults_and_bad_bodies(t
 
 
 def test_an_online_drafter_learns_between_requests_and_answers_stay_the_targets():
-    from specdec.adapter import OnlineDistiller
+    from specdec.adapters.lora import OnlineDistiller
 
     target = tiny_model(0, exact_rows=True, name=NAME)
     drafter = tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter", role="drafter")

@@ -20,9 +20,9 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.errors import ModelFault
-from specdec.generate import Decoding, autoregressive_generate
-from specdec.penalties import LogitRules
-from specdec.schedules import AssumedCosts
+from specdec.decoding.loop import Decoding, autoregressive_generate
+from specdec.core.penalties import LogitRules
+from specdec.sizing.schedules import AssumedCosts
 from specdec.server.service import Limits, Service
 
 from conftest import tiny_model

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from specdec.generate import autoregressive_generate
-from specdec.penalties import LogitRules
+from specdec.decoding.loop import autoregressive_generate
+from specdec.core.penalties import LogitRules
 from specdec.server.schema import FIELDS, HONOURED, IGNORED, BadRequest, Speculation, parse_job
 from specdec.server.service import Limits, Service
 
@@ -211,7 +211,7 @@ def test_the_docs_list_every_field_as_the_server_takes_it():
 def test_allowed_token_ids_are_honoured_exactly_under_speculation(target):
     """allowed_token_ids masks every position's logits, drafts included: the served greedy text,
     with a drafter model drafting, is the AR text under the same mask, and holds no other token."""
-    from specdec.schedules import AssumedCosts
+    from specdec.sizing.schedules import AssumedCosts
 
     drafter = tiny_model(1, layers=1, exact_rows=True, name="tiny-drafter")
     prompt, allowed = [4, 9, 4, 2], [3, 5, 11]

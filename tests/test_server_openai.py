@@ -19,7 +19,7 @@ import torch
 from specdec import TransformersModel
 from specdec.server.app import _Text
 from specdec.server.service import Limits, Service
-from specdec.text import token_bytes_reader
+from specdec.backends.text import token_bytes_reader
 
 from test_server import _client, serving
 
@@ -170,7 +170,7 @@ def test_token_bytes_join_into_the_texts_utf8_where_characters_span_tokens(build
 
 
 def pre_byte(b: int) -> str:
-    from specdec.text import UNICODE_TO_BYTE
+    from specdec.backends.text import UNICODE_TO_BYTE
 
     return next(c for c, v in UNICODE_TO_BYTE.items() if v == b)
 
@@ -355,7 +355,7 @@ def test_text_with_stray_and_split_bytes_streams_the_whole_decode(seed):
 def _real_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from specdec import registry
+    from specdec.models.loading import catalogue as registry
 
     if not registry.is_installed(name):
         pytest.skip(f"{name} is not installed (run `make models`)")

@@ -202,7 +202,7 @@ def test_health_says_how_far_the_first_starts_cost_measuring_has_come(tiny):
 
 def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_where_they_are_cached(
         tmp_path, monkeypatch, capsys):
-    import specdec.models
+    import specdec.models.loading
     from specdec.cli.serve import _service_loader
 
     class Phases(dict):  # every phase the load went through, in order
@@ -212,7 +212,7 @@ def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     models = {"t": tiny_model(0, exact_rows=True, name=NAME), "d": tiny_model(1, layers=1, exact_rows=True, name="d")}
-    monkeypatch.setattr(specdec.models, "load", lambda name, **options: models[name])
+    monkeypatch.setattr(specdec.models.loading, "load", lambda name, **options: models[name])
     progress = Phases()
     load = _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
                            "http://127.0.0.1:1/v1", progress)
@@ -238,7 +238,7 @@ def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
     """A first start answers at once: /health 200 saying how far the costs have come, requests
     served (sized conservatively) between the measurements, and the batched profile becomes the
     engine's prior once taken."""
-    from specdec.passcost import LoadCosts, PassCosts
+    from specdec.sizing.pass_costs import LoadCosts, PassCosts
 
     release, timed = threading.Event(), []
 

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.generate import autoregressive_generate
-from specdec.grammar import Grammar
-from specdec.schedules import AssumedCosts
+from specdec.decoding.loop import autoregressive_generate
+from specdec.core.grammar import Grammar
+from specdec.sizing.schedules import AssumedCosts
 from specdec.server.schema import Speculation, parse_job
 from specdec.server.service import Limits, Service
 from specdec.server.tools import CallParser, call_grammar
@@ -317,7 +317,7 @@ def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
     """Qwen2.5-Coder 0.5B's own template and tool tags: a required call parses into tool_calls
     whose arguments validate, the same streamed; parse() returns the object. (One call: left to
     call on, this small model goes on calling until max_tokens.)"""
-    from specdec import models
+    from specdec.models.loading import loading as models
 
     target = models.load("qwen2.5-coder-0.5b", role="target", exact_rows=True)
     service = Service(target, None, default=Speculation(None), limits=Limits(max_tokens=96))

@@ -1,5 +1,5 @@
 """SpecConfig and the method registry: one config, one place that assembles drafters, the same
-names everywhere (spec.py, methods.py)."""
+names everywhere (decoding/config.py, decoding/speculation.py)."""
 
 import json
 import re
@@ -11,10 +11,10 @@ from specdec import autoregressive_generate, speculative_generate
 from specdec.engine import Engine, Request
 from specdec.drafters.base import Capabilities, Drafter
 from specdec.errors import SpecdecError
-from specdec.methods import METHODS, PRESETS, Parts, build, from_options, names, preset, resolve
-from specdec.samplers import Sampler
-from specdec.schedules import AssumedCosts
-from specdec.spec import SpecConfig, from_flags
+from specdec.decoding.speculation import METHODS, PRESETS, Parts, build, from_options, names, preset, resolve
+from specdec.core.samplers import Sampler
+from specdec.sizing.schedules import AssumedCosts
+from specdec.decoding.config import SpecConfig, from_flags
 
 from conftest import tiny_model
 
@@ -106,8 +106,8 @@ def test_every_name_is_a_method_or_a_preset_of_one():
 
 
 def _checkpoints(target, tmp_path) -> dict:
-    from specdec.training.eagle import save_eagle
-    from specdec.training.medusa import save_heads
+    from specdec.training.fit_eagle import save_eagle
+    from specdec.training.fit_medusa import save_heads
     from test_eagle import _random_eagle
     from test_self_drafting import _random_heads
 
@@ -123,7 +123,7 @@ def _drafter_model(config: SpecConfig, make):
         return None
     if config.method != "parallel":
         return make("target")
-    from specdec.parallel import make_parallel, new_adapter
+    from specdec.adapters.pard import make_parallel, new_adapter
 
     model = make("drafter")
     make_parallel(model, new_adapter(model, 3, 2))
@@ -220,15 +220,15 @@ DRAFTER_MAKERS = re.compile(r"\b(make_tree_drafter|LookupDrafter|NgramDrafter|Su
 # modules that make drafters for a purpose of their own, not from a method's name: speculative beam
 # search drafts a tree per beam, `measure` reads acceptance off a Sequoia tree of its own, and a
 # vLLM proposer class (vLLM's config names the class) drafts with the one drafter it wraps
-OWN_PURPOSE = {"beam.py", "bench/measure.py", "vllm/proposers.py"}
+OWN_PURPOSE = {"decoding/beam.py", "bench/measure.py", "vllm/proposers.py"}
 
 
 def assembly_sites(root: Path = SRC) -> list[str]:
-    """Modules outside drafters/ and methods.py that construct a drafter of a method."""
+    """Modules outside drafters/ and decoding/speculation.py that construct a drafter of a method."""
     sites = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if relative.startswith("drafters/") or relative == "methods.py" or relative in OWN_PURPOSE:
+        if relative.startswith("drafters/") or relative == "decoding/speculation.py" or relative in OWN_PURPOSE:
             continue
         if DRAFTER_MAKERS.search(path.read_text()):
             sites.append(relative)
@@ -247,7 +247,7 @@ def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     from typer.testing import CliRunner
 
     from specdec.bench.concurrency import METHODS as LOAD_METHODS, PEERS
-    from specdec.bench.methods import METHODS as BENCH_METHODS
+    from specdec.bench.runners import METHODS as BENCH_METHODS
     from specdec.cli import app
     from specdec.server.schema import METHODS as SERVED
 
@@ -306,7 +306,7 @@ def test_one_drafter_per_file():
 def test_a_draft_is_a_chain_or_a_tree():
     """One proposal type: a chain's parents are None (the tree -1, 0, 1, ...), a `Tree` is a Draft."""
     from specdec.drafters import Draft
-    from specdec.trees import Tree
+    from specdec.core.trees import Tree
 
     assert Draft([4, 5]).parents is None
     tree = Tree.chain([4, 5])
@@ -350,7 +350,7 @@ def test_acceptance_by_position_is_counted_alike_for_every_drafter():
 def test_the_loop_and_the_engine_read_declarations_instead_of_probing():
     """Issue 48's bound: at most three attribute probes left in the loop and the engine (a step
     callback's optional flush)."""
-    files = [SRC / "generate.py", *sorted((SRC / "engine").glob("*.py"))]
+    files = [SRC / "decoding" / "loop.py", *sorted((SRC / "engine").glob("*.py"))]
     probes = sum(len(re.findall(r"\b(?:hasattr|getattr)\(", path.read_text())) for path in files)
     assert probes <= 3, probes
 
@@ -412,8 +412,8 @@ def test_one_draft_length_policy_for_chains_and_trees():
     """The loop drives one policy: a chain's schedule, or a tree drafter's own TreeCost (no
     fixed schedule standing in as the tree's depth bound); `gamma`, where given, is that bound."""
     from specdec.drafters import SidesDrafter
-    from specdec.generate import Decoding
-    from specdec.schedules import Fixed, TreeCost
+    from specdec.decoding.loop import Decoding
+    from specdec.sizing.schedules import Fixed, TreeCost
 
     target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
     built = build(SpecConfig("tree", tree="sides", gamma_max=7), Parts(target, drafter))

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from specdec import SpecdecError
 from specdec.bench.datasets import load_prompts
-from specdec.bench.methods import Record, check_grammar_methods
+from specdec.bench.runners import Record, check_grammar_methods
 from specdec.bench.report import render_markdown
 from specdec.bench.run import check_schema_output, summarize
 from specdec.bench.schemas import check_output, check_supported, validate
@@ -50,7 +50,7 @@ def test_a_jsonl_rows_schema_is_read_and_checked(tmp_path):
 
 
 def test_json_tasks_schemas_compile_for_a_real_tokenizer(smollm2):
-    from specdec.grammar import Grammar
+    from specdec.core.grammar import Grammar
 
     for p in load_prompts("json-tasks"):
         Grammar.json_schema(p.schema).check(smollm2)
@@ -145,7 +145,7 @@ def test_the_bench_runs_json_tasks_constrained_valid_and_identical(need_smollm2)
     masks' cost reported. (A drafter model's chain: the CLI test below.)"""
     from rich.console import Console
 
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
     from specdec.bench.run import run_benchmark
 
     result = run_benchmark(["json-tasks:1"], None, ["ar", "forced"], "smollm2-135m", "smollm2-135m",
@@ -167,7 +167,7 @@ def test_the_bench_runs_json_tasks_constrained_valid_and_identical(need_smollm2)
 
 @pytest.fixture(scope="module")
 def need_smollm2():
-    from specdec import registry
+    from specdec.models.loading import catalogue as registry
 
     if not registry.is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed (run `make models`)")

@@ -12,8 +12,8 @@ import torch
 from specdec import GREEDY, Sampler, SpecdecError, autoregressive_generate, speculative_generate
 from specdec.drafters import SuffixCache, SuffixDrafter, SuffixIndex, SuffixTreeDrafter, make_tree_drafter
 from specdec.drafters.suffix import best_path, best_tree
-from specdec.trees import Tree
-from specdec.schedules import make_schedule
+from specdec.core.trees import Tree
+from specdec.sizing.schedules import make_schedule
 
 from conftest import tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import SpecdecError
-from specdec.theory import (acceptance_beta, alpha_from_distributions, arithmetic_increase, expected_tokens,
+from specdec.sizing.theory import (acceptance_beta, alpha_from_distributions, arithmetic_increase, expected_tokens,
                             optimal_gamma, walltime_improvement)
 
 
@@ -66,7 +66,7 @@ def test_bad_arguments_are_clear_errors(call):
 
 # --- expected_tree_tokens: Sequoia's positional acceptance model --------------------------------
 
-from specdec.theory import expected_tree_tokens  # noqa: E402
+from specdec.sizing.theory import expected_tree_tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 1.0])
@@ -123,7 +123,7 @@ def test_expected_tree_tokens_bad_arguments_are_clear_errors(call):
 
 
 def test_step_speedup_generalises_the_paper_and_flat_verification_is_linear():
-    from specdec.theory import flat_verification, step_speedup
+    from specdec.sizing.theory import flat_verification, step_speedup
 
     for alpha, gamma, c in [(0.8, 4, 0.1), (0.5, 1, 0.3), (0.95, 12, 0.05)]:
         assert step_speedup(expected_tokens(alpha, gamma), gamma, c, 1.0) == pytest.approx(
@@ -140,7 +140,7 @@ def test_step_speedup_generalises_the_paper_and_flat_verification_is_linear():
 
 def test_flat_projection_finds_the_chain_when_only_the_top_token_is_ever_accepted():
     from specdec.bench.measure import flat_projection
-    from specdec.theory import flat_verification, step_speedup
+    from specdec.sizing.theory import flat_verification, step_speedup
 
     only_top = flat_projection([0.8, 0.0, 0.0], c=0.1, max_nodes=16, max_depth=12)
     assert only_top["tree_speedup"] == pytest.approx(only_top["chain_speedup"])

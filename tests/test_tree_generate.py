@@ -7,8 +7,8 @@ from specdec import TransformersModel, Sampler, autoregressive_generate, specula
 from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 from specdec.drafters.nodes import Node
 from specdec.errors import SpecdecError
-from specdec.schedules import TreeCost
-from specdec.trees import Tree, input_parents
+from specdec.sizing.schedules import TreeCost
+from specdec.core.trees import Tree, input_parents
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
@@ -55,7 +55,7 @@ def test_a_tree_pass_equals_chain_passes_over_each_path(attention, kernels):
 
 def test_a_boolean_mask_under_eager_attention_would_be_wrong():
     """Why eager gets an additive mask: the power check behind the test above."""
-    from specdec import trees
+    from specdec.core import trees
 
     model = tiny_model(3, vocab=32)
     model.hf.set_attn_implementation("eager")
@@ -195,7 +195,7 @@ def test_the_mixed_tree_leaves_the_model_out_where_lookup_alone_makes_more_per_s
     """The target's greedy output soon repeats itself, so lookup alone drafts it at no drafter
     pass: with an unrelated drafter (seed 1), or with the target itself as a cheap drafter (seed 0),
     lookup-alone steps make more per (assumed) second and the model is left out of most steps."""
-    from specdec.schedules import AssumedCosts
+    from specdec.sizing.schedules import AssumedCosts
 
     target, drafter = TableModel(12, 0), TableModel(12, drafter_seed)
     prompt = [1, 2, 3, 1, 2, 3, 4]

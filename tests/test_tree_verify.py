@@ -25,8 +25,8 @@ import torch
 from scipy.stats import chi2_contingency
 
 from specdec import SpecdecError, sample, verify_draft
-from specdec.trees import Tree, depths
-from specdec.verify import sibling_laws, verify_greedy, verify_tree, verify_tree_greedy
+from specdec.core.trees import Tree, depths
+from specdec.core.verify import sibling_laws, verify_greedy, verify_tree, verify_tree_greedy
 
 from test_verify import _chi_square_pvalue, _dirichlet, _run_chain
 
@@ -37,7 +37,7 @@ POWER = 1e-6
 V = 6
 
 # The draft tree: 3 siblings at the root, a chain below the first, 2 siblings at depth 3, with
-# each node's first child first (trees.py's layout).
+# each node's first child first (core/trees.py's layout).
 #          root
 #     0 (a)    4 (b)   5 (c)
 #     1

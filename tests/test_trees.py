@@ -1,11 +1,11 @@
-"""trees.py: the Tree type, its bookkeeping helpers, and the attention mask and position ids of
+"""core/trees.py: the Tree type, its bookkeeping helpers, and the attention mask and position ids of
 a pass over a tree."""
 
 import pytest
 import torch
 
 from specdec import SpecdecError
-from specdec.trees import Tree, check_parents, depths, input_parents, main_chain_length, tree_attention
+from specdec.core.trees import Tree, check_parents, depths, input_parents, main_chain_length, tree_attention
 
 #        root
 #   0           5

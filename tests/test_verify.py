@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2
 
 from specdec import SpecdecError, sample, verify_draft
-from specdec.verify import verify_greedy, verify_ragged
+from specdec.core.verify import verify_greedy, verify_ragged
 
 TRIALS = 1_000_000
 ALPHA = 1e-4
@@ -267,7 +267,7 @@ def test_lenience_never_emits_a_token_above_p_over_l_and_raises_acceptance():
 # that the divergence from p which `theory.typical_first_token_law` predicts is what it makes.
 
 def test_typical_acceptance_keeps_the_prefix_above_each_positions_threshold():
-    from specdec.verify import Typical, typical_threshold, verify_typical
+    from specdec.core.verify import Typical, typical_threshold, verify_typical
 
     typical = Typical(epsilon=0.09, delta=0.3)
     flat, peaked = torch.full((4,), 0.25), torch.tensor([0.97, 0.01, 0.01, 0.01])
@@ -290,8 +290,8 @@ def test_typical_acceptance_keeps_the_prefix_above_each_positions_threshold():
 def test_typical_acceptance_makes_the_law_theory_predicts_and_not_p():
     """Drafts from q, one position: the first emitted token follows typical_first_token_law
     (chi-square), which differs from p here; the same test against p fails (power)."""
-    from specdec.theory import total_variation, typical_first_token_law
-    from specdec.verify import Typical, verify_typical
+    from specdec.sizing.theory import total_variation, typical_first_token_law
+    from specdec.core.verify import Typical, verify_typical
 
     p, q = _dirichlet(2, 8, seed=3)[:1], _dirichlet(1, 8, seed=4)  # p: [1, V], q: [1, V]
     p = torch.cat([p, p])  # [γ+1 = 2, V]

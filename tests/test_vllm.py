@@ -127,7 +127,7 @@ def test_the_concurrency_bench_reads_a_vllm_run(stand_in):
     engine's totals (vLLM does not count them per request), its acceptance their ratio."""
     from specdec import Sampler
     from specdec.bench.concurrency import run_vllm, summarize_level
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
 
     from specdec.bench.vllm_peer import VllmPeers
 
@@ -174,7 +174,7 @@ def test_one_vllm_worker_is_alive_at_a_time_and_theirs_run_back_to_back(stand_in
 
 def test_vllm_methods_are_offered_by_both_benches():
     from specdec.bench.concurrency import METHODS as LOAD_METHODS
-    from specdec.bench.methods import METHODS, is_peer
+    from specdec.bench.runners import METHODS, is_peer
 
     for method in ("vllm", "vllm-draft", "vllm-ngram"):
         assert method in METHODS and method in LOAD_METHODS and is_peer(method)
@@ -189,7 +189,7 @@ def test_vllm_runs_beside_ours_at_every_level(smollm2, tmp_path):
     """vLLM's CPU build, plain and with its n-gram drafts, beside our AR on SmolLM2-135M at 1 and 2
     in flight: every request answered with tokens, the figures filled in, our outputs identical."""
     from specdec.bench.concurrency import run_load_benchmark
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
 
     result = run_load_benchmark(["humaneval"], 2, ["ar", "vllm", "vllm-ngram"], [1, 2], "smollm2-135m",
                                 "smollm2-135m", Settings(max_new_tokens=12), json_path=str(tmp_path / "r.json"))

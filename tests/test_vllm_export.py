@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from specdec import registry
+from specdec.models.loading import catalogue as registry
 from specdec.bench.vllm_peer import vllm_python, worker_env
 
 from test_vllm import needs_vllm
@@ -97,7 +97,7 @@ def plain(smollm2, prompts, tmp_path_factory) -> dict:
 
 def our_acceptance(target, drafter, prompts) -> float:
     """Ours, greedy, K tokens a draft: accepted / drafted over the prompts."""
-    from specdec.generate import speculative_generate
+    from specdec.decoding.loop import speculative_generate
 
     drafted = accepted = 0
     for ids in prompts:
@@ -114,8 +114,8 @@ def check_speculative_run(result: dict, plain: dict) -> float:
 
 
 def test_exported_medusa_heads_draft_in_vllm(smollm2, prompts, plain, corpus, tmp_path):
-    from specdec.export import export_heads
-    from specdec.training.medusa import TrainConfig, train_medusa
+    from specdec.adapters.export import export_heads
+    from specdec.training.fit_medusa import TrainConfig, train_medusa
 
     heads = train_medusa(smollm2, corpus, tmp_path / "heads", TrainConfig(
         num_heads=K, tokens=8192, vocab=8192, seq_len=128, epochs=2, batch=64), say=lambda m: None)
@@ -140,9 +140,9 @@ def _drafter_folder(smollm2, tmp_path, layers: int = 24):
 
 def test_an_exported_distilled_drafter_drafts_in_vllm_as_ours_does(smollm2, prompts, plain, corpus, tmp_path):
     """Acceptance of the exported drafter in vLLM within 10% of ours with the same drafter."""
-    from specdec.adapter import DistillConfig, distill_drafter, load_adapter
-    from specdec.export import export_drafter
-    from specdec.models import load
+    from specdec.adapters.lora import DistillConfig, distill_drafter, load_adapter
+    from specdec.adapters.export import export_drafter
+    from specdec.models.loading.loading import load
 
     drafter = load(str(_drafter_folder(smollm2, tmp_path)), dtype="fp32", device="cpu", role="drafter",
                    kernels="stock", vocab=0)
@@ -152,7 +152,7 @@ def test_an_exported_distilled_drafter_drafts_in_vllm_as_ours_does(smollm2, prom
     folder = export_drafter(drafter, distilled, tmp_path / "exported", dtype=torch.float32)
     result = run_vllm(tmp_path, prompts, {"method": "draft_model", "model": str(folder), "num_speculative_tokens": K})
     theirs = check_speculative_run(result, plain)
-    from specdec.adapter import attach
+    from specdec.adapters.lora import attach
 
     attach(drafter, distilled.adapter)
     ours = our_acceptance(smollm2, drafter, prompts)
@@ -163,10 +163,10 @@ def test_an_exported_distilled_drafter_drafts_in_vllm_as_ours_does(smollm2, prom
 def test_an_exported_parallel_drafter_in_vllm(smollm2, prompts, plain, corpus, tmp_path):
     """vLLM's draft_model with parallel_drafting, the mask id from the exported config; where
     vLLM's CPU build cannot run it, the test skips with vLLM's own error."""
-    from specdec.export import export_parallel
-    from specdec.models import load
-    from specdec.parallel import load_adapter
-    from specdec.training.parallel import ParallelConfig, train_parallel_drafter
+    from specdec.adapters.export import export_parallel
+    from specdec.models.loading.loading import load
+    from specdec.adapters.pard import load_adapter
+    from specdec.training.fit_parallel import ParallelConfig, train_parallel_drafter
 
     drafter = load(str(_drafter_folder(smollm2, tmp_path)), dtype="fp32", device="cpu", role="drafter",
                    kernels="stock", vocab=0)
@@ -180,7 +180,7 @@ def test_an_exported_parallel_drafter_in_vllm(smollm2, prompts, plain, corpus, t
         pytest.skip(f"vLLM 0.32's CPU build cannot run parallel drafting: {result['error']}")
     theirs = check_speculative_run(result, plain)
     # ours differs by design (its LoRA on the mask rows alone): printed beside vLLM's, not compared
-    from specdec.parallel import make_parallel
+    from specdec.adapters.pard import make_parallel
 
     make_parallel(drafter, load_adapter(tmp_path / "parallel").adapter)
     ours = our_acceptance(smollm2, drafter, prompts)

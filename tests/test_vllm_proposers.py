@@ -270,9 +270,9 @@ def test_each_proposer_drafts_inside_vllm_and_keeps_its_greedy_output(smollm2, t
     drafts make (1 of 2 outputs differed from its plain one, whatever the proposer)."""
     from specdec.bench.concurrency import run_load_benchmark
     from specdec.bench.datasets import load_prompts
-    from specdec.bench.methods import Settings
+    from specdec.bench.runners import Settings
     from specdec.bench.vllm_peer import PROPOSERS
-    from specdec.datastore import build_from_corpus
+    from specdec.drafters.datastore import build_from_corpus
 
     corpus = tmp_path / "articles.txt"  # the datastore holds the articles the summaries copy from
     corpus.write_text("\n\n".join(p.text for p in load_prompts("spec-bench", 2, tasks=["summarization"])))

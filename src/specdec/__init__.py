@@ -13,24 +13,24 @@ _os.environ.update(OWN_ENV)
 
 from .engine import Engine, Request, generate_many
 from .errors import SpecdecError
-from .generate import (GenerationResult, GenerationStats, Step, autoregressive_generate, speculative_generate,
+from .decoding.loop import (GenerationResult, GenerationStats, Step, autoregressive_generate, speculative_generate,
                        speculative_generate_encoder_decoder)
-from .beam import beam_search_generate, speculative_beam_search
+from .decoding.beam import beam_search_generate, speculative_beam_search
 from .backends import Backend
 from .backends.seq2seq import Seq2SeqModel
 from .backends.transformers import TransformersModel
-from .models import load
-from .penalties import LogitRules
-from .samplers import GREEDY, Sampler, logits_to_probs, sample
-from .text import check_pair
-from .verify import (sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_tree, verify_tree_coupled,
+from .models.loading import load
+from .core.penalties import LogitRules
+from .core.samplers import GREEDY, Sampler, logits_to_probs, sample
+from .backends.text import check_pair
+from .core.verify import (sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_tree, verify_tree_coupled,
                      verify_tree_greedy)
 from .drafters import (Eagle2Drafter, LookaheadDrafter, LookupDrafter, LookupTreeDrafter, MixedDrafter, ModelDrafter, NgramDrafter,
                        SequoiaDrafter, SidesDrafter, make_tree_drafter)
-from .schedules import TreeCost, make_schedule
-from .spec import SpecConfig
-from .methods import Parts, Speculation, build, resolve
-from .trees import Tree
+from .sizing.schedules import TreeCost, make_schedule
+from .decoding.config import SpecConfig
+from .decoding.speculation import Parts, Speculation, build, resolve
+from .core.trees import Tree
 
 __all__ = [
     "GREEDY", "GenerationResult", "LogitRules", "GenerationStats", "Backend", "TransformersModel", "Engine", "Request", "generate_many", "Sampler", "SpecdecError", "Step",

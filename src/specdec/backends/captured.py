@@ -33,9 +33,10 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..kernels import CUDA_ROWS, fixed_row_calls, fp32_matmul
-from ..text import decode_ids, encode_text, eos_ids
-from . import Features, Segment, fused as fused_kernels
+from .kernels import CUDA_ROWS, fixed_row_calls, fp32_matmul
+from .text import decode_ids, encode_text, eos_ids
+from . import Features, Segment
+from . import fused as fused_kernels
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 QUERY_ROWS = 256  # the most rows of one sequence in a pass (a prompt is fed in chunks of this many)

@@ -55,7 +55,7 @@ import torch
 from . import Features, Segment
 from .prompts import Held, evictee, reusable
 from ..errors import ModelFault, SpecdecError
-from ..text import decode_ids, encode_text
+from .text import decode_ids, encode_text
 
 INSTALL_HINT = "make peers, or pip install -e '.[peers]' (builds llama.cpp from source; docs/models.md)"
 MAX_CONTEXT = 32768  # KV cells allocated: ~28 KB a token for the 1.5B target, ~12 KB for the 0.5B

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..text import eos_ids
+from .text import eos_ids
 
 
 class Seq2SeqModel:

@@ -1,8 +1,8 @@
 """The transformers backend: a Hugging Face causal LM run one sequence at a time with a croppable
-KV cache, its passes row-exact where they decide the output (rows.py), its linears picked per
-CPU kind (kernels.py), its logits fp32 (`TransformersModel._logits`).
+KV cache, its passes row-exact where they decide the output (backends/rows.py), its linears picked per
+CPU kind (backends/kernels.py), its logits fp32 (`TransformersModel._logits`).
 
-`specdec.load` builds it (models.py); the decoding loops and drafters use it through the
+`specdec.load` builds it (models/loading.py); the decoding loops and drafters use it through the
 `Backend` protocol (backends/__init__.py).
 """
 
@@ -13,14 +13,14 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..heads import check_output_transform, max_row_norm, output_transform
-from ..kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
+from .heads import check_output_transform, max_row_norm, output_transform
+from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
                        fp32_matmul, has_onednn, int8_fits, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
-from ..rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
-from ..text import decode_ids, encode_text, eos_ids
-from ..trees import tree_attention
+from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
+from .text import decode_ids, encode_text, eos_ids
+from ..core.trees import tree_attention
 from . import Features, Segment
 from .cache import SegmentedCache, cache_length
 
@@ -34,7 +34,7 @@ class TransformersModel:
                  exact_rows: bool | None = None, int8: bool = False):
         """Wrap a transformers causal LM.
 
-        role: "target" or "drafter". On the CPU it picks the linear kernels (kernels.py): a
+        role: "target" or "drafter". On the CPU it picks the linear kernels (backends/kernels.py): a
             target in fp32 gets oneDNN-packed linears; a drafter in bf16 on a CPU without native
             bf16 gets hybrid ones. A target's logits are fp32-exact where they decide the output
             (see `_logits`); a drafter's need not be (they only steer acceptance).
@@ -42,10 +42,10 @@ class TransformersModel:
             Packed weights live in oneDNN's layout: move or cast `hf_model` before wrapping it,
             not after (`.to()` cannot move them).
         exact_rows: compute every row of a multi-token pass bit for bit as a one-token pass
-            would (rows.py), so that greedy speculative output is token-identical to greedy AR
+            would (backends/rows.py), so that greedy speculative output is token-identical to greedy AR
             by construction. None: on for a bf16 target on the CPU (nearly free there); off for
             fp32 (where it slows 1-token passes), for drafters and on CUDA (where every GEMM and
-            norm then runs on CUDA_ROWS rows: kernels.py).
+            norm then runs on CUDA_ROWS rows: backends/kernels.py).
         int8: (drafters, CPU) int8 weight-only linears and output head for passes of a few
             tokens (`kernels.Int8Linear`); longer passes keep the paths above.
         """
@@ -124,7 +124,7 @@ class TransformersModel:
         self._vocab_size = weight.shape[0]
         self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
         self.pass_hidden: torch.Tensor | None = None  # [T, H] every input's, of the last `forward` or `prefill`
-        # a distilled drafter (adapter.py): the adapter merged into its weights, its own weights
+        # a distilled drafter (adapters/lora.py): the adapter merged into its weights, its own weights
         # kept aside, the target it was trained for, and an online learner updating it
         self.adapter: torch.nn.Module | None = None
         self.base_weights: dict[str, torch.Tensor] | None = None
@@ -290,7 +290,7 @@ class TransformersModel:
             input_ids: [T] new token ids, following what `cache` already holds.
             cache: a cache from `new_cache()`, or None for a cache-free pass.
             num_logits: how many of the last positions to return logits for.
-            parents: [T] a token tree over the inputs (trees.py, `input_parents`): each token's
+            parents: [T] a token tree over the inputs (core/trees.py, `input_parents`): each token's
                 parent among them (-1: it follows the cache). Each token then sees the cache and
                 its ancestors only, at position (cache length + depth - 1). None: a chain.
             tree_start: where the tree region begins in the cache (default: the cache's length).

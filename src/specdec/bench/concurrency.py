@@ -25,9 +25,9 @@ import torch
 
 from ..engine import Engine, Request
 from ..errors import SpecdecError
-from ..methods import METHODS as REGISTRY, Parts, build, names, preset, summary
-from ..samplers import Sampler
-from .methods import Settings, bench_config
+from ..decoding.speculation import METHODS as REGISTRY, Parts, build, names, preset, summary
+from ..core.samplers import Sampler
+from .runners import Settings, bench_config
 from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
 
 PEERS = {
@@ -392,9 +392,9 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..models import load
-    from ..passcost import load_costs, pass_costs
-    from ..text import check_pair
+    from ..models.loading import load
+    from ..sizing.pass_costs import load_costs, pass_costs
+    from ..backends.text import check_pair
     from .datasets import load_prompts, parse_dataset
     from .run import machine_description, method_orders
 

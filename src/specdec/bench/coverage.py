@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from .reproduce import COLUMNS, Continuations, teacher_forced_logits
+from .leviathan import COLUMNS, Continuations, teacher_forced_logits
 
 TOP_K = 5
 NUCLEUS_TOP_P = 0.9  # the nucleus continuations' top-p (at T = 1)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdecError
-from ..vocab import jsonl_rows
+from ..models.vocab import jsonl_rows
 
 SPEC_BENCH_FILE = "spec_bench_dev.jsonl"
 JSON_TASKS_FILE = "json-tasks.jsonl"

@@ -14,10 +14,10 @@ from typing import Iterator
 import torch
 
 from ..backends import Backend
-from ..models import load
+from ..models.loading import load
 from ..backends.cache import crop_cache
-from ..passcost import pass_seconds
-from ..trees import input_parents
+from ..sizing.pass_costs import pass_seconds
+from ..core.trees import input_parents
 
 
 def tree_of_width(nodes: int, branching: int = 2) -> list[int]:

@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from ..backends.captured import CapturedModel
-from ..passcost import batch_pass_seconds, pass_seconds, sync
-from ..theory import expected_tokens, step_speedup
+from ..sizing.pass_costs import batch_pass_seconds, pass_seconds, sync
+from ..sizing.theory import expected_tokens, step_speedup
 from .rowgap import batch_gap, row_gap
 
 WIDTHS = (1, 2, 4, 6, 8, 16, 32)

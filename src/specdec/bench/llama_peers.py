@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import registry
+from ..models import catalogue as registry
 from ..backends.llamacpp import default_threads, import_llama_cpp
 from ..errors import SpecdecError
-from ..samplers import Sampler
+from ..core.samplers import Sampler
 
 DRAFT_MAX, DRAFT_P_MIN = 16, 0.75  # llama.cpp's speculative defaults (common_params_speculative)
 CONTEXT = 4096  # tokens per generation; the speculative peer keeps 4096 x V fp32 logits (2.5 GB at 151,936 ids)

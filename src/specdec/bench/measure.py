@@ -20,10 +20,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..backends import Backend
 from ..errors import SpecdecError
-from ..generate import autoregressive_generate, speculative_generate
-from ..samplers import Sampler
-from ..text import check_pair
-from ..theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, lenient_first_token_law,
+from ..decoding.loop import autoregressive_generate, speculative_generate
+from ..core.samplers import Sampler
+from ..backends.text import check_pair
+from ..sizing.theory import (acceptance_beta, coupled_acceptance, expected_tokens, flat_verification, lenient_first_token_law,
                       oracle_walltime_improvement, rule_of_thumb_speedup, step_speedup, total_variation, trace_speedup,
                       walltime_improvement)
 from .forward_cost import forward_ms
@@ -114,9 +114,9 @@ def tree_rows(target: Backend, drafter: Backend, prompts: list[list[int]], accep
     best tree of that size (Sequoia's shape under the measured per-rank acceptance, depth <= 8),
     and the tokens per step measured running that shape (Sequoia drafter, acceptance pinned)."""
     from ..drafters.sequoia import SequoiaDrafter, sequoia_shape
-    from ..schedules import TreeCost
-    from ..theory import expected_tree_tokens
-    from ..trees import depths
+    from ..sizing.schedules import TreeCost
+    from ..sizing.theory import expected_tree_tokens
+    from ..core.trees import depths
 
     rows = []
     for size in sizes:

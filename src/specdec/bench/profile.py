@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..backends import Backend
-from ..generate import GenerationStats
-from ..passcost import batch_pass_seconds, machine
+from ..decoding.loop import GenerationStats
+from ..sizing.pass_costs import batch_pass_seconds, machine
 from .forward_cost import forward_ms
 
 
@@ -61,7 +61,7 @@ def op_split(model: Backend, tokens: int = 1, context: int = 128, repeats: int =
     from torch.profiler import ProfilerActivity, profile
 
     from ..backends.cache import crop_cache
-    from ..passcost import cached_context
+    from ..sizing.pass_costs import cached_context
 
     new, cache = cached_context(model, tokens, context)
     model.forward(new, cache, tokens)  # warm-up

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .methods import BASELINES, RUN_OPTIONS, SPEC_DEFAULTS
+from .runners import BASELINES, RUN_OPTIONS, SPEC_DEFAULTS
 
 
 def _baselines(summary: dict) -> list[str]:
@@ -117,7 +117,7 @@ def _group_name(g: dict) -> str:
 
 def _gamma_bounds(options: dict) -> str:
     """What each schedule's draft lengths were, read through `SpecConfig` as the runs read them."""
-    from ..spec import SpecConfig
+    from ..decoding.config import SpecConfig
 
     def bound(schedule: str) -> int:
         return SpecConfig("chain", schedule=schedule, gamma=options["gamma"],

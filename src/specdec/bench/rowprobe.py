@@ -5,7 +5,7 @@ It builds a model of a Hugging Face config's shape with random weights (no weigh
 the machine: a GPU lent without our models can run it), bf16, and reports:
 
 - row gap: max |logits of one pass over w tokens - logits of w one-token passes|, and how many
-  argmaxes differ, for a plain target and a row-exact one (rows.py);
+  argmaxes differ, for a plain target and a row-exact one (backends/rows.py);
 - batch gap: the same between sequences scored together (`forward_batch`) and alone;
 - the power checks on CUDA: the row-exact target with its GEMMs and norms on the pass's own rows
   (no `kernels.CUDA_ROWS` padding), then with only its norms unfixed;
@@ -27,8 +27,8 @@ import copy
 import torch
 
 from ..backends.transformers import TransformersModel
-from .. import kernels
-from ..passcost import batch_pass_seconds, pass_seconds
+from ..backends import kernels
+from ..sizing.pass_costs import batch_pass_seconds, pass_seconds
 from .rowgap import batch_gap, row_gap
 
 

@@ -20,15 +20,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..backends import Backend
 from ..drafters.layerskip import choose_skipped
 from ..errors import SpecdecError
-from ..methods import names, preset
-from ..models import load
-from ..passcost import pass_costs
-from ..samplers import Sampler
-from ..schedules import AssumedCosts
-from ..spec import MODEL_FREE_DRAFTERS
-from ..text import check_pair
+from ..decoding.speculation import names, preset
+from ..models.loading import load
+from ..sizing.pass_costs import pass_costs
+from ..core.samplers import Sampler
+from ..sizing.schedules import AssumedCosts
+from ..decoding.config import MODEL_FREE_DRAFTERS
+from ..backends.text import check_pair
 from .datasets import Prompt, load_prompts, parse_dataset
-from .methods import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, is_lossy, STREAM, REFERENCE, PeerModels, Record, Settings,
+from .runners import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, is_lossy, STREAM, REFERENCE, PeerModels, Record, Settings,
                       check_grammar_methods, check_methods, checkpoint_kind, distilled_adapter, parallel_adapter, is_flat,
                       is_peer, load_own_drafters, merge_samples, online_summary, open_datastore, position_sums, run_method,
                       self_drafting)
@@ -132,7 +132,7 @@ def _alpha(records: list[Record]) -> dict:
     steps = [n for r in records for n in r.accepted_per_step]
     gammas = {r.fixed_gamma for r in records}
     if steps and len(gammas) == 1 and None not in gammas:
-        from ..theory import alpha_from_tokens
+        from ..sizing.theory import alpha_from_tokens
 
         return {"alpha": alpha_from_tokens(1 + sum(steps) / len(steps), gammas.pop()), "alpha_source": "tokens per step"}
     return {"alpha": None, "alpha_source": None}

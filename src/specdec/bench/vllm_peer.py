@@ -74,7 +74,7 @@ def check_threads(threads: str) -> None:
 
 def hf_folder(model: str) -> Path:
     """The Hugging Face folder a model name or path loads from (what vLLM's workers load)."""
-    from .. import registry
+    from ..models import catalogue as registry
 
     if model in registry.MODELS:
         return registry.require_installed(model)

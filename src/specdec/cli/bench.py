@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _measured_costs, _load,
                      TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP, DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP,
@@ -104,7 +104,7 @@ def bench(
                                     "in a third of the time, passes slower (say so beside their figures)."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
-    from ..bench.methods import Settings
+    from ..bench.runners import Settings
     from ..bench.run import run_benchmark
 
     try:
@@ -195,7 +195,7 @@ def measure(
 
     from ..bench.datasets import load_prompts
     from ..bench.measure import check_measure_options, measure_markdown, measure_plot, run_measure
-    from ..samplers import Sampler
+    from ..core.samplers import Sampler
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
@@ -244,7 +244,7 @@ def theory(
     """Expected tokens per step, walltime improvement and extra arithmetic per γ (Leviathan et al. §3)."""
     from rich.table import Table
 
-    from ..theory import (arithmetic_increase, expected_tokens, lenient_alpha_range, optimal_gamma,
+    from ..sizing.theory import (arithmetic_increase, expected_tokens, lenient_alpha_range, optimal_gamma,
                           oracle_walltime_improvement, rule_of_thumb_gamma, rule_of_thumb_speedup, walltime_improvement)
 
     try:
@@ -403,8 +403,8 @@ def _time_passes(target_model, drafter_model, widths: list[int], batches: list[i
 
 def _profiled_generation(config, target_model, drafter_model, prompt: str, max_new_tokens: int, name: str):
     """One generation of the config, its time split recorded in its stats."""
-    from ..generate import speculative_generate
-    from ..methods import Parts, build, open_files
+    from ..decoding.loop import speculative_generate
+    from ..decoding.speculation import Parts, build, open_files
 
     open_files(config)
     speculation = build(config, Parts(target_model, drafter_model,

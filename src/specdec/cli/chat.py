@@ -1,4 +1,4 @@
-"""`specdec chat`: the interactive session (specdec/chat.py) on loaded models."""
+"""`specdec chat`: the interactive session (ui/conversation.py) on loaded models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _load, TARGET_DTYPE_HELP,
                      DRAFTER_DTYPE_HELP, DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP, METHOD_HELP, spec_config)
@@ -37,8 +37,8 @@ def chat(
     device: str = typer.Option("auto"),
 ):
     """Chat interactively; /help lists the commands that switch method, drafter, schedule, sampler, debug."""
-    from ..chat import ChatSession
-    from ..samplers import Sampler
+    from ..ui.conversation import ChatSession
+    from ..core.samplers import Sampler
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading

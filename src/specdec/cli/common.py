@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -23,7 +23,7 @@ def _fail(message: str) -> None:
 
 
 def check_vocab_options(vocab, corpus) -> None:
-    from ..vocab import check_vocab_options as check
+    from ..models.vocab import check_vocab_options as check
 
     check(vocab, corpus)
 
@@ -32,7 +32,7 @@ def _drafter_weights(dtype: str, drafter: str | None, drafter_dtype: str, restri
     """The drafter's dtype with "auto" resolved: a model drafter follows a GGUF target onto its own
     GGUF weights (llama.cpp) unless its vocabulary is restricted (a transformers feature); else
     unchanged. A drafter's weights change acceptance only, never the output."""
-    from ..models import GGUF_WEIGHTS
+    from ..models.loading import GGUF_WEIGHTS
 
     follows = drafter is not None and (drafter in registry.MODELS or drafter.endswith(".gguf"))
     if dtype in GGUF_WEIGHTS and drafter_dtype == "auto" and follows and not restricted_vocab:
@@ -43,8 +43,8 @@ def _drafter_weights(dtype: str, drafter: str | None, drafter_dtype: str, restri
 def _check_runs_on(dtype: str, config) -> None:
     """One line, before any loading, where a method cannot run on the target's weights: llama.cpp's
     backend (--dtype gguf) takes chains, not trees or self-drafting."""
-    from ..methods import METHODS
-    from ..models import GGUF_WEIGHTS
+    from ..decoding.speculation import METHODS
+    from ..models.loading import GGUF_WEIGHTS
 
     method = METHODS[config.method]
     if dtype in GGUF_WEIGHTS and config.speculative and (method.trees or method.self_drafting):
@@ -59,9 +59,9 @@ def _weights_of(drafter) -> str | None:
 
 
 def _measured_costs(target_model, drafter_model):
-    """This machine's pass costs of the pair (passcost.py: measured once, cached), for the cost
+    """This machine's pass costs of the pair (sizing/pass_costs.py: measured once, cached), for the cost
     schedule, so that where no draft can pay it drafts nothing from the first step."""
-    from ..passcost import pass_costs
+    from ..sizing.pass_costs import pass_costs
 
     with err.status("measuring pass costs…"):
         costs = pass_costs(target_model, drafter_model, say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
@@ -78,7 +78,7 @@ def _drafter_rows(config, exact_rows: bool | None) -> bool | None:
     where row-exact attention is one one-query call a row, as a decode step makes. A tree's: as
     the target's, so on in a batch, where its passes join the other sequences'; alone it keeps the
     default (its depth passes would pay a call per row)."""
-    from ..methods import METHODS
+    from ..decoding.speculation import METHODS
 
     if exact_rows is False:
         return None
@@ -87,7 +87,7 @@ def _drafter_rows(config, exact_rows: bool | None) -> bool | None:
 
 def _load(name: str, dtype: str, device: str, role: str, exact_rows: bool | None = None,
           vocab: int | None = None, vocab_corpus: str | None = None, sequences: int = 1, kernels: str = "auto"):
-    from ..models import load
+    from ..models.loading import load
 
     with err.status(f"loading {name} ({role})…"):
         return load(name, dtype=dtype, device=device, role=role, exact_rows=exact_rows,
@@ -158,13 +158,13 @@ TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without
 def spec_config(method: str, drafter: str | None, tree: str = "off", cascade: str = "off",
                 schedule: str | None = None, lenience: float = 1.0, typical: bool = False, **fields):
     """The `SpecConfig` of a command's flags (`methods.from_options`)."""
-    from ..methods import from_options
+    from ..decoding.speculation import from_options
 
     return from_options(method, drafter, tree, cascade, schedule, lenience, typical, **fields)
 
 
 def _seed_pins(seed, sampler, config) -> bool:
-    from ..generate import seed_pins_drafts
+    from ..decoding.loop import seed_pins_drafts
 
     return seed_pins_drafts(seed, sampler, config.effective_lenience(), config.typical(), config.seed_rule)
 
@@ -214,7 +214,7 @@ def _skip_layers(text: str | None) -> list[int] | None:
     """--skip-layers 5,10,15 -> [5, 10, 15]; None: chosen by the self-skip search."""
     if not text:
         return None
-    from ..spec import from_flags
+    from ..decoding.config import from_flags
 
     return list(from_flags(f"self-skip:{text}")["skip_layers"])
 

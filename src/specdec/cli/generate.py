@@ -10,9 +10,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
-from ..roles import check_roles
+from ..models.roles import check_roles
 from .common import (app, err, _fail, check_vocab_options, _drafter_weights, _check_runs_on, _weights_of,
                      _measured_costs, _drafter_rows, _load, KERNELS_HELP, TARGET_DTYPE_HELP, DRAFTER_DTYPE_HELP,
                      DRAFTER_VOCAB_HELP, DRAFTER_VOCAB_CORPUS_HELP, EXACT_ROWS_HELP, METHOD_HELP, _lookahead_shape,
@@ -102,8 +102,8 @@ def generate(
 ):
     """Generate text, showing which tokens the drafter proposed and which the target chose."""
     from ..drafters import SuffixCache
-    from ..methods import Parts, build
-    from ..samplers import Sampler
+    from ..decoding.speculation import Parts, build
+    from ..core.samplers import Sampler
 
     try:
         check_vocab_options(drafter_vocab, drafter_vocab_corpus)  # before minutes of loading
@@ -148,7 +148,7 @@ def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, 
     without one), read and compiled before any model loads: a one-line error for a missing file, a
     schema that is not JSON or not valid, a bad regex or Lark grammar, or two of them at once."""
 
-    from ..grammar import Grammar
+    from ..core.grammar import Grammar
 
     given = [name for name, value in (("--json-schema", json_schema), ("--json-object", json_object),
                                       ("--regex", regex), ("--grammar", grammar_file)) if value]
@@ -185,7 +185,7 @@ def cli_grammar(json_schema: Path | None, json_object: bool, regex: str | None, 
 def _check_grammar_method(grammar, config, target: str) -> None:
     """A grammar constrains a decoder-only target's chain drafts: a tree method or an
     encoder-decoder target is refused before any model loads."""
-    from ..methods import METHODS
+    from ..decoding.speculation import METHODS
 
     if grammar is not None and _encoder_decoder(target):
         raise SpecdecError("a grammar constrains decoder-only targets; drop --json-schema, --json-object, "
@@ -219,7 +219,7 @@ def _check_generate(config, drafter: str, dtype: str, batch: bool, batch_size: i
                     exact_rows: bool | None) -> bool | None:
     """What the config cannot run here, refused before any model loads -> the target's
     exact_rows (on for a batch: a sequence's output must not depend on what shares its passes)."""
-    from ..methods import METHODS, open_files
+    from ..decoding.speculation import METHODS, open_files
 
     open_files(config)
     _check_runs_on(dtype, config)
@@ -257,7 +257,7 @@ def _load_pair(config, target: str, dtype: str, drafter_dtype: str, device: str,
 
 def _online(drafter_model):
     """The drafter model's online learner (OSD), attached now."""
-    from ..adapter import OnlineDistiller
+    from ..adapters.lora import OnlineDistiller
 
     return OnlineDistiller(drafter_model)
 
@@ -266,8 +266,8 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
                   chat: bool, debug: bool, as_json: bool, grammar=None) -> None:
     """One prompt's generation, its steps drawn as they come (or one JSON object). grammar: what
     the output must match (`grammar.Grammar`), or None."""
-    from ..display import LEGEND, DebugPrinter, StepPrinter, summary_line
-    from ..generate import autoregressive_generate, speculative_generate
+    from ..ui.display import LEGEND, DebugPrinter, StepPrinter, summary_line
+    from ..decoding.loop import autoregressive_generate, speculative_generate
 
     config = speculation.config
     drafter_used = _first_drafter(speculation)
@@ -311,7 +311,7 @@ def _result_json(result, config, target_model, drafter_used, sampler, plan) -> d
 
 def _encoder_decoder(target: str) -> bool:
     """Whether --target names a local encoder-decoder model directory (T5, BART)."""
-    from ..models import _is_encoder_decoder
+    from ..models.loading import _is_encoder_decoder
 
     path = Path(target).expanduser()
     return path.is_dir() and (path / "config.json").exists() and _is_encoder_decoder(path)
@@ -322,10 +322,10 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
     """`generate` on an encoder-decoder target: the source encoded once per model, chain drafts from
     a smaller encoder-decoder of the same vocabulary, or prompt lookup / n-gram over the output.
     refused: options given that it does not take (--prompts, --chat, --dtype gguf)."""
-    from ..display import LEGEND, StepPrinter, summary_line
-    from ..generate import speculative_generate_encoder_decoder
-    from ..methods import Parts, build
-    from ..models import load_seq2seq
+    from ..ui.display import LEGEND, StepPrinter, summary_line
+    from ..decoding.loop import speculative_generate_encoder_decoder
+    from ..decoding.speculation import Parts, build
+    from ..models.loading import load_seq2seq
 
     if refused or config.method not in ("ar", "chain", "lookup", "ngram"):
         raise SpecdecError("an encoder-decoder target (T5, BART) takes one prompt and chain drafts from an "
@@ -363,7 +363,7 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
 def read_prompt_rows(path: Path, sampler, max_new_tokens: int) -> list[dict]:
     """The rows of a --prompts JSONL file, each with its sampler and limits resolved; a clear error
     naming the line for anything else."""
-    from ..samplers import Sampler
+    from ..core.samplers import Sampler
 
     try:
         lines = path.read_text().splitlines()
@@ -413,7 +413,7 @@ def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int
 
     profile = None
     if batch_size > 1 and speculation.config.method != "ar":  # where drafting cannot pay under load
-        from ..passcost import load_costs
+        from ..sizing.pass_costs import load_costs
 
         profile = load_costs(target_model, drafter_model if speculation.config.needs_drafter_model() else None,
                              lambda m: err.print(f"[dim]{m}[/]", highlight=False))

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, _tokenizer)
 
@@ -36,7 +36,7 @@ def methods_command(
     """List the speculation methods and presets that generate, chat, serve and bench take."""
     from rich.table import Table
 
-    from ..methods import METHODS as REGISTRY, names, preset, summary
+    from ..decoding.speculation import METHODS as REGISTRY, names, preset, summary
 
     if as_json:
         print(json.dumps({name: {"config": preset(name).to_dict(), "summary": summary(name),
@@ -87,7 +87,7 @@ def datastore_build(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..datastore import CORPORA, build_from_corpus, corpus_documents
+    from ..drafters.datastore import CORPORA, build_from_corpus, corpus_documents
 
     try:
         if corpus not in CORPORA:

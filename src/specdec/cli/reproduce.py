@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markdown import Markdown
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import DRAFTER_DTYPE_HELP, TARGET_DTYPE_HELP, _csv, _fail, _load, app, err
 
@@ -42,7 +42,7 @@ def _continuations(target_model, sampler, label: str, tokens: int, max_new_token
     """The target's continuations under `sampler`, Spec-Bench's prompts in turn until they hold
     `tokens` tokens: read from `out` where an earlier run wrote such ones (same target, sampler,
     seed and length, at least as many tokens), else generated and written there."""
-    from ..bench.reproduce import Continuations, generate_continuations, spec_bench_prompts
+    from ..bench.leviathan import Continuations, generate_continuations, spec_bench_prompts
 
     chosen = spec_bench_prompts()
     path = out / f"continuations-{label}.json"
@@ -73,8 +73,8 @@ def _write(out: Path, name: str, markdown: str, raw: dict) -> None:
 def _scorers(names: list[str], target_model, ctx, device: str, drafter_dtype: str) -> tuple[dict, dict]:
     """(scorers by drafter name, {left-out drafter: why}) for `names`: registry entries
     (`bench.reproduce.DRAFTERS`) and catalogue models (scored where the vocabulary is the target's)."""
-    from ..bench.reproduce import DRAFTERS, ModelScorer
-    from ..text import check_pair
+    from ..bench.leviathan import DRAFTERS, ModelScorer
+    from ..backends.text import check_pair
 
     scorers, left_out = {}, {}
     for name in names:
@@ -92,7 +92,7 @@ def _scorers(names: list[str], target_model, ctx, device: str, drafter_dtype: st
 
 
 def _drafter_names(drafters: Optional[str], target: str) -> list[str]:
-    from ..bench.reproduce import DRAFTERS, catalogue_drafters
+    from ..bench.leviathan import DRAFTERS, catalogue_drafters
 
     names = _csv(drafters) if drafters else catalogue_drafters(target) + list(DRAFTERS)
     unknown = [n for n in names if n not in DRAFTERS and n not in registry.MODELS]
@@ -119,8 +119,8 @@ def _table(target_model, corpus: Optional[str]):
 
 def _alpha(target: str, names: list[str], tokens: int, max_new_tokens: int, seed: int, out: Path,
            corpus: Optional[str], dtype: str, drafter_dtype: str, device: str) -> dict:
-    from ..bench.reproduce import Context, score
-    from ..samplers import Sampler
+    from ..bench.leviathan import Context, score
+    from ..core.samplers import Sampler
 
     target_model = _load(target, dtype, device, "target", exact_rows=True)  # the engine: row-exact passes
     ctx = Context(target_model, lambda name: _load(name, drafter_dtype, device, "drafter"),
@@ -157,7 +157,7 @@ def alpha_command(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """Leviathan et al. Table 3: α of every drafter against the target, at T = 0 and T = 1."""
-    from ..bench.reproduce import alpha_markdown
+    from ..bench.leviathan import alpha_markdown
 
     try:
         _check_sizes(tokens, max_new_tokens)
@@ -181,7 +181,7 @@ def bigram_command(
 ):
     """Leviathan et al. §3.6: the bigram drafter's α (and the unigram's), and the command that
     times its speed-up at γ = 3."""
-    from ..bench.reproduce import alpha_markdown
+    from ..bench.leviathan import alpha_markdown
 
     try:
         _check_sizes(tokens, max_new_tokens)
@@ -211,8 +211,8 @@ def coverage_command(
 ):
     """SpecInfer's coverage: the share of the target's tokens in a drafter's top-k, k = 1..5."""
     from ..bench.coverage import coverage, coverage_markdown
-    from ..samplers import Sampler
-    from ..text import check_pair
+    from ..core.samplers import Sampler
+    from ..backends.text import check_pair
 
     try:
         _check_sizes(tokens, max_new_tokens)
@@ -225,7 +225,7 @@ def coverage_command(
         models = {}
         for name in names:
             if name == "self-skip":
-                from ..bench.reproduce import registry_drafter
+                from ..bench.leviathan import registry_drafter
 
                 models[name] = registry_drafter("self-skip", target_model)().model
             else:
@@ -262,8 +262,8 @@ def steps_command(
 ):
     """Leviathan et al. Fig. 1: one generation step by step (drafted, accepted, rejected, the target's token)."""
     from ..bench.steps import step_rows, steps_html, steps_markdown
-    from ..generate import speculative_generate
-    from ..samplers import Sampler
+    from ..decoding.loop import speculative_generate
+    from ..core.samplers import Sampler
 
     try:
         if gamma < 1 or max_new_tokens < 1:

@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, _drafter_weights, DRAFTER_DTYPE_HELP, parse_bytes, _csv)
 
@@ -82,8 +82,8 @@ def serve(
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
-    from ..datastore import Datastore
-    from ..models import GGUF_WEIGHTS
+    from ..drafters.datastore import Datastore
+    from ..models.loading import GGUF_WEIGHTS
     from ..server.app import api_key_from, create_app
     from ..server.service import Limits
 
@@ -125,7 +125,7 @@ def serve(
 
 def _check_bounds(**values) -> None:
     """serve's numeric options, checked before minutes of loading (a SpecdecError naming the flag)."""
-    from ..generate import DRAFT_ROOM
+    from ..decoding.loop import DRAFT_ROOM
 
     lows = {"gamma_max": 1, "tree_nodes": 1, "max_batch": 1, "max_waiting": 1, "max_tokens": 1, "port": 0,
             "max_prompt_tokens": 1, "suffix_cache_tokens": 0, "max_connections": 1}
@@ -155,10 +155,10 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
     """The server's default method, checked: a --drafter that names no model (lookup, suffix,
     ngram, retrieval:DIR) or one that drafts its own way (parallel:DIR) is that method ->
     (method, whether no drafter model loads, datastore)."""
-    from ..methods import METHODS as REGISTRY, preset
-    from ..models import GGUF_WEIGHTS
+    from ..decoding.speculation import METHODS as REGISTRY, preset
+    from ..models.loading import GGUF_WEIGHTS
     from ..server.schema import METHODS
-    from ..spec import from_flags
+    from ..decoding.config import from_flags
 
     no_drafter = drafter in ("none", "")
     if not no_drafter and from_flags(drafter)["method"] != "chain":  # a drafter that is no model
@@ -195,8 +195,8 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
     progress = {} if progress is None else progress
 
     def load():
-        from ..models import load as load_model
-        from ..passcost import cache_path
+        from ..models.loading import load as load_model
+        from ..sizing.pass_costs import cache_path
         from ..server.schema import Speculation
         from ..server.service import Service
 
@@ -207,7 +207,7 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
         drafter_model = None if drafter is None else load_model(
             drafter, dtype=_drafter_weights(dtype, drafter, drafter_dtype, False), role="drafter", **common)
         if online:
-            from ..adapter import OnlineDistiller
+            from ..adapters.lora import OnlineDistiller
 
             OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
         service = Service(target_model, drafter_model, default=Speculation(None if method == "ar" else method,
@@ -231,8 +231,8 @@ def _cost_steps(target_model, drafter_model, method: str, max_batch: int, say) -
     """The service's costs to take from the cache or measure, by the `Service` field each fills ->
     {field: a function measuring it}."""
     from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
-    from ..methods import preset
-    from ..passcost import flat_rows, load_costs, pass_costs
+    from ..decoding.speculation import preset
+    from ..sizing.pass_costs import flat_rows, load_costs, pass_costs
 
     steps = {}  # each takes `should_stop` (`Service.measure_next`); only the long batched profile heeds it
     if drafter_model is not None:
@@ -327,7 +327,7 @@ def bench_serve_command(
     servers (--url NAME=URL ...) run interleaved, level by level."""
     from ..bench.concurrency import check_levels
     from ..bench.datasets import load_prompts, parse_dataset
-    from ..bench.serve import Server, bench_servers, render
+    from ..bench.serving import Server, bench_servers, render
 
     try:
         try:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 from .common import (app, err, _fail, _load, DRAFTER_DTYPE_HELP)
 
@@ -36,8 +36,8 @@ def train_heads(
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
 ):
     """Train self-drafting heads for a target (self-distillation: they learn what the target would say)."""
-    from ..training.eagle import EagleTrainConfig, train_eagle
-    from ..training.medusa import TrainConfig, train_medusa
+    from ..training.fit_eagle import EagleTrainConfig, train_eagle
+    from ..training.fit_medusa import TrainConfig, train_medusa
 
     try:
         if kind not in ("medusa", "eagle"):
@@ -102,7 +102,7 @@ def distill_drafter_command(
     """Distil a drafter towards a target (DistillSpec): a LoRA adapter on the drafter's layers,
     trained on the drafter's own samples scored by the target. Prints held-out acceptance before
     and after."""
-    from ..adapter import DistillConfig, distill_drafter
+    from ..adapters.lora import DistillConfig, distill_drafter
 
     try:
         if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
@@ -156,7 +156,7 @@ def train_parallel_drafter_command(
     """Adapt a drafter to propose k tokens in one pass (PARD): a mask token's embedding and a LoRA
     adapter, trained on text (no target runs). Prints held-out top-1 accuracy by draft position
     before and after."""
-    from ..training.parallel import ParallelConfig, train_parallel_drafter
+    from ..training.fit_parallel import ParallelConfig, train_parallel_drafter
 
     try:
         if corpus in ("humaneval", "spec-bench"):
@@ -198,8 +198,8 @@ def export_heads_command(
     dtype: str = typer.Option("auto", "--dtype", help="Target dtype: the exported head rows keep it."),
 ):
     """Write heads trained here in the layout another engine loads (vLLM's Medusa)."""
-    from ..export import check_format, export_heads
-    from ..training.medusa import load_heads
+    from ..adapters.export import check_format, export_heads
+    from ..training.fit_medusa import load_heads
 
     try:
         check_format(fmt)  # before minutes of loading
@@ -231,7 +231,7 @@ def export_command(
                               "parallel: the written weights' dtype (auto: the drafter's own config)."),
 ):
     """Write what was trained here in the layout vLLM 0.32 loads (docs/usage.md#export-to-vllm)."""
-    from ..export import check_kind
+    from ..adapters.export import check_kind
 
     try:
         check_kind(kind)  # before minutes of loading
@@ -241,15 +241,15 @@ def export_command(
         return export_heads_command(folder, out, "medusa", target, dtype)
     import torch
 
-    from ..export import check_trained_on, export_drafter, export_parallel, source_dtype
+    from ..adapters.export import check_trained_on, export_drafter, export_parallel, source_dtype
 
     try:
         if dtype not in ("auto", "bf16", "fp32", "fp16"):
             raise SpecdecError(f"--dtype {dtype} cannot be written: auto, bf16, fp32 or fp16")
         if kind == "drafter":
-            from ..adapter import load_adapter
+            from ..adapters.lora import load_adapter
         else:
-            from ..parallel import load_adapter
+            from ..adapters.pard import load_adapter
         checkpoint = load_adapter(folder)
         model = _load(checkpoint.info["drafter"], "fp32", "cpu", "drafter", vocab=0, kernels="stock")  # dense, whole head
         check_trained_on(model, checkpoint.info, folder)

@@ -2,7 +2,7 @@
 
 A drafter proposes up to n tokens after a context, with the distribution q each was drawn
 from (or None when the proposal is deterministic: q is then one-hot at each token, which keeps
-rejection sampling exact). The loop in `generate.py` knows nothing else about it.
+rejection sampling exact). The loop in `decoding/loop.py` knows nothing else about it.
 
 Tree drafters (sides.py, mixed.py, lookup_tree.py, suffix_tree.py, eagle2.py, sequoia.py,
 lookahead.py; self-drafting in medusa.py, eagle.py) propose a token tree
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from ..backends import Backend
 from ..errors import SpecdecError
-from ..schedules import AssumedCosts, TreeCost
-from ..trees import SCHEMES
+from ..sizing.schedules import AssumedCosts, TreeCost
+from ..core.trees import SCHEMES
 from .base import Draft, Drafter, KeepGoing
 from .cascade import CascadeDrafter
 from .eagle2 import Eagle2Drafter

@@ -9,14 +9,14 @@ from typing import Callable, Generator, Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler
-from ..trees import Draft  # the proposal type, chain or tree (a `trees.Tree` is one)
+from ..core.samplers import Sampler
+from ..core.trees import Draft  # the proposal type, chain or tree (a `trees.Tree` is one)
 
 # Called after each drafted token with how many are drafted so far and the drafter's own
 # (untempered) logits [V] for the last one, or a float (a model-free drafter's estimate of the
 # chance that the token is accepted, its parent accepted), or None (no estimate at all);
 # False stops the draft there. A drafter that knows its first token's chance before drafting
-# it may ask first with 0 drafted: False drafts nothing. Draft-length schedules (schedules.py)
+# it may ask first with 0 drafted: False drafts nothing. Draft-length schedules (sizing/schedules.py)
 # provide it.
 KeepGoing = Callable[[int, "torch.Tensor | float | None"], bool]
 

@@ -8,7 +8,7 @@ sampling draws it from the normalised counts q, and q goes to verification with 
 rejection sampling keeps the output exact.
 
 The default corpus is Python's standard library (the same as the drafter vocabulary's, in
-vocab.py): code, carried by every Python install, and disjoint from the benchmark prompts.
+models/vocab.py): code, carried by every Python install, and disjoint from the benchmark prompts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler, draw
+from ..core.samplers import Sampler, draw
 from .base import Capabilities, Draft, Drafter, KeepGoing
 
 
@@ -75,7 +75,7 @@ class BigramTable:
 def corpus_documents(corpus: str | Path | None) -> tuple[list[str], str]:
     """(texts, identity) of a bigram corpus: None for Python's standard library, a JSONL file
     (each row's 'text', 'prompt' or first of 'turns') or a plain text file."""
-    from ..vocab import corpus_texts, jsonl_rows
+    from ..models.vocab import corpus_texts, jsonl_rows
 
     if corpus is None or not str(corpus).endswith(".jsonl"):
         return corpus_texts(corpus)
@@ -101,7 +101,7 @@ _TABLES: dict[tuple, BigramTable] = {}  # tables by (tokenizer, vocabulary, corp
 
 def corpus_table(tokenizer, vocab_size: int, corpus: str | Path | None = None) -> BigramTable:
     """The bigram table of `corpus` (`corpus_documents`) under `tokenizer`, built once a process."""
-    from ..vocab import tokenizer_key
+    from ..models.vocab import tokenizer_key
 
     if tokenizer is None:
         raise SpecdecError("the bigram drafter counts its corpus with the target's tokenizer, and this target has "

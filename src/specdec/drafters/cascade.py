@@ -18,7 +18,7 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
-from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens, sample
+from ..core.samplers import CoupledGenerator, Sampler, draw, greedy_tokens, sample
 from .base import Capabilities, Draft, KeepGoing, Proposal
 from .lookup import find_continuation
 from .model import ModelDrafter

@@ -23,10 +23,10 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..training.distill import head_rows
-from ..training.eagle import Eagle, check_eagle_target, load_eagle
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree, tree_attention
+from ..training.fit_eagle import Eagle, check_eagle_target, load_eagle
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree, tree_attention
 from .base import Capabilities
 from .eagle2 import Eagle2Drafter
 from .nodes import Node

@@ -4,7 +4,7 @@ The tree grows one depth per drafter pass: the top-K nodes of the newest depth b
 product of the drafter's calibrated q along the path) are fed together under tree attention,
 and each gets its top-K tokens as children; then the best nodes of everything drafted are kept
 (reranking), as many as pay for their verification width (`TreeCost`). Deterministic (top-k
-siblings: one-hot laws), so exact under any sampler (verify.py).
+siblings: one-hot laws), so exact under any sampler (core/verify.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 from ..backends import Backend, Segment
 from ..errors import SpecdecError
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .nodes import Node
 from .tree_model import TreeModelDrafter
 

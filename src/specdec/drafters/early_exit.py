@@ -19,7 +19,7 @@ import torch
 
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
-from ..theory import optimal_gamma, walltime_improvement
+from ..sizing.theory import optimal_gamma, walltime_improvement
 from .layerskip import CALIBRATION, LayerSkipModel, _layers
 from .model import ModelDrafter
 

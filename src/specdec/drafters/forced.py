@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from ..samplers import Sampler
+from ..core.samplers import Sampler
 from .base import Capabilities, Draft, Drafter, KeepGoing
 
 

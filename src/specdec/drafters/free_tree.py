@@ -8,9 +8,9 @@ from typing import Sequence
 
 import torch
 
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .nodes import Node, to_tree
 
 

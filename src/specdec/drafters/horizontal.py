@@ -17,7 +17,7 @@ import torch
 
 from ..backends import Backend
 from ..errors import SpecdecError
-from ..samplers import Sampler
+from ..core.samplers import Sampler
 from .base import Capabilities, Draft, KeepGoing, Proposal
 from .cascade import STAGES
 from .lookup import find_continuation

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
-from ..theory import optimal_gamma, walltime_improvement
+from ..sizing.theory import optimal_gamma, walltime_improvement
 from .model import ModelDrafter
 
 CALIBRATION = '''def merge_intervals(intervals):

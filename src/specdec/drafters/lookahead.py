@@ -31,9 +31,9 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler
-from ..schedules import TreeCost, tried_nodes
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost, tried_nodes
+from ..core.trees import Tree
 from .base import Capabilities, Drafter
 from .nodes import Node, rank, to_tree
 
@@ -101,7 +101,7 @@ class LookaheadDrafter(Drafter):
         if assumed is not None:
             rows = self.policy.max_nodes if assumed.slope == 0 else int(OVERHEAD / assumed.slope + 1e-9)
         else:
-            from ..passcost import flat_rows
+            from ..sizing.pass_costs import flat_rows
 
             rows = flat_rows(target, OVERHEAD)
         self.shape = lookahead_shape(min(rows, self.policy.max_nodes))

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler
+from ..core.samplers import Sampler
 from .base import Capabilities, Draft, Drafter, KeepGoing
 
 

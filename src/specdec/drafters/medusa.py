@@ -10,7 +10,7 @@ trained on little text are not calibrated). Nodes join in falling value while th
 verification width (`TreeCost`), which also decides whether to draft at all.
 
 The tree is deterministic (no random draw of the drafter), so the one-hot verification law is
-exact under every sampler (verify.py), and greedy output is token-identical to greedy AR.
+exact under every sampler (core/verify.py), and greedy output is token-identical to greedy AR.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 
 from ..training.distill import head_rows
 from ..errors import SpecdecError
-from ..training.medusa import Heads, check_heads_target, load_heads
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..training.fit_medusa import Heads, check_heads_target, load_heads
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .base import Capabilities, Drafter
 from .nodes import Node, rank, to_tree
 

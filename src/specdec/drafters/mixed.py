@@ -9,9 +9,9 @@ from typing import Generator, Sequence
 import torch
 
 from ..backends import Backend, Segment
-from ..samplers import Sampler
-from ..schedules import FasterOf, TreeCost
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import FasterOf, TreeCost
+from ..core.trees import Tree
 from .base import Capabilities
 from .lookup_tree import LookupTreeDrafter
 from .nodes import Node, count_nodes, merge, prune, to_tree
@@ -25,7 +25,7 @@ class MixedDrafter(SidesDrafter):
 
     Lookup branches hang beside the model's chain (ranked after it) and merge into it where
     they agree, so a token drafted by both is scored once. Lookup nodes are deterministic (a
-    one-hot law), model nodes keep theirs: exact under any sampler (verify.py). A lookup node's
+    one-hot law), model nodes keep theirs: exact under any sampler (core/verify.py). A lookup node's
     value is its lookup estimate, from the acceptance of lookup's own nodes (a token both
     proposed counts for both; the model's acceptance does not lend lookup its rate); they join
     while they pay for their width, like the sides. When drafting does not pay the tree is

@@ -10,8 +10,8 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..backends.prompts import PREFILL_CHUNK
-from ..samplers import Sampler, draw, greedy_tokens
-from ..text import check_pair
+from ..core.samplers import Sampler, draw, greedy_tokens
+from ..backends.text import check_pair
 from .base import Capabilities, Draft, Drafter, KeepGoing, Proposal, drive
 
 
@@ -47,7 +47,7 @@ class ModelDrafter(Drafter):
         self._stand_in = stand_in_id(model.tokenizer)
 
     def check_target(self, target: Backend) -> None:
-        from ..adapter import check_adapter_target
+        from ..adapters.lora import check_adapter_target
 
         check_pair(target, self.model)
         check_adapter_target(self.model, target)

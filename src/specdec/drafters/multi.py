@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import CoupledGenerator, Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..core.samplers import CoupledGenerator, Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .base import Capabilities, Drafter, accept_draft, capabilities_of
 
 

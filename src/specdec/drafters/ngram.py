@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import Sampler, draw
+from ..core.samplers import Sampler, draw
 from .base import Capabilities, Draft, Drafter, KeepGoing
 
 Counts = dict[tuple[int, ...], dict[int, int]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..trees import Tree
+from ..core.trees import Tree
 
 
 class Node:
@@ -19,7 +19,7 @@ class Node:
         self.token, self.value, self.scheme, self.prob_row = token, value, scheme, prob_row
         self.q = q  # the drafter's probability of this token at its parent, where a drafter calibrates it
         # what decides whether the node joins the tree: its value, except for a sampled side,
-        # whose presence must not depend on its own token (verify.py: that would bias the output)
+        # whose presence must not depend on its own token (core/verify.py: that would bias the output)
         self.rank_value = value if rank_value is None else rank_value
         self.children: list[Node] = []
         self.ngram = 0  # for a node lookup proposed: the longest suffix match that proposed it

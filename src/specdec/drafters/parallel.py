@@ -1,4 +1,4 @@
-"""A parallel drafter (PARD): the drafter model proposes up to k tokens in one pass (parallel.py)."""
+"""A parallel drafter (PARD): the drafter model proposes up to k tokens in one pass (adapters/pard.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from ..backends import Segment
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
-from ..samplers import Sampler
+from ..core.samplers import Sampler
 from .base import Capabilities, Draft, KeepGoing, Proposal
 from .model import ModelDrafter
 
@@ -46,7 +46,7 @@ class ParallelDrafter(ModelDrafter):
                                "(`specdec train-parallel-drafter`)")
         super().__init__(model)
         self.k = int(k)
-        from ..parallel import mask_id
+        from ..adapters.pard import mask_id
 
         self.mask = mask_id(model)
         self.reached = [0] * (self.k - 1)  # per mask j (1 … k-1): its tokens the accepted prefix reached

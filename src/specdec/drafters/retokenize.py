@@ -28,7 +28,7 @@ import torch
 from ..backends import Backend
 from ..backends.cache import crop_cache
 from ..errors import SpecdecError
-from ..samplers import Sampler, draw, greedy_tokens, sample
+from ..core.samplers import Sampler, draw, greedy_tokens, sample
 from .base import Capabilities, Draft, Drafter, KeepGoing
 from .model import stand_in_id
 

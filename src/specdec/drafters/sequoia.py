@@ -5,7 +5,7 @@ positional acceptance model (a rank-r child is the accepted one with probability
 given its parent was), found by dynamic programming; its size is chosen for the measured pass
 costs and the per-rank acceptance is measured as the generation runs. The drafter model fills
 the shape in: a rank-r child is the r-th best token of the drafter's q at its parent.
-Deterministic (top-k siblings), so exact under any sampler (verify.py).
+Deterministic (top-k siblings), so exact under any sampler (core/verify.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 
 from ..backends import Backend, Segment
 from ..errors import SpecdecError
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .nodes import Node, rank, subtree
 from .tree_model import TreeModelDrafter
 
@@ -117,7 +117,7 @@ def sequoia_shape(acceptance: Sequence[float], max_nodes: int, max_depth: int) -
     not non-increasing in rank); ranks run below len(acceptance).
 
     Returns [(parent index, child rank)] per node (-1: the root), parents before children, depth
-    first with each node's rank-0 child first (trees.py's layout: the main chain is 0..D-1).
+    first with each node's rank-0 child first (core/trees.py's layout: the main chain is 0..D-1).
     Among trees of equal value the smallest is returned (no node of value 0 is added).
     """
     if not isinstance(max_nodes, int) or max_nodes < 0 or not isinstance(max_depth, int) or max_depth < 0:

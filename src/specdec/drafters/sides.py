@@ -16,9 +16,9 @@ import torch
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length
 from ..errors import SpecdecError
-from ..samplers import CoupledGenerator, Sampler, draw, greedy_tokens
-from ..schedules import TreeCost
-from ..trees import SCHEMES, Tree
+from ..core.samplers import CoupledGenerator, Sampler, draw, greedy_tokens
+from ..sizing.schedules import TreeCost
+from ..core.trees import SCHEMES, Tree
 from .base import Capabilities, drive
 from .model import ModelDrafter
 from .nodes import Node, closed, prune, to_tree

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..schedules import TreeCost, tried_nodes
-from ..trees import Tree
+from ..sizing.schedules import TreeCost, tried_nodes
+from ..core.trees import Tree
 from .base import Capabilities
 from .free_tree import ModelFreeTree
 from .nodes import Node, rank

@@ -13,9 +13,9 @@ import torch
 
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length
-from ..samplers import Sampler
-from ..schedules import TreeCost
-from ..trees import Tree
+from ..core.samplers import Sampler
+from ..sizing.schedules import TreeCost
+from ..core.trees import Tree
 from .base import Capabilities, drive
 from .model import ModelDrafter
 from .nodes import Node, to_tree

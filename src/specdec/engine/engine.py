@@ -19,17 +19,17 @@ from typing import Callable, Sequence
 
 from ..backends import Backend, Segment, features
 from ..errors import ModelFault, SpecdecError
-from .. import generate
+from ..decoding import loop as generate
 from ..backends.cache import cache_length, crop_cache
 from ..backends.slab import slab_capacity
 from ..drafters.base import capabilities_of, is_drafter, is_factory, most_nodes
-from ..generate import Decoding, GenerationResult
-from ..passcost import LoadCosts
-from ..penalties import LogitRules
-from ..samplers import GREEDY, Sampler, greedy_rows
-from ..schedules import Schedule
-from ..verify import verify_ragged
-from .policy import BatchCosts
+from ..decoding.loop import Decoding, GenerationResult
+from ..sizing.pass_costs import LoadCosts
+from ..core.penalties import LogitRules
+from ..core.samplers import GREEDY, Sampler, greedy_rows
+from ..sizing.schedules import Schedule
+from ..core.verify import verify_ragged
+from ..sizing.batch_policy import BatchCosts
 
 log = logging.getLogger("specdec.engine")
 
@@ -583,7 +583,7 @@ def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=Non
     count = len(prompts) * samples
     if seeds is not None and len(seeds) != count:
         raise SpecdecError(f"seeds: one per generated sequence ({count}), got {len(seeds)}")
-    from ..roles import check_roles
+    from ..models.roles import check_roles
 
     check_roles(target, drafter, allow_larger_drafter)
     engine = Engine(target, max_batch, kv_memory, load_costs=load_costs)

@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..penalties import LogitRules
+from ..core.penalties import LogitRules
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # choices per prompt
@@ -90,7 +90,7 @@ def _served_methods() -> tuple[str, ...]:
     """The names a request's `speculative.method` takes: every method and preset of the registry
     (`specdec methods`) but those where the target drafts for itself, which run one sequence at a
     time (the engine's batched passes keep no hidden states)."""
-    from ..methods import METHODS as REGISTRY, names, preset
+    from ..decoding.speculation import METHODS as REGISTRY, names, preset
 
     return tuple(name for name in names() if not REGISTRY[preset(name).method].self_drafting)
 
@@ -189,8 +189,8 @@ def _number(body: dict, name: str, default, low: float, high: float, low_open: b
 
 
 def _speculation(value, default: Speculation) -> Speculation:
-    from ..generate import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
-    from ..methods import preset
+    from ..decoding.loop import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
+    from ..decoding.speculation import preset
 
     if value is None:
         return default
@@ -336,7 +336,7 @@ def _message_calls(value, where: str) -> list[dict]:
 def _response_format(value):
     """`response_format` -> the output's grammar (`grammar.Grammar`; None: free text). Its
     structure is checked here; the schema itself against the model (`Service.constrain`)."""
-    from ..grammar import Grammar
+    from ..core.grammar import Grammar
 
     kinds = ("text", "json_object", "json_schema")
     if value is None:
@@ -534,7 +534,7 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
 
 def _rules(body: dict) -> LogitRules:
     """presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens and allowed_token_ids ->
-    `LogitRules` (applied to every position's logits, drafts included: penalties.py)."""
+    `LogitRules` (applied to every position's logits, drafts included: core/penalties.py)."""
     bias = body.get("logit_bias")
     if bias is None:
         bias = {}

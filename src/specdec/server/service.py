@@ -13,12 +13,12 @@ from typing import Callable
 from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
-from ..grammar import Grammar
-from ..methods import METHODS, Parts, build, gamma_means_fixed, preset
-from ..penalties import LogitRules
-from ..samplers import Sampler
-from ..spec import SpecConfig
-from ..text import token_bytes_reader
+from ..core.grammar import Grammar
+from ..decoding.speculation import METHODS, Parts, build, gamma_means_fixed, preset
+from ..core.penalties import LogitRules
+from ..core.samplers import Sampler
+from ..decoding.config import SpecConfig
+from ..backends.text import token_bytes_reader
 from .schema import BadRequest, Job, Speculation
 from .tools import call_grammar, template_message, template_offers_tools
 
@@ -133,7 +133,7 @@ class Service:
         pending or it stopped early. should_stop: asked between the sizes of a long measurement,
         which then yields (`passcost.Interrupted`) and goes on from there at the next call. A
         measurement that fails is logged and left out: its field keeps its default."""
-        from ..passcost import Interrupted
+        from ..sizing.pass_costs import Interrupted
 
         if not self.pending_costs:
             return None

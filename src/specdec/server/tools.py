@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from ..grammar import JSON_STYLE, Grammar
+from ..core.grammar import JSON_STYLE, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..engine import Engine, Request
 from ..errors import ModelFault, SpecdecError
-from ..generate import GenerationResult
+from ..decoding.loop import GenerationResult
 
 log = logging.getLogger("specdec.server")
 

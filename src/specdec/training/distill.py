@@ -1,5 +1,5 @@
 """What the trained drafting modules share (Medusa heads, medusa.py; the EAGLE drafter, eagle.py;
-a distilled drafter's adapter, adapter.py).
+a distilled drafter's adapter, adapters/lora.py).
 
 - The target's identity (`target_fingerprint`) and its frozen output head (`head_rows`).
 - The training data: a corpus's token ids and the target's final hidden states over it
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .. import registry
+from ..models import catalogue as registry
 from ..errors import SpecdecError
 
 FORMAT = 1
@@ -161,7 +161,7 @@ def read_checkpoint(folder: str | Path, kind: str, build: Callable[[dict], nn.Mo
 def corpus_ids(tokenizer, corpus: str) -> tuple[list[int], str]:
     """Token ids of a named corpus and its identity: "stdlib" (Python's standard library sources),
     "humaneval", "spec-bench", or a text file's path."""
-    from ..vocab import corpus_texts
+    from ..models.vocab import corpus_texts
 
     if corpus == "stdlib":
         texts, identity = corpus_texts(None)
@@ -230,7 +230,7 @@ def prepare(target, corpus: str | Sequence[int], out: Path, tokens: int, seq_len
     until the checkpoint is saved) and the scored sub-vocabulary (`vocab.frequent_ids`)."""
     from rich.progress import Progress
 
-    from ..vocab import frequent_ids
+    from ..models.vocab import frequent_ids
 
     if not hasattr(target, "_decoder"):
         raise SpecdecError(f"training needs the target's hidden states; {target.name} "

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from ..errors import SpecdecError
-from ..samplers import GREEDY
-from ..schedules import CostAware, WidthFit
+from ..core.samplers import GREEDY
+from ..sizing.schedules import CostAware, WidthFit
 
 KEY_TOKENS = 64  # prompt tokens that identify a request from call to call
 TAIL = 16  # and its latest tokens (requests with one prompt part where their outputs do)
@@ -288,7 +288,7 @@ class RetrievalProposer(Proposer):
     datastore: str | None = None
 
     def __init__(self, vllm_config):
-        from ..datastore import Datastore
+        from ..drafters.datastore import Datastore
 
         folder = self.datastore or os.environ.get("SPECDEC_DATASTORE")
         if not folder:

@@ -1,0 +1,257 @@
+"""Row-exact passes: every row of a multi-token pass computed bit for bit as a one-token pass would.
+
+Greedy speculative decoding is token-identical to greedy autoregressive decoding only if the target
+gives each position the same logits whether it scores that position alone (a decode step) or
+among the γ+1 rows of a verification pass. In floating point that is not automatic: kernels pick
+their blocking, their summation order, even their algorithm by the number of rows. Near-ties then
+flip (bf16 top-2 gaps of 0.01-0.04 were seen flipping on a Xeon). Measured with torch 2.13 (probe
+in tests/test_rows.py, `row_gap`):
+
+- linear layers: on an AVX512-BF16 EPYC (no AMX) a 1-row bf16 `F.linear` call differed from
+  every 2..160-row call (which agreed with each other, whatever the row's position); on an AMX
+  Xeon bf16 rows agree over 2..32-row calls and round otherwise from 33 rows on (2026-11-25, every
+  Qwen shape probed); oneDNN-packed fp32 gives equal rows for 2..32 rows and another result for 1.
+  So a row-exact pass makes GEMM calls of 2..32 rows only (`kernels.row_exact_calls`): 1-row
+  inputs as 2-row ones, wider ones cut (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
+  head in `TransformersModel._logits`);
+- attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see, a
+  multi-row pass runs another kernel path with a causal mask; fp32 rows differed by ~3e-7, bf16
+  rows by up to 3e-2. Here a row-exact pass runs attention one query row at a time, each over
+  exactly the keys its mask allows, through the very call a decode step makes — equal by
+  construction, whatever the kernel;
+- the output head: see `TransformersModel._logits` (fp32 packed head, or bf16 head with the top
+  candidates re-scored in fp32, both row-invariant).
+
+The prompt's prefill is not row-exact (attention one row at a time would cost a call per prompt
+token per layer): both decoding loops prefill `prompt[:-1]` by the same batched call and score
+the prompt's last token in a row-exact pass (`TransformersModel.prefill`).
+
+On CUDA, cuBLAS may pick a GEMM's kernel by the call's row count, and torch's reductions lay out
+their threads by it, so there a row-exact pass also makes every GEMM and norm call with a fixed
+number of rows (`kernels.CUDA_ROWS`, `kernels.fix_norm_rows`); measured in docs/kernels.md.
+
+One-query attention, the call every decode step and every row of a row-exact pass makes, runs
+with grouped-query heads packed (`one_query_attention`) in our own passes on CPU: transformers
+there asks sdpa for `enable_gqa`, which in bf16 took 10-14x as long (0.21 ms against 0.02 ms per
+layer at 128 keys, 2.6 ms against 0.18 ms at 2048, 12 heads over 2; measured with torch 2.13 on
+the AVX512-BF16 EPYC). Per row and per layer that is most of a long prompt's extra cost.
+Passes that are not ours (transformers' `generate` on the same model object) stay stock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import weakref
+
+import torch
+
+from ..errors import SpecdecError
+
+# None outside our passes, else whether the pass is row-exact
+_ROW_EXACT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("specdec_row_exact", default=None)
+PREFIX = "specdec_rows_"
+
+
+def row_exact_active() -> bool:
+    """True inside a row-exact pass (see `row_exact`)."""
+    return _ROW_EXACT.get() is True
+
+
+@contextlib.contextmanager
+def row_exact(enabled: bool = True):
+    """Marks a pass of ours: within this block, passes of models set up by `install_attention` are
+    row-exact if `enabled`, and run one-query attention with packed heads either way."""
+    token = _ROW_EXACT.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ROW_EXACT.reset(token)
+
+
+def install_attention(hf_model) -> str:
+    """Switch `hf_model` to an attention implementation that is row-exact inside `row_exact()`
+    (and packs grouped heads for one-query calls inside `row_exact(False)`), and exactly
+    transformers' own everywhere else (so transformers' `generate` on the same model object runs
+    as usual). Returns the implementation's name; raises SpecdecError where it cannot work."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    base = hf_model.config._attn_implementation
+    if base.startswith(PREFIX):
+        return base
+    if base not in ("sdpa", "eager"):
+        raise SpecdecError(f"row-exact passes need sdpa or eager attention, not {base!r}; pass exact_rows=False")
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        function = _model_eager_attention if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+        AttentionInterface.register(name, _our_attention(function, packs=base == "sdpa"))
+        AttentionMaskInterface.register(name, _materialized_mask(ALL_MASK_ATTENTION_FUNCTIONS[base]))
+    hf_model.set_attn_implementation(name)
+    return name
+
+
+def _model_eager_attention(module, *args, **kwargs):
+    """'eager' is no registered function: each model's file has its own (Gemma-2's soft-caps scores)."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
+
+
+def _materialized_mask(base):
+    """transformers' mask function, but in a row-exact pass always a full mask (never None, which
+    would hide which keys each row may see)."""
+    @functools.wraps(base)
+    def mask(*args, **kwargs):
+        if _ROW_EXACT.get():
+            kwargs["allow_is_causal_skip"] = False
+        return base(*args, **kwargs)
+    return mask
+
+
+def _our_attention(base, packs: bool):
+    def one_query(module, query, key, value, **kwargs):
+        if packs and query.device.type == "cpu" and not any(kwargs.get(name) for name in _EXTRAS):
+            return one_query_attention(query, key, value, kwargs.get("scaling"))
+        return base(module, query, key, value, None, **kwargs)[0]
+
+    @functools.wraps(base)
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        """query [B, heads, T, D], key/value [B, kv_heads, L, D] -> ([B, T, heads, D], None)."""
+        mode = _ROW_EXACT.get()
+        rows, keys = query.shape[2], key.shape[2]
+        if mode is None or (not mode and (rows > 1 or attention_mask is not None)):
+            return base(module, query, key, value, attention_mask, **kwargs)
+        if not mode:
+            return one_query(module, query, key, value, **kwargs), None
+        batch = _SEGMENTS.get()
+        if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
+            cache, parts = batch
+            keys_of, values_of = cache.layer(module.layer_idx)
+            return torch.cat([_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs)
+                              for i, (start, spans) in enumerate(parts)], dim=1), None
+        spans = key_spans(attention_mask, rows, keys)
+        if rows == 1 and spans[0] == slice(0, keys):
+            return one_query(module, query, key, value, **kwargs), None
+        return _rows(one_query, module, query, key, value, spans, 0, kwargs), None
+    return attention
+
+
+def _rows(one_query, module, query, key, value, spans, start: int, kwargs) -> torch.Tensor:
+    """Query rows start, start + 1, ... one at a time, row t over the keys `spans[t]`: [B, rows, heads, D]."""
+    outputs = []
+    for t, span in enumerate(spans):
+        if isinstance(span, slice):
+            k, v = key[:, :, span], value[:, :, span]
+        else:  # the same values in the same order as a gather: the same result, at a copy's cost
+            k, v = (torch.cat([x[:, :, run] for run in span], dim=2) for x in (key, value))
+        # no mask: exactly the call a decode step makes for this position
+        outputs.append(one_query(module, query[:, :, start + t:start + t + 1], k, v, **kwargs))
+    return torch.cat(outputs, dim=1)
+
+
+# inside a batched pass: (the pass's `backends.cache.SegmentedCache`, [(first row, key spans of
+# each row)] per sequence); None elsewhere
+_SEGMENTS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specdec_segments", default=None)
+
+
+@contextlib.contextmanager
+def segmented(cache, parts: list[tuple[int, list]]):
+    """Marks a row-exact pass over several sequences' rows: attention reads each sequence's keys
+    from `cache` (a `SegmentedCache`) and runs its rows one at a time over their spans, so every
+    row is computed as that sequence's own row-exact pass computes it."""
+    token = _SEGMENTS.set((cache, parts))
+    try:
+        with row_exact(True):
+            yield
+    finally:
+        _SEGMENTS.reset(token)
+
+
+# keyword arguments that, when set (not None or 0), change what sdpa computes beyond q, k, v and the
+# scale: such calls are left to transformers
+_EXTRAS = frozenset({"softcap", "position_bias", "s_aux", "sinks", "dropout"})
+
+
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        scale: float | None = None) -> torch.Tensor:
+    """Unmasked attention of one query position over all of `key`/`value`, grouped-query heads
+    packed as query rows of their key/value head (head h reads key/value head h // groups, as
+    transformers' `repeat_kv` lays them out).
+
+    query [B, heads, 1, D]; key, value [B, kv_heads, L, D] (heads a multiple of kv_heads).
+    Returns [B, 1, heads, Dv], the layout transformers' attention functions return.
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    if rows != 1 or heads % kv_heads:
+        raise SpecdecError(f"one-query attention takes 1 query row and heads a multiple of key/value heads, "
+                           f"not {rows} rows and {heads} over {kv_heads}")
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scale)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2)
+
+
+_spans_memo: dict[int, tuple[weakref.ref, list]] = {}
+
+
+def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | tuple[slice, ...]]:
+    """For each query row, the keys it may attend to: a slice when they are contiguous, else a
+    tuple of slices, their contiguous runs in order (a tree node sees the cache and the pending
+    tokens, one run, then its ancestors in the tree, which depth-first order mostly keeps
+    together; joining the runs' copies took a fifth of the time of a gather by index, ~3.8 ms
+    less per such row of a 1.5B target's pass at 300 keys). mask: [B, 1, rows, keys] boolean
+    (True = attend) or additive (0 = attend), the same for every batch row, or None (causal, the
+    queries being the last `rows` positions)."""
+    if mask is None:
+        return [slice(0, keys - rows + t + 1) for t in range(rows)]
+    memo = _spans_memo.get(id(mask))  # one mask serves every layer of a pass
+    if memo is not None and memo[0]() is mask:
+        return memo[1]
+    if mask.shape[0] > 1 and not bool((mask == mask[:1]).all()):
+        raise SpecdecError("row-exact passes need one attention mask for all sequences in the batch")
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    allowed = allowed.expand(rows, keys).cpu()
+    spans: list[slice | tuple[slice, ...]] = []
+    for row in allowed:
+        index = row.nonzero().squeeze(-1)
+        if index.numel() == 0:
+            raise SpecdecError("a query row may attend to no key at all")
+        lo, hi = int(index[0]), int(index[-1])
+        if hi - lo + 1 == index.numel():
+            spans.append(slice(lo, hi + 1))
+            continue
+        breaks = ((index[1:] - index[:-1]) != 1).nonzero().squeeze(-1).tolist()
+        starts = [lo] + [int(index[b + 1]) for b in breaks]
+        ends = [int(index[b]) + 1 for b in breaks] + [hi + 1]
+        spans.append(tuple(slice(a, b) for a, b in zip(starts, ends)))
+    _spans_memo.clear()
+    _spans_memo[id(mask)] = (weakref.ref(mask), spans)
+    return spans
+
+
+def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                      weight_row_norm: float) -> torch.Tensor:
+    """Re-score in fp32 every token that may be a row's true maximum, from bf16 head logits.
+
+    logits: [T, V] fp32 copies of a bf16 head's output (each entry the fp32 dot product rounded to
+        bf16: half a bf16 ulp of error, plus the kernel's fp32 summation error).
+    hidden: [T, H] the head's input; weight: [V, H] the head's weight (bf16).
+    weight_row_norm: max over vocabulary rows of ||weight[v]||₂ (bounds the summation error).
+    Returns logits [T, V] where every token within a safe margin of the row's maximum holds its
+    fp32 dot product (products of bf16 values are exact in fp32; summed row by row here, the same
+    way for a row whatever the pass it came from), and the rest their bf16 value. The greedy choice
+    is thus the fp32 head's, at half the bytes an fp32 copy of the head would read.
+    """
+    out = logits.clone()
+    top = logits.max(-1).values  # [T]
+    _, exponent = torch.frexp(top.abs().clamp_min(1e-30))
+    # 4 bf16 ulps of the maximum (rounding of both values, generously) plus a worst-case bound on
+    # fp32 summation error, (H−1)·2⁻²⁴·||h||·||w|| for each of the two values
+    size = hidden.shape[-1]
+    sum_error = 2 * size * 2.0 ** -24 * hidden.float().norm(dim=-1) * weight_row_norm
+    margin = torch.ldexp(torch.ones_like(top), exponent - 6) + sum_error
+    for t in range(logits.shape[0]):
+        candidates = (logits[t] >= top[t] - margin[t]).nonzero().squeeze(-1)
+        out[t, candidates] = (weight[candidates].float() * hidden[t].float()).sum(-1)
+    return out

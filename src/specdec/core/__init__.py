@@ -1,0 +1,3 @@
+"""The pure rules: samplers, token trees, verification (every acceptance rule), logit
+penalties, logprobs and grammar masks. Tensors in, tensors out; no models, no state.
+"""

@@ -1,0 +1,2 @@
+"""What a person sees: the interactive chat session and the coloured step display.
+"""
