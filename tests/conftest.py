@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, load
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.backends import transformers as transformers_backend
 from specdec.backends.kernels import bf16_rows_exact
 

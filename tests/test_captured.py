@@ -155,7 +155,7 @@ def test_load_refuses_captured_passes_off_cuda_before_loading_weights():
     from typer.testing import CliRunner
 
     from specdec.cli import app
-    from specdec.models.loading.loading import load
+    from specdec.models.loading import load
 
     with pytest.raises(SpecdecError, match="needs a CUDA device, not cpu"):
         load("no-such-model", device="cpu", kernels="captured")

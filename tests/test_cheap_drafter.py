@@ -12,7 +12,7 @@ from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
 from specdec.backends.kernels import (Int8Linear, int8_fits, int8_supported, pack_linears, packed_bf16_supported, quantize_int8,
                              quantize_linears)
-from specdec.models.loading.vocab import count_tokens, frequent_ids, rank_ids, token_counts
+from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specdec import SpecdecError
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.cli import app
 
 from conftest import bf16_rows

@@ -158,7 +158,7 @@ def test_the_cli_builds_a_datastore_and_generate_drafts_from_it(tmp_path):
     output identical to AR, drafts taken from the corpus."""
     from typer.testing import CliRunner
 
-    from specdec.models.loading import catalogue as registry
+    from specdec.models import catalogue as registry
     from specdec.cli import app
 
     if not registry.is_installed("smollm2-135m"):

@@ -6,7 +6,7 @@ import random
 import pytest
 from rich.console import Console
 
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.ui.display import StepPrinter
 from specdec.decoding.loop import Step
 

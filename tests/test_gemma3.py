@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 
 from conftest import bf16_rows
 

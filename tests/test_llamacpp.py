@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.errors import SpecdecError
-from specdec.models.loading.loading import load
+from specdec.models.loading import load
 
 NEEDS_LLAMA = pytest.mark.skipif(
     "llama_cpp" not in sys.modules and __import__("importlib").util.find_spec("llama_cpp") is None,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, Sampler, SpecdecError, autoregressive_generate, check_pair
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec import speculative_generate
 from specdec.drafters import ModelDrafter
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specdec import TransformersModel, SpecdecError, autoregressive_generate, load, speculative_generate
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.backends.kernels import PackedLinear
-from specdec.models.loading.loading import cpu_has_native_bf16, resolve_dtype
+from specdec.models.loading import cpu_has_native_bf16, resolve_dtype
 
 from conftest import TEST_DEVICE, tiny_model
 from specdec.backends.cache import cache_length, crop_cache

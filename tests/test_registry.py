@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from specdec import SpecdecError, load
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 
 PAYLOAD = b"GGUF fake weights for the registry tests"
 FAKE = registry.ModelSpec(name="fake-model", description="a fake for tests", packages=("fake-part1==1.0",),

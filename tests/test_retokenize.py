@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec import Sampler, autoregressive_generate, load, speculative_generate
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.drafters import Draft, OtherTokenizerDrafter
 from specdec.backends.text import pair_mode
 

@@ -282,7 +282,7 @@ def test_gamma_with_a_preset_that_names_its_own_sizing_bounds_it_and_keeps_it():
 def test_a_multi_draft_drafter_is_checked_member_by_member():
     from specdec.drafters import ModelDrafter
     from specdec.drafters.multi import MultiDrafter
-    from specdec.models.loading.roles import check_roles
+    from specdec.models.roles import check_roles
 
     target = tiny_model(0, vocab=16, role="drafter")
     swapped = tiny_model(1, vocab=16, layers=1, role="target")

@@ -148,7 +148,7 @@ def _saved_t5(directory) -> Seq2SeqModel:
 
 def test_a_saved_encoder_decoder_loads_with_its_tokenizer_and_load_points_to_it(tmp_path):
     from specdec import load
-    from specdec.models.loading.loading import load_seq2seq
+    from specdec.models.loading import load_seq2seq
 
     original = _saved_t5(tmp_path)
     loaded = load_seq2seq(tmp_path)

@@ -169,7 +169,7 @@ def test_retrieval_requests_draft_from_the_servers_datastore(tmp_path):
     """A datastore holding the answer to a prompt: retrieval drafts it, the answer stays the target's;
     a server without a datastore refuses the method with a 400 naming the field."""
     from specdec.drafters.datastore import Datastore, build
-    from specdec.models.loading.vocab import tokenizer_key
+    from specdec.models.vocab import tokenizer_key
 
     target = tiny_model(0, exact_rows=True, name=NAME)
     target.tokenizer = _IdTokenizer()
@@ -745,8 +745,8 @@ def test_real_chat_streams_at_once_equal_ar_alone_token_for_token(default_pair):
     """The default pair (bf16 row-exact target, int8 drafter): 8 clients stream chat completions
     at once, half under the default method and half drafting trees; each text is the target's AR
     output alone, and the speculation of the whole run shows in /metrics."""
-    from specdec.models.loading.loading import load
-    from specdec.models.loading import catalogue as registry
+    from specdec.models.loading import load
+    from specdec.models import catalogue as registry
 
     target = default_pair[0]  # row-exact, as the server loads it
     drafter = load(registry.DEFAULT_DRAFTER, device="cpu", role="drafter", exact_rows=True)

@@ -355,7 +355,7 @@ def test_text_with_stray_and_split_bytes_streams_the_whole_decode(seed):
 def _real_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from specdec.models.loading import catalogue as registry
+    from specdec.models import catalogue as registry
 
     if not registry.is_installed(name):
         pytest.skip(f"{name} is not installed (run `make models`)")

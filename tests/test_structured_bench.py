@@ -167,7 +167,7 @@ def test_the_bench_runs_json_tasks_constrained_valid_and_identical(need_smollm2)
 
 @pytest.fixture(scope="module")
 def need_smollm2():
-    from specdec.models.loading import catalogue as registry
+    from specdec.models import catalogue as registry
 
     if not registry.is_installed("smollm2-135m"):
         pytest.skip("smollm2-135m is not installed (run `make models`)")

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from specdec.models.loading import catalogue as registry
+from specdec.models import catalogue as registry
 from specdec.bench.vllm_peer import vllm_python, worker_env
 
 from test_vllm import needs_vllm
@@ -142,7 +142,7 @@ def test_an_exported_distilled_drafter_drafts_in_vllm_as_ours_does(smollm2, prom
     """Acceptance of the exported drafter in vLLM within 10% of ours with the same drafter."""
     from specdec.adapters.lora import DistillConfig, distill_drafter, load_adapter
     from specdec.adapters.export import export_drafter
-    from specdec.models.loading.loading import load
+    from specdec.models.loading import load
 
     drafter = load(str(_drafter_folder(smollm2, tmp_path)), dtype="fp32", device="cpu", role="drafter",
                    kernels="stock", vocab=0)
@@ -164,7 +164,7 @@ def test_an_exported_parallel_drafter_in_vllm(smollm2, prompts, plain, corpus, t
     """vLLM's draft_model with parallel_drafting, the mask id from the exported config; where
     vLLM's CPU build cannot run it, the test skips with vLLM's own error."""
     from specdec.adapters.export import export_parallel
-    from specdec.models.loading.loading import load
+    from specdec.models.loading import load
     from specdec.adapters.pard import load_adapter
     from specdec.training.fit_parallel import ParallelConfig, train_parallel_drafter
 
