@@ -7,7 +7,9 @@ import torch
 from conftest import tiny_model
 from specdec import SpecdecError, TransformersModel
 from specdec.bench.measure import measure_alpha
-from specdec.decoding.loop import GenerationStats, chain_beta, speculative_generate
+from specdec.decoding.results import GenerationStats
+from specdec.decoding.verifier import chain_beta
+from specdec.decoding.loop import speculative_generate
 from specdec.core.samplers import GREEDY, Sampler
 from specdec.sizing.theory import (alpha_from_tokens, arithmetic_increase, expected_tokens, optimal_gamma,
                             oracle_walltime_improvement, rule_of_thumb_gamma, rule_of_thumb_speedup, trace_speedup,

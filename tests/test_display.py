@@ -8,7 +8,7 @@ from rich.console import Console
 
 from specdec.models import catalogue as registry
 from specdec.ui.display import StepPrinter
-from specdec.decoding.loop import Step
+from specdec.decoding.results import Step
 
 TEXT = "Café naïve façade — über Straße 😀🎉 日本語 👩‍👩‍👧 ok. ñ"
 

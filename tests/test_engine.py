@@ -219,7 +219,7 @@ def test_a_failed_batched_drafter_pass_is_made_again_one_sequence_at_a_time(pair
 
 
 def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(pair, monkeypatch):
-    from specdec.decoding.loop import Decoding
+    from specdec.decoding.sequence import Decoding
 
     target, _, other = pair
     prompts = _prompts()
@@ -339,7 +339,7 @@ def test_an_int8_drafter_batches_only_where_its_rounding_cannot_change_an_output
 def test_a_long_prompt_is_fed_a_chunk_a_step_while_the_others_decode(pair, monkeypatch):
     import specdec.decoding.loop
 
-    monkeypatch.setattr(specdec.decoding.loop, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(specdec.decoding.sequence, "PREFILL_CHUNK", 8)
     target, same, _ = pair
     short, long = _ids(5, VOCAB, 40), _ids(41, VOCAB, 41)
     reference = [autoregressive_generate(p, target, max_new_tokens=12, eos_token_ids=[]).tokens for p in (short, long)]

@@ -159,7 +159,7 @@ def test_lenience_is_validated_and_greedy_output_ignores_it(tiny_pair):
 
 def test_greedy_runs_with_lenience_below_one_are_not_labelled_lossy():
     from specdec.ui.display import summary_line
-    from specdec.decoding.loop import GenerationStats
+    from specdec.decoding.results import GenerationStats
 
     greedy = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=True)
     sampled = GenerationStats(new_tokens=4, wall_seconds=1.0, lenience=0.5, greedy=False)

@@ -276,7 +276,7 @@ def test_the_prompt_cache_takes_whole_feeding_calls_and_stays_exact(gguf_pair, g
     prompt that shares 300 ids, none for one that differs in its first chunk. Every output, with
     the target's log-probabilities, equals a cache-free model's."""
     from specdec import autoregressive_generate
-    from specdec.decoding.loop import PREFILL_CHUNK
+    from specdec.backends.prompts import PREFILL_CHUNK
 
     single, _ = gguf_pair
     cached, _ = gguf_batched  # its target keeps finished prompts
@@ -303,7 +303,7 @@ def test_compaction_keeps_a_kept_prompt(gguf_pair, gguf_batched):
     spare stream), so a later request still finds all of it, and its output stays exact."""
     from specdec import autoregressive_generate
     from specdec.backends import Segment
-    from specdec.decoding.loop import PREFILL_CHUNK
+    from specdec.backends.prompts import PREFILL_CHUNK
 
     single, _ = gguf_pair
     cached, _ = gguf_batched

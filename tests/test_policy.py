@@ -7,7 +7,7 @@ import torch
 from specdec import Sampler
 from specdec.sizing.batch_policy import JOIN_DECAY, BatchCosts
 from specdec.sizing.pass_costs import LoadCosts
-from specdec.decoding.loop import Decoding
+from specdec.decoding.sequence import Decoding
 from specdec.sizing.schedules import CostAware, TreeCost
 
 from conftest import tiny_model

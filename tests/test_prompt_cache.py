@@ -12,7 +12,7 @@ from specdec import SpecdecError, autoregressive_generate, speculative_generate
 from specdec.backends.cache import cache_length
 from specdec.backends.prompts import Held, reusable
 from specdec.engine import generate_many
-from specdec.decoding.loop import PREFILL_CHUNK
+from specdec.backends.prompts import PREFILL_CHUNK
 from specdec.server.service import Limits, Service
 
 from conftest import tiny_model

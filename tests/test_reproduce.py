@@ -17,7 +17,7 @@ from specdec.bench.leviathan import (Continuations, CountsScorer, ModelScorer, P
 from specdec.bench.steps import step_rows, steps_html, steps_markdown
 from specdec.drafters import LookupDrafter
 from specdec.drafters.bigram import BigramDrafter, BigramTable
-from specdec.decoding.loop import Step
+from specdec.decoding.results import Step
 
 from conftest import TableModel, tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint

@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from specdec import Sampler
 from specdec.cli import app as cli
-from specdec.decoding.loop import Decoding, autoregressive_generate
+from specdec.decoding.sequence import Decoding
+from specdec.decoding.loop import autoregressive_generate
 from specdec.sizing.schedules import AssumedCosts
 from specdec.errors import SpecdecError
 from specdec.server.app import create_app

@@ -20,7 +20,8 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.errors import ModelFault
-from specdec.decoding.loop import Decoding, autoregressive_generate
+from specdec.decoding.sequence import Decoding
+from specdec.decoding.loop import autoregressive_generate
 from specdec.core.penalties import LogitRules
 from specdec.sizing.schedules import AssumedCosts
 from specdec.server.service import Limits, Service

@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specdec.decoding import loop as generate
+from specdec.decoding import sequence as generate
 from specdec.backends.prompts import Held, PromptStore
 from specdec.backends.slab import SLAB_MIN, SlabLayer, slab_capacity
 from specdec.cli import app as cli

@@ -412,7 +412,7 @@ def test_one_draft_length_policy_for_chains_and_trees():
     """The loop drives one policy: a chain's schedule, or a tree drafter's own TreeCost (no
     fixed schedule standing in as the tree's depth bound); `gamma`, where given, is that bound."""
     from specdec.drafters import SidesDrafter
-    from specdec.decoding.loop import Decoding
+    from specdec.decoding.sequence import Decoding
     from specdec.sizing.schedules import Fixed, TreeCost
 
     target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)

@@ -13,8 +13,8 @@ _os.environ.update(OWN_ENV)
 
 from .engine import Engine, Request, generate_many
 from .errors import SpecdecError
-from .decoding.loop import (GenerationResult, GenerationStats, Step, autoregressive_generate, speculative_generate,
-                       speculative_generate_encoder_decoder)
+from .decoding.loop import autoregressive_generate, speculative_generate, speculative_generate_encoder_decoder
+from .decoding.results import GenerationResult, GenerationStats, Step
 from .decoding.beam import beam_search_generate, speculative_beam_search
 from .backends import Backend
 from .backends.seq2seq import Seq2SeqModel

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..backends import Backend
-from ..decoding.loop import GenerationStats
+from ..decoding.results import GenerationStats
 from ..sizing.pass_costs import batch_pass_seconds, machine
 from .forward_cost import forward_ms
 

@@ -17,7 +17,8 @@ from ..backends.transformers import TransformersModel
 from ..decoding.beam import beam_search_generate, speculative_beam_search
 from ..training.fit_eagle import load_eagle
 from ..errors import SpecdecError
-from ..decoding.loop import autoregressive_generate, seed_pins_drafts, speculative_generate
+from ..decoding.loop import autoregressive_generate, speculative_generate
+from ..decoding.sequence import seed_pins_drafts
 from ..core.grammar import Grammar
 from ..training.fit_medusa import load_heads
 from ..decoding.speculation import Parts, build, lenient_preset, names, preset, summary

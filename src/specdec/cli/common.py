@@ -164,7 +164,7 @@ def spec_config(method: str, drafter: str | None, tree: str = "off", cascade: st
 
 
 def _seed_pins(seed, sampler, config) -> bool:
-    from ..decoding.loop import seed_pins_drafts
+    from ..decoding.sequence import seed_pins_drafts
 
     return seed_pins_drafts(seed, sampler, config.effective_lenience(), config.typical(), config.seed_rule)
 

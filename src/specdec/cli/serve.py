@@ -125,7 +125,7 @@ def serve(
 
 def _check_bounds(**values) -> None:
     """serve's numeric options, checked before minutes of loading (a SpecdecError naming the flag)."""
-    from ..decoding.loop import DRAFT_ROOM
+    from ..decoding.sequence import DRAFT_ROOM
 
     lows = {"gamma_max": 1, "tree_nodes": 1, "max_batch": 1, "max_waiting": 1, "max_tokens": 1, "port": 0,
             "max_prompt_tokens": 1, "suffix_cache_tokens": 0, "max_connections": 1}

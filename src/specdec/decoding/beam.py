@@ -24,7 +24,8 @@ from ..backends import Backend, Segment
 from ..backends.cache import cache_length, compact_cache
 from ..drafters.base import accept_draft
 from ..errors import SpecdecError
-from .loop import GenerationResult, GenerationStats, _timed, _validate
+from .results import GenerationResult, GenerationStats
+from .sequence import _timed, _validate
 from ..core.samplers import GREEDY
 from ..core.trees import Tree, input_parents
 

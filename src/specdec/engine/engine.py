@@ -19,11 +19,12 @@ from typing import Callable, Sequence
 
 from ..backends import Backend, Segment, features
 from ..errors import ModelFault, SpecdecError
-from ..decoding import loop as generate
+from ..decoding import sequence as generate
 from ..backends.cache import cache_length, crop_cache
 from ..backends.slab import slab_capacity
 from ..drafters.base import capabilities_of, is_drafter, is_factory, most_nodes
-from ..decoding.loop import Decoding, GenerationResult
+from ..decoding.sequence import Decoding
+from ..decoding.results import GenerationResult
 from ..sizing.pass_costs import LoadCosts
 from ..core.penalties import LogitRules
 from ..core.samplers import GREEDY, Sampler, greedy_rows

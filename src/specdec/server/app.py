@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from ..errors import ModelFault, SpecdecError
-from ..decoding.loop import GenerationResult
+from ..decoding.results import GenerationResult
 from .metrics import Metrics, speculation_usage
 from .schema import BadRequest, Job, parse_body, parse_job
 from .service import Service
@@ -612,7 +612,7 @@ class _Run:
     def _settle(self, i: int, result: GenerationResult | None) -> None:
         """A choice ended (result None: cut at a stop string; its tokens so far count)."""
         if result is None:
-            from ..decoding.loop import GenerationStats
+            from ..decoding.results import GenerationStats
 
             result = GenerationResult(self.texts[i].ids, [], GenerationStats(), "stop")
         self.results[i] = result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..decoding.loop import GenerationResult
+from ..decoding.results import GenerationResult
 
 PREFIX = "specdec:"
 LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

@@ -189,7 +189,7 @@ def _number(body: dict, name: str, default, low: float, high: float, low_open: b
 
 
 def _speculation(value, default: Speculation) -> Speculation:
-    from ..decoding.loop import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
+    from ..decoding.sequence import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
     from ..decoding.speculation import preset
 
     if value is None:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..engine import Engine, Request
 from ..errors import ModelFault, SpecdecError
-from ..decoding.loop import GenerationResult
+from ..decoding.results import GenerationResult
 
 log = logging.getLogger("specdec.server")
 

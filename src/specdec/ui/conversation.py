@@ -13,7 +13,8 @@ from rich.console import Console
 from ..backends import Backend
 from .display import DebugPrinter, StepPrinter, summary_line
 from ..errors import SpecdecError
-from ..decoding.loop import GenerationStats, autoregressive_generate, speculative_generate
+from ..decoding.results import GenerationStats
+from ..decoding.loop import autoregressive_generate, speculative_generate
 from ..decoding.speculation import Parts, Speculation, build, from_options, open_files
 from ..sizing.pass_costs import pass_costs
 from ..core.samplers import Sampler

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..backends import Backend
-from ..decoding.loop import GenerationStats, Step
+from ..decoding.results import GenerationStats, Step
 
 STYLES = {"accepted": "green", "rejected": "red strike", "resampled": "bold blue", "bonus": "bold cyan",
           "target": ""}
