@@ -22,8 +22,8 @@ import torch
 
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
-from ..training.distill import head_rows
-from ..training.fit_eagle import Eagle, check_eagle_target, load_eagle
+from ..adapters.checkpoints import head_rows
+from ..adapters.eagle_layer import Eagle, check_eagle_target, load_eagle
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree, tree_attention

@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from ..training.distill import head_rows
+from ..adapters.checkpoints import head_rows
 from ..errors import SpecdecError
-from ..training.fit_medusa import Heads, check_heads_target, load_heads
+from ..adapters.medusa_heads import Heads, check_heads_target, load_heads
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
