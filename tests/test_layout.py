@@ -1,5 +1,6 @@
 """The code's layout: no import cycles in src/, and every backend satisfies the `Backend` protocol;
-only cli/ imports training/; no module base name twice.
+only cli/ imports training/; no module base name twice; the source narrates no history, and its
+pointers into the docs resolve.
 
 The checks read the source (ast, text), so they hold for the llama.cpp backend without its extra.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from pathlib import Path
 
@@ -271,3 +273,32 @@ def test_the_base_name_check_finds_a_doubled_name(tmp_path):
         (tmp_path / folder / "parallel.py").write_text("")
     (tmp_path / "a" / "only.py").write_text("")
     assert duplicate_base_names(tmp_path) == {"parallel": ["a/parallel.py", "b/parallel.py"]}
+
+
+HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bissue \d+")
+DOCS_CITED = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def narrated_history(root: Path = SRC) -> list[str]:
+    """`path:line` of every date or "issue N" in the source: measurements and their history belong
+    in the docs, which the code points to (docs/PAGE.md#heading)."""
+    return [f"{path.relative_to(root).as_posix()}:{number}" for path in sorted(root.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_the_source_narrates_no_history_and_its_docs_pointers_resolve():
+    from test_docs import anchors
+
+    assert narrated_history() == []
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    cited = {match.groups() for path in SRC.rglob("*.py") for match in DOCS_CITED.finditer(path.read_text())}
+    assert ("kernels.md", "packed-bf16-linears") in cited
+    broken = sorted(f"{page}#{anchor}" if anchor else page for page, anchor in cited
+                    if not (docs / page).is_file() or (anchor and anchor not in anchors(docs / page)))
+    assert broken == []
+
+
+def test_the_history_check_finds_a_date_and_an_issue(tmp_path):
+    (tmp_path / "a.py").write_text('"""Fast."""\n# was 191 ms on 2026-11-29\n')
+    (tmp_path / "b.py").write_text("x = 1  # issue 47 measured it\ny = 2  # tissue 5 is no issue\n")
+    assert narrated_history(tmp_path) == ["a.py:2", "b.py:1"]
