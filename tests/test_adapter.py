@@ -1,12 +1,13 @@
-"""Drafter distillation (adapters/lora.py): the divergences, the adapter, offline and online training,
+"""Drafter distillation (adapters/lora.py, training/fit_distilled.py): the divergences, the adapter, offline and online training,
 and that a distilled drafter leaves the output exact."""
 
 import pytest
 import torch
 
 from specdec import Sampler, autoregressive_generate, speculative_generate
-from specdec.adapters.lora import (DistillConfig, DraftAdapter, OnlineDistiller, adapted_layers, agreement, attach,
-                             distill_drafter, divergence, hooked, load_adapter, load_distilled)
+from specdec.adapters.lora import (DraftAdapter, OnlineDistiller, adapted_layers, agreement, attach, divergence, hooked,
+                                   load_adapter, load_distilled)
+from specdec.training.fit_distilled import DistillConfig, distill_drafter
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
 

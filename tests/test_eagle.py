@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from specdec import Sampler, autoregressive_generate, speculative_generate
-from specdec.training.distill import head_rows, target_fingerprint
+from specdec.adapters.checkpoints import head_rows, target_fingerprint
 from specdec.drafters.eagle import EagleDrafter
-from specdec.training.fit_eagle import Eagle, EagleLayer, EagleShape, EagleTrainConfig, load_eagle, save_eagle, train_eagle
+from specdec.adapters.eagle_layer import Eagle, EagleLayer, EagleShape, load_eagle, save_eagle
+from specdec.training.fit_eagle import EagleTrainConfig, train_eagle
 from specdec.errors import SpecdecError
-from specdec.training.fit_medusa import save_heads
+from specdec.adapters.medusa_heads import save_heads
 
 from conftest import tiny_model
 from test_sampling_exactness import ALPHA, chi_square_pvalue

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from specdec.cli import app
-from specdec.training.distill import head_rows
+from specdec.adapters.checkpoints import head_rows
 from specdec.errors import SpecdecError
 from specdec.adapters.export import export_heads
-from specdec.training.fit_medusa import Heads
+from specdec.adapters.medusa_heads import Heads
 
 from conftest import tiny_model
 from test_self_drafting import _random_heads

@@ -1,12 +1,15 @@
-"""The code's layout: no import cycles in src/, and every backend satisfies the `Backend` protocol.
+"""The code's layout: no import cycles in src/, and every backend satisfies the `Backend` protocol;
+only cli/ imports training/; no module base name twice; the source narrates no history, and its
+pointers into the docs resolve.
 
-Both checks read the source (ast), so they hold for the llama.cpp backend without its extra.
+The checks read the source (ast, text), so they hold for the llama.cpp backend without its extra.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from pathlib import Path
 
@@ -219,3 +222,83 @@ def test_a_built_wheel_carries_the_package_its_data_and_both_commands(tmp_path):
     assert found.returncode == 0, found.stderr
     where, count = found.stdout.split()
     assert Path(where).is_relative_to(installed) and int(count) == 6
+
+
+def importers_of(graph: dict[str, set[str]], package: str, allowed: tuple[str, ...]) -> list[str]:
+    """The modules outside `package` and the `allowed` packages that import from `package`, sorted."""
+    def inside(name: str, prefix: str) -> bool:
+        return name == prefix or name.startswith(prefix + ".")
+
+    return sorted(name for name, edges in graph.items()
+                  if not any(inside(name, p) for p in (package, *allowed)) and any(inside(e, package) for e in edges))
+
+
+def test_only_the_training_commands_import_training():
+    """training/ holds the fit loops; what runs a trained module (adapters/) never imports them."""
+    graph = import_graph()
+    assert any(e.startswith("specdec.training.") for e in graph["specdec.cli.training"])
+    assert importers_of(graph, "specdec.training", ("specdec.cli",)) == []
+
+
+def test_the_training_import_check_finds_a_run_time_importer(tmp_path):
+    for folder in ("training", "cli", "adapters"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "training" / "fit.py").write_text("from ..adapters.heads import Heads\n")
+    (tmp_path / "cli" / "train.py").write_text("from ..training.fit import train\n")
+    (tmp_path / "adapters" / "heads.py").write_text("def load():\n    from ..training import fit\n")
+    graph = import_graph(tmp_path)
+    assert importers_of(graph, "specdec.training", ("specdec.cli",)) == ["specdec.adapters.heads"]
+
+
+def duplicate_base_names(root: Path = SRC) -> dict[str, list[str]]:
+    """{base name: its modules} for every module base name (`__init__` aside) found more than once."""
+    places: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.stem != "__init__":
+            places.setdefault(path.stem, []).append(path.relative_to(root).as_posix())
+    return {name: where for name, where in places.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_base_name_and_the_top_level_is_small():
+    assert duplicate_base_names() == {}
+    top_level = sorted(p.name for p in SRC.glob("*.py"))
+    assert "errors.py" in top_level and len(top_level) <= 6, top_level
+
+
+def test_the_base_name_check_finds_a_doubled_name(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "parallel.py").write_text("")
+    (tmp_path / "a" / "only.py").write_text("")
+    assert duplicate_base_names(tmp_path) == {"parallel": ["a/parallel.py", "b/parallel.py"]}
+
+
+HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bissue \d+")
+DOCS_CITED = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def narrated_history(root: Path = SRC) -> list[str]:
+    """`path:line` of every date or "issue N" in the source: measurements and their history belong
+    in the docs, which the code points to (docs/PAGE.md#heading)."""
+    return [f"{path.relative_to(root).as_posix()}:{number}" for path in sorted(root.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_the_source_narrates_no_history_and_its_docs_pointers_resolve():
+    from test_docs import anchors
+
+    assert narrated_history() == []
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    cited = {match.groups() for path in SRC.rglob("*.py") for match in DOCS_CITED.finditer(path.read_text())}
+    assert ("kernels.md", "packed-bf16-linears") in cited
+    broken = sorted(f"{page}#{anchor}" if anchor else page for page, anchor in cited
+                    if not (docs / page).is_file() or (anchor and anchor not in anchors(docs / page)))
+    assert broken == []
+
+
+def test_the_history_check_finds_a_date_and_an_issue(tmp_path):
+    (tmp_path / "a.py").write_text('"""Fast."""\n# was 191 ms on 2026-11-29\n')
+    (tmp_path / "b.py").write_text("x = 1  # issue 47 measured it\ny = 2  # tissue 5 is no issue\n")
+    assert narrated_history(tmp_path) == ["a.py:2", "b.py:1"]

@@ -236,7 +236,8 @@ def test_medusa_trains_five_heads_by_default_and_loads_a_three_head_checkpoint(t
     import inspect
 
     from specdec.cli.training import train_heads
-    from specdec.training.fit_medusa import MedusaHeads, TrainConfig, load_heads, save_heads
+    from specdec.adapters.medusa_heads import MedusaHeads, load_heads, save_heads
+    from specdec.training.fit_medusa import TrainConfig
     from test_self_drafting import _random_heads
 
     assert TrainConfig().num_heads == 5

@@ -12,8 +12,9 @@ from specdec.drafters.layerskip import LayerSkipModel, choose_skipped, self_skip
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters import ModelDrafter, SidesDrafter
 from specdec.errors import SpecdecError
-from specdec.training.fit_medusa import (CONFIG, WEIGHTS, Heads, MedusaHeads, TrainConfig, load_heads, save_heads,
-                            target_fingerprint, train_medusa)
+from specdec.adapters.checkpoints import target_fingerprint
+from specdec.adapters.medusa_heads import CONFIG, WEIGHTS, Heads, MedusaHeads, load_heads, save_heads
+from specdec.training.fit_medusa import TrainConfig, train_medusa
 from specdec.sizing.schedules import TreeCost
 
 from conftest import tiny_model

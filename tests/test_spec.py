@@ -106,8 +106,8 @@ def test_every_name_is_a_method_or_a_preset_of_one():
 
 
 def _checkpoints(target, tmp_path) -> dict:
-    from specdec.training.fit_eagle import save_eagle
-    from specdec.training.fit_medusa import save_heads
+    from specdec.adapters.eagle_layer import save_eagle
+    from specdec.adapters.medusa_heads import save_heads
     from test_eagle import _random_eagle
     from test_self_drafting import _random_heads
 

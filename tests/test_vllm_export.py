@@ -140,7 +140,8 @@ def _drafter_folder(smollm2, tmp_path, layers: int = 24):
 
 def test_an_exported_distilled_drafter_drafts_in_vllm_as_ours_does(smollm2, prompts, plain, corpus, tmp_path):
     """Acceptance of the exported drafter in vLLM within 10% of ours with the same drafter."""
-    from specdec.adapters.lora import DistillConfig, distill_drafter, load_adapter
+    from specdec.adapters.lora import load_adapter
+    from specdec.training.fit_distilled import DistillConfig, distill_drafter
     from specdec.adapters.export import export_drafter
     from specdec.models.loading import load
 

@@ -5,8 +5,7 @@ import os as _os
 # Before torch loads its OpenMP runtime (libgomp reads this once, at load): its threads spin this
 # long at each barrier, not libgomp's default, before they sleep. A pass has hundreds of parallel
 # regions; where other processes share the cores, a longer spin burns the time slices the
-# descheduled thread needs (a 1-token pass took 3.7-4.6x its time alone beside two busy
-# processes on 2 cores, 2.0-2.1x with this; no change alone: docs/kernels.md#threads). A user's
+# descheduled thread needs (docs/kernels.md#threads-on-a-shared-machine). A user's
 # own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone; importing torch before specdec keeps its own.
 OWN_ENV = {} if {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(_os.environ) else {"GOMP_SPINCOUNT": "20000"}
 _os.environ.update(OWN_ENV)

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from ..training.distill import head_rows, target_fingerprint
+from .checkpoints import head_rows, target_fingerprint
 from ..errors import SpecdecError
-from ..training.fit_medusa import Heads, check_heads_target
+from .medusa_heads import Heads, check_heads_target
 
 FORMATS = ("medusa", "eagle")
 KINDS = ("medusa", "eagle", "drafter", "parallel")

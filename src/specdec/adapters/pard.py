@@ -12,10 +12,10 @@ The adaptation (`ParallelAdapter`) is two parts, both small, and both touch the 
   rows' outputs alone (`parallel_hooks`).
 So every real token's row, and its cache entry, is the plain drafter's bit for bit: the first
 token of a parallel draft is the one the drafter's chain would propose, and the masks only add.
-(PARD adapts the whole model; keeping the real rows as they are is our choice, measured in
-docs/methods.md: a LoRA merged into every row, trained here on the CPU, cost the first token
-8 points of acceptance.) Unlike a distilled drafter's adapter, this one cannot be merged into
-the weights: it runs as hooks, a small matmul pair per projection over the masks' rows.
+(PARD adapts the whole model; keeping the real rows as they are is our choice: a LoRA merged
+into every row cost the first token acceptance, docs/methods.md#parallel-drafters.) Unlike a
+distilled drafter's adapter, this one cannot be merged into the weights: it runs as hooks, a
+small matmul pair per projection over the masks' rows.
 
 It is target-independent (trained on text, not on a target's outputs): one adapted drafter
 serves every target of its tokenizer. Exactness never depends on it: verification compares the
@@ -34,7 +34,7 @@ from torch import nn
 
 from .lora import DraftAdapter, _check_drafter, adapted_layers
 from ..errors import SpecdecError
-from ..training.distill import read_checkpoint, target_fingerprint
+from .checkpoints import read_checkpoint, target_fingerprint
 
 
 class ParallelAdapter(nn.Module):

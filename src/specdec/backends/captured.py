@@ -2,9 +2,8 @@
 window) run from static buffers, on CUDA replayed as CUDA graphs, one per row bucket.
 
 transformers' eager layers launch some 1,500 small kernels a pass, and on a GPU launching them
-costs far more than reading the weights (docs/kernels.md: 18 ms a pass of the 1.5B target on an
-H200, whose weights take 0.65 ms to read). A CUDA graph replays the whole pass as one launch,
-which needs every shape and address fixed. So here:
+costs far more than reading the weights (docs/kernels.md#captured-passes-on-cuda---kernels-captured).
+A CUDA graph replays the whole pass as one launch, which needs every shape and address fixed. So here:
 
 - the KV cache is one slab per layer, [(slots + 1) x capacity, kv_heads, D], a sequence owning
   a slot (`SlotCache`); a pass writes each row's keys at slot x capacity + position (the last

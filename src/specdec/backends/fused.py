@@ -2,10 +2,10 @@
 layer's GEMMs, three kernels a layer instead of some thirty.
 
 A captured pass of the 1.5B target made with torch's own ops ran ~1,000 kernels, and at a few
-microseconds each they, not the weights, set its cost (docs/kernels.md: 4.6 ms on an H200 whose
-memory floor is 0.74 ms). Here a layer runs: norm (fused with the residual add), the q/k/v GEMM,
-`rope_store` (rotary embedding of q and k, k and v written into the KV slab), attention, the
-output GEMM, norm, the gate/up GEMM, `silu_mul`, the down GEMM.
+microseconds each they, not the weights, set its cost
+(docs/kernels.md#captured-passes-on-cuda---kernels-captured). Here a layer runs: norm (fused with
+the residual add), the q/k/v GEMM, `rope_store` (rotary embedding of q and k, k and v written into
+the KV slab), attention, the output GEMM, norm, the gate/up GEMM, `silu_mul`, the down GEMM.
 
 Every kernel runs one program per row with sizes fixed when it is compiled, so a row's result
 cannot depend on how many rows the pass holds: these kernels keep passes row-exact by

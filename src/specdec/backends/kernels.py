@@ -3,18 +3,18 @@
 
 On CPUs with native bf16, bf16 weights get `PackedBf16Linear`: reordered once into oneDNN's
 blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which reorders them
-on every call, at ~1.4x its speed; a drafter's int8 short path (`Int8Linear`) stays in front.
+on every call, and faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path
+(`Int8Linear`) stays in front.
 
 On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a handful of rows
-costs about as much per row as a matrix-vector product: in fp32, scoring 6 tokens took 3.0x the
-time of 1 token for the 1.5B target, in bf16 4.7x, which leaves speculative decoding nothing to
-gain. oneDNN with the weight prepacked into its blocked layout costs ~1.0x for 1 row and ~1.7x
-for 6 (docs/kernels.md). oneDNN has no bf16 path on such CPUs, so:
+costs about as much per row as a matrix-vector product, which leaves speculative decoding nothing
+to gain; oneDNN with the weight prepacked into its blocked layout makes the extra rows cheap
+(docs/kernels.md#what---dtype-auto-picks). oneDNN has no bf16 path on such CPUs, so:
 
 - a target in fp32 gets `PackedLinear` everywhere (same fp32 dot products, another summation order);
 - a drafter in bf16 keeps its bf16 weights for 1-2-row passes (half the weight traffic wins
   there) and also holds a packed fp32 copy for longer passes such as the prompt prefill, which
-  would otherwise cost ~35 ms per token. A drafter's rounding can only change acceptance, never
+  emulated bf16 would make slow. A drafter's rounding can only change acceptance, never
   the output, so mixing precisions there is safe.
 - a drafter in int8 (`Int8Linear`) reads a quarter of fp32's bytes on its few-row passes, on
   every CPU kind; its longer passes go where they went before.
@@ -58,10 +58,8 @@ def cpu_has_native_bf16() -> bool:
 
 def bf16_rows_exact() -> bool:
     """Whether this CPU's bf16 GEMMs compute a row the same in calls of 2..ROW_CHUNK rows, which
-    row-exact bf16 passes rely on. Measured yes with native bf16 (AVX512-BF16 EPYC, AMX Xeon) and
-    with AVX2's emulation (EPYC-AVX2); no with AVX512's emulation (a Xeon with AVX512-VNNI, no
-    BF16: rows of 4- and 6-token passes of the 1.5B target differed, 2026-11-26). Unmeasured
-    elsewhere: assumed yes."""
+    row-exact bf16 passes rely on: yes with native bf16 and with AVX2's emulation, no with AVX512's
+    emulation (docs/kernels.md#what---dtype-auto-picks); assumed yes where unmeasured."""
     flags = _cpu_flags()
     if flags is None or platform.machine().lower() not in ("x86_64", "amd64"):
         return True
@@ -91,11 +89,8 @@ def cpu_has_amx() -> bool:
 
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
-    native: 2 on AMX (issue 13's probe: break-even with bf16 at 2-3 rows), and 2 without AMX where
-    the bf16 path is packed for oneDNN (`PackedBf16Linear`: on the AVX512-BF16 EPYC a 0.5B drafter
-    pass took 38/44/50-55 ms in int8 at 1/2/3 tokens and ~110 from 5 on, packed bf16 43-46 at 1 to
-    6 tokens); else 8 (plain bf16 there: 3-4 tokens took 23 ms in int8 against 44, 8 tokens 39
-    against 49, and bf16 won at 16; docs/kernels.md)."""
+    native: 2 on AMX and where the bf16 path is packed for oneDNN (`PackedBf16Linear`), else 8 (plain
+    bf16): the break-evens probed (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)."""
     return 2 if cpu_has_amx() or packed_bf16_supported() else 8
 
 
@@ -195,8 +190,7 @@ class Int8Linear(nn.Module):
 
     torch's weight-only int8 op reads a quarter of fp32's bytes and half of bf16's, so it wins on
     memory-bound passes of a few rows, but its cost grows about linearly with rows, which a
-    prompt prefill cannot afford (docs/kernels.md: on an AVX512-BF16 EPYC it beat packed fp32 up
-    to 16 rows and bf16 up to 4; issue 13's AMX probe put its break-even with bf16 at 2-3 rows).
+    prompt prefill cannot afford (its break-evens: docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head).
     Symmetric per-row rounding: a weight moves by at most max|W[row]| / 254. Only for drafters,
     whose precision steers acceptance alone.
     """
@@ -401,9 +395,8 @@ def packed_bf16_supported() -> bool:
 
 def packed_bf16_least_rows() -> int:
     """The rows a packed bf16 GEMM call is padded to (`PackedBf16Linear`): 6 on a CPU with
-    AVX512-BF16 and no AMX, where oneDNN's blocked kernel ran the 1.5B target's 28 layers in 77-94
-    ms in calls of 5-6 rows and 108-120 ms in calls of 1-2 (docs/kernels.md#packed-bf16-linears);
-    2 elsewhere (AMX computes up to 16 rows a tile: unmeasured)."""
+    AVX512-BF16 and no AMX, where oneDNN's blocked kernel streams the weight fastest at 5-6 rows a
+    call (docs/kernels.md#packed-bf16-linears); 2 elsewhere (AMX computes up to 16 rows a tile: unmeasured)."""
     return 2 if cpu_has_amx() else 6
 
 

@@ -4,21 +4,19 @@ Greedy speculative decoding is token-identical to greedy autoregressive decoding
 gives each position the same logits whether it scores that position alone (a decode step) or
 among the γ+1 rows of a verification pass. In floating point that is not automatic: kernels pick
 their blocking, their summation order, even their algorithm by the number of rows. Near-ties then
-flip (bf16 top-2 gaps of 0.01-0.04 were seen flipping on a Xeon). Measured with torch 2.13 (probe
-in tests/test_rows.py, `row_gap`):
+flip. What each CPU kind computes (the probe: tests/test_rows.py, `row_gap`) is in
+docs/kernels.md#row-exact-passes; in short:
 
-- linear layers: on an AVX512-BF16 EPYC (no AMX) a 1-row bf16 `F.linear` call differed from
-  every 2..160-row call (which agreed with each other, whatever the row's position); on an AMX
-  Xeon bf16 rows agree over 2..32-row calls and round otherwise from 33 rows on (2026-11-25, every
-  Qwen shape probed); oneDNN-packed fp32 gives equal rows for 2..32 rows and another result for 1.
+- linear layers: a 1-row bf16 `F.linear` call may differ from multi-row ones (which agree with
+  each other, whatever the row's position), and on AMX calls of over 32 rows round otherwise;
+  oneDNN-packed fp32 gives equal rows for 2..32 rows and another result for 1.
   So a row-exact pass makes GEMM calls of 2..32 rows only (`kernels.row_exact_calls`): 1-row
   inputs as 2-row ones, wider ones cut (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
   head in `TransformersModel._logits`);
 - attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see, a
-  multi-row pass runs another kernel path with a causal mask; fp32 rows differed by ~3e-7, bf16
-  rows by up to 3e-2. Here a row-exact pass runs attention one query row at a time, each over
-  exactly the keys its mask allows, through the very call a decode step makes — equal by
-  construction, whatever the kernel;
+  multi-row pass runs another kernel path with a causal mask, and their rows differ. Here a
+  row-exact pass runs attention one query row at a time, each over exactly the keys its mask
+  allows, through the very call a decode step makes — equal by construction, whatever the kernel;
 - the output head: see `TransformersModel._logits` (fp32 packed head, or bf16 head with the top
   candidates re-scored in fp32, both row-invariant).
 
@@ -32,9 +30,8 @@ number of rows (`kernels.CUDA_ROWS`, `kernels.fix_norm_rows`); measured in docs/
 
 One-query attention, the call every decode step and every row of a row-exact pass makes, runs
 with grouped-query heads packed (`one_query_attention`) in our own passes on CPU: transformers
-there asks sdpa for `enable_gqa`, which in bf16 took 10-14x as long (0.21 ms against 0.02 ms per
-layer at 128 keys, 2.6 ms against 0.18 ms at 2048, 12 heads over 2; measured with torch 2.13 on
-the AVX512-BF16 EPYC). Per row and per layer that is most of a long prompt's extra cost.
+there asks sdpa for `enable_gqa`, many times slower in bf16 (docs/kernels.md#one-query-attention).
+Per row and per layer that is most of a long prompt's extra cost.
 Passes that are not ours (transformers' `generate` on the same model object) stay stock.
 """
 
@@ -199,8 +196,7 @@ def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | t
     """For each query row, the keys it may attend to: a slice when they are contiguous, else a
     tuple of slices, their contiguous runs in order (a tree node sees the cache and the pending
     tokens, one run, then its ancestors in the tree, which depth-first order mostly keeps
-    together; joining the runs' copies took a fifth of the time of a gather by index, ~3.8 ms
-    less per such row of a 1.5B target's pass at 300 keys). mask: [B, 1, rows, keys] boolean
+    together; joining the runs' copies costs less than a gather by index). mask: [B, 1, rows, keys] boolean
     (True = attend) or additive (0 = attend), the same for every batch row, or None (causal, the
     queries being the last `rows` positions)."""
     if mask is None:

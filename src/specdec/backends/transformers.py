@@ -87,13 +87,13 @@ class TransformersModel:
                 if role == "target":  # a drafter keeps it for a head of its own (`restrict_vocabulary`)
                     self._head_weight = None  # let the dense copy go
         elif on_cpu and role == "drafter" and not cpu_has_native_bf16() and (int8 or self._dtype == torch.bfloat16):
-            # int8 beat packed fp32 up to 16 rows (measured on the AVX512-BF16 EPYC, not on AVX2);
+            # int8 beat packed fp32 up to 16 rows (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head);
             # emulated bf16 beats packed fp32 only up to 2
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
             self.kernels = "int8+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
         elif on_cpu and self._dtype == torch.bfloat16 and cpu_has_native_bf16() and packed_bf16_supported():
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
-            # F.linear's, read at ~1.4x its rate; a drafter's int8 short path stays in front
+            # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             self.kernels = ("int8+" if int8 else "") + "onednn-packed-bf16"
             if role == "target":
@@ -111,7 +111,7 @@ class TransformersModel:
         if exact_rows is None:
             # on where it is nearly free: bf16 linears give row-invariant results at any row count,
             # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
-            # which made the 1.5B target's 1-token pass 1.6x slower on an AVX2 CPU (docs/kernels.md).
+            # which slows the 1-token pass (docs/kernels.md#row-exact-passes).
             exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
                 bf16_rows_exact() and hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
@@ -168,7 +168,7 @@ class TransformersModel:
             self._draft_head = None
             return
         # the head's long path: packed as the layers are (`int8_short_rows`: int8 beats it up to 2
-        # rows), else plain bf16 (int8 beat that up to 8 rows on the AVX512-BF16 EPYC, 2-3 on AMX)
+        # rows), else plain bf16 (int8 beats that up to 8 rows: docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)
         if self.kernels.endswith("onednn-packed-bf16"):
             long = PackedBf16Linear(weight, bias, packed_bf16_least_rows())
         else:

@@ -15,12 +15,12 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..backends.transformers import TransformersModel
 from ..decoding.beam import beam_search_generate, speculative_beam_search
-from ..training.fit_eagle import load_eagle
+from ..adapters.eagle_layer import load_eagle
 from ..errors import SpecdecError
 from ..decoding.loop import autoregressive_generate, speculative_generate
 from ..decoding.sequence import seed_pins_drafts
 from ..core.grammar import Grammar
-from ..training.fit_medusa import load_heads
+from ..adapters.medusa_heads import load_heads
 from ..decoding.speculation import Parts, build, lenient_preset, names, preset, summary
 from ..sizing.pass_costs import LoadCosts, PassCosts
 from ..core.samplers import Sampler

@@ -102,7 +102,7 @@ def distill_drafter_command(
     """Distil a drafter towards a target (DistillSpec): a LoRA adapter on the drafter's layers,
     trained on the drafter's own samples scored by the target. Prints held-out acceptance before
     and after."""
-    from ..adapters.lora import DistillConfig, distill_drafter
+    from ..training.fit_distilled import DistillConfig, distill_drafter
 
     try:
         if corpus not in ("stdlib", "humaneval", "spec-bench") and not Path(corpus).is_file():
@@ -199,7 +199,7 @@ def export_heads_command(
 ):
     """Write heads trained here in the layout another engine loads (vLLM's Medusa)."""
     from ..adapters.export import check_format, export_heads
-    from ..training.fit_medusa import load_heads
+    from ..adapters.medusa_heads import load_heads
 
     try:
         check_format(fmt)  # before minutes of loading

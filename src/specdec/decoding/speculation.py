@@ -258,9 +258,9 @@ def _opened(kind: str, folder: str):
         if kind == "datastore":
             from ..drafters.datastore import Datastore as opener
         elif kind == "medusa":
-            from ..training.fit_medusa import load_heads as opener
+            from ..adapters.medusa_heads import load_heads as opener
         else:
-            from ..training.fit_eagle import load_eagle as opener
+            from ..adapters.eagle_layer import load_eagle as opener
         _OPENED[kind, folder] = opener(folder)
     return _OPENED[kind, folder]
 

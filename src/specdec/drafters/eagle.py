@@ -1,7 +1,7 @@
 """EAGLE drafting (Li et al. 2024): EAGLE-2 dynamic trees from a one-layer feature drafter.
 
 The loop hands the drafter the target's final hidden states at every committed position
-(`observe`). Each step, the layer (eagle.py) first reads the positions it has not seen, each as
+(`observe`). Each step, the layer (adapters/eagle_layer.py) first reads the positions it has not seen, each as
 [embedding of the token; the target's feature one position before], which gives the feature
 predicted after the last token and with the frozen head q at the tree's root. The tree then
 grows like `Eagle2Drafter`'s, one layer pass per depth under tree attention: a node's input is
@@ -22,8 +22,8 @@ import torch
 
 from ..backends import Backend, Segment
 from ..backends.cache import cache_length, crop_cache
-from ..training.distill import head_rows
-from ..training.fit_eagle import Eagle, check_eagle_target, load_eagle
+from ..adapters.checkpoints import head_rows
+from ..adapters.eagle_layer import Eagle, check_eagle_target, load_eagle
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree, tree_attention

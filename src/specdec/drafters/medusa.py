@@ -2,7 +2,7 @@
 
 After each verification pass the loop hands the drafter the target's final hidden states at the
 positions it committed (`observe`); at the last one, where its next token came from, the heads
-(medusa.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their
+(adapters/medusa_heads.py) give K distributions over tokens 2..K+1 ahead of that position. The tree is their
 Cartesian product pruned by path value: best first, a node at depth d gets head d's top `width`
 tokens as children, its value the product along the path of the heads' probabilities, each
 mapped to the acceptance measured at that probability so far (`TreeCost.acceptance`: heads
@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from ..training.distill import head_rows
+from ..adapters.checkpoints import head_rows
 from ..errors import SpecdecError
-from ..training.fit_medusa import Heads, check_heads_target, load_heads
+from ..adapters.medusa_heads import Heads, check_heads_target, load_heads
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree

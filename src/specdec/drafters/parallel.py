@@ -14,7 +14,7 @@ from .base import Capabilities, Draft, KeepGoing, Proposal
 from .model import ModelDrafter
 
 
-ROW_SHARE = 0.15  # an extra row of the int8 0.5B drafter's pass over its one-row pass (33 ms -> 47 ms at 4 rows, EPYC-BF16)
+ROW_SHARE = 0.15  # an extra row of the drafter's pass over its one-row pass (docs/methods.md#parallel-drafters)
 
 
 class ParallelDrafter(ModelDrafter):

@@ -32,11 +32,9 @@ class SidesDrafter(ModelDrafter):
     they pay for their verification width (`TreeCost`). A path value is the product, along the
     path, of each token's acceptance as measured so far in this generation at the drafter's q of
     it (`TreeCost.acceptance`: q itself until verified nodes have been counted), not of q alone:
-    a drafter's q is not its acceptance (on the Spec-Bench summary the 0.5B drafter's tokens at
-    q >= 0.9 were accepted 50 times of 50, those at q in 0.1-0.3 5 times of 19, in one measured
-    run). The chain's
-    tokens are counted under any sampler, greedy sides too (the target's argmax decides them as
-    it does the chain's); sampled sides, verified against a residual, are not.
+    a drafter's q is not its acceptance (docs/methods.md#token-trees). The chain's tokens are
+    counted under any sampler, greedy sides too (the target's argmax decides them as it does the
+    chain's); sampled sides, verified against a residual, are not.
 
     Under a greedy sampler the leaves are the drafter's next ranks; under sampling the chain is
     drawn from q and the leaves by `scheme`: "without-replacement" (default; recursive rejection
@@ -44,10 +42,9 @@ class SidesDrafter(ModelDrafter):
     with a one-hot law after the sampled chain token).
 
     A sampled chain token x is accepted with min(1, p(x)/q(x)), which its own q(x) predicts
-    poorly: at T = 1 on Spec-Bench's maths and rag prompts the 0.5B drafter's tokens sampled at
-    q(x) < 0.1 were accepted 31-54% of the time in one measured run. The calibration learns that within a generation, but starts from q(x). So
-    under sampling a chain node is valued, and counted in the calibration, by the drafter's top
-    probability at its position (`sampled_value="top"`, the default, and `sd-cost`'s measure),
+    poorly (docs/methods.md#token-trees). The calibration learns that within a generation, but
+    starts from q(x). So under sampling a chain node is valued, and counted in the calibration, by
+    the drafter's top probability at its position (`sampled_value="top"`, the default, and `sd-cost`'s measure),
     whose starting values lie closer to the measured acceptance, not by q(x) ("token"). Under
     greedy the two are one number. Only values change, never the tokens drawn or how they are
     verified: exactness does not depend on it.

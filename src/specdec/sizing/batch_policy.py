@@ -22,9 +22,8 @@ and (given the machine's profile, below) at most what the best draft could save 
 But a new sequence's first catch-up, on its whole prompt, is not a switch: drafting demands it of
 every request. So the choice between the kinds charges drafting its share, amortized: the
 seconds new sequences' drafters took to catch up with their contexts over the tokens those
-sequences then had left to make (`prompt_charge`, decayed over joins). Without it, at 4 in
-flight, seeded (T = 0.8) in one bench run, drafting steps beat plain ones by 1.18×, but the 16
-requests' prompts cost ~10 s of catch-up in a 78 s run, and the level read 0.93× `ar`.
+sequences then had left to make (`prompt_charge`, decayed over joins); without it drafting won
+its steps and lost the run (docs/engine.md#speculation-under-load).
 
 Only sequences whose output cannot depend on draft lengths are steered: greedy ones, and sampled
 ones, seeded or not (a seed couples each token to noise of its position: `samplers.SeededNoise`).
@@ -40,23 +39,21 @@ size drafts until its own steps have measured it. The prediction also values the
 switch to drafting there.
 
 Learning that drafting loses costs drafting steps; at a batch size where no draft can pay that
-is all loss (a 1.5B target on a 2-core CPU: at 8 and 16 in flight each such step cost ~0.8 s more
-than a plain one, 5% of a 64-token run). So given the machine's batched pass costs
+is all loss (docs/engine.md#speculation-under-load). So given the machine's batched pass costs
 (`passcost.LoadCosts`, measured once per pair), a batch size drafts only where they say that
 drafting could beat plain steps by 10% at the acceptance seen so far (before any,
 `ACCEPTANCE_PRIOR`), or where its own steps have shown drafting faster: elsewhere it takes plain
 steps from the first, with no warm-up and no probes. The profile is a best case (the best draft
 length, no overheads), so where it says no, measuring would only confirm it; where it says yes,
 the steps decide as above; the catch-up the sequences would pay first is spread over the tokens
-they have left and counted in that best case (on a 2-core Xeon, four ~100-token prompts with 64
-tokens each to make turn the profile's 1.16× at 4 in flight into 0.98×: no warm-up there). (The
+they have left and counted in that best case. (The
 acceptance measured fades back toward the prior while no step
 drafts, so a size ruled out at a low acceptance is tried again after a long run of plain steps.) The
 profile also prices a catch-up before the drafter's own is measured (its pass over 64 tokens),
 and where drafting is not yet compared with plain steps at a size, a warm-up, or a sequence
 joining it, whose catch-up costs more than the profile's best case would save over the tokens
-left, waits: at the tail of a 16-in-flight run, five sequences' drafters once caught up on 1,644
-tokens (4.2 s) to draft a few tokens each.
+left, waits (a warm-up at the tail of a run would catch drafters up on whole prompts to draft a
+few tokens each).
 """
 
 from __future__ import annotations
@@ -312,9 +309,8 @@ class BatchCosts:
         None alone (no cap), or before any cost is known.
 
         Drafter passes run in lock step: a round lasts while any sequence drafts, so one draft
-        longer than the rest costs whole rounds for a row each. Without a cap, at 4 in flight
-        (seeded T = 0.8, a 2-core Xeon) the warm-up steps ran ~11 rounds for ~4 rows a sequence
-        and made 0.90× plain steps' rate; the cost-aware bar still ends each draft sooner where
+        longer than the rest costs whole rounds for a row each (uncapped drafts lost to plain steps:
+        docs/engine.md#speculation-under-load); the cost-aware bar still ends each draft sooner where
         its own tokens grow unlikely. A tree's depth is capped alike (its drafter rounds)."""
         rates = self._draft_rates(batch, most)
         return _best(rates, most) if rates is not None else None

@@ -5,9 +5,9 @@ pass over k tokens and k − 1 drafter passes. Where that is not clearly faster 
 target passes for any k (`PassCosts.never_pays`), no acceptance rate makes speculative decoding
 pay, and the cost-aware schedule should draft nothing from the first step rather than learn it
 from steps that drafted (paying for them and for the drafter's prompt pass). That is the case
-on llama.cpp's quantized kernels on a 2-core CPU (docs/kernels.md: a 3-token pass of the 1.5B
-target costs 2.3 one-token passes, the 0.5B drafter's pass 0.6 of one). Elsewhere (bf16 on the
-same CPU: 2 tokens cost 0.97 of one) the bound is far above 1 and the schedule measures as before.
+on llama.cpp's quantized kernels on a 2-core CPU (docs/methods.md#the-cost-aware-schedule-default).
+Elsewhere (bf16 on the same CPU, where a few rows cost what one does) the bound is far above 1 and
+the schedule measures as usual.
 
 The profile is cached in specdec's home (`registry.home()`), keyed by both models, their weights
 and kernels, this CPU, the thread count and the library versions, so only the first run of a

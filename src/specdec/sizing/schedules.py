@@ -247,9 +247,7 @@ class FasterOf:
 
     Both kinds' sums decay by `decay` at every timed step, of either kind. A kind's rate is a
     ratio of its sums, so decay alone leaves it; but a kind left for a while is then judged by
-    its next probe more than by its old record. (With decay per step of the same kind, the mixed
-    tree decoded plainly for 109 of 119 steps on a T = 1 rag prompt in one bench run, where
-    `sd-cost`'s chains paid: each probe weighed little against the old record.)"""
+    its next probe more than by its old record (docs/methods.md#the-cost-aware-schedule-default)."""
 
     def __init__(self, warmup: int, probe: int, decay: float, waits: dict[bool, int]):
         self.warmup, self.decay, self.waits = warmup, decay, waits
@@ -342,15 +340,15 @@ class CostAware(Schedule):
     of running to γ_max.
 
     Drafting nothing, measured rather than modelled: the linear cost model above misprices the
-    jump from a 1-token to a 2-token pass (oneDNN's fp32 path on an AVX2 CPU makes it 1.6×, not
-    1 + slope; llama.cpp's kernels on a 2-core CPU 2×), which is what decides whether a step
-    should draft at all. So after `warmup` timed steps that drafted, the policy takes one step
-    without a draft (`budget` 0) as a baseline, and from then on compares the measured tokens per
-    second of steps that drafted against steps that did not (`FasterOf`: sums decayed by `decay`
-    per step) and does what has been faster (`should_draft`). To notice a change in the
-    text it probes the other kind `probe` decisions after a choice (4·`probe` when drafting
-    wins, a plain step being the dearer probe there), then after twice as many, and so on (up to
-    64·`probe`), back to the base wait whenever the choice flips. Until `warmup` steps are timed
+    jump from a 1-token to a 2-token pass (on some kernels far more than 1 + slope:
+    docs/kernels.md#row-exact-passes), which is what decides whether a step should draft at all.
+    So after `warmup` timed steps that drafted, the policy takes one step without a draft
+    (`budget` 0) as a baseline, and from then on compares the measured tokens per second of steps
+    that drafted against steps that did not (`FasterOf`: sums decayed by `decay` per step) and
+    does what has been faster (`should_draft`). To notice a change in the text it probes the other
+    kind `probe` decisions after a choice (4·`probe` when drafting wins, a plain step being the
+    dearer probe there), then after twice as many, and so on (up to 64·`probe`), back to the base
+    wait whenever the choice flips. Until `warmup` steps are timed
     (and always when sampling under a seed, which gets no timings), the thresholds are the
     priors and every step drafts.
     """

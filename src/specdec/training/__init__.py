@@ -1,3 +1,4 @@
-"""Training the target's own drafting modules: Medusa heads (medusa.py), the EAGLE layer
-(eagle.py), and what they share (distill.py: the target's fingerprint and head, cached features,
-the resumable loop). The drafters that run them live in drafters/medusa.py and drafters/eagle.py."""
+"""The fit loops of the trained drafting modules: Medusa heads (fit_medusa.py), the EAGLE layer
+(fit_eagle.py), a parallel drafter (fit_parallel.py), a distilled drafter (fit_distilled.py), and
+what they share (distill.py: cached features, the resumable loop). Only the CLI imports them; the
+modules themselves, their checkpoints and what runs them live in adapters/ and drafters/."""

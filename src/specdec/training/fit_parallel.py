@@ -22,11 +22,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..adapters.lora import Head, _check_drafter, drafter_source
+from ..adapters.lora import Head, _check_drafter
 from ..errors import SpecdecError
 from ..backends.kernels import differentiable_linears
 from ..adapters.pard import Parallel, ParallelAdapter, installed, load_adapter, mask_id, new_adapter
-from .distill import finish, fit, save_checkpoint, target_fingerprint, text_ids
+from ..adapters.checkpoints import save_checkpoint, target_fingerprint
+from .distill import drafter_source, finish, fit, text_ids
 
 
 @dataclass

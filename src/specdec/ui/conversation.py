@@ -141,9 +141,9 @@ class ChatSession:
         config = self.config()
         if not config.speculative:
             return f"ar · {self.sampler.describe()} · {weights}"
-        plan = self.speculation().describe_sizing()
+        sizing = self.speculation().describe_sizing()
         name = "sd" if self.method == "default" else self.method
-        return (f"{name} · drafter {self.drafter_name} · {plan} · {self.sampler.describe()} · {weights}" +
+        return (f"{name} · drafter {self.drafter_name} · {sizing} · {self.sampler.describe()} · {weights}" +
                 (" · debug" if self.debug else ""))
 
     def _turn(self, text: str) -> None:
