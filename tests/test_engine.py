@@ -13,6 +13,7 @@ from specdec.drafters import (LookaheadDrafter, LookupDrafter, MixedDrafter, Ngr
                               make_tree_drafter)
 from specdec.sizing.schedules import TreeCost
 from specdec.core.verify import verify_ragged
+from specdec.engine import StepOutput
 
 from conftest import tiny_model
 from test_rows import _ids, qwen_like
@@ -28,6 +29,20 @@ def pair():
     same = copy.deepcopy(target)
     other = qwen_like(torch.bfloat16, exact_rows=True, layers=1, seed=1)
     return target, same, other
+
+
+def _recorded(engine: Engine) -> StepOutput:
+    """Every step's output of `engine` from now on, merged (`run`'s own included), so that a test
+    reads what finished and failed after `run` raised."""
+    total, step = StepOutput(), engine.step
+
+    def recording():
+        out = step()
+        total.merge(out)
+        return out
+
+    engine.step = recording
+    return total
 
 
 def _prompts():
@@ -83,7 +98,7 @@ def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
 def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, monkeypatch):
     """Greedy and seeded chains (and plain sequences) are verified together, one `verify_ragged`
     call a step; unseeded sampling and trees verify alone. Every output as alone."""
-    import specdec.engine.engine as engine_module
+    import specdec.engine.runner as engine_module
 
     target, same, other = pair
     prompts, sampler = _prompts(), Sampler(temperature=1.0, top_k=50)
@@ -101,7 +116,7 @@ def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, mo
                 Request(prompts[4], lambda: make_tree_drafter("sides", other), max_new_tokens=10, eos_token_ids=[])]
     engine = Engine(target, max_batch=5)
     ids = [engine.add(r) for r in requests]
-    steps = 0
+    seen, steps = _recorded(engine), 0
     while engine.busy:
         engine.step()
         steps += 1
@@ -111,7 +126,7 @@ def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, mo
                                   eos_token_ids=[], seed=5).tokens
     plain = autoregressive_generate(prompts[2], target, sampler, max_new_tokens=10, eos_token_ids=[], seed=6).tokens
     tree = autoregressive_generate(prompts[4], target, max_new_tokens=10, eos_token_ids=[]).tokens
-    assert [engine.results[ids[i]].tokens for i in (0, 1, 2, 4)] == [greedy, seeded, plain, tree]
+    assert [seen.finished[ids[i]].tokens for i in (0, 1, 2, 4)] == [greedy, seeded, plain, tree]
 
 
 def test_steps_stream_each_requests_tokens_and_admission_waits_at_max_batch(pair):
@@ -119,16 +134,16 @@ def test_steps_stream_each_requests_tokens_and_admission_waits_at_max_batch(pair
     prompts = _prompts()
     engine = Engine(target, max_batch=2)
     ids = [engine.add(Request(p, same, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
-    streamed = {i: [] for i in ids}
-    first = engine.step()
-    assert len(engine.running) == 2 and len(engine.waiting) == 3 and set(first) == set(ids[:2])
+    streamed, seen = {i: [] for i in ids}, _recorded(engine)
+    first = engine.step().emitted
+    assert len(engine.scheduler.running) == 2 and len(engine.waiting) == 3 and set(first) == set(ids[:2])
     for i, tokens in first.items():
         streamed[i] += tokens
     while engine.busy:
-        assert len(engine.running) <= 2
-        for i, tokens in engine.step().items():
+        assert len(engine.scheduler.running) <= 2
+        for i, tokens in engine.step().emitted.items():
             streamed[i] += tokens
-    assert all(streamed[i] == engine.results[i].tokens for i in ids)
+    assert all(streamed[i] == seen.finished[i].tokens for i in ids)
 
 
 def test_a_cancelled_request_frees_its_cache_and_the_others_go_on(pair):
@@ -138,9 +153,9 @@ def test_a_cancelled_request_frees_its_cache_and_the_others_go_on(pair):
     engine = Engine(target, max_batch=5)
     ids = [engine.add(Request(p, other, max_new_tokens=12, eos_token_ids=[])) for p in prompts]
     engine.step()
-    decoding = engine.running[ids[2]]
+    decoding = engine.scheduler.running[ids[2]]
     assert decoding.cache is not None
-    assert engine.cancel(ids[2]) and ids[2] not in engine.running and decoding.cache is None
+    assert engine.cancel(ids[2]) and ids[2] not in engine.scheduler.running and decoding.cache is None
     assert not engine.cancel(ids[2])  # gone
     results = engine.run()
     assert ids[2] not in results
@@ -158,7 +173,7 @@ def test_nan_logits_of_one_sequence_in_a_batched_pass_end_it_alone(pair, monkeyp
     forward_batch = type(target).forward_batch
 
     def failing(self, segments):  # the second prompt's sequence gets NaN logits on its second step
-        victim = engine.running.get(ids[1])
+        victim = engine.scheduler.running.get(ids[1])
         broken = victim is not None and victim.stats.target_passes >= 1
         return [rows * float("nan") if broken and s.cache is victim.cache else rows
                 for s, rows in zip(segments, forward_batch(self, segments))]
@@ -166,10 +181,11 @@ def test_nan_logits_of_one_sequence_in_a_batched_pass_end_it_alone(pair, monkeyp
     monkeypatch.setattr(type(target), "forward_batch", failing)
     engine = Engine(target, max_batch=5)
     ids = [engine.add(Request(p, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    seen = _recorded(engine)
     with pytest.raises(ModelFault, match="NaN"):
         engine.run()
-    assert list(engine.failed) == [ids[1]]
-    assert [engine.results[i].tokens for i in ids if i != ids[1]] == [r for i, r in zip(ids, reference) if i != ids[1]]
+    assert list(seen.failed) == [ids[1]]
+    assert [seen.finished[i].tokens for i in ids if i != ids[1]] == [r for i, r in zip(ids, reference) if i != ids[1]]
 
 
 def test_a_drafter_that_raises_ends_its_request_alone(pair):
@@ -193,10 +209,11 @@ def test_a_drafter_that_raises_ends_its_request_alone(pair):
     engine = Engine(target, max_batch=5, steer=False)
     ids = [engine.add(Request(p, Failing if i == 3 else LookupDrafter, max_new_tokens=10, eos_token_ids=[]))
            for i, p in enumerate(prompts)]
+    seen = _recorded(engine)
     with pytest.raises(RuntimeError, match="a drafter bug"):
         engine.run()
-    assert list(engine.failed) == [ids[3]] and not engine.running and not engine.reserved
-    assert [engine.results[i].tokens for i in ids if i != ids[3]] == [r for i, r in zip(ids, reference) if i != ids[3]]
+    assert list(seen.failed) == [ids[3]] and not engine.busy and not engine.scheduler.reserved
+    assert [seen.finished[i].tokens for i in ids if i != ids[3]] == [r for i, r in zip(ids, reference) if i != ids[3]]
 
 
 def test_a_failed_batched_drafter_pass_is_made_again_one_sequence_at_a_time(pair, monkeypatch):
@@ -234,10 +251,11 @@ def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(p
     monkeypatch.setattr(Decoding, "commit", failing)
     engine = Engine(target, max_batch=5)
     ids = [engine.add(Request(p, other, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
+    seen = _recorded(engine)
     with pytest.raises(SpecdecError, match="NaN"):
         engine.run()
-    assert list(engine.failed) == [ids[2]] and not engine.running and not engine.reserved
-    assert [engine.results[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
+    assert list(seen.failed) == [ids[2]] and not engine.busy and not engine.scheduler.reserved
+    assert [seen.finished[i].tokens for i in ids if i != ids[2]] == [r for i, r in zip(ids, reference) if i != ids[2]]
 
 
 def test_a_finished_request_lets_its_cache_go(pair):
@@ -245,8 +263,8 @@ def test_a_finished_request_lets_its_cache_go(pair):
     engine = Engine(target, max_batch=2)
     short, long = engine.add(Request(_prompts()[0], max_new_tokens=2)), engine.add(Request(_prompts()[1], max_new_tokens=6))
     engine.step()
-    engine.step()
-    assert short in engine.results and short not in engine.running and long in engine.running
+    finished = engine.step().finished
+    assert short in finished and short not in engine.scheduler.running and long in engine.scheduler.running
 
 
 @pytest.mark.slow
@@ -348,8 +366,8 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_while_the_others_decode(pair, monke
     engine.step()
     second = engine.add(Request(long, same, max_new_tokens=12, eos_token_ids=[]))
     chunks = 0
-    while second not in engine.running:
-        emitted = engine.step()
+    while second not in engine.scheduler.running:
+        emitted = engine.step().emitted
         chunks += 1
         assert emitted.get(first), "the running sequence stalled while a prompt was fed"
     assert chunks == 5  # 40 tokens before the last, 8 a step
@@ -364,12 +382,12 @@ def test_admission_waits_at_the_kv_memory_budget(pair):
     room = (len(prompts[-1]) + 8 + 64) * per_token  # the longest prompt's need, drafts included
     engine = Engine(target, max_batch=5, kv_memory=2 * room)
     ids = [engine.add(Request(p, same, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
-    most = 0
+    most, seen = 0, _recorded(engine)
     while engine.busy:
         engine.step()
-        most = max(most, len(engine.running))
-        assert sum(engine.reserved.values()) <= 2 * room
-    assert most == 2 and set(engine.results) == set(ids)  # every request ran, none failed
+        most = max(most, len(engine.scheduler.running))
+        assert sum(engine.scheduler.reserved.values()) <= 2 * room
+    assert most == 2 and set(seen.finished) == set(ids) and not seen.failed  # every request ran, none failed
     with pytest.raises(SpecdecError, match="more than the whole budget"):
         Engine(target, kv_memory=room // 2).add(Request(prompts[-1], same, max_new_tokens=8))
 
@@ -417,13 +435,14 @@ def test_a_failed_batched_pass_is_retried_one_sequence_at_a_time_and_only_a_repe
     poisoned.cache = None
     engine = Engine(target, max_batch=4)
     ids = [engine.add(Request(p, drafter, max_new_tokens=12, eos_token_ids=[])) for p in prompts]
+    seen = _recorded(engine)
     engine.step()  # admits and prefills all four
-    poisoned.cache = engine.running[ids[3]].cache
+    poisoned.cache = engine.scheduler.running[ids[3]].cache
     while engine.busy:
         engine.step()
     assert calls[0] >= 3  # the fault fired
-    assert [engine.results[i].tokens for i in ids[:3]] == expected[:3]
-    assert ids[3] not in engine.results and "its own fault" in str(engine.failed[ids[3]])
+    assert [seen.finished[i].tokens for i in ids[:3]] == expected[:3]
+    assert ids[3] not in seen.finished and "its own fault" in str(seen.failed[ids[3]])
 
 
 def test_generate_many_takes_the_machines_batched_pass_costs(pair):

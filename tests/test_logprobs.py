@@ -76,13 +76,15 @@ def test_a_batch_reports_what_each_sequence_alone_reports(pair):
     drafters = [None, same, lambda: make_tree_drafter("mixed", other), LookupDrafter]
     ids = [engine.add(Request(p, d, max_new_tokens=10, eos_token_ids=[], logprobs=2))
            for p, d in zip(prompts, drafters)]
-    seen = {i: 0 for i in ids}
+    streamed, results = {i: [] for i in ids}, {}
     while engine.busy:
-        for request_id, tokens in engine.step().items():
-            seen[request_id] += len(tokens)
-            assert len(engine.logprobs(request_id)) == seen[request_id]  # in step with the tokens
-    results = engine.run()
+        out = engine.step()
+        for request_id, tokens in out.emitted.items():
+            assert len(out.logprobs[request_id]) == len(tokens)  # in step with the tokens
+            streamed[request_id] += out.logprobs[request_id]
+        results.update(out.finished)
     assert [_entries(results[i]) for i in ids] == [_entries(a) for a in alone]
+    assert all(streamed[i] == results[i].logprobs for i in ids)  # the streamed ones are the whole record
 
 
 def test_sampled_tokens_carry_the_log_probability_of_a_full_pass():

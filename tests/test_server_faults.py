@@ -144,28 +144,28 @@ def test_a_fault_at_a_per_request_call_site_ends_that_request_alone(live, pair, 
     monkeypatch.undo()
     assert ask([1, 2]).usage.completion_tokens == 12  # and the server serves on
     assert httpx.get(url + "/health").status_code == 200
-    engine = app.state.specdec["worker"].engine
-    assert not engine.running and not engine.prefilling and not engine.failed
+    worker = app.state.specdec["worker"]
+    engine = worker.engine
+    assert not engine.busy and worker.running == 0 and worker.waiting == 0
 
 
 def test_a_step_that_fails_as_a_whole_still_delivers_what_finished_in_it(pair, monkeypatch):
     """A failure outside every sequence's own guard (here after verification) ends the requests
     still running (500) but not one that finished in that step: it is answered whole, at once."""
-    from specdec.engine import Engine
+    from specdec.engine.runner import Runner
 
     target = pair[0]
     expected = target.decode(autoregressive_generate([1, 2, 3], target, max_new_tokens=5).tokens)
-    verify = Engine._verify
+    verify = Runner.verify
     failed = []
 
-    def failing(self, plan, logits):
-        emitted = verify(self, plan, logits)
-        if self.results and not failed:  # the step in which the short request ended
+    def failing(self, plan, logits, out):
+        verify(self, plan, logits, out)
+        if out.finished and not failed:  # the step in which the short request ended
             failed.append(1)
             raise RuntimeError(f"the step broke after verifying ({SECRET})")
-        return emitted
 
-    monkeypatch.setattr(Engine, "_verify", failing)
+    monkeypatch.setattr(Runner, "verify", failing)
     with serving(lambda: Service(target, None, limits=Limits(request_timeout=20))) as (url, app):
         client = _client(url)
         with ThreadPoolExecutor(2) as pool:
@@ -278,12 +278,12 @@ def test_a_request_that_fails_to_start_lets_go_of_its_caches_and_a_failed_crop_e
     monkeypatch.setattr(Decoding, "begin", failing_begin)
     bad = engine.add(Request(DOOMED + [1], None, max_new_tokens=4))
     good = engine.add(Request([1, 2, 3], None, max_new_tokens=4))
-    engine.step()
+    out = engine.step()
     gc.collect()
-    assert bad in engine.failed and made[0]() is None  # the failed one's cache is gone, though its error is kept
+    assert bad in out.failed and made[0]() is None  # the failed one's cache is gone, though its error is kept
     monkeypatch.undo()
     # a cache that cannot be put back after a failed batched pass ends that sequence alone
-    import specdec.engine.engine as engine_module
+    import specdec.engine.runner as engine_module
 
     crop = engine_module.crop_cache
 
@@ -297,8 +297,8 @@ def test_a_request_that_fails_to_start_lets_go_of_its_caches_and_a_failed_crop_e
 
     other = engine.add(Request([5, 6], None, max_new_tokens=4))
     engine.step()  # admits the other one
-    doomed_cache = engine.running[good].cache
+    doomed_cache = engine.scheduler.running[good].cache
     monkeypatch.setattr(target, "forward_batch", batch)
     monkeypatch.setattr(engine_module, "crop_cache", failing_crop)
-    engine.step()
-    assert good in engine.failed and (other in engine.running or other in engine.results)
+    out = engine.step()
+    assert good in out.failed and (other in engine.scheduler.running or other in out.finished)

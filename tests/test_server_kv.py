@@ -21,7 +21,7 @@ from specdec.backends.slab import SLAB_MIN, SlabLayer, slab_capacity
 from specdec.cli import app as cli
 from specdec.drafters import make_tree_drafter
 from specdec.engine import Engine, Request
-from specdec.engine.engine import kv_need, kv_positions
+from specdec.engine.scheduler import kv_need, kv_positions
 from specdec.errors import SpecdecError
 from specdec.server import service as service_module
 from specdec.server.service import Limits, Service
@@ -65,18 +65,18 @@ def test_the_engine_charges_slab_growth_and_no_sequence_holds_more_than_its_char
     assert kv_need(positions, [target, drafter]) == 256 * per_position
     engine = Engine(target, max_batch=1, kv_memory=256 * per_position)
     request_id = engine.add(request)
-    peak = 0
+    peak, finished = 0, {}
     for _ in range(400):
         if not engine.busy:
             break
-        engine.step()
-        decoding = engine.running.get(request_id)
+        finished.update(engine.step().finished)
+        decoding = engine.scheduler.running.get(request_id)
         if decoding is not None:
             held = [layer.capacity for layer in decoding.cache.layers]
             drafted = [layer.capacity for layer in decoding.drafter.cache.layers]
             peak = max(peak, max(held) * target.kv_bytes_per_token + max(drafted) * drafter.kv_bytes_per_token)
-            assert peak <= engine.reserved[request_id]
-    assert not engine.busy and len(engine.results[request_id].tokens) == 150
+            assert peak <= engine.scheduler.reserved[request_id]
+    assert not engine.busy and len(finished[request_id].tokens) == 150
     assert peak > positions * per_position  # it did grow past the positions themselves
 
 
@@ -91,14 +91,14 @@ def test_the_engine_refuses_and_queues_by_the_real_charge(tiny_pair, monkeypatch
     # room for two requests' positions, one's slabs: the second waits for the first
     engine = Engine(target, max_batch=2, kv_memory=2 * positions * per_position)
     ids = [engine.add(Request([1, 2, 3, 4], drafter, max_new_tokens=150, eos_token_ids=[])) for _ in range(2)]
-    engine.step()
-    assert list(engine.reserved) == [ids[0]] and [r.id for r in engine.waiting] == [ids[1]]
+    finished = dict(engine.step().finished)
+    assert list(engine.scheduler.reserved) == [ids[0]] and [r.id for r in engine.waiting] == [ids[1]]
     for _ in range(800):
         if not engine.busy:
             break
-        engine.step()
-        assert sum(engine.reserved.values()) <= engine.kv_memory
-    assert sorted(engine.run()) == ids
+        finished.update(engine.step().finished)
+        assert sum(engine.scheduler.reserved.values()) <= engine.kv_memory
+    assert sorted(finished) == ids
 
 
 def test_a_tree_wider_than_the_draft_room_is_refused_under_a_budget(tiny_pair):

@@ -449,6 +449,60 @@ class Decoding:
             self.stats.fixed_gamma = self.schedule.gamma
         return self.out.finish()
 
+    # ---- What the engine reads of a sequence (engine/scheduler.py, engine/runner.py), one hop
+    # deep: the engine never reaches into a sequence's drafter, output or caches itself.
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this sequence may still emit."""
+        return self.out.remaining
+
+    @property
+    def drafter_passes(self) -> int:
+        """Drafter passes made since the start (0 without a drafter)."""
+        return self.drafter.passes if self.drafter is not None else 0
+
+    def lag(self) -> int | None:
+        """Context tokens its drafter model has yet to feed (`ModelDrafter.lag`); None where its
+        drafter keeps no model in step with the context."""
+        return self.drafter.lag(self.sequence) if self.can.catches_up else None
+
+    @property
+    def caught_up(self) -> tuple[int, float] | None:
+        """Tokens its drafter model has fed to catch up with the context, and the seconds that
+        took, so far (`ModelDrafter.caught_up`); None as for `lag`."""
+        return self.drafter.caught_up if self.can.catches_up else None
+
+    def charged_positions(self) -> int:
+        """The cache positions a KV budget charges this sequence (`positions`), once its widest
+        draft (a tree's node cap, a chain's longest) is known to fit the DRAFT_ROOM they keep for
+        it: a wider one would write past the charge, an unknown one cannot be charged (raised)."""
+        from ..drafters.base import most_nodes
+
+        if self.drafter is None:
+            width = 0
+        else:
+            width = most_nodes(self.drafter) if self.trees else self.schedule.ceiling()
+        if width is None:
+            raise SpecdecError(f"the tree drafter {self.drafter.name} does not say how wide its trees grow "
+                               "(subclass drafters.Drafter, whose most_nodes reads its policy), so a KV budget cannot "
+                               "charge them; run without a budget")
+        if width > DRAFT_ROOM:
+            kind = "tree nodes" if self.trees else "draft tokens"
+            raise SpecdecError(f"this request drafts up to {width} {kind} a step, more than the {DRAFT_ROOM} "
+                               "positions a KV budget keeps for a draft; lower the tree's max_nodes (or gamma)")
+        return self.positions
+
+    def emitted_logprobs(self, count: int) -> list[TokenLogprob] | None:
+        """The `TokenLogprob`s of the last `count` tokens emitted (None: not asked for)."""
+        return None if self.logprobs is None else self.out.logprobs[len(self.out.logprobs) - count:]
+
+    def free(self) -> None:
+        """Let go of the sequence's caches (the target's and its drafter model's) at once."""
+        self.cache = None
+        if self.can.model:
+            self.drafter.cache = None
+
 
 def _constraint(grammar, target: Backend, ends: set[int]):
     """One sequence's grammar state (`grammar.Constraint`), or None without a grammar."""

@@ -2,6 +2,8 @@
 (`generate.Decoding`), all running sequences' tokens scored in one target pass per step
 (`BatchedBackend.forward_batch`)."""
 
-from .engine import Engine, Request, generate_many
+from .batch import generate_many
+from .engine import Engine, Request
+from .output import StepFailed, StepOutput
 
-__all__ = ["Engine", "Request", "generate_many"]
+__all__ = ["Engine", "Request", "StepFailed", "StepOutput", "generate_many"]

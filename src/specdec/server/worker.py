@@ -15,7 +15,7 @@ import time
 from collections import deque
 from typing import Protocol
 
-from ..engine import Engine, Request
+from ..engine import Engine, Request, StepFailed, StepOutput
 from ..errors import ModelFault, SpecdecError
 from ..decoding.results import GenerationResult
 
@@ -64,7 +64,7 @@ class Worker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._ids: dict[int, int] = {}  # id(sink) -> engine request id
-        self._sent: dict[int, int] = {}  # engine request id -> tokens handed to its sink so far
+        self._waiting: set[int] = set()  # engine request ids queued there, not yet taken off the queue
         self.last_step = time.monotonic()  # when a step last completed, or the engine last sat idle
         self.failed_in_a_row = 0  # steps that failed since the last one that did not
         self.last_failure = 0.0  # when a step last failed: a failing streak is reported for stall_timeout after it
@@ -98,7 +98,8 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return len(self.engine.running) + len(self.engine.prefilling)
+        """Requests in the engine that are past its queue (their prompts fed, or decoding)."""
+        return len(self._sinks) - len(self._waiting)
 
     def trouble(self) -> str | None:
         """Why the engine cannot be trusted to serve (steps failing in a row, or none completing
@@ -151,10 +152,12 @@ class Worker:
                     sink.failed(error)
                     continue
                 self._sinks[request_id], self._ids[id(sink)] = sink, request_id
+                self._waiting.add(request_id)
             else:
                 request_id = self._ids.get(id(sink))
+                waiting = request_id in self._waiting
                 if request_id is not None and self._forget(request_id) is not None:
-                    if any(r.id == request_id for r in self.engine.waiting):
+                    if waiting:
                         self._settle(1)
                     self.engine.cancel(request_id)
 
@@ -185,7 +188,7 @@ class Worker:
             sink.failed(stopped)
         self._sinks.clear()
         self._ids.clear()
-        self._sent.clear()
+        self._waiting.clear()
 
     def _idle(self) -> None:
         """No request in the engine: the update between requests, if any, then wait for work."""
@@ -214,16 +217,16 @@ class Worker:
         if not self.engine.busy:
             self._idle()
             return
-        waiting = len(self.engine.waiting)
-        failure = None
+        output, failure = StepOutput(), None
         try:
-            self.engine.step()
+            output = self.engine.step()
+        except StepFailed as failed:  # what the step handed out before it broke still goes out
+            log.exception("an engine step failed outside any one request; the requests still running end with it")
+            output, failure = failed.output, failed.error
         except Exception as error:
             log.exception("an engine step failed outside any one request; the requests still running end with it")
             failure = error
-        finally:
-            self._settle(waiting - len(self.engine.waiting))
-        handed, faults = self._hand_out()
+        handed, faults = self._hand_out(output)
         if failure is not None:
             self._fail_running(failure)
         self._count(failure is not None or (faults and not handed))
@@ -232,27 +235,28 @@ class Worker:
         if self.on_step is not None:
             self.on_step(self.engine)
 
-    def _hand_out(self) -> tuple[int, int]:
-        """Every request's tokens committed since last handed out, its error if it ended on one,
-        its result if it finished -> (tokens handed out, requests ended on a fault not theirs)."""
-        engine, handed, faults = self.engine, 0, 0
-        for request_id, error in engine.failed.items():  # one sequence's own error
+    def _hand_out(self, output: StepOutput) -> tuple[int, int]:
+        """A step's output to the sinks: the requests taken off the engine's queue, each one's
+        error if it ended on one, the tokens it committed, its result if it finished -> (tokens
+        handed out, requests ended on a fault not theirs). Cancelled requests' are nobody's."""
+        handed, faults = 0, 0
+        started = self._waiting.intersection(output.started)
+        self._waiting -= started
+        self._settle(len(started))
+        for request_id, error in output.failed.items():  # one sequence's own error
             sink = self._forget(request_id)
             if sink is not None:
                 sink.failed(error)
                 faults += not is_clients(error)
-        engine.failed.clear()
-        for request_id, sink in list(self._sinks.items()):
-            tokens = engine.tokens(request_id)
-            sent = self._sent.get(request_id, 0)
-            if tokens is not None and len(tokens) > sent:
-                logprobs = engine.logprobs(request_id)
-                sink.tokens(tokens[sent:], None if logprobs is None else logprobs[sent:len(tokens)])
-                self._sent[request_id] = len(tokens)
-                handed += len(tokens) - sent
-        for request_id in [r for r in engine.results if r in self._sinks]:
-            self._forget(request_id).done(engine.results.pop(request_id))
-        engine.results.clear()  # cancelled ones' results are nobody's
+        for request_id, tokens in output.emitted.items():
+            sink = self._sinks.get(request_id)
+            if sink is not None and tokens:
+                sink.tokens(tokens, output.logprobs.get(request_id))
+                handed += len(tokens)
+        for request_id, result in output.finished.items():
+            sink = self._forget(request_id)
+            if sink is not None:
+                sink.done(result)
         return handed, faults
 
     def _count(self, failed: bool) -> None:
@@ -265,24 +269,24 @@ class Worker:
 
     def _forget(self, request_id: int) -> Sink | None:
         """Stop feeding a request's sink -> the sink (None if it had none)."""
+        self._waiting.discard(request_id)  # first: `running`, read from other threads, never dips below 0
         sink = self._sinks.pop(request_id, None)
-        self._sent.pop(request_id, None)
         if sink is not None:
             self._ids.pop(id(sink), None)
         return sink
 
     def _fail_running(self, error: Exception) -> None:
-        for request_id in list(self.engine.running) + list(self.engine.prefilling):
+        for request_id in [r for r in self._sinks if r not in self._waiting]:
             self.engine.cancel(request_id)
             sink = self._forget(request_id)
             if sink is not None:
                 sink.failed(error)
 
     def _fail_waiting(self, error: Exception) -> None:
-        for request in list(self.engine.waiting):
-            self.engine.cancel(request.id)
+        for request_id in sorted(self._waiting):  # in the order they came
+            self.engine.cancel(request_id)
             self._settle(1)
-            sink = self._forget(request.id)
+            sink = self._forget(request_id)
             if sink is not None:
                 sink.failed(error)
 

@@ -1,0 +1,283 @@
+"""The engine's parts, each alone: the scheduler (admission order, the KV budget, prompt chunks)
+without a pass, the `StepOutput` a step hands out (emitted, finished, failed: each once), a step
+that fails outside every request's guard, the server's worker driving nothing but the engine's
+public face, and the engine reading a sequence one hop deep."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specdec import Engine, Request, autoregressive_generate
+from specdec.decoding import sequence
+from specdec.drafters import LookupDrafter
+from specdec.engine import StepFailed, StepOutput
+from specdec.engine.runner import Runner
+from specdec.engine.scheduler import Scheduler, kv_need
+
+from conftest import tiny_model
+
+ENGINE = Path(__file__).resolve().parent.parent / "src" / "specdec" / "engine"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0, vocab=32, exact_rows=True)
+
+
+class _Cache:
+    def __init__(self):
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class _Sequence:
+    """What the scheduler reads of a `Decoding`, with no model behind it: its prompt is fed a
+    chunk (`PREFILL_CHUNK`) a call, up to its last token (which its first pass scores)."""
+
+    drafter_passes, caught_up, steerable, drafts_next, drafter_model = 0, None, None, False, None
+
+    def __init__(self, request, target):
+        self.sequence, self.target, self.remaining = list(request.prompt_ids), target, request.max_new_tokens
+        self.cache = None
+
+    def charged_positions(self) -> int:
+        return len(self.sequence) + self.remaining
+
+    def begin(self) -> None:
+        self.cache = _Cache()
+
+    def prefill_step(self) -> bool:
+        self.cache.length = min(len(self.sequence) - 1, self.cache.length + sequence.PREFILL_CHUNK)
+        return self.cache.length >= len(self.sequence) - 1
+
+    def lag(self):
+        return None
+
+    def free(self) -> None:
+        self.cache = None
+
+
+def _scheduler(target, max_batch=8, kv_memory=None, fails=()):
+    def make(request):
+        if request.id in fails:
+            raise RuntimeError("this request's own fault")
+        return _Sequence(request, target)
+    return Scheduler(target, max_batch, kv_memory, None, make)
+
+
+def test_the_scheduler_admits_in_order_up_to_max_batch_and_a_request_that_fails_to_start_ends_alone(target):
+    scheduler = _scheduler(target, max_batch=2, fails={1})
+    for i in range(4):
+        scheduler.waiting.append(SimpleNamespace(id=i, prompt_ids=[1, 2, 3], max_new_tokens=4))
+    out = StepOutput()
+    plan = scheduler.schedule(out)
+    # 1 fails while starting: it leaves the queue, ends alone, and 2 takes its place
+    assert out.started == [0, 1, 2] and list(out.failed) == [1] and "own fault" in str(out.failed[1])
+    assert plan.ids == [0, 2] and [r.id for r in scheduler.waiting] == [3]
+    out = StepOutput()
+    assert scheduler.schedule(out).ids == [0, 2] and out.started == []  # the batch is full: 3 waits
+    scheduler.settle(StepOutput(finished={0: None}))
+    out = StepOutput()
+    assert scheduler.schedule(out).ids == [2, 3] and out.started == [3] and not scheduler.waiting
+
+
+def test_the_kv_budget_holds_a_request_that_does_not_fit_and_those_behind_it(target):
+    big, small = [1] * 90, [1] * 2
+    need_big = kv_need(len(big) + 4, [target])
+    need_small = kv_need(len(small) + 4, [target])
+    assert need_small < need_big
+    scheduler = _scheduler(target, kv_memory=need_big + need_small)
+    for i, prompt in enumerate([big, big, small]):
+        scheduler.waiting.append(SimpleNamespace(id=i, prompt_ids=prompt, max_new_tokens=4))
+    out = StepOutput()
+    scheduler.schedule(out)
+    # the second big one does not fit beside the first; the small one would, but waits behind it
+    assert out.started == [0] and scheduler.reserved == {0: need_big}
+    assert [r.id for r in scheduler.waiting] == [1, 2]
+    scheduler.settle(StepOutput(finished={0: None}))  # the first ends: its charge is free
+    out = StepOutput()
+    scheduler.schedule(out)
+    assert out.started == [1, 2] and scheduler.reserved == {1: need_big, 2: need_small}
+    assert scheduler.cancel(2) and 2 not in scheduler.reserved and not scheduler.cancel(2)
+
+
+def test_prompts_are_fed_about_a_chunk_a_step_first_come_first_served(target, monkeypatch):
+    monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)
+    scheduler = _scheduler(target)
+    for i in range(2):
+        scheduler.waiting.append(SimpleNamespace(id=i, prompt_ids=list(range(20)), max_new_tokens=4))
+    fed = []
+    for _ in range(4):
+        plan = scheduler.schedule(StepOutput())
+        admitted = {**scheduler.prefilling, **scheduler.running}
+        fed.append((admitted[0].cache.length, admitted[1].cache.length, None if plan is None else plan.ids))
+    # 8 tokens a step go to the first prompt until it is in; a step it no longer fills (3 tokens)
+    # feeds the next prompt its chunk too
+    assert fed == [(8, 0, None), (16, 0, None), (19, 8, [0]), (19, 16, [0])]
+
+
+def _failing_lookup():
+    class Failing(LookupDrafter):
+        calls = 0
+
+        def propose(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("a drafter bug")
+            return super().propose(*args, **kwargs)
+    return Failing()
+
+
+def test_a_step_hands_out_what_each_request_emitted_finished_and_failed_once(target):
+    prompts = [[3, 4, 5, 3, 4, 5], [7, 8, 9], [10, 11, 12, 10, 11]]
+    alone = [autoregressive_generate(p, target, max_new_tokens=6 + 2 * i, eos_token_ids=[]).tokens
+             for i, p in enumerate(prompts)]
+    engine = Engine(target, max_batch=3)
+    drafters = [None, LookupDrafter, _failing_lookup]
+    ids = [engine.add(Request(p, d, max_new_tokens=6 + 2 * i, eos_token_ids=[], logprobs=1))
+           for i, (p, d) in enumerate(zip(prompts, drafters))]
+    outputs = []
+    while engine.busy:
+        outputs.append(engine.step())
+    streamed, ended = {i: [] for i in ids}, set()
+    for out in outputs:
+        for request_id, tokens in out.emitted.items():
+            assert request_id not in ended, "tokens after the request ended"
+            assert len(out.logprobs[request_id]) == len(tokens)
+            streamed[request_id] += tokens
+        ended |= {*out.finished, *out.failed}
+    finished = [i for out in outputs for i in out.finished]
+    failed = [i for out in outputs for i in out.failed]
+    assert sorted(finished) == ids[:2] and failed == [ids[2]]  # each once
+    results = {i: r for out in outputs for i, r in out.finished.items()}
+    assert [results[i].tokens for i in ids[:2]] == alone[:2]
+    assert [streamed[i] for i in ids[:2]] == alone[:2]  # the streamed tokens are the whole output
+    error = next(out.failed[ids[2]] for out in outputs if ids[2] in out.failed)
+    assert "a drafter bug" in str(error)
+    assert not engine.scheduler.reserved and not engine.scheduler.running  # nothing kept once handed out
+
+
+def test_a_step_that_breaks_outside_every_request_hands_out_what_it_had(target, monkeypatch):
+    """The error comes out as `StepFailed` carrying what the step finished before it broke (the
+    server answers those whole); the engine serves on, and `run` raises the error itself."""
+    verify, broken = Runner.verify, []
+
+    def breaking(self, plan, logits, out):
+        verify(self, plan, logits, out)
+        if out.finished and not broken:
+            broken.append(1)
+            raise RuntimeError("broke after verifying")
+
+    monkeypatch.setattr(Runner, "verify", breaking)
+    engine = Engine(target, max_batch=2)
+    short = engine.add(Request([1, 2, 3], max_new_tokens=2, eos_token_ids=[]))
+    long = engine.add(Request([5, 6], max_new_tokens=6, eos_token_ids=[]))
+    with pytest.raises(StepFailed) as caught:
+        while engine.busy:
+            engine.step()
+    assert isinstance(caught.value.error, RuntimeError) and list(caught.value.output.finished) == [short]
+    expected = autoregressive_generate([1, 2, 3], target, max_new_tokens=2, eos_token_ids=[]).tokens
+    assert caught.value.output.finished[short].tokens == expected
+    assert list(engine.run()) == [long]  # the engine went on
+
+    def always_breaking(self, plan, logits, out):
+        raise RuntimeError("always broken")
+
+    monkeypatch.setattr(Runner, "verify", always_breaking)
+    engine.add(Request([1, 2], max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="always broken") as raised:
+        engine.run()
+    assert not isinstance(raised.value, StepFailed)
+
+
+class _FacadeOnly:
+    """The engine's public face and nothing else: a worker that reads or clears anything behind
+    it (its queue, its sequences, kept results) fails here."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def add(self, request):
+        return self._engine.add(request)
+
+    def cancel(self, request_id):
+        return self._engine.cancel(request_id)
+
+    def step(self):
+        return self._engine.step()
+
+    @property
+    def busy(self):
+        return self._engine.busy
+
+
+class _Sink:
+    def __init__(self):
+        self.tokens_seen, self.logprobs_seen, self.result, self.error = [], [], None, None
+
+    def tokens(self, ids, logprobs):
+        self.tokens_seen += ids
+        self.logprobs_seen += logprobs or []
+
+    def done(self, result):
+        self.result = result
+
+    def failed(self, error):
+        self.error = error
+
+
+def test_the_worker_serves_from_step_outputs_alone(target):
+    from specdec.server.worker import Worker
+
+    worker = Worker(_FacadeOnly(Engine(target, max_batch=2)))
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    sinks = [_Sink() for _ in prompts]
+    for prompt, sink in zip(prompts, sinks):
+        worker.submit(Request(prompt, max_new_tokens=5, eos_token_ids=[], logprobs=0), sink)
+    doomed, cancelled = _Sink(), _Sink()
+    worker.submit(Request([1, 2, 3], _failing_lookup, max_new_tokens=8, eos_token_ids=[]), doomed)
+    worker.submit(Request([4, 5], max_new_tokens=8, eos_token_ids=[]), cancelled)
+    assert worker.waiting == 5
+    worker.cancel(cancelled)  # before it ran: it leaves the queue, and nothing reaches its sink
+    turns = 0
+    while any(s.result is None and s.error is None for s in [*sinks, doomed]):
+        worker._turn()  # on this thread, so that an error inside it fails the test
+        turns += 1
+        assert turns < 200, "the worker stopped handing out"
+        assert 0 <= worker.running <= 2 and worker.waiting >= 0
+    for prompt, sink in zip(prompts, sinks):
+        expected = autoregressive_generate(prompt, target, max_new_tokens=5, eos_token_ids=[]).tokens
+        assert sink.result.tokens == sink.tokens_seen == expected and sink.error is None
+        assert len(sink.logprobs_seen) == len(expected)
+    assert "a drafter bug" in str(doomed.error) and doomed.result is None
+    assert cancelled.tokens_seen == [] and cancelled.result is None and cancelled.error is None
+    assert worker.waiting == 0 and worker.running == 0 and not worker._sinks
+
+
+def _deep_reads(tree: ast.AST) -> list[str]:
+    """`decoding.a.b`-like reads (two hops into a sequence) outside `_decide` (the batched
+    verification, which moves to decoding/ with the verifier)."""
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.Lambda)) or getattr(function, "name", "") == "_decide":
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                base = node.value.value
+                named = isinstance(base, ast.Name) and base.id in ("decoding", "d")
+                indexed = isinstance(base, ast.Subscript) and isinstance(base.value, ast.Name) and \
+                    base.value.id in ("decodings", "running", "prefilling")
+                if named or indexed:
+                    found.append(ast.unparse(node))
+    return found
+
+
+def test_the_engine_reads_a_sequence_one_hop_deep():
+    deep = {path.name: _deep_reads(ast.parse(path.read_text())) for path in sorted(ENGINE.glob("*.py"))}
+    assert all(not reads for reads in deep.values()), deep
