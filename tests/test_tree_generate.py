@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
+from specdec.drafters import Drafter, LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 from specdec.drafters.nodes import Node
 from specdec.errors import SpecdecError
 from specdec.sizing.schedules import TreeCost
@@ -215,19 +215,35 @@ def _off_main_chain(result) -> int:
     return sum(1 for s in result.steps if s.path and s.path != list(range(len(s.path))))
 
 
-class _Demoted:
+class _Demoted(Drafter):
     """A greedy tree drafter whose root's two best children swap places, so that the drafter's
     favourite, often right, lies off the main chain: acceptances off the main chain are forced
     (the gather paths of both caches run). Greedy only: reordering sampled siblings would change
-    their laws."""
+    their laws. Its class declares the inner drafter's capabilities (`_demoted`)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.name, self.model = f"{inner.name}-demoted", getattr(inner, "model", None)
         self._old: list[int] = []
 
-    def __getattr__(self, name):  # passes, check_target, start, timing
+    def __getattr__(self, name):  # timing, policy, cache, lag, caught_up
         return getattr(self.inner, name)
+
+    @property
+    def passes(self) -> int:
+        return self.inner.passes
+
+    def check_target(self, target) -> None:
+        self.inner.check_target(target)
+
+    def start(self, prompt) -> None:
+        self.inner.start(prompt)
+
+    def finish(self, sequence) -> None:
+        self.inner.finish(sequence)
+
+    def most_nodes(self) -> int:
+        return self.inner.most_nodes()
 
     def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
         return self._demote(self.inner.propose_tree(context, max_depth, sampler, generator))
@@ -249,6 +265,13 @@ class _Demoted:
 
     def keep_path(self, start, path) -> None:
         self.inner.keep_path(start, [self._old[n] for n in path])
+
+
+def _demoted(inner) -> _Demoted:
+    """`inner` demoted, under a class that declares `inner`'s capabilities."""
+    from specdec.drafters.base import capabilities_of
+
+    return type("_Demoted", (_Demoted,), {"capabilities": capabilities_of(inner)})(inner)
 
 
 def _wide_real(nodes: int = 12) -> TreeCost:
@@ -274,7 +297,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_real_smollm2(smollm2, smollm2_
             "mixed": lambda d: MixedDrafter(d, width=3, policy=_wide_real())}[kind]
     off_main_chain = 0
     for (prompt, expected), drafter in zip(smollm2_expected.items(), smollm2_drafters):
-        result = speculative_generate(smollm2.encode(prompt), smollm2, _Demoted(make(drafter)), gamma=4,
+        result = speculative_generate(smollm2.encode(prompt), smollm2, _demoted(make(drafter)), gamma=4,
                                       max_new_tokens=20)
         assert result.tokens == expected, f"{kind}, {drafter.name}, prompt={prompt!r}"
         off_main_chain += _off_main_chain(result)
@@ -285,7 +308,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair,
     target, drafter = default_pair
     ids, expected = default_pair_greedy
     expected = expected[:24]  # greedy AR's first 24 tokens are its 24-token output
-    result = speculative_generate(ids, target, _Demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
+    result = speculative_generate(ids, target, _demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
                                   gamma=6, max_new_tokens=24)
     assert result.tokens == expected
     assert result.stats.target_passes < len(expected) / 2  # the pair really speculates

@@ -8,6 +8,7 @@ from typing import Callable, Generator, Sequence
 
 import torch
 
+from ..backends import declares_features
 from ..errors import SpecdecError
 from ..core.samplers import Sampler
 from ..core.trees import Draft  # the proposal type, chain or tree (a `trees.Tree` is one)
@@ -56,14 +57,10 @@ class Capabilities:
 
 
 def capabilities_of(drafter) -> Capabilities:
-    """The capabilities `drafter`'s class declares; for a drafter written against the bare
-    members (no declaration), those its members show, derived once here."""
-    if not hasattr(drafter, "passes"):
-        raise SpecdecError(f"the drafter {type(drafter).__name__} has no `passes` (its drafter passes since `start`, "
-                           "0 for a model-free drafter); the drafter contract's `forwards` was renamed `passes`")
-    declared = getattr(type(drafter), "capabilities", None)
-    if not isinstance(declared, Capabilities):
-        return derived_capabilities(drafter)
+    """The capabilities `drafter`'s class declares (`Drafter.capabilities`); SpecdecError for an
+    object that does not subclass `Drafter`."""
+    require_drafter(drafter)
+    declared = type(drafter).capabilities
     whole, passes = ("propose_tree", "tree_proposal") if declared.trees else ("propose", "proposal")
     if declared.batched_passes and _defined_below(type(drafter), whole, passes):
         # a subclass that overrides the whole proposal must be called through it
@@ -78,33 +75,31 @@ def _defined_below(cls: type, name: str, other: str) -> bool:
     return owner(name) < owner(other)
 
 
-def derived_capabilities(drafter) -> Capabilities:
-    """The capabilities `drafter`'s members show (a protocol-only drafter's; tests check every
-    declaration against it)."""
-    trees = hasattr(drafter, "propose_tree")
-    return Capabilities(trees=trees, batched_passes=hasattr(drafter, "tree_proposal" if trees else "proposal"),
-                        model=getattr(drafter, "model", None) is not None and hasattr(drafter, "cache"),
-                        catches_up=hasattr(drafter, "lag"),
-                        reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
-                        reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
-                        pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"),
-                        one_pass=bool(getattr(drafter, "one_pass", False)),
-                        grammar=bool(getattr(drafter, "drafts_under_grammar", False)))
+def require_drafter(drafter) -> None:
+    """SpecdecError unless `drafter` is a `Drafter` (the loop reads its class's declarations, never
+    probes its members)."""
+    if not isinstance(drafter, Drafter):
+        raise SpecdecError(f"{type(drafter).__name__} is no drafter: a drafter subclasses specdec.drafters.Drafter "
+                           "and declares what it does beyond it in `capabilities` (specdec.drafters.Capabilities)")
 
 
-def _own(drafter, member: str) -> bool:
-    """Whether `drafter` has `member` of its own, not the `Drafter` base's default."""
-    return hasattr(drafter, member) and getattr(type(drafter), member, None) is not getattr(Drafter, member, None)
+def require_drafter_or_model(value) -> None:
+    """SpecdecError unless `value` is a `Drafter` or a model backend (whose class declares `features()`)."""
+    if not isinstance(value, Drafter) and not declares_features(value):
+        raise SpecdecError(f"{type(value).__name__} is neither a drafter nor a model: a drafter subclasses "
+                           "specdec.drafters.Drafter, a model backend declares features() (specdec.backends.Features)")
 
 
 def is_drafter(value) -> bool:
-    """Whether `value` is a drafter object (it proposes), not a model or a factory."""
-    return not isinstance(value, type) and (hasattr(value, "propose") or hasattr(value, "propose_tree"))
+    """Whether `value` is a drafter object (a `Drafter`), not a model or a factory."""
+    return isinstance(value, Drafter)
 
 
 def is_factory(value) -> bool:
-    """Whether `value` makes drafters (a drafter class, a lambda), not a model (which has `forward`)."""
-    return callable(value) and not hasattr(value, "forward")
+    """Whether `value` makes drafters (a `Drafter` class, a lambda), not a drafter or a model backend."""
+    if isinstance(value, type):
+        return issubclass(value, Drafter)
+    return callable(value) and not isinstance(value, Drafter) and not declares_features(value)
 
 
 class Drafter:
@@ -119,12 +114,12 @@ class Drafter:
 
     Members beyond these are declared in a class attribute `capabilities` (`Capabilities`), never
     probed. What every drafter reports the same way (tokens drafted and accepted, by position;
-    drafter passes and seconds) the loop counts in `GenerationStats`. A class written against
-    these members alone, without inheriting, still drafts (its capabilities are then derived
-    from its members once, `derived_capabilities`).
+    drafter passes and seconds) the loop counts in `GenerationStats`. Every drafter subclasses
+    this class: the loop refuses any other object (`require_drafter`).
     """
 
     name: str = "drafter"
+    capabilities: Capabilities = Capabilities()  # a chain drafter without a model: nothing beyond the base
     passes: int = 0  # drafter passes since `start` (0 for model-free drafters)
 
     def check_target(self, target) -> None:
@@ -144,7 +139,7 @@ class Drafter:
         """Verification kept the nodes `path` of the last draft, proposed after `context[:start]`
         (a chain's kept nodes are 0, 1, ..., k-1): a chain drafter rolls back to the context's
         first start + k tokens (`rollback`), a tree drafter keeps the path (`keep_path`)."""
-        if _declared_trees(self):
+        if type(self).capabilities.trees:
             self.keep_path(start, list(path))
         else:
             self.rollback(start + len(path))
@@ -164,25 +159,15 @@ class Drafter:
 
 
 def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
-    """Tell `drafter` what verification kept of its last draft (`Drafter.accept`), also where it
-    was written against the members alone: the base's rule then calls its `rollback` or `keep_path`."""
-    if isinstance(drafter, Drafter):
-        drafter.accept(start, path)  # its own, where it overrides the base's
-    else:
-        Drafter.accept(drafter, start, path)
+    """Tell `drafter` what verification kept of its last draft (`Drafter.accept`)."""
+    require_drafter(drafter)
+    drafter.accept(start, path)
 
 
-def most_nodes(drafter) -> int | None:
-    """`Drafter.most_nodes`; None for a tree drafter written against the protocol alone (its
-    width is unknown), 0 for such a chain drafter."""
-    if isinstance(drafter, Drafter):
-        return drafter.most_nodes()
-    return None if capabilities_of(drafter).trees else 0
-
-
-def _declared_trees(drafter) -> bool:
-    declared = getattr(type(drafter), "capabilities", None)
-    return declared.trees if isinstance(declared, Capabilities) else hasattr(drafter, "propose_tree")
+def most_nodes(drafter) -> int:
+    """`Drafter.most_nodes`."""
+    require_drafter(drafter)
+    return drafter.most_nodes()
 
 
 # A proposal that leaves its model passes to the caller: it yields each pass it needs (a

@@ -20,7 +20,7 @@ from typing import Generator, Sequence
 
 import torch
 
-from ..backends import Backend, Segment
+from ..backends import Backend, Features, Segment
 from ..backends.cache import cache_length, crop_cache
 from ..training.distill import head_rows
 from ..training.fit_eagle import Eagle, check_eagle_target, load_eagle
@@ -39,6 +39,12 @@ class EagleModel:
 
     tokenizer = None
     max_context = 1 << 30
+    role = "drafter"
+    num_parameters = None  # a layer over the target's: never compared with it (roles.check_roles)
+
+    def features(self) -> Features:
+        """What it does beyond `Backend` (`backends.Features`): token trees, one sequence a pass."""
+        return Features()
 
     def __init__(self, eagle: Eagle):
         self.eagle = eagle
@@ -128,8 +134,6 @@ class EagleDrafter(Eagle2Drafter):
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True,
                                 reads_target_hidden=True)
-
-    reads_target_hidden = True  # speculative_generate calls `observe` after the prefill and every pass
 
     def __init__(self, eagle: Eagle | str | Path, width: int = 4, max_nodes: int = 64,
                  policy: TreeCost | None = None):

@@ -76,8 +76,6 @@ class LookaheadDrafter(Drafter):
 
     capabilities = Capabilities(trees=True, reads_target_tokens=True)
 
-    reads_target_tokens = True  # `observe_targets`: the target's argmax at every node of its pass
-
     def __init__(self, window: int | None = None, ngram: int | None = None, guesses: int | None = None,
                  max_nodes: int = 64, policy: TreeCost | None = None):
         shape = (window, ngram, guesses)

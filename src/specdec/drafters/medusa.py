@@ -36,8 +36,6 @@ class MedusaDrafter(Drafter):
 
     capabilities = Capabilities(trees=True, reads_target_hidden=True)
 
-    reads_target_hidden = True  # speculative_generate calls `observe` after every target pass
-
     def __init__(self, heads: Heads | str | Path, width: int = 4, max_nodes: int = 64,
                  policy: TreeCost | None = None):
         if not isinstance(width, int) or width < 1:

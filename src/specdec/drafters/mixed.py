@@ -12,7 +12,7 @@ from ..backends import Backend, Segment
 from ..core.samplers import Sampler
 from ..sizing.schedules import FasterOf, TreeCost
 from ..core.trees import Tree
-from .base import Capabilities
+from .base import Capabilities, capabilities_of
 from .lookup_tree import LookupTreeDrafter
 from .nodes import Node, count_nodes, merge, prune, to_tree
 from .sides import SidesDrafter
@@ -108,7 +108,7 @@ class MixedDrafter(SidesDrafter):
 
     def pin(self) -> None:
         """A seeded sampled generation: the branches draft from its own text alone (`SuffixDrafter.pin`)."""
-        if hasattr(self.lookup, "pin"):
+        if capabilities_of(self.lookup).pins:
             self.lookup.pin()
 
     def finish(self, sequence: Sequence[int]) -> None:

@@ -54,7 +54,6 @@ class SidesDrafter(ModelDrafter):
     """
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False  # trees take no grammar
 
     def __init__(self, model: Backend, width: int = 3, max_nodes: int = 64,
                  scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):

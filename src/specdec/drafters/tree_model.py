@@ -28,7 +28,6 @@ class TreeModelDrafter(ModelDrafter):
     """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False  # trees take no grammar
 
     def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)
