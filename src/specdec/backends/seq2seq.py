@@ -22,6 +22,8 @@ from .text import eos_ids
 class Seq2SeqModel:
     """A transformers encoder-decoder (`AutoModelForSeq2SeqLM`), its tokenizer (or None) and name."""
 
+    role = None  # the loader gives encoder-decoders no role (roles.check_roles then compares sizes alone)
+
     def __init__(self, hf_model, tokenizer=None, name: str | None = None):
         config = hf_model.config
         if not getattr(config, "is_encoder_decoder", False):
@@ -87,7 +89,7 @@ class BoundDecoder:
     def __init__(self, model: Seq2SeqModel, encoded, mask: torch.Tensor):
         self.model, self.hf, self.tokenizer = model, model.hf, model.tokenizer
         self.name, self.device, self.dtype = model.name, model.device, model.dtype
-        self.role, self.num_parameters = None, model.num_parameters  # the loader gives encoder-decoders no role
+        self.role, self.num_parameters = model.role, model.num_parameters
         self.vocab_size, self.eos_token_ids, self.max_context = model.vocab_size, model.eos_token_ids, model.max_context
         self.encoded, self.mask = encoded, mask
 
