@@ -252,3 +252,40 @@ def test_no_probe_on_a_drafter_or_a_backend_comes_back():
     assert found - set(ALLOWED) == set(), "probes on drafters or backends: read a declaration instead"
     assert _probes('getattr(model, "parallel_k", None) and hasattr(drafter, "pin")') == ["model", "drafter"]
     assert _probes('getattr(getattr(tokenizer, "x", None), "y")') == ["getattr(tokenizer", "tokenizer"]
+
+
+# ---------------------------------------------------------------- one proposal entry
+
+def test_chains_and_trees_have_one_proposal_entry():
+    """Every drafter proposes through `propose` (a chain: parents None; a tree: a Draft with
+    parents) and, where it batches its passes, `proposal`; the loop calls nothing else."""
+    import inspect
+
+    import specdec.drafters as drafters
+    from specdec.core.trees import Tree
+    from specdec.drafters import LookupTreeDrafter
+
+    for name, cls in inspect.getmembers(drafters, inspect.isclass):
+        if issubclass(cls, Drafter):
+            assert not {"propose_tree", "tree_proposal"} & set(dir(cls)), name
+    calls = []
+
+    class WatchedTree(LookupTreeDrafter):
+        def propose(self, *args):
+            draft = super().propose(*args)
+            calls.append(("tree", draft.parents is not None and isinstance(draft, Tree), args[4]))
+            return draft
+
+    class WatchedChain(NgramDrafter):
+        def propose(self, *args):
+            draft = super().propose(*args)
+            calls.append(("chain", draft.parents is None, callable(args[4])))
+            return draft
+
+    target = TableModel(8, 0)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    ar = autoregressive_generate(prompt, target, max_new_tokens=12, eos_token_ids=[])
+    for drafter in (WatchedTree(), WatchedChain()):
+        assert speculative_generate(prompt, target, drafter, max_new_tokens=12, eos_token_ids=[]).tokens == ar.tokens
+    assert ("tree", True, None) in calls and ("chain", True, True) in calls  # a tree's policy sizes it: no keep_going
+    assert {call[:2] for call in calls} == {("tree", True), ("chain", True)}

@@ -291,9 +291,11 @@ def _observes(drafter, what: str) -> bool:
 def _members_show(drafter) -> Capabilities:
     """The capabilities `drafter`'s members show: what the loop once derived by probing, here only
     to check each class's declaration against its members."""
-    trees = hasattr(drafter, "propose_tree")
+    import inspect
+
+    trees = list(inspect.signature(drafter.propose).parameters)[1] == "max_depth"  # a tree's depth bound
     own_finish = type(drafter).finish is not Drafter.finish
-    return Capabilities(trees=trees, batched_passes=hasattr(drafter, "tree_proposal" if trees else "proposal"),
+    return Capabilities(trees=trees, batched_passes=hasattr(drafter, "proposal"),
                         model=getattr(drafter, "model", None) is not None and hasattr(drafter, "cache"),
                         catches_up=hasattr(drafter, "lag"), reads_target_hidden=_observes(drafter, "hidden"),
                         reads_target_tokens=hasattr(drafter, "observe_targets"), pins=hasattr(drafter, "pin"),
@@ -408,17 +410,17 @@ def test_a_drafter_that_does_not_subclass_drafter_is_refused():
 
 
 def test_a_subclass_overriding_the_whole_proposal_is_called_through_it():
-    """A drafter class that batches its passes (`tree_proposal`) is driven through that generator;
-    a subclass that overrides `propose_tree` must still be called through its override."""
+    """A drafter class that batches its passes (`proposal`) is driven through that generator;
+    a subclass that overrides `propose` must still be called through its override."""
     from specdec.drafters import SidesDrafter
     from specdec.drafters.base import capabilities_of
 
     calls = []
 
     class Watched(SidesDrafter):
-        def propose_tree(self, *args):
+        def propose(self, *args):
             calls.append(args[1])
-            return super().propose_tree(*args)
+            return super().propose(*args)
 
     target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
     assert capabilities_of(SidesDrafter(drafter)).batched_passes

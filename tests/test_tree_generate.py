@@ -245,11 +245,11 @@ class _Demoted(Drafter):
     def most_nodes(self) -> int:
         return self.inner.most_nodes()
 
-    def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
-        return self._demote(self.inner.propose_tree(context, max_depth, sampler, generator))
+    def propose(self, context, max_depth, sampler, generator, keep_going=None) -> Tree:
+        return self._demote(self.inner.propose(context, max_depth, sampler, generator))
 
-    def tree_proposal(self, context, max_depth, sampler, generator):
-        return self._demote((yield from self.inner.tree_proposal(context, max_depth, sampler, generator)))
+    def proposal(self, context, max_depth, sampler, generator, keep_going=None):
+        return self._demote((yield from self.inner.proposal(context, max_depth, sampler, generator)))
 
     def _demote(self, tree: Tree) -> Tree:
         roots = tree.children(-1)
@@ -366,7 +366,7 @@ def test_lookup_carries_the_model_chain_on_past_its_end():
         mixed = MixedDrafter(drafter, policy=TreeCost(threshold=0.999, node_threshold=0.01, warmup=10**9,
                                                       calibrate=False), chain_lookup=extend)
         mixed.start(context)
-        tree = mixed.propose_tree(context, 8, Sampler(0.0), torch.Generator())
+        tree = mixed.propose(context, 8, Sampler(0.0), torch.Generator())
         chain_end = tree.tokens.index(first)
         below = [tree.tokens[i] for i in range(len(tree)) if i > chain_end and chain_end in tree.path_to(i)]
         if not extend:
@@ -392,7 +392,7 @@ def test_a_sampled_chain_token_is_valued_by_the_drafters_top_probability():
         depths[value] = []
         for _ in range(40):
             drafter.start([1, 2, 3])
-            tree = drafter.propose_tree([1, 2, 3], 6, sampler, generator)
+            tree = drafter.propose([1, 2, 3], 6, sampler, generator)
             depths[value].append(len(tree))
             tails += tree.tokens[0] != 0
     assert tails > 10  # the case happened

@@ -268,17 +268,13 @@ class Decoding:
         drafter, stats = self.drafter, self.stats
         budget = min(self.schedule.budget() if self._depth is None else self._depth, self.out.remaining - 1)
         self._step_start, self._passes = time.perf_counter(), drafter.passes
+        keep_going = None if self.trees else self.schedule.keep_going  # a tree's policy sizes it whole
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])
-        elif self.trees and self.batches_drafts:
-            draft = yield from drafter.tree_proposal(self.sequence, budget, self.sampler, self.draft_generator)
-        elif self.trees:
-            draft = drafter.propose_tree(self.sequence, budget, self.sampler, self.draft_generator)
         elif self.batches_drafts:
-            draft = yield from drafter.proposal(self.sequence, budget, self.sampler, self.draft_generator,
-                                                self.schedule.keep_going)
+            draft = yield from drafter.proposal(self.sequence, budget, self.sampler, self.draft_generator, keep_going)
         else:
-            draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
+            draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, keep_going)
         if self.constraint is not None:
             draft = self._constrained(draft)
         self._drafted_at = time.perf_counter()

@@ -27,10 +27,10 @@ class Capabilities:
     """What a drafter does beyond the `Drafter` base class, declared by its class (a class attribute
     `capabilities`) so that the loop and the engine read it instead of probing for members.
 
-    trees: proposes token trees (`propose_tree`, `keep_path`, and a sizing `policy` of its own)
-        instead of chains (`propose`).
-    batched_passes: `proposal(...)` (a tree drafter: `tree_proposal(...)`), a generator that
-        leaves its drafter-model passes to the caller, so the engine batches them across sequences.
+    trees: `propose` returns token trees (a `Draft` with parents: `trees.Tree`), kept by
+        `keep_path`, sized by a `policy` of its own, instead of chains.
+    batched_passes: `proposal(...)`, `propose` as a generator that leaves its drafter-model passes
+        to the caller, so the engine batches them across sequences.
     model: holds a drafter model (`model`, with this sequence's `cache`).
     catches_up: keeps that model in step with the context: `lag(context)`, the tokens it has yet
         to feed, and `caught_up`, the tokens and seconds it fed to catch up.
@@ -61,8 +61,7 @@ def capabilities_of(drafter) -> Capabilities:
     object that does not subclass `Drafter`."""
     require_drafter(drafter)
     declared = type(drafter).capabilities
-    whole, passes = ("propose_tree", "tree_proposal") if declared.trees else ("propose", "proposal")
-    if declared.batched_passes and _defined_below(type(drafter), whole, passes):
+    if declared.batched_passes and _defined_below(type(drafter), "propose", "proposal"):
         # a subclass that overrides the whole proposal must be called through it
         return dataclasses.replace(declared, batched_passes=False)
     return declared
@@ -106,9 +105,11 @@ class Drafter:
     """The base of every drafter: the contract the decoding loop drives.
 
     - `start(prompt)`: a new generation; `prompt` is its context.
-    - `propose(context, max_tokens, sampler, generator, keep_going) -> Draft` (a chain), or, where
-      the class declares `capabilities.trees`, `propose_tree(context, max_depth, sampler,
-      generator) -> trees.Tree`.
+    - `propose(context, max_tokens, sampler, generator, keep_going) -> Draft`, the one proposal
+      entry: a chain (parents None), or, where the class declares `capabilities.trees`, a tree
+      (`trees.Tree`, a Draft with parents) no deeper than `max_tokens`, sized by the drafter's
+      own `policy` (the loop passes keep_going None). `proposal(...)`, with the same arguments,
+      leaves the drafter model's passes to the caller (`capabilities.batched_passes`).
     - `accept(start, path)`: what verification kept of the last draft (`accept_draft`).
     - `finish(sequence)`: the generation ended (called where the class declares `finishes`).
 
@@ -132,7 +133,8 @@ class Drafter:
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
         """Up to `max_tokens` (>= 1) tokens to follow `context` (every token emitted so far, prompt
-        included). An empty draft is allowed: the target then emits one token on its own."""
+        included): a chain, or a tree of that depth where the class declares `trees`. An empty
+        draft is allowed: the target then emits one token on its own."""
         raise NotImplementedError
 
     def accept(self, start: int, path: Sequence[int]) -> None:

@@ -27,7 +27,7 @@ from ..training.fit_medusa import Heads, check_heads_target, load_heads
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
-from .base import Capabilities, Drafter
+from .base import Capabilities, Drafter, KeepGoing
 from .nodes import Node, rank, to_tree
 
 
@@ -81,8 +81,8 @@ class MedusaDrafter(Drafter):
         inputs = self._blocks(hidden.to(self._weight.dtype))  # [K, H]
         return (inputs @ self._weight.T).float().softmax(-1)
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
         root = Node(-1, 1.0, "deterministic")
         self._drafted = False
         if self._hidden is None or max_depth < 1 or not self.policy.should_draft():
