@@ -189,6 +189,15 @@ class TableModel:
         self.vocab_size, self.name, self.tokenizer = vocab, name, None
         self.device, self.max_context, self.eos_token_ids = torch.device("cpu"), 10_000, []
 
+    role = None  # no loader gave it one
+    num_parameters = None
+
+    def features(self):
+        """The backend contract's declaration: token trees, one sequence a pass, no row exactness."""
+        from specdec.backends import Features
+
+        return Features()
+
     def new_cache(self):
         return _TokenCache()
 

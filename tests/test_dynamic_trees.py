@@ -139,7 +139,7 @@ def test_eagle2_tree_is_the_reference_tree(max_depth, threshold, node_threshold,
                                                                  node_threshold=node_threshold))
     drafter.check_target(model)
     drafter.start(prompt)
-    tree = drafter.propose_tree(prompt, max_depth, GREEDY, torch.Generator())
+    tree = drafter.propose(prompt, max_depth, GREEDY, torch.Generator())
     got = _paths(tree)
     expected = _eagle2_reference(model, prompt, width, max_depth, threshold, node_threshold, max_nodes)
     assert set(got) == set(expected)
@@ -163,7 +163,7 @@ def test_sequoia_tree_is_its_shape_filled_with_the_drafters_ranks():
     drafter = SequoiaDrafter(model, policy=_policy(12), prior_costs=(0.02, 0.01, 1.0))
     drafter.check_target(model)
     drafter.start(prompt)
-    tree = drafter.propose_tree(prompt, 4, GREEDY, torch.Generator())
+    tree = drafter.propose(prompt, 4, GREEDY, torch.Generator())
     size, depth = drafter.choose(4)
     shape = drafter._tables.shape(size, depth)
     assert tree.parents == [parent for parent, _ in shape]
@@ -340,8 +340,8 @@ class _MislabelledEagle2(Eagle2Drafter):
                 child.prob_row = row
         return children
 
-    def tree_proposal(self, *args):
-        tree = yield from super().tree_proposal(*args)
+    def proposal(self, *args):
+        tree = yield from super().proposal(*args)
         if tree.tokens:
             tree.scheme = "without-replacement"
         return tree

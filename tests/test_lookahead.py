@@ -58,7 +58,7 @@ def test_a_partial_or_impossible_shape_is_refused(args):
 
 
 def _levels_tree(drafter: LookaheadDrafter, context):
-    return drafter.propose_tree(context, 32, Sampler(0.0), torch.Generator())
+    return drafter.propose(context, 32, Sampler(0.0), torch.Generator())
 
 
 def test_the_window_is_a_tree_with_the_references_mask():
@@ -136,8 +136,8 @@ class _Misreported(LookaheadDrafter):
     """A plausible bug: the deterministic nodes sent to verification with a uniform drafter law
     (as if sampled iid), so each is accepted with min(1, p/q) instead of p."""
 
-    def propose_tree(self, *args):
-        tree = super().propose_tree(*args)
+    def propose(self, *args):
+        tree = super().propose(*args)
         if tree.tokens:
             tree.scheme = "iid"
             tree.probs = torch.full((len(tree), 5), 0.2)

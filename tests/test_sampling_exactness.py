@@ -13,7 +13,7 @@ from scipy.stats import chi2
 
 import specdec.decoding.loop as generate_module
 from specdec import Sampler, TransformersModel, sample, speculative_generate
-from specdec.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
+from specdec.drafters import Draft, Drafter, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 
 from conftest import TableModel, tiny_model
 
@@ -134,7 +134,7 @@ def test_deep_rejections_and_bonus_tokens_keep_the_joint_law(drafter):
     assert chi_square_pvalue(samples, joint) > ALPHA
 
 
-class _MisreportingDrafter:
+class _MisreportingDrafter(Drafter):
     """Draws each draft token from softmax(logits / temperature) of `model` but reports the
     sampler's q = softmax(logits) as the q it drew from; honest only when temperature is 1."""
 

@@ -163,9 +163,9 @@ class _Spy(MedusaDrafter):
         self.seen = []
         self._length = 0
 
-    def propose_tree(self, context, max_depth, sampler, generator):
+    def propose(self, context, max_depth, sampler, generator, keep_going=None):
         self._length = len(context)
-        return super().propose_tree(context, max_depth, sampler, generator)
+        return super().propose(context, max_depth, sampler, generator)
 
     def observe(self, hidden):
         self.seen.append(hidden.clone())
@@ -318,10 +318,10 @@ class _ClaimsSampled(MedusaDrafter):
     """Power check: the same trees, verified as if the heads' top tokens had been drawn i.i.d. from
     the heads' q (they were not), which biases the output."""
 
-    def propose_tree(self, context, max_depth, sampler, generator):
+    def propose(self, context, max_depth, sampler, generator, keep_going=None):
         from specdec.core.trees import Tree
 
-        tree = super().propose_tree(context, max_depth, sampler, generator)
+        tree = super().propose(context, max_depth, sampler, generator)
         if not tree.tokens:
             return tree
         scored = self.head_probs(self._hidden)

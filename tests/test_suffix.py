@@ -126,7 +126,7 @@ def test_the_suffix_tree_is_valued_by_calibrated_ratios_and_learns_from_what_was
     drafter = SuffixTreeDrafter(depth=8, factor=2.5)  # at most 5 nodes after a 2-token match
     context = [1, 2, 3, 5, 1, 2, 4, 6, 1, 2, 3, 9, 1, 2]
     drafter.start(context)
-    tree = drafter.propose_tree(context, 8, GREEDY, torch.Generator())
+    tree = drafter.propose(context, 8, GREEDY, torch.Generator())
     # after "1 2": 3 twice, 4 once; after "1 2 3": 9 and 5 (the latest first); after "1 2 4": 6
     assert tree.tokens == [3, 9, 5, 4, 6] and tree.parents == [-1, 0, 0, -1, 3]
     assert tree.values == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])  # scale 1 before any count
@@ -143,9 +143,9 @@ def test_suffix_trees_share_a_cache_and_a_seed_pins_them_to_their_own_text():
     cache.add([7, 8, 9, 10])
     alone = make_tree_drafter("suffix", suffix_cache=cache)
     alone.start([5, 7, 8])
-    assert alone.propose_tree([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == [9, 10]
+    assert alone.propose([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == [9, 10]
     alone.pin()
-    assert alone.propose_tree([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == []
+    assert alone.propose([5, 7, 8], 8, GREEDY, torch.Generator()).tokens == []
     target, drafter = tiny_model(0, vocab=32, layers=2), tiny_model(1, vocab=32, layers=1)
     mixed = make_tree_drafter("mixed-suffix", drafter, suffix_cache=cache)
     outputs = []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec import TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.drafters import LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
+from specdec.drafters import Drafter, LookupTreeDrafter, MixedDrafter, SidesDrafter, SuffixTreeDrafter
 from specdec.drafters.nodes import Node
 from specdec.errors import SpecdecError
 from specdec.sizing.schedules import TreeCost
@@ -215,25 +215,41 @@ def _off_main_chain(result) -> int:
     return sum(1 for s in result.steps if s.path and s.path != list(range(len(s.path))))
 
 
-class _Demoted:
+class _Demoted(Drafter):
     """A greedy tree drafter whose root's two best children swap places, so that the drafter's
     favourite, often right, lies off the main chain: acceptances off the main chain are forced
     (the gather paths of both caches run). Greedy only: reordering sampled siblings would change
-    their laws."""
+    their laws. Its class declares the inner drafter's capabilities (`_demoted`)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.name, self.model = f"{inner.name}-demoted", getattr(inner, "model", None)
         self._old: list[int] = []
 
-    def __getattr__(self, name):  # passes, check_target, start, timing
+    def __getattr__(self, name):  # timing, policy, cache, lag, caught_up
         return getattr(self.inner, name)
 
-    def propose_tree(self, context, max_depth, sampler, generator) -> Tree:
-        return self._demote(self.inner.propose_tree(context, max_depth, sampler, generator))
+    @property
+    def passes(self) -> int:
+        return self.inner.passes
 
-    def tree_proposal(self, context, max_depth, sampler, generator):
-        return self._demote((yield from self.inner.tree_proposal(context, max_depth, sampler, generator)))
+    def check_target(self, target) -> None:
+        self.inner.check_target(target)
+
+    def start(self, prompt) -> None:
+        self.inner.start(prompt)
+
+    def finish(self, sequence) -> None:
+        self.inner.finish(sequence)
+
+    def most_nodes(self) -> int:
+        return self.inner.most_nodes()
+
+    def propose(self, context, max_depth, sampler, generator, keep_going=None) -> Tree:
+        return self._demote(self.inner.propose(context, max_depth, sampler, generator))
+
+    def proposal(self, context, max_depth, sampler, generator, keep_going=None):
+        return self._demote((yield from self.inner.proposal(context, max_depth, sampler, generator)))
 
     def _demote(self, tree: Tree) -> Tree:
         roots = tree.children(-1)
@@ -249,6 +265,13 @@ class _Demoted:
 
     def keep_path(self, start, path) -> None:
         self.inner.keep_path(start, [self._old[n] for n in path])
+
+
+def _demoted(inner) -> _Demoted:
+    """`inner` demoted, under a class that declares `inner`'s capabilities."""
+    from specdec.drafters.base import capabilities_of
+
+    return type("_Demoted", (_Demoted,), {"capabilities": capabilities_of(inner)})(inner)
 
 
 def _wide_real(nodes: int = 12) -> TreeCost:
@@ -274,7 +297,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_real_smollm2(smollm2, smollm2_
             "mixed": lambda d: MixedDrafter(d, width=3, policy=_wide_real())}[kind]
     off_main_chain = 0
     for (prompt, expected), drafter in zip(smollm2_expected.items(), smollm2_drafters):
-        result = speculative_generate(smollm2.encode(prompt), smollm2, _Demoted(make(drafter)), gamma=4,
+        result = speculative_generate(smollm2.encode(prompt), smollm2, _demoted(make(drafter)), gamma=4,
                                       max_new_tokens=20)
         assert result.tokens == expected, f"{kind}, {drafter.name}, prompt={prompt!r}"
         off_main_chain += _off_main_chain(result)
@@ -285,7 +308,7 @@ def test_greedy_tree_decoding_equals_greedy_ar_on_the_default_pair(default_pair,
     target, drafter = default_pair
     ids, expected = default_pair_greedy
     expected = expected[:24]  # greedy AR's first 24 tokens are its 24-token output
-    result = speculative_generate(ids, target, _Demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
+    result = speculative_generate(ids, target, _demoted(MixedDrafter(drafter, width=3, policy=_wide_real(8))),
                                   gamma=6, max_new_tokens=24)
     assert result.tokens == expected
     assert result.stats.target_passes < len(expected) / 2  # the pair really speculates
@@ -343,7 +366,7 @@ def test_lookup_carries_the_model_chain_on_past_its_end():
         mixed = MixedDrafter(drafter, policy=TreeCost(threshold=0.999, node_threshold=0.01, warmup=10**9,
                                                       calibrate=False), chain_lookup=extend)
         mixed.start(context)
-        tree = mixed.propose_tree(context, 8, Sampler(0.0), torch.Generator())
+        tree = mixed.propose(context, 8, Sampler(0.0), torch.Generator())
         chain_end = tree.tokens.index(first)
         below = [tree.tokens[i] for i in range(len(tree)) if i > chain_end and chain_end in tree.path_to(i)]
         if not extend:
@@ -369,7 +392,7 @@ def test_a_sampled_chain_token_is_valued_by_the_drafters_top_probability():
         depths[value] = []
         for _ in range(40):
             drafter.start([1, 2, 3])
-            tree = drafter.propose_tree([1, 2, 3], 6, sampler, generator)
+            tree = drafter.propose([1, 2, 3], 6, sampler, generator)
             depths[value].append(len(tree))
             tails += tree.tokens[0] != 0
     assert tails > 10  # the case happened

@@ -307,7 +307,7 @@ class OnlineDistiller:
         self.buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per finished sequence
         self.fresh = False  # whether a sequence finished with records since the last update
         self.updates, self.seconds, self.last_loss = 0, 0.0, float("nan")
-        model.online = self
+        model.online = self  # the model's declared learner (`features().online`): the loop records to it
 
     def record(self, key: int, position: int, logits: torch.Tensor) -> None:
         """The target's logits [V] at `position` of sequence `key`, where the drafter was rejected."""

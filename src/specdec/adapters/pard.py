@@ -136,7 +136,7 @@ def load_adapter(folder: str | Path) -> Parallel:
 
 def make_parallel(model, adapter: ParallelAdapter) -> None:
     """Turn `model` (the drafter `adapter` was trained on) into a parallel drafter: the adapter
-    hooked in (`install`, a copy on the model's device), `model.parallel_k` set."""
+    hooked in (`install`, a copy on the model's device), `model.parallel_k` set (declared in its `features()`)."""
     _check_drafter(model)
     if adapter.lora.shapes != adapted_layers(model):
         raise SpecdecError(f"this parallel drafter was made for other layers than {model.name}'s (another model's shapes)")

@@ -17,6 +17,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..errors import SpecdecError
+
 
 class Cache(Protocol):
     """A KV cache the loops can measure and roll back (transformers' DynamicCache is one)."""
@@ -38,6 +40,7 @@ class Backend(Protocol):
     kernels: str  # what runs the weights, for reports
     weights: str  # which weights run, for every output: "bfloat16", "float32", "float16", "int8" or "gguf"
     tree_masks: bool  # whether `forward` takes `parents`; speculative_generate checks it
+    num_parameters: int | None  # the weights it holds (roles.check_roles); None: unknown
 
     device: torch.device
     dtype: torch.dtype  # of the logits' computation (reports); logits are returned in fp32
@@ -49,6 +52,9 @@ class Backend(Protocol):
     # Self-drafting heads need them, and a `hidden_size`, and refuse a backend without
     last_hidden: torch.Tensor | None
     pass_hidden: torch.Tensor | None
+
+    def features(self) -> Features:
+        """What this model does beyond this protocol (`Features`), declared by its class."""
 
     def new_cache(self) -> Cache:
         """An empty cache."""
@@ -71,7 +77,7 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class Features:
     """What a loaded model can do beyond the `Backend` protocol, as the loops and the engine need
-    it; a backend class declares them (a `features()` method: transformers', llama.cpp's).
+    it; every backend class declares them (a `features()` method), none is derived by probing.
 
     batched: `forward_batch` (`BatchedBackend`): several sequences' rows in one pass.
     exact_rows: each row of a k-token pass equals a 1-token pass, bit for bit.
@@ -81,6 +87,12 @@ class Features:
     keeps_prompts: `keep_prompt(cache)` once a prompt is in (transformers' prompt store).
     sequences: the most caches live at once (llama.cpp's streams); None: any number.
     kv_bytes_per_token: bytes a cached position takes (the engine's budget); None: unknown.
+    parallel_k: tokens a pass proposes, where a parallel drafting adapter is installed
+        (adapters/pard.py `make_parallel`); None: one, as any causal model.
+    online: the learner updating this drafter model between requests (adapters/lora.py
+        `OnlineDistiller`, `--online`), which the loop tells of each rejection; None: none.
+    embedded: the ids its input embeddings cover (a drafter feeds a stand-in for a target id past
+        them); None: every id the target gives.
     """
 
     batched: bool = False
@@ -91,20 +103,23 @@ class Features:
     keeps_prompts: bool = False
     sequences: int | None = None
     kv_bytes_per_token: int | None = None
+    parallel_k: int | None = None
+    online: object | None = None
+    embedded: int | None = None
+
+
+def declares_features(model) -> bool:
+    """Whether `model`'s class declares `features()`: the mark of a model backend."""
+    return callable(getattr(type(model), "features", None))  # the class's declaration, never the instance's members
 
 
 def features(model) -> Features:
-    """The `Features` `model` declares; for a model outside the two backends (a wrapper such as a
-    layer-skipping view, a test's stand-in), those its members show, derived once here."""
-    if callable(getattr(type(model), "features", None)):
-        return model.features()
-    exact = bool(getattr(model, "exact_rows", False))
-    return Features(batched=hasattr(model, "forward_batch"), exact_rows=exact,
-                    rows_invariant=bool(getattr(model, "rows_invariant", exact)),
-                    tree_masks=bool(getattr(model, "tree_masks", True)),
-                    prompt_cache=bool(getattr(model, "prompt_cache", False)),
-                    keeps_prompts=hasattr(model, "keep_prompt"), sequences=getattr(model, "sequences", None),
-                    kv_bytes_per_token=getattr(model, "kv_bytes_per_token", None))
+    """The `Features` `model`'s class declares (`features()`); SpecdecError for a model whose class
+    declares none (every backend, wrapper and test double declares them: nothing is derived by probing)."""
+    if not declares_features(model):
+        raise SpecdecError(f"{type(model).__name__} declares no features(): a model backend's class declares what "
+                           "it does beyond the Backend protocol (specdec.backends.Features)")
+    return model.features()
 
 
 @dataclass

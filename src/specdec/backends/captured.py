@@ -316,6 +316,7 @@ class CapturedModel:
         if capacity is None:
             capacity = min(getattr(config, "max_position_embeddings", 4096) or 4096, 4096)
         self.hf = hf_model.eval()
+        self.num_parameters = sum(p.numel() for p in hf_model.parameters())  # roles.check_roles
         self.tokenizer = tokenizer
         self.name, self.role = name, role
         self.decoder = StaticDecoder(hf_model, sequences, capacity, graphs=graphs, rows=rows, buckets=buckets,
@@ -348,7 +349,8 @@ class CapturedModel:
 
     def features(self) -> Features:
         return Features(batched=True, exact_rows=self.exact_rows, rows_invariant=self.rows_invariant,
-                        tree_masks=False, sequences=self.sequences, kv_bytes_per_token=self.kv_bytes_per_token)
+                        tree_masks=False, sequences=self.sequences, kv_bytes_per_token=self.kv_bytes_per_token,
+                        embedded=self.hf.get_input_embeddings().num_embeddings)
 
     def new_cache(self, prompt: Sequence[int] | None = None, chunk: int | None = None, salt: str = "") -> SlotCache:
         """A free slot (SpecdecError when all `sequences` are in use)."""

@@ -15,17 +15,21 @@ from typing import Sequence
 import torch
 
 from ..errors import SpecdecError
+from . import Features
 from .text import eos_ids
 
 
 class Seq2SeqModel:
     """A transformers encoder-decoder (`AutoModelForSeq2SeqLM`), its tokenizer (or None) and name."""
 
+    role = None  # the loader gives encoder-decoders no role (roles.check_roles then compares sizes alone)
+
     def __init__(self, hf_model, tokenizer=None, name: str | None = None):
         config = hf_model.config
         if not getattr(config, "is_encoder_decoder", False):
             raise SpecdecError(f"{name or config.model_type} is not an encoder-decoder model")
         self.hf = hf_model.eval()
+        self.num_parameters = sum(p.numel() for p in hf_model.parameters())  # roles.check_roles
         self.tokenizer = tokenizer
         self.name = name or config.model_type
         self.device = next(hf_model.parameters()).device
@@ -38,6 +42,10 @@ class Seq2SeqModel:
         self.eos_token_ids = eos_ids([getattr(hf_model, "generation_config", None), config, tokenizer])
         self.max_context = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
                                or 512)
+
+    def features(self) -> Features:
+        """What this model does beyond `Backend` (`backends.Features`): nothing (chains, one sequence)."""
+        return Features(tree_masks=False)
 
     def encode(self, text: str) -> list[int]:
         """The source text's ids (with the tokenizer's own special tokens, e.g. T5's closing </s>)."""
@@ -81,8 +89,13 @@ class BoundDecoder:
     def __init__(self, model: Seq2SeqModel, encoded, mask: torch.Tensor):
         self.model, self.hf, self.tokenizer = model, model.hf, model.tokenizer
         self.name, self.device, self.dtype = model.name, model.device, model.dtype
+        self.role, self.num_parameters = model.role, model.num_parameters
         self.vocab_size, self.eos_token_ids, self.max_context = model.vocab_size, model.eos_token_ids, model.max_context
         self.encoded, self.mask = encoded, mask
+
+    def features(self) -> Features:
+        """What this decoder does beyond `Backend` (`backends.Features`): chains, one sequence a pass."""
+        return Features(tree_masks=False, embedded=self.hf.get_input_embeddings().num_embeddings)
 
     def new_cache(self):
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache

@@ -125,11 +125,13 @@ class TransformersModel:
         self.last_hidden: torch.Tensor | None = None  # [num_logits, H] of the last `forward`
         self.pass_hidden: torch.Tensor | None = None  # [T, H] every input's, of the last `forward` or `prefill`
         # a distilled drafter (adapters/lora.py): the adapter merged into its weights, its own weights
-        # kept aside, the target it was trained for, and an online learner updating it
+        # kept aside, the target it was trained for, and an online learner updating it; a parallel
+        # drafter's tokens a pass (adapters/pard.py). Both reach the loops through `features()`.
         self.adapter: torch.nn.Module | None = None
         self.base_weights: dict[str, torch.Tensor] | None = None
         self.adapter_target: str | None = None
         self.online = None
+        self.parallel_k: int | None = None
         if int8:
             self._build_draft_head()
 
@@ -216,10 +218,12 @@ class TransformersModel:
             self._draft_head is None
 
     def features(self) -> Features:
-        """What this model does beyond `Backend` (`backends.Features`): batched passes, trees, its prompt cache."""
+        """What this model does beyond `Backend` (`backends.Features`): batched passes, trees, its prompt cache,
+        a parallel drafter's k and an online learner."""
         return Features(batched=True, exact_rows=bool(self.exact_rows), rows_invariant=self.rows_invariant,
                         tree_masks=self.tree_masks, prompt_cache=self.prompt_cache, keeps_prompts=True,
-                        kv_bytes_per_token=self.kv_bytes_per_token)
+                        kv_bytes_per_token=self.kv_bytes_per_token, parallel_k=self.parallel_k, online=self.online,
+                        embedded=self.hf.get_input_embeddings().num_embeddings)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -236,7 +236,7 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
         with _timed(stats, "drafter_seconds"):
             passes = sum(d.passes for d in drafters)
             depth = max(0, min(max_depth, limit - state.length - 1))
-            trees = [d.propose_tree(c, depth, GREEDY, generator) if depth else Tree([], [])
+            trees = [d.propose(c, depth, GREEDY, generator) if depth else Tree([], [])
                      for d, c in zip(drafters, contexts)]
             stats.drafter_passes_per_step.append(sum(d.passes for d in drafters) - passes)
         lengths = [cache_length(c) for c in caches]

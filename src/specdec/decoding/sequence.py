@@ -16,9 +16,8 @@ import torch
 from ..backends import Backend, Segment, features
 from ..backends.prompts import PREFILL_CHUNK
 from ..backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
-from ..backends.transformers import TransformersModel
 from ..drafters import Draft, Drafter, ModelDrafter
-from ..drafters.base import Capabilities, accept_draft, capabilities_of, drive, is_drafter, one_hot
+from ..drafters.base import Capabilities, capabilities_of, drive, is_drafter, one_hot, require_drafter_or_model
 from ..drafters.retokenize import OtherTokenizerDrafter
 from ..errors import SpecdecError
 from ..core.logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
@@ -76,6 +75,7 @@ class Decoding:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
         if drafter is not None and not is_drafter(drafter):
+            require_drafter_or_model(drafter)  # an object that is neither: a clear error, never a probe
             # a model: its ids as they are, or through text where its tokenizer is another
             drafter = ModelDrafter(drafter) if pair_mode(target, drafter) == "shared" else OtherTokenizerDrafter(drafter)
         self.features = features(target)  # what the target's backend does beyond `Backend`
@@ -161,8 +161,7 @@ class Decoding:
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
         # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
-        self.online = self.drafter_model.online if isinstance(drafter, ModelDrafter) and \
-            isinstance(self.drafter_model, TransformersModel) else None
+        self.online = features(self.drafter_model).online if isinstance(drafter, ModelDrafter) else None
 
     @property
     def done(self) -> bool:
@@ -269,17 +268,13 @@ class Decoding:
         drafter, stats = self.drafter, self.stats
         budget = min(self.schedule.budget() if self._depth is None else self._depth, self.out.remaining - 1)
         self._step_start, self._passes = time.perf_counter(), drafter.passes
+        keep_going = None if self.trees else self.schedule.keep_going  # a tree's policy sizes it whole
         if budget <= 0:
             draft = Tree([], []) if self.trees else Draft([])
-        elif self.trees and self.batches_drafts:
-            draft = yield from drafter.tree_proposal(self.sequence, budget, self.sampler, self.draft_generator)
-        elif self.trees:
-            draft = drafter.propose_tree(self.sequence, budget, self.sampler, self.draft_generator)
         elif self.batches_drafts:
-            draft = yield from drafter.proposal(self.sequence, budget, self.sampler, self.draft_generator,
-                                                self.schedule.keep_going)
+            draft = yield from drafter.proposal(self.sequence, budget, self.sampler, self.draft_generator, keep_going)
         else:
-            draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, self.schedule.keep_going)
+            draft = drafter.propose(self.sequence, budget, self.sampler, self.draft_generator, keep_going)
         if self.constraint is not None:
             draft = self._constrained(draft)
         self._drafted_at = time.perf_counter()
@@ -356,7 +351,7 @@ class Decoding:
             if self.can.reads_target_tokens and self._budget > 0:  # lookahead: the target's argmax at every node
                 drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
             if not self.trees or self._budget > 0:  # a tree drafter proposed no tree otherwise
-                accept_draft(drafter, length, accepted)
+                drafter.accept(length, accepted)
             if self.reads_hidden:  # the committed positions: the pending tokens, then the accepted drafts
                 drafter.observe(self.target.pass_hidden[list(range(self._pending)) +
                                                         [self._pending + i for i in accepted]])

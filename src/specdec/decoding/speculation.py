@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..backends import features
 from ..errors import SpecdecError
 from .config import (GAMMA_SCHEDULES, METHODS, Method, SpecConfig, from_flags, method_chains,  # noqa: F401 (Method: its entries)
                    special_drafter)
@@ -206,7 +207,7 @@ def _parallel(config, parts):
     from ..drafters.parallel import ParallelDrafter
 
     model = parts.drafter_model
-    if not getattr(model, "parallel_k", None):
+    if not features(model).parallel_k:
         raise SpecdecError(f"the parallel method drafts with a parallel drafter, and {model.name} is none: "
                            "--drafter parallel:DIR (`specdec train-parallel-drafter`)")
     return lambda: ParallelDrafter(model)

@@ -8,6 +8,7 @@ from typing import Callable, Generator, Sequence
 
 import torch
 
+from ..backends import declares_features
 from ..errors import SpecdecError
 from ..core.samplers import Sampler
 from ..core.trees import Draft  # the proposal type, chain or tree (a `trees.Tree` is one)
@@ -26,10 +27,10 @@ class Capabilities:
     """What a drafter does beyond the `Drafter` base class, declared by its class (a class attribute
     `capabilities`) so that the loop and the engine read it instead of probing for members.
 
-    trees: proposes token trees (`propose_tree`, `keep_path`, and a sizing `policy` of its own)
-        instead of chains (`propose`).
-    batched_passes: `proposal(...)` (a tree drafter: `tree_proposal(...)`), a generator that
-        leaves its drafter-model passes to the caller, so the engine batches them across sequences.
+    trees: `propose` returns token trees (a `Draft` with parents: `trees.Tree`), kept by
+        `keep_path`, sized by a `policy` of its own, instead of chains.
+    batched_passes: `proposal(...)`, `propose` as a generator that leaves its drafter-model passes
+        to the caller, so the engine batches them across sequences.
     model: holds a drafter model (`model`, with this sequence's `cache`).
     catches_up: keeps that model in step with the context: `lag(context)`, the tokens it has yet
         to feed, and `caught_up`, the tokens and seconds it fed to catch up.
@@ -56,16 +57,11 @@ class Capabilities:
 
 
 def capabilities_of(drafter) -> Capabilities:
-    """The capabilities `drafter`'s class declares; for a drafter written against the bare
-    members (no declaration), those its members show, derived once here."""
-    if not hasattr(drafter, "passes"):
-        raise SpecdecError(f"the drafter {type(drafter).__name__} has no `passes` (its drafter passes since `start`, "
-                           "0 for a model-free drafter); the drafter contract's `forwards` was renamed `passes`")
-    declared = getattr(type(drafter), "capabilities", None)
-    if not isinstance(declared, Capabilities):
-        return derived_capabilities(drafter)
-    whole, passes = ("propose_tree", "tree_proposal") if declared.trees else ("propose", "proposal")
-    if declared.batched_passes and _defined_below(type(drafter), whole, passes):
+    """The capabilities `drafter`'s class declares (`Drafter.capabilities`); SpecdecError for an
+    object that does not subclass `Drafter`."""
+    require_drafter(drafter)
+    declared = type(drafter).capabilities
+    if declared.batched_passes and _defined_below(type(drafter), "propose", "proposal"):
         # a subclass that overrides the whole proposal must be called through it
         return dataclasses.replace(declared, batched_passes=False)
     return declared
@@ -78,53 +74,53 @@ def _defined_below(cls: type, name: str, other: str) -> bool:
     return owner(name) < owner(other)
 
 
-def derived_capabilities(drafter) -> Capabilities:
-    """The capabilities `drafter`'s members show (a protocol-only drafter's; tests check every
-    declaration against it)."""
-    trees = hasattr(drafter, "propose_tree")
-    return Capabilities(trees=trees, batched_passes=hasattr(drafter, "tree_proposal" if trees else "proposal"),
-                        model=getattr(drafter, "model", None) is not None and hasattr(drafter, "cache"),
-                        catches_up=hasattr(drafter, "lag"),
-                        reads_target_hidden=bool(getattr(drafter, "reads_target_hidden", False)),
-                        reads_target_tokens=bool(getattr(drafter, "reads_target_tokens", False)),
-                        pins=hasattr(drafter, "pin"), finishes=_own(drafter, "finish"),
-                        one_pass=bool(getattr(drafter, "one_pass", False)),
-                        grammar=bool(getattr(drafter, "drafts_under_grammar", False)))
+def require_drafter(drafter) -> None:
+    """SpecdecError unless `drafter` is a `Drafter` (the loop reads its class's declarations, never
+    probes its members)."""
+    if not isinstance(drafter, Drafter):
+        raise SpecdecError(f"{type(drafter).__name__} is no drafter: a drafter subclasses specdec.drafters.Drafter "
+                           "and declares what it does beyond it in `capabilities` (specdec.drafters.Capabilities)")
 
 
-def _own(drafter, member: str) -> bool:
-    """Whether `drafter` has `member` of its own, not the `Drafter` base's default."""
-    return hasattr(drafter, member) and getattr(type(drafter), member, None) is not getattr(Drafter, member, None)
+def require_drafter_or_model(value) -> None:
+    """SpecdecError unless `value` is a `Drafter` or a model backend (whose class declares `features()`)."""
+    if not isinstance(value, Drafter) and not declares_features(value):
+        raise SpecdecError(f"{type(value).__name__} is neither a drafter nor a model: a drafter subclasses "
+                           "specdec.drafters.Drafter, a model backend declares features() (specdec.backends.Features)")
 
 
 def is_drafter(value) -> bool:
-    """Whether `value` is a drafter object (it proposes), not a model or a factory."""
-    return not isinstance(value, type) and (hasattr(value, "propose") or hasattr(value, "propose_tree"))
+    """Whether `value` is a drafter object (a `Drafter`), not a model or a factory."""
+    return isinstance(value, Drafter)
 
 
 def is_factory(value) -> bool:
-    """Whether `value` makes drafters (a drafter class, a lambda), not a model (which has `forward`)."""
-    return callable(value) and not hasattr(value, "forward")
+    """Whether `value` makes drafters (a `Drafter` class, a lambda), not a drafter or a model backend."""
+    if isinstance(value, type):
+        return issubclass(value, Drafter)
+    return callable(value) and not isinstance(value, Drafter) and not declares_features(value)
 
 
 class Drafter:
     """The base of every drafter: the contract the decoding loop drives.
 
     - `start(prompt)`: a new generation; `prompt` is its context.
-    - `propose(context, max_tokens, sampler, generator, keep_going) -> Draft` (a chain), or, where
-      the class declares `capabilities.trees`, `propose_tree(context, max_depth, sampler,
-      generator) -> trees.Tree`.
+    - `propose(context, max_tokens, sampler, generator, keep_going) -> Draft`, the one proposal
+      entry: a chain (parents None), or, where the class declares `capabilities.trees`, a tree
+      (`trees.Tree`, a Draft with parents) no deeper than `max_tokens`, sized by the drafter's
+      own `policy` (the loop passes keep_going None). `proposal(...)`, with the same arguments,
+      leaves the drafter model's passes to the caller (`capabilities.batched_passes`).
     - `accept(start, path)`: what verification kept of the last draft (`accept_draft`).
     - `finish(sequence)`: the generation ended (called where the class declares `finishes`).
 
     Members beyond these are declared in a class attribute `capabilities` (`Capabilities`), never
     probed. What every drafter reports the same way (tokens drafted and accepted, by position;
-    drafter passes and seconds) the loop counts in `GenerationStats`. A class written against
-    these members alone, without inheriting, still drafts (its capabilities are then derived
-    from its members once, `derived_capabilities`).
+    drafter passes and seconds) the loop counts in `GenerationStats`. Every drafter subclasses
+    this class: the loop refuses any other object (`require_drafter`).
     """
 
     name: str = "drafter"
+    capabilities: Capabilities = Capabilities()  # a chain drafter without a model: nothing beyond the base
     passes: int = 0  # drafter passes since `start` (0 for model-free drafters)
 
     def check_target(self, target) -> None:
@@ -137,14 +133,15 @@ class Drafter:
     def propose(self, context: Sequence[int], max_tokens: int, sampler: Sampler, generator: torch.Generator,
                 keep_going: KeepGoing) -> Draft:
         """Up to `max_tokens` (>= 1) tokens to follow `context` (every token emitted so far, prompt
-        included). An empty draft is allowed: the target then emits one token on its own."""
+        included): a chain, or a tree of that depth where the class declares `trees`. An empty
+        draft is allowed: the target then emits one token on its own."""
         raise NotImplementedError
 
     def accept(self, start: int, path: Sequence[int]) -> None:
         """Verification kept the nodes `path` of the last draft, proposed after `context[:start]`
         (a chain's kept nodes are 0, 1, ..., k-1): a chain drafter rolls back to the context's
         first start + k tokens (`rollback`), a tree drafter keeps the path (`keep_path`)."""
-        if _declared_trees(self):
+        if type(self).capabilities.trees:
             self.keep_path(start, list(path))
         else:
             self.rollback(start + len(path))
@@ -164,25 +161,15 @@ class Drafter:
 
 
 def accept_draft(drafter, start: int, path: Sequence[int]) -> None:
-    """Tell `drafter` what verification kept of its last draft (`Drafter.accept`), also where it
-    was written against the members alone: the base's rule then calls its `rollback` or `keep_path`."""
-    if isinstance(drafter, Drafter):
-        drafter.accept(start, path)  # its own, where it overrides the base's
-    else:
-        Drafter.accept(drafter, start, path)
+    """Tell `drafter` what verification kept of its last draft (`Drafter.accept`)."""
+    require_drafter(drafter)
+    drafter.accept(start, path)
 
 
-def most_nodes(drafter) -> int | None:
-    """`Drafter.most_nodes`; None for a tree drafter written against the protocol alone (its
-    width is unknown), 0 for such a chain drafter."""
-    if isinstance(drafter, Drafter):
-        return drafter.most_nodes()
-    return None if capabilities_of(drafter).trees else 0
-
-
-def _declared_trees(drafter) -> bool:
-    declared = getattr(type(drafter), "capabilities", None)
-    return declared.trees if isinstance(declared, Capabilities) else hasattr(drafter, "propose_tree")
+def most_nodes(drafter) -> int:
+    """`Drafter.most_nodes`."""
+    require_drafter(drafter)
+    return drafter.most_nodes()
 
 
 # A proposal that leaves its model passes to the caller: it yields each pass it needs (a

@@ -143,7 +143,7 @@ class BigramDrafter(Drafter):
             if self._corpus_tokens is not None:
                 self.table = BigramTable(self._corpus_tokens, target.vocab_size)
             else:
-                self.table = corpus_table(getattr(target, "tokenizer", None), target.vocab_size, self._corpus)
+                self.table = corpus_table(target.tokenizer, target.vocab_size, self._corpus)
 
     def start(self, prompt: Sequence[int]) -> None:
         pass

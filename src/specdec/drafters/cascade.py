@@ -34,7 +34,6 @@ class CascadeDrafter(ModelDrafter):
     the target's masked verification keeps the output exact."""
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False
 
     def __init__(self, model: Backend, stage: str = "suffix", max_guess: int = 3):
         super().__init__(model)

@@ -16,18 +16,18 @@ every sampler, and greedy output is token-identical to greedy AR.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Generator, Sequence
+from typing import Sequence
 
 import torch
 
-from ..backends import Backend, Segment
+from ..backends import Backend, Features
 from ..backends.cache import cache_length, crop_cache
 from ..adapters.checkpoints import head_rows
 from ..adapters.eagle_layer import Eagle, check_eagle_target, load_eagle
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
-from ..core.trees import Tree, tree_attention
-from .base import Capabilities
+from ..core.trees import tree_attention
+from .base import Capabilities, KeepGoing, Proposal
 from .eagle2 import Eagle2Drafter
 from .nodes import Node
 
@@ -39,6 +39,12 @@ class EagleModel:
 
     tokenizer = None
     max_context = 1 << 30
+    role = "drafter"
+    num_parameters = None  # a layer over the target's: never compared with it (roles.check_roles)
+
+    def features(self) -> Features:
+        """What it does beyond `Backend` (`backends.Features`): token trees, one sequence a pass."""
+        return Features()
 
     def __init__(self, eagle: Eagle):
         self.eagle = eagle
@@ -129,8 +135,6 @@ class EagleDrafter(Eagle2Drafter):
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True,
                                 reads_target_hidden=True)
 
-    reads_target_hidden = True  # speculative_generate calls `observe` after the prefill and every pass
-
     def __init__(self, eagle: Eagle | str | Path, width: int = 4, max_nodes: int = 64,
                  policy: TreeCost | None = None):
         eagle = eagle if isinstance(eagle, Eagle) else load_eagle(eagle)
@@ -149,12 +153,12 @@ class EagleDrafter(Eagle2Drafter):
         """hidden [n, H]: the target's final hidden states at the positions its last pass committed."""
         self.model.add_features(hidden)
 
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
+    def proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                  generator: torch.Generator, keep_going: KeepGoing | None = None) -> Proposal:
         if self.model.known_features != len(context) - 1:  # no target pass has read the context yet
             self._parent = {}
             return self._finish(Node(-1, 1.0, "deterministic"), None, [], len(context))
-        return (yield from super().tree_proposal(context, max_depth, sampler, generator))
+        return (yield from super().proposal(context, max_depth, sampler, generator))
 
     def keep_path(self, start: int, path: list[int]) -> None:
         drafted = self._take_last_tree(start)

@@ -17,7 +17,7 @@ from ..backends import Backend, Segment
 from ..errors import SpecdecError
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
-from ..core.trees import Tree
+from .base import KeepGoing, Proposal
 from .nodes import Node
 from .tree_model import TreeModelDrafter
 
@@ -51,8 +51,8 @@ class Eagle2Drafter(TreeModelDrafter):
         self.width = width
         self.name = f"{model.name}+eagle2x{width}"
 
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
+    def proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                  generator: torch.Generator, keep_going: KeepGoing | None = None) -> Proposal:
         root = Node(-1, 1.0, "deterministic")
         self._parent = {}
         fed: list[Node] = []

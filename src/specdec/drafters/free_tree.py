@@ -11,6 +11,7 @@ import torch
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
+from .base import KeepGoing
 from .nodes import Node, to_tree
 
 
@@ -20,8 +21,8 @@ class ModelFreeTree:
 
     policy: TreeCost
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
         """The tree its `grow` hangs after the context, cut to what pays (`select`)."""
         self.observe(context)
         root = Node(-1, 1.0, "deterministic")

@@ -32,7 +32,6 @@ class HorizontalCascadeDrafter(ModelDrafter):
     verification keeps the output exact."""
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False
 
     def __init__(self, model: Backend, stage: str = "suffix", model_tokens: int = 2):
         super().__init__(model)

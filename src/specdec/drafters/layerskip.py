@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..backends import Features
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
 from ..sizing.theory import optimal_gamma, walltime_improvement
@@ -71,6 +72,12 @@ class LayerSkipModel:
             raise AttributeError(name)
         return getattr(self.target, name)
 
+    def features(self) -> Features:
+        """What this view does beyond `Backend` (`backends.Features`): the target's token trees and
+        cache size; one sequence a pass, no row exactness, no prompt cache of its own."""
+        can = self.target.features()
+        return Features(tree_masks=can.tree_masks, kv_bytes_per_token=can.kv_bytes_per_token, embedded=can.embedded)
+
     def new_cache(self):
         return self.target.new_cache()
 
@@ -97,11 +104,11 @@ class LayerSkipModel:
 
 
 def _layers(target) -> nn.ModuleList:
-    decoder = getattr(target, "_decoder", None)
-    layers = getattr(decoder, "layers", None)
+    decoder = target._decoder if isinstance(target, TransformersModel) else None  # llama.cpp's, captured: none
+    layers = getattr(decoder, "layers", None)  # transformers' decoder module
     if not isinstance(layers, nn.ModuleList) or len(layers) < 3:
         raise SpecdecError(f"self-skip drafting needs a transformers decoder with >= 3 layers; {target.name} "
-                           f"({getattr(target, 'kernels', '?')}) has none to skip; use --dtype bf16/fp32")
+                           f"({target.kernels}) has none to skip; use --dtype bf16/fp32")
     kinds = set(getattr(target.hf.config, "layer_types", None) or ["full_attention"])
     if len(kinds) > 1:
         raise SpecdecError(f"self-skip drafting does not support {target.name}: its layers mix attention kinds "

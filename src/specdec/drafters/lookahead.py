@@ -34,7 +34,7 @@ from ..errors import SpecdecError
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost, tried_nodes
 from ..core.trees import Tree
-from .base import Capabilities, Drafter
+from .base import Capabilities, Drafter, KeepGoing
 from .nodes import Node, rank, to_tree
 
 OVERHEAD = 0.2  # a lookahead pass may cost at most this much more than a one-token pass
@@ -75,8 +75,6 @@ class LookaheadDrafter(Drafter):
     """
 
     capabilities = Capabilities(trees=True, reads_target_tokens=True)
-
-    reads_target_tokens = True  # `observe_targets`: the target's argmax at every node of its pass
 
     def __init__(self, window: int | None = None, ngram: int | None = None, guesses: int | None = None,
                  max_nodes: int = 64, policy: TreeCost | None = None):
@@ -133,8 +131,8 @@ class LookaheadDrafter(Drafter):
         tries, hits = self.tries[source]
         return (hits + 1) / (tries + 2)
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
         """The window's levels and the pool's n-grams after `context`, no deeper than `max_depth`."""
         root = Node(-1, 1.0, "deterministic")
         window, ngram, guesses = self.shape or (0, 0, 0)

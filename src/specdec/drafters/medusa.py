@@ -27,7 +27,7 @@ from ..adapters.medusa_heads import Heads, check_heads_target, load_heads
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
-from .base import Capabilities, Drafter
+from .base import Capabilities, Drafter, KeepGoing
 from .nodes import Node, rank, to_tree
 
 
@@ -35,8 +35,6 @@ class MedusaDrafter(Drafter):
     """Drafts token trees with Medusa heads (a checkpoint folder or loaded `Heads`)."""
 
     capabilities = Capabilities(trees=True, reads_target_hidden=True)
-
-    reads_target_hidden = True  # speculative_generate calls `observe` after every target pass
 
     def __init__(self, heads: Heads | str | Path, width: int = 4, max_nodes: int = 64,
                  policy: TreeCost | None = None):
@@ -83,8 +81,8 @@ class MedusaDrafter(Drafter):
         inputs = self._blocks(hidden.to(self._weight.dtype))  # [K, H]
         return (inputs @ self._weight.T).float().softmax(-1)
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
         root = Node(-1, 1.0, "deterministic")
         self._drafted = False
         if self._hidden is None or max_depth < 1 or not self.policy.should_draft():

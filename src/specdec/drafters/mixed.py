@@ -4,15 +4,14 @@ branches, in the same target pass.
 
 from __future__ import annotations
 
-from typing import Generator, Sequence
+from typing import Sequence
 
 import torch
 
-from ..backends import Backend, Segment
+from ..backends import Backend
 from ..core.samplers import Sampler
 from ..sizing.schedules import FasterOf, TreeCost
-from ..core.trees import Tree
-from .base import Capabilities
+from .base import Capabilities, KeepGoing, Proposal, capabilities_of
 from .lookup_tree import LookupTreeDrafter
 from .nodes import Node, count_nodes, merge, prune, to_tree
 from .sides import SidesDrafter
@@ -73,8 +72,8 @@ class MixedDrafter(SidesDrafter):
             kinds.reset()
         self.with_model, self.ngram = None, 0
 
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
+    def proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                  generator: torch.Generator, keep_going: KeepGoing | None = None) -> Proposal:
         root = Node(-1, 1.0, "deterministic")
         self._fed, self.with_model = [], None
         proposed: list[Node] = []  # the tree's nodes that lookup proposed
@@ -108,7 +107,7 @@ class MixedDrafter(SidesDrafter):
 
     def pin(self) -> None:
         """A seeded sampled generation: the branches draft from its own text alone (`SuffixDrafter.pin`)."""
-        if hasattr(self.lookup, "pin"):
+        if capabilities_of(self.lookup).pins:
             self.lookup.pin()
 
     def finish(self, sequence: Sequence[int]) -> None:

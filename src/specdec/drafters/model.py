@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends import Backend, Segment
+from ..backends import Backend, Segment, features
 from ..backends.cache import cache_length, compact_cache, crop_cache
 from ..backends.prompts import PREFILL_CHUNK
 from ..core.samplers import Sampler, draw, greedy_tokens
@@ -31,7 +31,6 @@ class ModelDrafter(Drafter):
     """
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True, grammar=True)
-    drafts_under_grammar = True  # the member a drafter without a declaration would show (`derived_capabilities`)
 
     def __init__(self, model: Backend):
         self.model = model
@@ -42,8 +41,7 @@ class ModelDrafter(Drafter):
         self.salt = ""  # the tenant whose kept prompts its model's prompt cache may reuse (Decoding's cache_salt)
         self.constraint = None  # a grammar's state its drafts keep to (`Capabilities.grammar`), set by the loop
         self.vocab_size: int | None = None  # the target's, learned in check_target (None: the drafter's own)
-        embeddings = model.hf.get_input_embeddings() if hasattr(model, "hf") else None
-        self._embedded = embeddings.num_embeddings if embeddings is not None else None
+        self._embedded = features(model).embedded
         self._stand_in = stand_in_id(model.tokenizer)
 
     def check_target(self, target: Backend) -> None:
@@ -108,9 +106,10 @@ class ModelDrafter(Drafter):
         """On a row-exact model, feed the prompt, or the tokens of steps that drafted nothing, in
         a plain pass: a row-exact pass over them would attend a row at a time. Only when a draft
         is asked for (a sequence the engine never lets draft never pays it)."""
-        if getattr(self.model, "exact_rows", False) and len(context) - cache_length(self.cache) > 2:
+        can = features(self.model)
+        if can.exact_rows and len(context) - cache_length(self.cache) > 2:
             began, behind = time.perf_counter(), self.lag(context)
-            if cache_length(self.cache) == 0 and getattr(self.model, "prompt_store", None) is not None:
+            if cache_length(self.cache) == 0 and can.keeps_prompts and can.prompt_cache:
                 self._feed_prompt(self._inputs(context))
             else:
                 self.model.prefill(self._inputs(context), self.cache)

@@ -21,7 +21,7 @@ from ..errors import SpecdecError
 from ..core.samplers import CoupledGenerator, Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
-from .base import Capabilities, Drafter, accept_draft, capabilities_of
+from .base import Capabilities, Drafter, KeepGoing, accept_draft, capabilities_of
 
 
 class MultiDrafter(Drafter):
@@ -61,8 +61,8 @@ class MultiDrafter(Drafter):
         self.policy.reset()
         self.chains, self.merged = [], 0
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
         depth = min(max_depth, self.gamma)
         drafts = [d.propose(context, depth, sampler, generator if k == 0 else _ordinary(generator),
                             lambda drafted, estimate: True)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends import Segment
+from ..backends import Segment, features
 from ..backends.cache import cache_length, crop_cache
 from ..errors import SpecdecError
 from ..core.samplers import Sampler
@@ -36,11 +36,9 @@ class ParallelDrafter(ModelDrafter):
     """
 
     capabilities = Capabilities(batched_passes=True, model=True, catches_up=True, one_pass=True)
-    drafts_under_grammar = False  # its k tokens a pass are drawn unmasked (the verification's masks keep it exact)
-    one_pass = True  # the member a drafter without a declaration would show (`derived_capabilities`)
 
     def __init__(self, model):
-        k = getattr(model, "parallel_k", None)
+        k = features(model).parallel_k  # declared by the backend once an adapter is installed (`make_parallel`)
         if not k:
             raise SpecdecError(f"{model.name} is no parallel drafter: load one with --drafter parallel:DIR "
                                "(`specdec train-parallel-drafter`)")

@@ -50,7 +50,7 @@ class OtherTokenizerDrafter(Drafter):
     capabilities = Capabilities(model=True)
 
     def __init__(self, model: Backend, mode: str = "auto"):
-        if getattr(model, "tokenizer", None) is None:
+        if model.tokenizer is None:
             raise SpecdecError(f"a drafter with another tokenizer drafts through text; {model.name} has no tokenizer")
         if mode not in MODES:
             raise SpecdecError(f"unknown mode {mode!r} for a drafter of another tokenizer; use {', '.join(MODES)}")
@@ -63,7 +63,7 @@ class OtherTokenizerDrafter(Drafter):
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (drafter ids, target ids) spelled alike
 
     def check_target(self, target: Backend) -> None:
-        if getattr(target, "tokenizer", None) is None:
+        if target.tokenizer is None:
             raise SpecdecError(f"a drafter with another tokenizer drafts through text; target {target.name} has "
                                "no tokenizer")
         if target.device != self.model.device:

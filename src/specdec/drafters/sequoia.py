@@ -20,7 +20,7 @@ from ..backends import Backend, Segment
 from ..errors import SpecdecError
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
-from ..core.trees import Tree
+from .base import KeepGoing, Proposal
 from .nodes import Node, rank, subtree
 from .tree_model import TreeModelDrafter
 
@@ -219,8 +219,8 @@ class SequoiaDrafter(TreeModelDrafter):
         best = int(rates.flatten().argmax())  # the first among equals: the shallowest, then the smallest
         return best % limit + 1, best // limit + 1
 
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
+    def proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                  generator: torch.Generator, keep_going: KeepGoing | None = None) -> Proposal:
         self._observe(context)
         root = Node(-1, 1.0, "deterministic")
         self._parent, self._rankings = {}, {}

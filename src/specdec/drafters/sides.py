@@ -1,8 +1,8 @@
 """The sides tree: the drafter model's chain plus, at each chain position, the drafter's next best
 tokens as leaves, at no extra drafter pass.
 
-A tree drafter has `propose_tree(context, max_depth, sampler, generator) -> Tree` (or its
-`tree_proposal`, which leaves the drafter model's passes to the caller), `keep_path(start, path)`
+A tree drafter's `propose(context, max_depth, sampler, generator) -> Tree` (or its
+`proposal`, which leaves the drafter model's passes to the caller), `keep_path(start, path)`
 (what of its last tree was accepted) and `timing(...)` (the step's measured costs, for its
 `TreeCost` policy). `drafters.make_tree_drafter` builds one by name.
 """
@@ -19,7 +19,7 @@ from ..errors import SpecdecError
 from ..core.samplers import CoupledGenerator, Sampler, draw, greedy_tokens
 from ..sizing.schedules import TreeCost
 from ..core.trees import SCHEMES, Tree
-from .base import Capabilities, drive
+from .base import Capabilities, KeepGoing, Proposal, drive
 from .model import ModelDrafter
 from .nodes import Node, closed, prune, to_tree
 
@@ -51,7 +51,6 @@ class SidesDrafter(ModelDrafter):
     """
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False  # trees take no grammar
 
     def __init__(self, model: Backend, width: int = 3, max_nodes: int = 64,
                  scheme: str = "without-replacement", policy: TreeCost | None = None, sampled_value: str = "top"):
@@ -76,13 +75,13 @@ class SidesDrafter(ModelDrafter):
         self.policy.reset()
         self._fed, self._drafted, self._q, self._parents = [], False, [], []
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        return drive(self.tree_proposal(context, max_depth, sampler, generator), self.model.forward)
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
+        return drive(self.proposal(context, max_depth, sampler, generator), self.model.forward)
 
-    def tree_proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                      generator: torch.Generator) -> Generator[Segment, torch.Tensor, Tree]:
-        """`propose_tree`, its drafter-model passes left to the caller (as `ModelDrafter.proposal`):
+    def proposal(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                  generator: torch.Generator, keep_going: KeepGoing | None = None) -> Proposal:
+        """`propose`, its drafter-model passes left to the caller (as `ModelDrafter.proposal`):
         the engine batches them across sequences."""
         root = Node(-1, 1.0, "deterministic")
         self._fed = []

@@ -268,7 +268,7 @@ class SuffixDrafter(Drafter):
 
     def check_target(self, target) -> None:
         if self.datastore is not None:
-            self.datastore.check_tokenizer(getattr(target, "tokenizer", None), target.vocab_size)
+            self.datastore.check_tokenizer(target.tokenizer, target.vocab_size)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.shared = self.cache is not None  # whether this generation drafts from earlier outputs

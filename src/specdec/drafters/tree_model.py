@@ -16,7 +16,7 @@ from ..backends.cache import cache_length
 from ..core.samplers import Sampler
 from ..sizing.schedules import TreeCost
 from ..core.trees import Tree
-from .base import Capabilities, drive
+from .base import Capabilities, KeepGoing, drive
 from .model import ModelDrafter
 from .nodes import Node, to_tree
 
@@ -28,7 +28,6 @@ class TreeModelDrafter(ModelDrafter):
     """What both drafters share: the policy, the fed-node bookkeeping, keep_path and timing."""
 
     capabilities = Capabilities(trees=True, batched_passes=True, model=True, catches_up=True)
-    drafts_under_grammar = False  # trees take no grammar
 
     def __init__(self, model: Backend, policy: TreeCost | None, max_nodes: int):
         super().__init__(model)
@@ -46,11 +45,11 @@ class TreeModelDrafter(ModelDrafter):
         self.policy.reset()
         self._fed, self._drafted, self._start = [], False, None
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampler: Sampler,
-                     generator: torch.Generator) -> Tree:
-        """Each subclass's `tree_proposal` (its drafter-model passes left to the caller, as
+    def propose(self, context: Sequence[int], max_depth: int, sampler: Sampler,
+                 generator: torch.Generator, keep_going: KeepGoing | None = None) -> Tree:
+        """Each subclass's `proposal` (its drafter-model passes left to the caller, as
         `ModelDrafter.proposal`: the engine batches them across sequences), its passes made here."""
-        return drive(self.tree_proposal(context, max_depth, sampler, generator), self.model.forward)
+        return drive(self.proposal(context, max_depth, sampler, generator), self.model.forward)
 
     def _feed_root(self, context: Sequence[int]) -> Generator[Segment, torch.Tensor, torch.Tensor]:
         """One plain pass (yielded) over what the drafter has not seen: its logits [V'] at the root."""
@@ -90,7 +89,7 @@ class TreeModelDrafter(ModelDrafter):
 
     def _take_last_tree(self, start: int) -> bool:
         """Whether keep_path(start, ...) answers the last proposed tree and it had nodes. The loop
-        skips propose_tree when no draft fits (its last step): the last tree is then not the step's."""
+        skips propose when no draft fits (its last step): the last tree is then not the step's."""
         current, self._start = self._start == start, None
         if not current:
             self._fed, self._drafted = [], False

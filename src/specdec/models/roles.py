@@ -10,27 +10,27 @@ unless the caller says it is meant).
 
 from __future__ import annotations
 
+from ..backends import declares_features
+from ..drafters.base import Drafter, capabilities_of
+from ..drafters.multi import MultiDrafter
 from ..errors import SpecdecError
 
 
 def parameter_count(model) -> int | None:
-    """The weights a loaded model holds (a backend's `num_parameters`, else its transformers
-    model's parameters), or None where it cannot tell (a model-free drafter)."""
-    count = getattr(model, "num_parameters", None)
-    if count is not None:
-        return int(count)
-    hf = getattr(model, "hf", None)
-    if hf is not None and hasattr(hf, "parameters"):
-        return sum(p.numel() for p in hf.parameters())
-    return None
+    """The weights a loaded model holds (the backend's declared `num_parameters`), or None where
+    it cannot tell."""
+    count = model.num_parameters
+    return None if count is None else int(count)
 
 
 def drafter_model(drafter):
-    """The model a drafter drafts with: a backend itself, a `ModelDrafter`'s `model`, else None."""
-    if hasattr(drafter, "role") or hasattr(drafter, "hf"):
+    """The model a drafter drafts with: a backend itself, a drafter's declared model
+    (`Capabilities.model`), else None (a model-free drafter, a factory)."""
+    if declares_features(drafter):
         return drafter
-    model = getattr(drafter, "model", None)
-    return model if model is not None and (hasattr(model, "role") or hasattr(model, "hf")) else None
+    if isinstance(drafter, Drafter) and capabilities_of(drafter).model:
+        return drafter.model
+    return None
 
 
 def check_roles(target, drafter, allow_larger_drafter: bool = False, cli: bool = False) -> None:
@@ -39,23 +39,23 @@ def check_roles(target, drafter, allow_larger_drafter: bool = False, cli: bool =
     holds more parameters than the target (unless `allow_larger_drafter`). A drafter that is no
     model (n-gram, lookup) and the target drafting for itself pass; a drafter of several
     (multi-draft) is checked member by member. cli: the error names the command's flags."""
-    for member in getattr(drafter, "drafters", None) or ():
+    for member in drafter.drafters if isinstance(drafter, MultiDrafter) else ():
         check_roles(target, member, allow_larger_drafter, cli)
     model = drafter_model(drafter)
-    if model is None or model is target or getattr(model, "model", None) is target:
+    if model is None or model is target:
         return
     fix = "give them as --target and --drafter the other way round" if cli else \
         "pass them as speculative_generate(prompt_ids, target, drafter)"
     allow = "--allow-larger-drafter" if cli else "allow_larger_drafter=True"
-    if getattr(target, "role", None) == "drafter" and getattr(model, "role", None) == "target":
-        raise SpecdecError(f"the target and the drafter are swapped: {getattr(target, 'name', 'the target')} was "
-                           f"loaded as a drafter and {getattr(model, 'name', 'the drafter')} as a target; {fix} "
+    if target.role == "drafter" and model.role == "target":
+        raise SpecdecError(f"the target and the drafter are swapped: {target.name} was "
+                           f"loaded as a drafter and {model.name} as a target; {fix} "
                            "(the romsto code's order is (inputs, drafter, target))")
     if allow_larger_drafter:
         return
     target_size, drafter_size = parameter_count(target), parameter_count(model)
     if target_size is not None and drafter_size is not None and drafter_size > target_size:
-        raise SpecdecError(f"the drafter ({getattr(model, 'name', 'drafter')}, {drafter_size:,} parameters) "
-                           f"is larger than the target ({getattr(target, 'name', 'target')}, "
+        raise SpecdecError(f"the drafter ({model.name}, {drafter_size:,} parameters) "
+                           f"is larger than the target ({target.name}, "
                            f"{target_size:,}): the output would follow the drafter's law; swap them "
                            f"({fix}), or pass {allow} if that is meant")

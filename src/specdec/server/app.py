@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from ..backends import features
 from ..errors import ModelFault, SpecdecError
 from ..decoding.results import GenerationResult
 from .metrics import Metrics, speculation_usage
@@ -499,7 +500,7 @@ def _between_requests(service: Service, engine, state: dict) -> Callable[[], Non
     """What the engine's thread does whenever no request is in the engine: the next cost still to
     measure, yielding between sizes to requests that arrive (the batched profile then becomes the
     engine's prior), else an `--online` drafter's update; None where there is neither."""
-    online = getattr(service.drafter, "online", None)  # a drafter learning between requests (--online)
+    online = features(service.drafter).online if service.drafter is not None else None  # --online's learner
     if not service.pending_costs and online is None:
         return None
 

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from ..backends import features
 from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
@@ -375,13 +376,13 @@ class Service:
         if config.needs_drafter_model() and self.drafter is None:
             raise BadRequest(f"speculative.method {name!r} needs a drafter model, and this server has none; "
                              "use lookup, suffix or false", param)
-        if config.method == "parallel" and not getattr(self.drafter, "parallel_k", None):
+        if config.method == "parallel" and (self.drafter is None or not features(self.drafter).parallel_k):
             raise BadRequest(f"speculative.method {name!r} drafts with a parallel drafter, and this server's drafter "
                              "is none (serve --drafter parallel:DIR); use chain, lookup, suffix or false", param)
         if config.method == "retrieval" and self.datastore is None:
             raise BadRequest(f"speculative.method {name!r} needs a datastore, and this server has none; "
                              "use lookup, suffix or false", param)
-        if METHODS[config.method].trees and not getattr(self.target, "tree_masks", True):
+        if METHODS[config.method].trees and not features(self.target).tree_masks:
             raise BadRequest(f"speculative.method {name!r} scores token trees, which this server's backend "
                              f"({self.target.kernels}) does not; use chain, lookup, suffix or false", param)
         return config

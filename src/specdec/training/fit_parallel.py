@@ -135,7 +135,7 @@ def train_parallel_drafter(drafter, corpus: str | Sequence[int], out: str | Path
     if not config.lr > 0:
         raise SpecdecError(f"lr must be > 0, got {config.lr}")
     _check_drafter(drafter)
-    if drafter.adapter is not None or getattr(drafter, "parallel_k", None):
+    if drafter.adapter is not None or drafter.parallel_k:
         raise SpecdecError(f"{drafter.name} already has an adapter: adapt the plain drafter")
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
