@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import specdec.decoding.loop as generate_module
+import specdec.decoding.sequence as generate_module
 from specdec import Sampler, TransformersModel, sample, speculative_generate
 from specdec.drafters import Draft, Drafter, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 
