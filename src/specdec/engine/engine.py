@@ -15,49 +15,88 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..backends import Backend, Segment, features
 from ..errors import ModelFault, SpecdecError
 from ..decoding import sequence as generate
 from ..backends.cache import cache_length, crop_cache
 from ..backends.slab import slab_capacity
-from ..drafters.base import capabilities_of, is_drafter, is_factory, most_nodes
-from ..decoding.sequence import Decoding
+from ..drafters.base import capabilities_of, is_drafter, most_nodes
+from ..decoding.sequence import Decoding, Limits
+from ..decoding.speculation import Speculation
 from ..decoding.results import GenerationResult
 from ..sizing.pass_costs import LoadCosts
 from ..core.penalties import LogitRules
 from ..core.samplers import GREEDY, Sampler, greedy_rows
-from ..sizing.schedules import Schedule
 from ..core.verify import verify_ragged
 from ..sizing.batch_policy import BatchCosts
 
 log = logging.getLogger("specdec.engine")
 
-@dataclass
-class Request:
-    """What to generate: the prompt's ids, how to sample, when to stop, and who drafts.
+_UNSET = object()  # a keyword of the older Request spelling not given
 
-    drafter: None (plain decoding), a drafter model (each request drafts with it through its own
-    cache), or a factory returning a fresh `Drafter` for this request (`LookupDrafter`,
-    `methods.build(...).make_drafter`): a drafter holds one sequence's state.
-    schedule: a factory returning this request's draft-length schedule (default: fixed `gamma`).
+
+class Request:
+    """What to generate: the prompt's ids, the speculation, how to sample and when to stop.
+
+    speculation: a `Speculation` carried whole to the sequence (`build(config, parts)`, or
+        `Speculation.of(drafter, ...)`); None: plain decoding. Its drafter is made per request: a
+        drafter model (each request drafts with it through its own cache) or a factory of fresh
+        drafters (a drafter object holds one sequence's state).
+    limits: `Limits(max_new_tokens, eos_token_ids)`.
+    The older spelling `Request(ids, drafter, sampler, ..., gamma=, schedule=, seed_rule=,
+    max_new_tokens=, eos_token_ids=)` is taken too: those keywords are folded into `speculation`
+    and `limits` here, once (a drafter in the place of the speculation, `schedule` a factory).
     """
 
-    prompt_ids: Sequence[int]
-    drafter: object = None
-    sampler: Sampler = GREEDY
-    max_new_tokens: int = 128
-    eos_token_ids: Sequence[int] | None = None
-    seed: int | None = None
-    gamma: int | None = None  # a chain's fixed draft length without a schedule (default 5); a tree's depth bound
-    schedule: Callable[[], Schedule] | None = None
-    logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
-    seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
-    cache_salt: str = ""  # the tenant: prompt caches reuse only prompts kept under the same salt
-    rules: LogitRules | None = None  # penalties, logit bias, min_tokens (`speculative_generate`'s rules)
-    grammar: object = None  # what the output must match (`speculative_generate`'s grammar)
-    id: int = field(default=-1, compare=False)
+    def __init__(self, prompt_ids: Sequence[int], speculation=None, sampler: Sampler = GREEDY,
+                 limits: Limits | None = None, *, seed: int | None = None, logprobs: int | None = None,
+                 cache_salt: str = "", rules: LogitRules | None = None, grammar=None,
+                 drafter=_UNSET, gamma=_UNSET, schedule=_UNSET, seed_rule=_UNSET, max_new_tokens=_UNSET,
+                 eos_token_ids=_UNSET):
+        older = {name: value for name, value in dict(gamma=gamma, schedule=schedule, seed_rule=seed_rule).items()
+                 if value is not _UNSET and value is not None}
+        if drafter is not _UNSET:
+            if speculation is not None:
+                raise SpecdecError("give a request its speculation or its drafter, not both")
+            speculation = drafter
+        if isinstance(speculation, Speculation):
+            if older:
+                raise SpecdecError(f"a Speculation carries its own {', '.join(older)}; give them to Speculation.of")
+        else:
+            speculation = Speculation.of(speculation, **older)
+        stops = {name: value for name, value in dict(max_new_tokens=max_new_tokens,
+                                                     eos_token_ids=eos_token_ids).items() if value is not _UNSET}
+        if stops:
+            if limits is not None:
+                raise SpecdecError("give a request its limits or max_new_tokens and eos_token_ids, not both")
+            limits = Limits(**stops)
+        if limits is not None and not isinstance(limits, Limits):
+            raise SpecdecError(f"a request's limits are a Limits(max_new_tokens, eos_token_ids), got {limits!r}")
+        self.prompt_ids, self.speculation, self.sampler = prompt_ids, speculation, sampler
+        self.limits = Limits() if limits is None else limits
+        self.seed, self.logprobs, self.cache_salt = seed, logprobs, cache_salt  # cache_salt: the tenant's prompts
+        self.rules, self.grammar = rules, grammar  # `speculative_generate`'s
+        self.id = -1
+
+    def __eq__(self, other) -> bool:  # the fields, not the id the engine gives
+        if not isinstance(other, Request):
+            return NotImplemented
+        return {**vars(self), "id": None} == {**vars(other), "id": None}
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Request(id={self.id}, prompt_ids={list(self.prompt_ids)!r}, speculation={self.speculation!r})"
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.limits.max_new_tokens
+
+    @property
+    def eos_token_ids(self) -> Sequence[int] | None:
+        return self.limits.eos_token_ids
 
 
 @dataclass
@@ -126,19 +165,30 @@ class Engine:
         self.passes = 0  # target passes made (one per step with running sequences)
 
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. Its options are checked now (a clear error), its
-        memory is taken when it is admitted."""
-        decoding = self._decoding(request)  # validates the options; the real one is built at admission
-        drafter_model = decoding.drafter_model
+        """Queue a request; returns its id. What can be checked before its sequence exists is
+        checked now (a clear error): its prompt and limits, its drafter, the KV memory it needs.
+        Its sequence (`Decoding`) is made once, when it is admitted."""
+        speculation = request.speculation
+        shared = speculation.one_drafter
+        if shared is not None:
+            raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
+                               f"each (e.g. {type(shared).__name__} itself, or a lambda), or a drafter model")
+        # the drafter a sequence of this request would make, looked at where a bound asks about it
+        probe = speculation.make_drafter() if speculation.speculative and (
+            self.kv_memory is not None or self.max_batch > 1) else None
+        drafter_model = _model_of(probe)
+        prompt, limit, _, _ = generate.check_limits(request.prompt_ids, self.target, request.limits, drafter_model)
         most = features(drafter_model).sequences if drafter_model is not None else None
         if most is not None and self.max_batch > most:
             raise SpecdecError(f"the drafter {drafter_model.name} holds {drafter_model.sequences} sequence(s) at once, "
                                f"fewer than max_batch={self.max_batch}; load it with sequences={self.max_batch}")
-        need = _kv_need(request, decoding) if self.kv_memory is not None else 0
-        if need > (self.kv_memory or 0) > 0:
-            raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
-                               f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
-                               "lower max_new_tokens")
+        if self.kv_memory is not None:
+            positions = len(prompt) + limit + (generate.DRAFT_ROOM if probe is not None else 0)
+            need = _kv_charge(positions, self.target, probe, speculation)
+            if need > self.kv_memory:
+                raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
+                                   f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
+                                   "lower max_new_tokens")
         request.id = next(self._ids)
         self.waiting.append(request)
         return request.id
@@ -453,20 +503,45 @@ class Engine:
         self._drop(request_id)
 
     def _decoding(self, request: Request) -> Decoding:
-        drafter = request.drafter
-        if is_drafter(drafter):
-            raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
-                               f"each (e.g. {type(drafter).__name__} itself, or a lambda), or a drafter model")
-        if is_factory(drafter):
-            drafter = drafter()  # this request's own drafter
-        if is_drafter(drafter) and capabilities_of(drafter).reads_target_hidden and self._batched:
+        """The request's sequence, made once (at admission), its speculation handed on whole."""
+        decoding = Decoding(request.prompt_ids, self.target, request.speculation, request.sampler, request.limits,
+                            seed=request.seed, logprobs=request.logprobs, cache_salt=request.cache_salt,
+                            rules=request.rules, grammar=request.grammar)
+        if decoding.reads_hidden and self._batched:
             raise SpecdecError("self-drafting heads (Medusa, EAGLE) read the target's hidden states, which "
                                "batched passes do not keep yet; run them with speculative_generate")
-        return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
-                        max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                        schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
-                        seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules,
-                        grammar=request.grammar)
+        return decoding
+
+
+def _model_of(drafter):
+    """The drafter model `drafter` (what a request's speculation makes) drafts with, or None."""
+    if drafter is None:
+        return None
+    if not is_drafter(drafter):
+        return drafter  # a model: the sequence wraps it
+    return drafter.model if capabilities_of(drafter).model else None
+
+
+def _kv_charge(positions: int, target, drafter, speculation) -> int:
+    """`_kv_need`'s charge before a sequence exists: `positions` in the target's cache and in the
+    drafter model's of `drafter` (what the request's speculation makes), its widest draft checked
+    against the room kept for it."""
+    if drafter is not None:
+        trees = is_drafter(drafter) and capabilities_of(drafter).trees
+        if trees:
+            width = most_nodes(drafter)
+        else:
+            schedule = speculation.schedule() or generate.Fixed(speculation.gamma or generate.DEFAULT_GAMMA)
+            width = schedule.ceiling()
+        if width is None:
+            raise SpecdecError(f"the tree drafter {drafter.name} does not say how wide its trees grow "
+                               "(subclass drafters.Drafter, whose most_nodes reads its policy), so a KV budget cannot "
+                               "charge them; run without a budget")
+        if width > generate.DRAFT_ROOM:
+            kind = "tree nodes" if trees else "draft tokens"
+            raise SpecdecError(f"this request drafts up to {width} {kind} a step, more than the {generate.DRAFT_ROOM} "
+                               "positions a KV budget keeps for a draft; lower the tree's max_nodes (or gamma)")
+    return kv_need(positions, [target, _model_of(drafter)])
 
 
 def _free(decoding: Decoding) -> None:
