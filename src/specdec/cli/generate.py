@@ -345,10 +345,8 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
     if printer is not None and drafter_used is not None:
         err.print(LEGEND)
     result = speculative_generate_encoder_decoder(
-        target_model.encode(prompt), target_model, drafter_used, sampler=sampler, max_new_tokens=max_new_tokens,
-        seed=seed, first_target=first_target, on_step=printer,
-        schedule=speculation.schedule() if drafter_used is not None else None,
-        lenience=config.effective_lenience(), typical=config.typical())
+        target_model.encode(prompt), target_model, speculation.made_once(drafter_used, speculation.schedule()),
+        sampler=sampler, max_new_tokens=max_new_tokens, seed=seed, first_target=first_target, on_step=printer)
     method = "sd" if drafter_used is not None else "ar"
     if as_json:
         print(json.dumps({"text": target_model.decode(result.tokens), "tokens": result.tokens,

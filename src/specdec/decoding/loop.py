@@ -42,7 +42,8 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
                         rules=rules, grammar=grammar))
 
 
-def speculative_generate(prompt_ids: Sequence[int], target: Backend, speculation: Speculation | Backend | Drafter,
+def speculative_generate(prompt_ids: Sequence[int], target: Backend,
+                         speculation: Speculation | Backend | Drafter | None = None,
                          gamma: int | None = None, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
@@ -50,7 +51,8 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, speculation
                          debug: bool = False, logprobs: int | None = None,
                          typical: Typical | None = None, seed_rule: str | None = None,
                          rules: LogitRules | None = None, grammar=None,
-                         allow_larger_drafter: bool = False) -> GenerationResult:
+                         allow_larger_drafter: bool = False, drafter: Backend | Drafter | None = None
+                         ) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
@@ -58,7 +60,7 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, speculation
         parts)`, or `Speculation.of(drafter, gamma=..., ...)`), which then takes none of the options
         gamma, schedule, lenience, typical and seed_rule. A bare drafter is accepted too, with those
         options beside it (the older spelling: `speculative_generate(ids, target, drafter, gamma=4)`),
-        turned into `Speculation.of(drafter, ...)` here, once:
+        turned into `Speculation.of(drafter, ...)` here, once (also as the keyword `drafter=`):
     drafter: a smaller model (any `Backend`, same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
@@ -107,6 +109,10 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, speculation
     parameters than the target, is refused (`roles.check_roles`); `allow_larger_drafter=True`
     lets a larger drafter through where that is meant.
     """
+    if drafter is not None:
+        if speculation is not None:
+            raise SpecdecError("give speculative_generate a speculation or a drafter, not both")
+        speculation = drafter
     speculation = _speculation(speculation, gamma=gamma, schedule=schedule, lenience=lenience, typical=typical,
                                seed_rule=seed_rule)
     decoding = Decoding(prompt_ids, target, speculation, sampler, Limits(max_new_tokens, eos_token_ids), seed=seed,
@@ -138,7 +144,7 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
 
     drafter: a smaller `Seq2SeqModel` of the same vocabulary and decoder start (it encodes the
         source itself), a model-free chain drafter (prompt lookup, n-gram: they see the decoder's
-        tokens), or None.
+        tokens), or None; or a `Speculation` of one (then without the loose options below).
     decoder_prompt: the decoder's first tokens (default: its start token alone); the result holds
         what follows them.
     allow_larger_drafter: as `speculative_generate`'s (a larger drafter is refused without it).
@@ -149,6 +155,10 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
     if not isinstance(target, Seq2SeqModel):
         raise SpecdecError(f"the target must be an encoder-decoder model (Seq2SeqModel), got {type(target).__name__}; "
                            "decoder-only models take speculative_generate")
+    acceptance = {name: options.pop(name) for name in ("gamma", "schedule", "lenience", "typical", "seed_rule")
+                  if name in options}
+    speculation = _speculation(drafter, **acceptance)
+    drafter = speculation.make_drafter() if speculation.speculative else None
     if isinstance(drafter, Seq2SeqModel):
         if pair_mode(target, drafter) != "shared":
             raise SpecdecError(f"tokenizers differ: target {target.name} and drafter {drafter.name}; an "
@@ -158,10 +168,9 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
                                f"with {target.decoder_start_token_id}: they must share one vocabulary")
         check_roles(target, drafter, allow_larger_drafter)
         drafter = drafter.bind(source_ids)
+    if drafter is not None:  # this generation's drafter, bound to its source
+        speculation = speculation.made_once(drafter, speculation.schedule())
     prompt = [target.decoder_start_token_id] if decoder_prompt is None else list(decoder_prompt)
-    acceptance = {name: options.pop(name) for name in ("gamma", "schedule", "lenience", "typical", "seed_rule")
-                  if name in options}
-    speculation = _speculation(drafter, **acceptance)
     limits = Limits(options.pop("max_new_tokens", 128), options.pop("eos_token_ids", None))
     sampler = options.pop("sampler", GREEDY)
     return run(Decoding(prompt, target.bind(source_ids), speculation, sampler, limits, **options))

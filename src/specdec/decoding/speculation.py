@@ -251,7 +251,7 @@ def _check_acceptance(gamma, lenience, typical, seed_rule) -> None:
     from ..core.verify import Typical
 
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
-        raise SpecdecError(f"gamma (a chain's draft length, a tree's depth bound) must be an integer >= 1, "
+        raise SpecdecError(f"gamma must be an integer >= 1 (a chain's draft length, a tree's depth bound), "
                            f"got {gamma!r}")
     if isinstance(lenience, bool) or not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
         raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
