@@ -156,9 +156,8 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
     ngram, retrieval:DIR) or one that drafts its own way (parallel:DIR) is that method ->
     (method, whether no drafter model loads, datastore)."""
     from ..decoding.speculation import METHODS as REGISTRY, preset
-    from ..models.loading import GGUF_WEIGHTS
     from ..server.schema import served_methods
-    from ..decoding.config import from_flags
+    from ..decoding.config import from_flags, weights_run_trees
 
     no_drafter = drafter in ("none", "")
     if not no_drafter and from_flags(drafter)["method"] != "chain":  # a drafter that is no model
@@ -175,7 +174,7 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
     if method not in served_methods():
         raise SpecdecError(f"--method must be one of {', '.join(served_methods())}, got {method!r}")
     kind = preset(method).method if method != "ar" else "ar"
-    if dtype in GGUF_WEIGHTS and kind != "ar" and REGISTRY[kind].trees:
+    if not weights_run_trees(dtype) and kind != "ar" and REGISTRY[kind].trees:
         raise SpecdecError(f"--method {method} scores token trees, which need transformers' weights; on --dtype gguf "
                            "use --method default, chain, lookup, suffix or ar")
     if no_drafter and kind != "ar" and preset(method).needs_drafter_model():

@@ -255,6 +255,14 @@ def runs_trees(target) -> bool:
     return features(target).tree_masks
 
 
+def weights_run_trees(dtype: str) -> bool:
+    """`runs_trees` before loading: whether weights of `dtype` load on a backend that scores token
+    trees (gguf weights load on llama.cpp's, which does not)."""
+    from ..models.loading import GGUF_WEIGHTS
+
+    return dtype not in GGUF_WEIGHTS
+
+
 def check_runs_trees(target) -> None:
     """SpecdecError where `target`'s backend cannot score token trees (`runs_trees`)."""
     if not runs_trees(target):
