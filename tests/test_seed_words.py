@@ -209,7 +209,8 @@ def test_measure_with_lenience_reports_the_tv_it_costs(tmp_path, monkeypatch):
 
 def test_sd_lenient_presets_resolve_and_run_in_the_bench():
     from specdec import Sampler
-    from specdec.bench.runners import BENCH_METHODS as METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy, run_method
+    from specdec.bench.runners import (BENCH_METHODS as METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy,
+                                       run_method)
     from specdec.decoding.speculation import resolve
 
     config = resolve("sd-lenient:0.5")

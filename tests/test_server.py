@@ -1201,7 +1201,8 @@ def test_a_parallel_drafter_serves_the_parallel_method_and_a_plain_one_refuses_i
         Service(target, plain).requests(job, [1, 2], 4)
     assert caught.value.param == "speculative.method"
     drafter = tiny_parallel(1, vocab=16, k=3, exact_rows=True)
-    with serving(lambda: Service(target, drafter, default=SpecConfig("parallel", gamma_max=20), default_method="parallel",
+    with serving(lambda: Service(target, drafter, default=SpecConfig("parallel", gamma_max=20),
+                                 default_method="parallel",
                                  limits=Limits(max_tokens=24)), max_batch=4) as (url, _):
         whole = _client(url).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0)
         assert whole.choices[0].text == _alone(target, PROMPTS[2], 16)

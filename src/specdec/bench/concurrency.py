@@ -93,7 +93,8 @@ def merge_runs(runs: list[LevelRun]) -> LevelRun:
 def check_load_methods(methods: list[str]) -> None:
     unknown = [m for m in methods if m not in LOAD_METHODS]
     if unknown or not methods:
-        raise SpecdecError(f"with --concurrency, methods are {', '.join(LOAD_METHODS)}; got {', '.join(unknown) or 'none'}")
+        raise SpecdecError(f"with --concurrency, methods are {', '.join(LOAD_METHODS)}; "
+                           f"got {', '.join(unknown) or 'none'}")
 
 
 def check_levels(levels: list[int]) -> None:
