@@ -8,6 +8,7 @@ from specdec import Sampler
 from specdec.sizing.batch_policy import JOIN_DECAY, BatchCosts
 from specdec.sizing.pass_costs import LoadCosts
 from specdec.decoding.sequence import Decoding
+from specdec.decoding.speculation import Speculation
 from specdec.sizing.schedules import CostAware, TreeCost
 
 from conftest import tiny_model
@@ -55,12 +56,15 @@ def test_the_bar_for_a_draft_token_rises_with_the_batch():
 def test_only_sequences_whose_output_cannot_depend_on_draft_lengths_are_steered():
     target = tiny_model(0, exact_rows=True)
     drafter = tiny_model(1, layers=1)
-    steer = lambda **kw: Decoding([1, 2, 3], target, drafter, schedule=CostAware(), **kw).steerable  # noqa: E731
+    def steer(seed_rule="coupled", **kw):
+        speculation = Speculation.of(drafter, schedule=CostAware(), seed_rule=seed_rule)
+        return Decoding([1, 2, 3], target, speculation, **kw).steerable
+
     assert isinstance(steer(), CostAware)  # greedy
     assert isinstance(steer(sampler=Sampler(0.8)), CostAware)  # sampled, no seed
     assert isinstance(steer(sampler=Sampler(0.8), seed=3), CostAware)  # coupled: the seeded AR output anyway
     assert steer(sampler=Sampler(0.8), seed=3, seed_rule="stream") is None  # pinned only without timings
-    assert Decoding([1, 2, 3], target, drafter, gamma=3).steerable is None  # a fixed γ is what was asked
+    assert Decoding([1, 2, 3], target, Speculation.of(drafter, gamma=3)).steerable is None  # a fixed γ, as asked
     assert Decoding([1, 2, 3], target, None).steerable is None
 
 

@@ -115,14 +115,19 @@ def test_gamma_in_python_follows_the_same_rule():
 
 
 def test_gamma_alone_on_the_server_is_a_fixed_gamma():
-    from specdec.server.schema import Speculation
+    from specdec.server.schema import parse_job
     from specdec.server.service import Service
 
     target = tiny_model(0, vocab=16)
     drafter = tiny_model(1, vocab=16, layers=1, role="drafter")
-    service = Service(target, drafter, default=Speculation("default"))
-    assert service.config(Speculation("default", gamma=3)).schedule == "fixed"
-    assert service.config(Speculation("sd-egag")).effective_gamma_max() == 5
+    service = Service(target, drafter, default="default")
+
+    def config(block):
+        return parse_job({"prompt": [1], "speculative": block}, False, target.name, service.default,
+                         service.default_method).speculation
+
+    assert config({"gamma": 3}).schedule == "fixed"
+    assert config({"method": "sd-egag"}).effective_gamma_max() == 5
 
 
 def test_egag_reaches_at_most_gamma_where_gamma_max_is_not_given():
@@ -204,7 +209,8 @@ def test_measure_with_lenience_reports_the_tv_it_costs(tmp_path, monkeypatch):
 
 def test_sd_lenient_presets_resolve_and_run_in_the_bench():
     from specdec import Sampler
-    from specdec.bench.runners import METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy, run_method
+    from specdec.bench.runners import (BENCH_METHODS as METHODS, NEEDS_DRAFTER, Settings, check_methods, is_lossy,
+                                       run_method)
     from specdec.decoding.speculation import resolve
 
     config = resolve("sd-lenient:0.5")

@@ -28,7 +28,8 @@ from specdec.decoding.loop import autoregressive_generate
 from specdec.sizing.schedules import AssumedCosts
 from specdec.errors import SpecdecError
 from specdec.server.app import create_app
-from specdec.server.schema import BadRequest, Speculation, parse_job
+from specdec.decoding.config import SpecConfig
+from specdec.server.schema import BadRequest, parse_job
 from specdec.server.service import Limits, Service
 from specdec.server.worker import QueueFull, Worker
 
@@ -496,19 +497,19 @@ def test_a_servers_default_speculation_applies_to_requests_that_name_none(tiny_p
     """As `specdec serve` sets it (every default field given): a plain request takes it, a request
     may change the method, and tree_nodes is refused only where a request names it off a tree."""
     target, drafter = tiny_pair
-    service = Service(target, drafter, default=Speculation("default", 20, 64))
+    service = Service(target, drafter, default=SpecConfig(gamma_max=20), default_method="default")
     for body, method in [({}, "default"), ({"speculative": {"method": "tree"}}, "tree"),
                          ({"speculative": {"method": "lookup", "gamma_max": 3}}, "lookup"),
                          ({"speculative": {"method": "lookahead", "tree_nodes": 8}}, "lookahead")]:
-        job = parse_job({"prompt": [1, 2], **body}, False, NAME, service.default)
-        assert job.speculation.method == method and len(service.requests(job, [1, 2], 4)) == 1
+        job = parse_job({"prompt": [1, 2], **body}, False, NAME, service.default, service.default_method)
+        assert job.method == method and len(service.requests(job, [1, 2], 4)) == 1
     with pytest.raises(BadRequest, match="applies to methods tree and lookahead"):
         parse_job({"prompt": [1], "speculative": {"method": "chain", "tree_nodes": 8}}, False, NAME, service.default)
 
 
 def test_tree_methods_are_refused_where_the_backend_scores_no_trees(tiny_pair, monkeypatch):
     target, drafter = tiny_pair
-    service = Service(target, drafter, default=Speculation("default", 20, 64))
+    service = Service(target, drafter, default=SpecConfig(gamma_max=20), default_method="default")
     monkeypatch.setattr(target, "tree_masks", False, raising=False)  # as llama.cpp's backend
     for method in ("tree", "lookahead"):
         job = parse_job({"prompt": [1, 2], "speculative": {"method": method}}, False, NAME, service.default)
@@ -518,7 +519,7 @@ def test_tree_methods_are_refused_where_the_backend_scores_no_trees(tiny_pair, m
 
 
 def test_chat_bodies_are_checked_too():
-    default = Speculation()
+    default = SpecConfig()
     for messages, needle in [([], "non-empty list"), ([{"role": "wizard", "content": "x"}], "messages[0]"),
                              ([{"role": "user", "content": 3}], "messages[0]"), ([{"role": "user", "content": ""}],
                                                                                  "all empty")]:
@@ -526,7 +527,7 @@ def test_chat_bodies_are_checked_too():
             parse_job({"messages": messages}, True, NAME, default)
     job = parse_job({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "speculative": False},
                     True, NAME, default)
-    assert job.max_tokens == 5 and job.speculation.method is None
+    assert job.max_tokens == 5 and job.method is None and not job.speculation.speculative
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for extra, needle in [({"top_logprobs": 2}, "needs logprobs: true"), ({"logprobs": 3}, "true or false"),
                           ({"logprobs": True, "top_logprobs": 21}, "must be in")]:
@@ -1195,12 +1196,13 @@ def test_a_parallel_drafter_serves_the_parallel_method_and_a_plain_one_refuses_i
 
     assert _served_method("default", "parallel:some/dir", None, "auto") == ("parallel", False, None)
     target, plain = tiny_pair
-    job = parse_job({"prompt": [1, 2], "speculative": {"method": "parallel"}}, False, NAME, Speculation())
+    job = parse_job({"prompt": [1, 2], "speculative": {"method": "parallel"}}, False, NAME, SpecConfig())
     with pytest.raises(BadRequest, match="parallel drafter") as caught:
         Service(target, plain).requests(job, [1, 2], 4)
     assert caught.value.param == "speculative.method"
     drafter = tiny_parallel(1, vocab=16, k=3, exact_rows=True)
-    with serving(lambda: Service(target, drafter, default=Speculation("parallel", 20, 64),
+    with serving(lambda: Service(target, drafter, default=SpecConfig("parallel", gamma_max=20),
+                                 default_method="parallel",
                                  limits=Limits(max_tokens=24)), max_batch=4) as (url, _):
         whole = _client(url).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0)
         assert whole.choices[0].text == _alone(target, PROMPTS[2], 16)

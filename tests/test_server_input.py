@@ -18,7 +18,8 @@ import pytest
 
 from specdec.decoding.loop import autoregressive_generate
 from specdec.core.penalties import LogitRules
-from specdec.server.schema import FIELDS, HONOURED, IGNORED, BadRequest, Speculation, parse_job
+from specdec.decoding.config import SpecConfig
+from specdec.server.schema import FIELDS, HONOURED, IGNORED, BadRequest, parse_job
 from specdec.server.service import Limits, Service
 
 from conftest import tiny_model
@@ -167,10 +168,10 @@ def test_fields_not_honoured_are_refused_by_name_and_taken_at_their_no_op_value(
 def test_chat_fields_not_honoured_are_refused_by_name(field, value):
     body = {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(BadRequest) as caught:
-        parse_job({**body, field: value}, True, NAME, Speculation())
+        parse_job({**body, field: value}, True, NAME, SpecConfig())
     assert caught.value.param == field and caught.value.code == "unsupported"
     for no_op in FIELDS[field]["chat"]:
-        parse_job({**body, field: no_op}, True, NAME, Speculation())
+        parse_job({**body, field: no_op}, True, NAME, SpecConfig())
 
 
 def test_stream_options_need_stream_and_bookkeeping_fields_change_nothing(server):
@@ -183,7 +184,7 @@ def test_stream_options_need_stream_and_bookkeeping_fields_change_nothing(server
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for field in ("metadata", "service_tier", "prompt_cache_key", "safety_identifier"):
         assert FIELDS[field]["chat"] == IGNORED
-        parse_job({**chat, field: "anything"}, True, NAME, Speculation())
+        parse_job({**chat, field: "anything"}, True, NAME, SpecConfig())
 
 
 def test_the_docs_list_every_field_as_the_server_takes_it():
@@ -324,12 +325,12 @@ def test_chat_takes_text_parts_and_the_developer_role(server, tokenizer):
 ])
 def test_chat_parts_other_than_text_and_message_fields_not_honoured_are_refused(message, param, needle):
     with pytest.raises(BadRequest) as caught:
-        parse_job({"messages": [message]}, True, NAME, Speculation())
+        parse_job({"messages": [message]}, True, NAME, SpecConfig())
     assert caught.value.param == param and needle in caught.value.message, caught.value.message
 
 
 def test_an_assistant_message_echoed_back_with_null_fields_is_taken():
     message = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "function_call": None,
                "audio": None, "annotations": [], "name": None}
-    job = parse_job({"messages": [{"role": "user", "content": "x"}, message]}, True, NAME, Speculation())
+    job = parse_job({"messages": [{"role": "user", "content": "x"}, message]}, True, NAME, SpecConfig())
     assert job.messages[1] == {"role": "assistant", "content": "hi"}

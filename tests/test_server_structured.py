@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerFast
 from specdec.decoding.loop import autoregressive_generate
 from specdec.core.grammar import Grammar
 from specdec.sizing.schedules import AssumedCosts
-from specdec.server.schema import Speculation, parse_job
+from specdec.decoding.config import SpecConfig
+from specdec.server.schema import parse_job
 from specdec.server.service import Limits, Service
 from specdec.server.tools import CallParser, call_grammar
 
@@ -175,7 +176,7 @@ def test_greedy_constrained_output_is_the_constrained_ar_output(server, service,
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120, "temperature": 0,
             **extra}
     reply = _post(server, body).json()
-    job = parse_job(body, True, NAME, Speculation())
+    job = parse_job(body, True, NAME, SpecConfig())
     service.constrain(job)
     ids = service.prompt_ids(job)[0]
     alone = autoregressive_generate(ids, target, max_new_tokens=120, grammar=job.grammar)
@@ -232,12 +233,12 @@ def test_tool_results_go_back_through_the_chat_template(server, service):
                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     again = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    job = parse_job({"messages": messages, "tools": TOOLS}, True, NAME, Speculation())
+    job = parse_job({"messages": messages, "tools": TOOLS}, True, NAME, SpecConfig())
     rendered = service.target.tokenizer.decode(service.prompt_ids(job)[0])
     assert f'"name": "{call.function.name}", "arguments": {call.function.arguments}' in rendered
     assert "<|tool|>sunny, 21 C<tool_response>" in rendered and "Tools:" in rendered
     # tool_choice "none": tools not offered
-    job = parse_job({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, True, NAME, Speculation())
+    job = parse_job({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, True, NAME, SpecConfig())
     assert "Tools:" not in service.target.tokenizer.decode(service.prompt_ids(job)[0]) and job.tools is None
 
 
@@ -320,7 +321,7 @@ def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
     from specdec.models.loading import loading as models
 
     target = models.load("qwen2.5-coder-0.5b", role="target", exact_rows=True)
-    service = Service(target, None, default=Speculation(None), limits=Limits(max_tokens=96))
+    service = Service(target, None, default="ar", limits=Limits(max_tokens=96))
     with serving(lambda: service, max_batch=2, steer=False) as (url, _):
         client = _client(url)
         options = dict(model=target.name, messages=[{"role": "user", "content": "Weather in Oslo, in celsius?"}],

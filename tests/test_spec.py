@@ -88,11 +88,13 @@ def test_validate_names_the_option_out_of_range(changes, needle):
 
 
 def test_trees_and_self_drafting_are_refused_on_gguf_weights():
-    class Gguf:
-        weights = "gguf"
+    class Gguf:  # as llama.cpp's backend declares itself: no tree masks
+        weights, name, kernels, tree_masks = "gguf", "a.gguf", "llama.cpp", False
 
-    for config in (SpecConfig("tree"), SpecConfig("lookahead"), SpecConfig("self-skip")):
-        with pytest.raises(SpecdecError, match="gguf"):
+    for config, message in ((SpecConfig("tree"), "token trees are not supported on the llama.cpp backend"),
+                            (SpecConfig("lookahead"), "token trees are not supported on the llama.cpp backend"),
+                            (SpecConfig("self-skip"), "cannot run on gguf weights")):
+        with pytest.raises(SpecdecError, match=message):
             config.validate(Gguf())
     SpecConfig("chain").validate(Gguf())
     SpecConfig("lookup").validate(Gguf())
@@ -246,10 +248,12 @@ def test_the_method_to_drafter_assembly_lives_in_methods_py_alone(tmp_path):
 def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     from typer.testing import CliRunner
 
-    from specdec.bench.concurrency import METHODS as LOAD_METHODS, PEERS
-    from specdec.bench.runners import METHODS as BENCH_METHODS
+    from specdec.bench.concurrency import LOAD_METHODS, PEERS
+    from specdec.bench.runners import BENCH_METHODS
     from specdec.cli import app
-    from specdec.server.schema import METHODS as SERVED
+    from specdec.server.schema import served_methods
+
+    SERVED = served_methods()
 
     listed = json.loads(CliRunner().invoke(app, ["methods", "--json"]).stdout)
     assert list(listed) == names()
@@ -435,6 +439,7 @@ def test_one_draft_length_policy_for_chains_and_trees():
     fixed schedule standing in as the tree's depth bound); `gamma`, where given, is that bound."""
     from specdec.drafters import SidesDrafter
     from specdec.decoding.sequence import Decoding
+    from specdec.decoding.speculation import Speculation
     from specdec.sizing.schedules import Fixed, TreeCost
 
     target, drafter = tiny_model(0, vocab=32), tiny_model(1, vocab=32)
@@ -444,14 +449,14 @@ def test_one_draft_length_policy_for_chains_and_trees():
     chain_built = build(SpecConfig("chain", schedule="fixed", gamma=4), Parts(target, drafter))
     assert chain_built.schedule().gamma == 4 and chain_built.describe_sizing() == "fixed γ=4"
     tree = SidesDrafter(drafter, policy=TreeCost(max_depth=3, warmup=10**9))
-    decoding = Decoding(PROMPT, target, tree)
+    decoding = Decoding(PROMPT, target, Speculation.of(tree))
     assert decoding.schedule is tree.policy and decoding.steerable is tree.policy
-    chain = Decoding(PROMPT, target, drafter, schedule=Fixed(4))
+    chain = Decoding(PROMPT, target, Speculation.of(drafter, schedule=Fixed(4)))
     assert isinstance(chain.schedule, Fixed) and chain.schedule.gamma == 4
     with pytest.raises(SpecdecError, match="sizes its drafts by its own policy"):
-        Decoding(PROMPT, target, tree, schedule=Fixed(4))
+        Decoding(PROMPT, target, Speculation.of(tree, schedule=Fixed(4)))
     with pytest.raises(SpecdecError, match="depth bound"):
-        Decoding(PROMPT, target, tree, gamma=0)
+        Speculation.of(tree, gamma=0)
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=24, eos_token_ids=[])
     twin = tiny_model(0, vocab=32)  # drafts what the target says: trees run to their depth bound (up to 3)
     for gamma, bound in [(None, 2), (1, 1), (3, 3)]:  # its values stop the chain at 3 here

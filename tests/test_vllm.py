@@ -173,8 +173,8 @@ def test_one_vllm_worker_is_alive_at_a_time_and_theirs_run_back_to_back(stand_in
 
 
 def test_vllm_methods_are_offered_by_both_benches():
-    from specdec.bench.concurrency import METHODS as LOAD_METHODS
-    from specdec.bench.runners import METHODS, is_peer
+    from specdec.bench.concurrency import LOAD_METHODS
+    from specdec.bench.runners import BENCH_METHODS as METHODS, is_peer
 
     for method in ("vllm", "vllm-draft", "vllm-ngram"):
         assert method in METHODS and method in LOAD_METHODS and is_peer(method)

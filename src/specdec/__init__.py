@@ -29,6 +29,7 @@ from .drafters import (Eagle2Drafter, LookaheadDrafter, LookupDrafter, LookupTre
 from .sizing.schedules import TreeCost, make_schedule
 from .decoding.config import SpecConfig
 from .decoding.speculation import Parts, Speculation, build, resolve
+from .decoding.sequence import Limits
 from .core.trees import Tree
 
 __all__ = [
@@ -38,6 +39,6 @@ __all__ = [
     "verify_draft", "verify_greedy", "verify_coupled", "verify_tree_coupled", "LookupDrafter", "ModelDrafter", "NgramDrafter", "make_schedule",
     "Tree", "TreeCost", "sibling_laws", "verify_tree", "verify_tree_greedy", "Eagle2Drafter", "LookupTreeDrafter",
     "MixedDrafter", "SequoiaDrafter", "SidesDrafter", "make_tree_drafter", "SpecConfig", "Parts", "Speculation",
-    "build", "resolve",
+    "build", "resolve", "Limits",
 ]
 __version__ = "0.1.0"

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decoding.sequence import Limits
 from ..engine import Engine, Request
 from ..errors import SpecdecError
 from ..decoding.speculation import METHODS as REGISTRY, Parts, build, names, preset, summary
 from ..core.samplers import Sampler
 from .runners import Settings, bench_config
-from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
+from .vllm_peer import VLLM_METHODS, VllmPeers
 
 PEERS = {
     "hf-cb": "transformers' continuous batching (generate_batch, paged attention), plain decoding",
@@ -36,10 +37,10 @@ PEERS = {
     **VLLM_METHODS,
 }
 # ours: every registered method the engine runs (the target drafting for itself runs one sequence at a time)
-METHODS = {**{name: "ours, through the engine: " + summary(name) for name in names()
+LOAD_METHODS = {**{name: "ours, through the engine: " + summary(name) for name in names()
               if not REGISTRY[preset(name).method].self_drafting}, **PEERS}
 # methods with a drafter model (chains and trees): it gets row-exact passes, batched across sequences
-MODEL_DRAFTED = {name for name in METHODS if name not in PEERS and preset(name).needs_drafter_model()}
+MODEL_DRAFTED = {name for name in LOAD_METHODS if name not in PEERS and preset(name).needs_drafter_model()}
 
 
 @dataclass
@@ -90,9 +91,10 @@ def merge_runs(runs: list[LevelRun]) -> LevelRun:
 
 
 def check_load_methods(methods: list[str]) -> None:
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in LOAD_METHODS]
     if unknown or not methods:
-        raise SpecdecError(f"with --concurrency, methods are {', '.join(METHODS)}; got {', '.join(unknown) or 'none'}")
+        raise SpecdecError(f"with --concurrency, methods are {', '.join(LOAD_METHODS)}; "
+                           f"got {', '.join(unknown) or 'none'}")
 
 
 def check_levels(levels: list[int]) -> None:
@@ -114,8 +116,7 @@ def request(method: str, ids: list[int], target, drafter, settings: Settings, sa
     model = drafter if method in MODEL_DRAFTED else None
     speculation = build(config, Parts(target, model,
                                       costs=lambda m: settings.pass_costs if m is not None else None))
-    return Request(ids, speculation.make_drafter, sampler=sampler, max_new_tokens=settings.max_new_tokens, seed=seed,
-                   schedule=speculation.make_schedule, seed_rule=config.seed_rule)
+    return Request(ids, speculation, sampler, Limits(settings.max_new_tokens), seed=seed)
 
 
 def run_ours(method: str, level: int, prompts: list[list[int]], target, drafter, settings: Settings,
@@ -446,7 +447,7 @@ def run_load_benchmark(datasets: list[str], limit: int | None, methods: list[str
             "target_dtype": target_model.weights, "drafter": drafter if drafter_model else None,
             "drafter_dtype": drafter_model.weights if drafter_model else None,
             "machine": machine_description(), "command": "specdec " + " ".join(argv[1:]) if argv else None,
-            "method_descriptions": {m: METHODS[m] for m in methods},
+            "method_descriptions": {m: LOAD_METHODS[m] for m in methods},
             **({"vllm": vllm_setup} if settings.vllm is not None else {})}
     result = {"info": info, "levels": summaries}
     table = render_levels(summaries)

@@ -35,7 +35,9 @@ def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], dr
     drafter over each token count, and the target's batched pass over each of `batches` sequences
     with each of `batch_rows` rows a sequence (what the engine's steps pay), each after a 128-token
     cache per sequence."""
-    trees = getattr(target, "tree_masks", False)
+    from ..decoding.config import runs_trees
+
+    trees = runs_trees(target)
     return PassProfile(
         target_ms={w: forward_ms(target, w, repeats=repeats) for w in widths},
         target_tree_ms={w: forward_ms(target, w, repeats=repeats, tree=True) for w in widths} if trees else {},

@@ -34,7 +34,7 @@ from .runners import (BASELINES, BEAM_METHODS, NEEDS_DRAFTER, is_lossy, STREAM, 
                       self_drafting)
 from .report import render_markdown, render_paired, render_plot, render_structured, render_table
 from .schemas import check_output
-from .vllm_peer import METHODS as VLLM_METHODS, VllmPeers
+from .vllm_peer import VLLM_METHODS, VllmPeers
 
 # Settings fields that hold measurements, reported apart (not JSON as they are), and vLLM's workers
 MEASURED_SETTINGS = ("pass_costs", "free_costs", "load_costs", "free_load_costs", "assumed", "vllm")

@@ -27,7 +27,7 @@ from ..core.samplers import Sampler
 from ..sizing.schedules import AssumedCosts
 from ..decoding.config import DEFAULT_GAMMA, SpecConfig
 from ..core.verify import Typical
-from .vllm_peer import METHODS as VLLM_METHODS, check_threads
+from .vllm_peer import VLLM_METHODS, check_threads
 
 BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
@@ -52,7 +52,7 @@ PEER_METHODS = {
     **VLLM_METHODS,
 }
 # every name of the method registry (`specdec methods`: the same as generate, chat and serve take), then the rest
-METHODS = {**{name: "ours: " + summary(name) for name in names()}, **BENCH_ONLY, **PEER_METHODS}
+BENCH_METHODS = {**{name: "ours: " + summary(name) for name in names()}, **BENCH_ONLY, **PEER_METHODS}
 BASELINES = ("ar", "hf", "hf-assisted", "sd-cost", "llama-cpp", "beam")  # every method's per-prompt speedup is taken against each of these
 NEEDS_DRAFTER = {name for name in names() if name != "ar" and preset(name).needs_drafter_model()} | {
     "sd-distilled", "sd-parallel", "sd-online", "beam-sd", "hf-assisted", "hf-assisted-fixed", "llama-cpp-spec"}
@@ -258,13 +258,13 @@ def check_methods(methods: list[str]) -> None:
     """SpecdecError for a method the bench does not know; a preset with a parameter (sd-lenient:L)
     is checked and taken in with the rest."""
     for m in methods:
-        if m not in METHODS and lenient_preset(m) is not None:
-            METHODS[m] = "ours: " + summary(m)
+        if m not in BENCH_METHODS and lenient_preset(m) is not None:
+            BENCH_METHODS[m] = "ours: " + summary(m)
             NEEDS_DRAFTER.add(m)
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in BENCH_METHODS]
     if unknown or not methods:
         raise SpecdecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
-                           f"{', '.join(METHODS)}")
+                           f"{', '.join(BENCH_METHODS)}")
 
 
 def bench_config(method: str, settings: Settings) -> SpecConfig:
@@ -355,11 +355,11 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
     config = bench_config(method, settings)
     typical = config.typical()
     grammar = None if schema is None else CountedGrammar("json_schema", schema)
-    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens, seed_rule=config.seed_rule,
+    common = dict(sampler=sampler, max_new_tokens=settings.max_new_tokens,
                   seed=None if seed_pins_drafts(seed, sampler, config.effective_lenience(), typical) else seed,
                   grammar=grammar)
     if method == "ar":
-        result = autoregressive_generate(ids, target, **common)
+        result = autoregressive_generate(ids, target, seed_rule=config.seed_rule, **common)
     elif method in BEAM_METHODS:
         if not sampler.is_greedy:
             raise SpecdecError(f"{method} is deterministic: run it on greedy prompts (temperature 0)")
@@ -378,9 +378,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
         with learning(method, drafter):
             # --other-drafter names its role (and the only pair of two tokenizers here has the larger
             # model drafting one way round), so no size check there
-            result = speculative_generate(ids, target, speculation.make_drafter(),
-                                          schedule=speculation.schedule(), typical=typical,
-                                          lenience=config.effective_lenience(),
+            result = speculative_generate(ids, target, speculation,
                                           allow_larger_drafter=method == "sd-other-tokenizer", **common)
     s = result.stats
     divergence = typical_divergence(target, drafter, ids, result.tokens, sampler, typical) \

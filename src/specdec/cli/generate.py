@@ -278,11 +278,11 @@ def _generate_one(target_model, speculation, prompt: str, sampler, max_new_token
         err.print(LEGEND)
     ids = target_model.encode(prompt, chat=chat)
     if config.speculative:
-        result = speculative_generate(ids, target_model, drafter_used, sampler=sampler,
+        # the drafter and schedule shown are the ones that run
+        result = speculative_generate(ids, target_model, speculation.made_once(drafter_used, plan), sampler=sampler,
                                       max_new_tokens=max_new_tokens, seed=seed, first_target=first_target,
-                                      on_step=printer, schedule=plan, lenience=config.effective_lenience(),
-                                      debug=debug, typical=config.typical(), seed_rule=config.seed_rule,
-                                      grammar=grammar, allow_larger_drafter=True)  # the command checked the pair
+                                      on_step=printer, debug=debug, grammar=grammar,
+                                      allow_larger_drafter=True)  # the command checked the pair
     else:
         result = autoregressive_generate(ids, target_model, sampler=sampler, max_new_tokens=max_new_tokens,
                                          seed=seed, on_step=printer, grammar=grammar)
@@ -345,10 +345,8 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
     if printer is not None and drafter_used is not None:
         err.print(LEGEND)
     result = speculative_generate_encoder_decoder(
-        target_model.encode(prompt), target_model, drafter_used, sampler=sampler, max_new_tokens=max_new_tokens,
-        seed=seed, first_target=first_target, on_step=printer,
-        schedule=speculation.schedule() if drafter_used is not None else None,
-        lenience=config.effective_lenience(), typical=config.typical())
+        target_model.encode(prompt), target_model, speculation.made_once(drafter_used, speculation.schedule()),
+        sampler=sampler, max_new_tokens=max_new_tokens, seed=seed, first_target=first_target, on_step=printer)
     method = "sd" if drafter_used is not None else "ar"
     if as_json:
         print(json.dumps({"text": target_model.decode(result.tokens), "tokens": result.tokens,
@@ -409,6 +407,7 @@ def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int
     must match (`grammar.Grammar`), or None."""
     import time
 
+    from ..decoding.sequence import Limits
     from ..engine import Engine, Request
 
     profile = None
@@ -418,10 +417,9 @@ def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int
         profile = load_costs(target_model, drafter_model if speculation.config.needs_drafter_model() else None,
                              lambda m: err.print(f"[dim]{m}[/]", highlight=False))
     engine = Engine(target_model, batch_size, kv_memory, load_costs=profile)
-    requests = [Request(target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), speculation.make_drafter,
-                        sampler=row["sampler"], max_new_tokens=row["max_new_tokens"], seed=row.get("seed"),
-                        schedule=speculation.make_schedule, seed_rule=speculation.config.seed_rule,
-                        grammar=grammar) for row in rows]
+    requests = [Request(target_model.encode(row["prompt"], chat=bool(row.get("chat", chat))), speculation,
+                        row["sampler"], Limits(row["max_new_tokens"]), seed=row.get("seed"), grammar=grammar)
+                for row in rows]
     began = time.perf_counter()
     if online is None:
         ids = [engine.add(request) for request in requests]

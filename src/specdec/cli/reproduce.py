@@ -263,6 +263,7 @@ def steps_command(
     """Leviathan et al. Fig. 1: one generation step by step (drafted, accepted, rejected, the target's token)."""
     from ..bench.steps import step_rows, steps_html, steps_markdown
     from ..decoding.loop import speculative_generate
+    from ..decoding.speculation import Speculation
     from ..core.samplers import Sampler
 
     try:
@@ -272,8 +273,9 @@ def steps_command(
         target_model = _load(target, dtype, device, "target", exact_rows=True)  # the engine: row-exact passes
         drafter_model = _load(drafter, drafter_dtype, device, "drafter")
         steps = []
-        result = speculative_generate(target_model.encode(prompt, chat=True), target_model, drafter_model,
-                                      gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens, seed=seed,
+        result = speculative_generate(target_model.encode(prompt, chat=True), target_model,
+                                      Speculation.of(drafter_model, gamma=gamma), sampler=sampler,
+                                      max_new_tokens=max_new_tokens, seed=seed,
                                       on_step=steps.append)
     except SpecdecError as exc:
         _fail(str(exc))

@@ -156,9 +156,8 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
     ngram, retrieval:DIR) or one that drafts its own way (parallel:DIR) is that method ->
     (method, whether no drafter model loads, datastore)."""
     from ..decoding.speculation import METHODS as REGISTRY, preset
-    from ..models.loading import GGUF_WEIGHTS
-    from ..server.schema import METHODS
-    from ..decoding.config import from_flags
+    from ..server.schema import served_methods
+    from ..decoding.config import from_flags, weights_run_trees
 
     no_drafter = drafter in ("none", "")
     if not no_drafter and from_flags(drafter)["method"] != "chain":  # a drafter that is no model
@@ -172,10 +171,10 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
         method = named["method"]
         no_drafter = "drafter" not in named  # parallel:DIR is a drafter model that drafts its own way
         datastore_dir = named.get("datastore", datastore_dir)
-    if method not in METHODS:
-        raise SpecdecError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method not in served_methods():
+        raise SpecdecError(f"--method must be one of {', '.join(served_methods())}, got {method!r}")
     kind = preset(method).method if method != "ar" else "ar"
-    if dtype in GGUF_WEIGHTS and kind != "ar" and REGISTRY[kind].trees:
+    if not weights_run_trees(dtype) and kind != "ar" and REGISTRY[kind].trees:
         raise SpecdecError(f"--method {method} scores token trees, which need transformers' weights; on --dtype gguf "
                            "use --method default, chain, lookup, suffix or ar")
     if no_drafter and kind != "ar" and preset(method).needs_drafter_model():
@@ -197,7 +196,7 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
     def load():
         from ..models.loading import load as load_model
         from ..sizing.pass_costs import cache_path
-        from ..server.schema import Speculation
+        from ..decoding.speculation import preset
         from ..server.service import Service
 
         say = lambda m: err.print(f"[dim]{m}[/]", highlight=False)  # noqa: E731
@@ -210,8 +209,8 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
             from ..adapters.lora import OnlineDistiller
 
             OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
-        service = Service(target_model, drafter_model, default=Speculation(None if method == "ar" else method,
-                                                                           gamma_max, tree_nodes),
+        default = preset(method).replace(gamma_max=gamma_max, tree_nodes=tree_nodes) if method != "ar" else "ar"
+        service = Service(target_model, drafter_model, default=default, default_method=method,
                           limits=limits, suffix_cache_tokens=suffix_cache_tokens, datastore=datastore)
         # the costs, each from the cache or timed (on a first start, minutes on a CPU), are taken by
         # the engine's thread between requests: it serves at once, sized conservatively meanwhile
@@ -231,6 +230,7 @@ def _cost_steps(target_model, drafter_model, method: str, max_batch: int, say) -
     """The service's costs to take from the cache or measure, by the `Service` field each fills ->
     {field: a function measuring it}."""
     from ..drafters.lookahead import OVERHEAD as LOOKAHEAD_OVERHEAD
+    from ..decoding.config import runs_trees
     from ..decoding.speculation import preset
     from ..sizing.pass_costs import flat_rows, load_costs, pass_costs
 
@@ -238,7 +238,7 @@ def _cost_steps(target_model, drafter_model, method: str, max_batch: int, say) -
     if drafter_model is not None:
         steps["costs"] = lambda stop: pass_costs(target_model, drafter_model, say)
     steps["lookup_costs"] = lambda stop: pass_costs(target_model, None, say)
-    if target_model.features().tree_masks:
+    if runs_trees(target_model):
         steps["lookahead_rows"] = lambda stop: flat_rows(target_model, LOOKAHEAD_OVERHEAD, say)
     if max_batch > 1 and method != "ar":  # the batch policy's profile, with the default method's drafter
         uses_model = preset(method).needs_drafter_model()

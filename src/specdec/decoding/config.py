@@ -224,7 +224,9 @@ class SpecConfig:
         if target is not None:
             from ..models.loading import GGUF_WEIGHTS
 
-            if getattr(target, "weights", None) in GGUF_WEIGHTS and (method.trees or method.self_drafting):
+            if method.trees:
+                check_runs_trees(target)
+            if getattr(target, "weights", None) in GGUF_WEIGHTS and method.self_drafting:
                 raise SpecdecError(f"{self.method} cannot run on gguf weights (llama.cpp's backend takes chain "
                                    "drafts only); use transformers' weights (--dtype auto)")
         return self
@@ -243,6 +245,29 @@ class SpecConfig:
         default = SpecConfig()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name) or f.name == "method"}
+
+
+def runs_trees(target) -> bool:
+    """Whether `target`'s backend scores token trees (takes a tree attention mask): llama.cpp's
+    (gguf weights), captured CUDA graphs and encoder-decoders take chains only."""
+    from ..backends import features
+
+    return features(target).tree_masks
+
+
+def weights_run_trees(dtype: str) -> bool:
+    """`runs_trees` before loading: whether weights of `dtype` load on a backend that scores token
+    trees (gguf weights load on llama.cpp's, which does not)."""
+    from ..models.loading import GGUF_WEIGHTS
+
+    return dtype not in GGUF_WEIGHTS
+
+
+def check_runs_trees(target) -> None:
+    """SpecdecError where `target`'s backend cannot score token trees (`runs_trees`)."""
+    if not runs_trees(target):
+        raise SpecdecError(f"token trees are not supported on the {getattr(target, 'kernels', 'model')} backend "
+                           f"({target.name}); use a chain method, or --dtype auto (transformers' weights) for trees")
 
 
 def method_chains(method: str) -> bool:

@@ -26,7 +26,8 @@ from ..core.verify import Typical
 
 
 from .results import GenerationResult, StepCallback
-from .sequence import Decoding
+from .sequence import Decoding, Limits
+from .speculation import Speculation
 
 
 def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: Sampler = GREEDY,
@@ -36,23 +37,30 @@ def autoregressive_generate(prompt_ids: Sequence[int], model: Backend, sampler: 
                             rules: LogitRules | None = None, grammar=None) -> GenerationResult:
     """Generate one token per target pass, with a KV cache: the baseline to beat. logprobs,
     seed_rule, rules and grammar: as `speculative_generate`'s."""
-    return run(Decoding(prompt_ids, model, None, sampler=sampler, max_new_tokens=max_new_tokens,
-                        eos_token_ids=eos_token_ids, seed=seed, on_step=on_step, logprobs=logprobs,
-                        seed_rule=seed_rule, rules=rules, grammar=grammar))
+    return run(Decoding(prompt_ids, model, Speculation.of(seed_rule=seed_rule), sampler,
+                        Limits(max_new_tokens, eos_token_ids), seed=seed, on_step=on_step, logprobs=logprobs,
+                        rules=rules, grammar=grammar))
 
 
-def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter,
+def speculative_generate(prompt_ids: Sequence[int], target: Backend,
+                         speculation: Speculation | Backend | Drafter | None = None,
                          gamma: int | None = None, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
                          eos_token_ids: Sequence[int] | None = None, seed: int | None = None,
                          first_target: bool = True, on_step: StepCallback | None = None,
-                         schedule: Schedule | None = None, lenience: float = 1.0,
+                         schedule: Schedule | None = None, lenience: float | None = None,
                          debug: bool = False, logprobs: int | None = None,
-                         typical: Typical | None = None, seed_rule: str = "coupled",
+                         typical: Typical | None = None, seed_rule: str | None = None,
                          rules: LogitRules | None = None, grammar=None,
-                         allow_larger_drafter: bool = False) -> GenerationResult:
+                         allow_larger_drafter: bool = False, drafter: Backend | Drafter | None = None
+                         ) -> GenerationResult:
     """Speculative decoding: the drafter proposes tokens, the target scores them in one forward
     pass, and the verification keeps an exact prefix plus one target token.
 
+    speculation: what drafts and how drafts are accepted, whole: a `Speculation` (`build(config,
+        parts)`, or `Speculation.of(drafter, gamma=..., ...)`), which then takes none of the options
+        gamma, schedule, lenience, typical and seed_rule. A bare drafter is accepted too, with those
+        options beside it (the older spelling: `speculative_generate(ids, target, drafter, gamma=4)`),
+        turned into `Speculation.of(drafter, ...)` here, once (also as the keyword `drafter=`):
     drafter: a smaller model (any `Backend`, same vocabulary), or any `Drafter` (drafters/: n-gram,
         prompt lookup), or a tree drafter (`make_tree_drafter`: sides, eagle2, sequoia, lookup,
         mixed), whose token tree the target verifies in one pass under a tree attention mask;
@@ -101,12 +109,30 @@ def speculative_generate(prompt_ids: Sequence[int], target: Backend, drafter: Ba
     parameters than the target, is refused (`roles.check_roles`); `allow_larger_drafter=True`
     lets a larger drafter through where that is meant.
     """
-    decoding = Decoding(prompt_ids, target, drafter, gamma=gamma, sampler=sampler, max_new_tokens=max_new_tokens,
-                        eos_token_ids=eos_token_ids, seed=seed, first_target=first_target, on_step=on_step,
-                        schedule=schedule, lenience=lenience, debug=debug, logprobs=logprobs,
-                        typical=typical, seed_rule=seed_rule, rules=rules, grammar=grammar)
-    check_roles(target, drafter, allow_larger_drafter)  # after the pair's own checks (a vocabulary that differs)
+    if drafter is not None:
+        if speculation is not None:
+            raise SpecdecError("give speculative_generate a speculation or a drafter, not both")
+        speculation = drafter
+    speculation = _speculation(speculation, gamma=gamma, schedule=schedule, lenience=lenience, typical=typical,
+                               seed_rule=seed_rule)
+    decoding = Decoding(prompt_ids, target, speculation, sampler, Limits(max_new_tokens, eos_token_ids), seed=seed,
+                        first_target=first_target, on_step=on_step, debug=debug, logprobs=logprobs, rules=rules,
+                        grammar=grammar)
+    # after the pair's own checks (a vocabulary that differs)
+    check_roles(target, decoding.drafter, allow_larger_drafter)
     return run(decoding)
+
+
+def _speculation(speculation, **options) -> Speculation:
+    """`speculation` itself (its options are its own: none may be given beside it), or a bare drafter
+    (or None) with the loose options, as `Speculation.of(...)`."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if isinstance(speculation, Speculation):
+        if given:
+            raise SpecdecError(f"a Speculation carries its own {', '.join(given)}; give them to Speculation.of "
+                               "(or build's config), not beside it")
+        return speculation
+    return Speculation.of(speculation, **given)
 
 
 def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, drafter=None,
@@ -118,7 +144,7 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
 
     drafter: a smaller `Seq2SeqModel` of the same vocabulary and decoder start (it encodes the
         source itself), a model-free chain drafter (prompt lookup, n-gram: they see the decoder's
-        tokens), or None.
+        tokens), or None; or a `Speculation` of one (then without the loose options below).
     decoder_prompt: the decoder's first tokens (default: its start token alone); the result holds
         what follows them.
     allow_larger_drafter: as `speculative_generate`'s (a larger drafter is refused without it).
@@ -129,6 +155,10 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
     if not isinstance(target, Seq2SeqModel):
         raise SpecdecError(f"the target must be an encoder-decoder model (Seq2SeqModel), got {type(target).__name__}; "
                            "decoder-only models take speculative_generate")
+    acceptance = {name: options.pop(name) for name in ("gamma", "schedule", "lenience", "typical", "seed_rule")
+                  if name in options}
+    speculation = _speculation(drafter, **acceptance)
+    drafter = speculation.make_drafter() if speculation.speculative else None
     if isinstance(drafter, Seq2SeqModel):
         if pair_mode(target, drafter) != "shared":
             raise SpecdecError(f"tokenizers differ: target {target.name} and drafter {drafter.name}; an "
@@ -138,8 +168,12 @@ def speculative_generate_encoder_decoder(source_ids: Sequence[int], target, draf
                                f"with {target.decoder_start_token_id}: they must share one vocabulary")
         check_roles(target, drafter, allow_larger_drafter)
         drafter = drafter.bind(source_ids)
+    if drafter is not None:  # this generation's drafter, bound to its source
+        speculation = speculation.made_once(drafter, speculation.schedule())
     prompt = [target.decoder_start_token_id] if decoder_prompt is None else list(decoder_prompt)
-    return run(Decoding(prompt, target.bind(source_ids), drafter, **options))
+    limits = Limits(options.pop("max_new_tokens", 128), options.pop("eos_token_ids", None))
+    sampler = options.pop("sampler", GREEDY)
+    return run(Decoding(prompt, target.bind(source_ids), speculation, sampler, limits, **options))
 
 
 def run(decoding: "Decoding") -> GenerationResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Generator, Sequence
 
 import torch
@@ -16,19 +17,21 @@ import torch
 from ..backends import Backend, Segment, features
 from ..backends.prompts import PREFILL_CHUNK
 from ..backends.cache import cache_length, compact_cache, crop_cache, reserve_cache
-from ..drafters import Draft, Drafter, ModelDrafter
+from ..drafters import Draft, ModelDrafter
 from ..drafters.base import Capabilities, capabilities_of, drive, is_drafter, one_hot, require_drafter_or_model
 from ..drafters.retokenize import OtherTokenizerDrafter
 from ..errors import SpecdecError
 from ..core.logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
 from ..core.penalties import LogitRules
 from ..core.samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens, race
-from ..sizing.schedules import CostAware, Fixed, Schedule
+from ..sizing.schedules import CostAware, Fixed
 from ..backends.text import pair_mode
 from ..core.trees import Tree, depths, input_parents
 from ..core.verify import Typical
 
 
+from .config import SEED_RULES
+from .speculation import Speculation
 from .results import GenerationResult, GenerationStats, Step, StepCallback
 from .verifier import _target_token, _verify, _verify_tree, chain_beta
 
@@ -38,7 +41,13 @@ DRAFT_ROOM = 64  # cache positions a step's draft may take beyond the output (th
 RESERVE_MAX = 8192  # cache positions reserved at once at most; a longer sequence's slabs double as it grows
 
 
-SEED_RULES = ("coupled", "stream")
+@dataclass(frozen=True)
+class Limits:
+    """When a sequence stops: after `max_new_tokens`, or at any id of `eos_token_ids` (None: the
+    target's own end ids; [] none)."""
+
+    max_new_tokens: int = 128
+    eos_token_ids: Sequence[int] | None = None
 
 
 def seed_pins_drafts(seed: int | None, sampler: Sampler, lenience: float = 1.0,
@@ -65,15 +74,21 @@ class Decoding:
     generators, in the same order whatever else shares its passes, so a seed pins its output.
     """
 
-    def __init__(self, prompt_ids: Sequence[int], target: Backend, drafter: Backend | Drafter | None = None, *,
-                 gamma: int | None = None, sampler: Sampler = GREEDY, max_new_tokens: int = 128,
-                 eos_token_ids: Sequence[int] | None = None, seed: int | None = None, first_target: bool = True,
-                 on_step: StepCallback | None = None, schedule: Schedule | None = None, lenience: float = 1.0,
-                 debug: bool = False, logprobs: int | None = None, typical: Typical | None = None,
-                 seed_rule: str = "coupled", cache_salt: str = "", rules: LogitRules | None = None,
+    def __init__(self, prompt_ids: Sequence[int], target: Backend, speculation: Speculation | None = None,
+                 sampler: Sampler = GREEDY, limits: Limits | None = None, *, seed: int | None = None,
+                 first_target: bool = True, on_step: StepCallback | None = None, debug: bool = False,
+                 logprobs: int | None = None, cache_salt: str = "", rules: LogitRules | None = None,
                  grammar=None):
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
+        speculation = Speculation.of() if speculation is None else speculation
+        if not isinstance(speculation, Speculation):
+            raise SpecdecError(f"a sequence takes a Speculation (`build(config, parts)`, `Speculation.of(drafter)`), "
+                               f"got {type(speculation).__name__}")
+        limits = Limits() if limits is None else limits
+        self.speculation = speculation  # whole, as the request carried it
+        lenience, typical, gamma = speculation.lenience, speculation.typical, speculation.gamma
+        drafter = speculation.make_drafter() if speculation.make_drafter is not None else None
         if drafter is not None and not is_drafter(drafter):
             require_drafter_or_model(drafter)  # an object that is neither: a clear error, never a probe
             # a model: its ids as they are, or through text where its tokenizer is another
@@ -84,17 +99,7 @@ class Decoding:
         self.reads_hidden = self.can.reads_target_hidden  # self-drafting heads (Medusa, EAGLE)
         self.drafter_model = drafter.model if self.can.model else None
         if drafter is not None:
-            if self.trees and not self.features.tree_masks:
-                raise SpecdecError(f"token trees are not supported on the {target.kernels} backend ({target.name}); "
-                                   "use a chain method, or --dtype auto (transformers' weights) for trees")
-            if self.trees and lenience != 1:
-                raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
-            if self.trees and typical is not None:
-                raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
-            if typical is not None and lenience != 1:
-                raise SpecdecError("choose lenience or typical acceptance, not both")
-            if typical is not None and not isinstance(typical, Typical):
-                raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
+            speculation.check_drafter(drafter, target, self.trees)
             if self.trees and rules is not None and rules.active:
                 raise SpecdecError("penalties, logit bias and min_tokens apply to chain drafts only (a tree's "
                                    "positions have other pasts); use a chain method")
@@ -102,8 +107,6 @@ class Decoding:
                 raise SpecdecError("a grammar constrains chain drafts only (a tree's nodes would each need a "
                                    "matcher of their own); use a chain method")
             drafter.check_target(target)
-            if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
-                raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
         self.cache_salt = cache_salt  # prompt caches reuse only prompts kept under the same salt (a tenant's)
         self.lenience, self.typical, self.debug = lenience, typical, debug
@@ -112,23 +115,17 @@ class Decoding:
         if drafter is None:
             self.schedule = None
         elif self.trees:
-            if schedule is not None:
-                raise SpecdecError(f"the tree drafter {drafter.name} sizes its drafts by its own policy "
-                                   "(its `policy`, a TreeCost); give the tree's depth bound as gamma instead of a schedule")
             self.schedule = drafter.policy
         else:
-            self.schedule = schedule or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
+            self.schedule = speculation.schedule() or Fixed(DEFAULT_GAMMA if gamma is None else gamma)
             if self.can.one_pass and isinstance(self.schedule, CostAware):
                 self.schedule.one_pass = drafter.k  # a token inside a pass costs a row, not a drafter pass
-        if self.trees and gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
-            raise SpecdecError(f"gamma (the tree's depth bound) must be an integer >= 1, got {gamma!r}")
         self._depth = gamma if self.trees else None
-        models = [target] + ([self.drafter_model] if self.drafter_model is not None else [])
-        prompt, limit, limit_reason, eos = _validate(prompt_ids, models, max_new_tokens, eos_token_ids)
+        prompt, limit, limit_reason, eos = check_limits(prompt_ids, target, limits, self.drafter_model)
         # Under a seed with an exact rule, every sampled token is a coupled draw from noise of
         # (seed, position) alone, shared by the drafter: the output is the seeded AR output.
-        self.seed_rule = seed_rule
-        pins = seed_pins_drafts(seed, sampler, lenience, typical, seed_rule)  # (checks seed_rule too)
+        self.seed_rule = speculation.seed_rule
+        pins = seed_pins_drafts(seed, sampler, lenience, typical, self.seed_rule)
         self.noise = SeededNoise(seed) if seed is not None and not sampler.is_greedy and not pins else None
         # Two random streams: what the drafter draws never shifts the verification's draws.
         self.generator = _generator(seed, target.device)
@@ -598,6 +595,14 @@ class _Output:
             flush()
         return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason,
                                 self.logprobs)
+
+
+def check_limits(prompt_ids: Sequence[int], target: Backend, limits: Limits,
+                 drafter_model: Backend | None = None) -> tuple[list[int], int, str, set[int]]:
+    """A request's prompt and limits against its target (and drafter model), before its sequence
+    exists -> (prompt, the most new tokens, why that many, the end ids); SpecdecError where bad."""
+    models = [target] + ([drafter_model] if drafter_model is not None else [])
+    return _validate(prompt_ids, models, limits.max_new_tokens, limits.eos_token_ids)
 
 
 def _validate(prompt_ids: Sequence[int], models: list[Backend], max_new_tokens: int,

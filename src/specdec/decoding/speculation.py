@@ -8,13 +8,14 @@ that differ from a method's defaults (the bench's `sd-heuristic`, `tree-sides`, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from ..backends import features
 from ..errors import SpecdecError
-from .config import (GAMMA_SCHEDULES, METHODS, Method, SpecConfig, from_flags, method_chains,  # noqa: F401 (Method: its entries)
-                   special_drafter)
+from .config import (GAMMA_SCHEDULES, METHODS, SEED_RULES, Method, SpecConfig, check_runs_trees,  # noqa: F401
+                     from_flags, method_chains, special_drafter)
 
 
 def _presets() -> dict[str, tuple[SpecConfig, str]]:
@@ -143,17 +144,83 @@ class Parts:
     lookahead_rows: int | None = None
 
 
-@dataclass
-class Speculation:
-    """A built speculation: `make_drafter()` gives one sequence's drafter (a drafter model itself
-    for chains, which the engine batches across sequences), `make_schedule()` a chain's draft-length
-    schedule. `make_schedule` is None for tree methods (the tree drafter's own `TreeCost` sizes
-    its trees) and both are None for `ar`. As the engine's `Request(ids, speculation.make_drafter,
-    schedule=speculation.make_schedule)`."""
+@dataclass(frozen=True)
+class _Given:
+    """A factory handing out the one object it holds (a drafter model, a drafter or a schedule a
+    caller made); two compare equal when they hold the same object."""
 
-    config: SpecConfig
+    made: object
+
+    def __call__(self):
+        return self.made
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A built speculation, what a request and its sequence carry whole: `make_drafter()` gives one
+    sequence's drafter (a drafter model itself for chains, which the engine batches across
+    sequences), `make_schedule()` a chain's draft-length schedule, and the acceptance options.
+    `make_schedule` is None for tree methods (the tree drafter's own `TreeCost` sizes its trees) and
+    both are None for plain decoding. Made by `build(config, parts)`, or `Speculation.of(drafter,
+    ...)` from a drafter object; its options are checked where it is made, once.
+
+    gamma: a chain's fixed draft length where no schedule is given (None: 5); a tree's depth bound
+        (None: its policy's).
+    lenience: 1 is exact; l in (0, 1) lenient acceptance (LOSSY under sampling; chains only).
+    typical: Medusa's typical acceptance (`verify.Typical`), or None; chains only.
+    seed_rule: what a seed pins ("coupled" or "stream"; `speculative_generate`).
+    config: the `SpecConfig` it was built from (None: made by `of`).
+    """
+
+    config: SpecConfig | None
     make_drafter: Callable[[], object] | None
     make_schedule: Callable[[], object] | None
+    gamma: int | None = None
+    lenience: float = 1.0
+    typical: object = None
+    seed_rule: str = "coupled"
+
+    def __post_init__(self):
+        _check_acceptance(self.gamma, self.lenience, self.typical, self.seed_rule)
+
+    @classmethod
+    def of(cls, drafter=None, *, gamma: int | None = None, schedule=None, lenience: float = 1.0,
+           typical=None, seed_rule: str = "coupled") -> "Speculation":
+        """The speculation of a drafter a caller holds: a drafter model (any `Backend`), a `Drafter`
+        (one sequence's state: `speculative_generate` alone takes one) or a factory of drafters
+        (a drafter class, a lambda: what the engine's requests take); None: plain decoding.
+        schedule: a chain's `Schedule`, or a factory of them (None: a fixed `gamma`). The options
+        as the fields'; SpecdecError for one out of range."""
+        if drafter is None:
+            if schedule is not None:
+                raise SpecdecError("a schedule sizes drafts; plain decoding (no drafter) drafts nothing")
+            return cls(None, None, None, None, lenience, typical, seed_rule)
+        from ..drafters.base import is_factory
+        from ..sizing.schedules import Schedule
+
+        make_drafter = drafter if is_factory(drafter) else _Given(drafter)
+        make_schedule = _Given(schedule) if isinstance(schedule, Schedule) else schedule
+        return cls(None, make_drafter, make_schedule, gamma, lenience, typical, seed_rule)
+
+    @property
+    def speculative(self) -> bool:
+        return self.make_drafter is not None
+
+    @property
+    def one_drafter(self):
+        """The drafter object `of` was given, where it was one (it holds one sequence's state, so only
+        one sequence may draft with it), else None (a factory, a drafter model, plain decoding)."""
+        from ..drafters.base import is_drafter
+
+        made = self.make_drafter.made if isinstance(self.make_drafter, _Given) else None
+        return made if is_drafter(made) else None
+
+    def made_once(self, drafter=None, schedule=None) -> "Speculation":
+        """This speculation handing out `drafter` and `schedule`, which its caller made from it
+        (`make_drafter()`, `schedule()`) to show them as one generation runs (the CLI's step view,
+        a self-skip search's choice): for that one generation."""
+        return dataclasses.replace(self, make_drafter=None if drafter is None else _Given(drafter),
+                                   make_schedule=None if schedule is None else _Given(schedule))
 
     def schedule(self):
         """A new chain schedule, or None (a tree method's drafter sizes its own drafts; `ar`)."""
@@ -165,12 +232,44 @@ class Speculation:
             return self.make_schedule().describe()
         return "" if self.make_drafter is None else self.make_drafter().policy.describe()
 
+    def check_drafter(self, drafter, target, trees: bool) -> None:
+        """What the options ask of the drafter one sequence made (`trees`: it drafts token trees) and
+        its target; SpecdecError where they do not fit (the checks that need the drafter made)."""
+        if not trees:
+            return
+        check_runs_trees(target)
+        if self.lenience != 1:
+            raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
+        if self.typical is not None:
+            raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
+        if self.make_schedule is not None:
+            raise SpecdecError(f"the tree drafter {drafter.name} sizes its drafts by its own policy "
+                               "(its `policy`, a TreeCost); give the tree's depth bound as gamma instead of a schedule")
+
+
+def _check_acceptance(gamma, lenience, typical, seed_rule) -> None:
+    """The acceptance options' own ranges, checked once where a speculation is made."""
+    from ..core.verify import Typical
+
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1):
+        raise SpecdecError(f"gamma must be an integer >= 1 (a chain's draft length, a tree's depth bound), "
+                           f"got {gamma!r}")
+    if isinstance(lenience, bool) or not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
+        raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
+    if typical is not None and not isinstance(typical, Typical):
+        raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
+    if typical is not None and lenience != 1:
+        raise SpecdecError("choose lenience or typical acceptance, not both")
+    if seed_rule not in SEED_RULES:
+        raise SpecdecError(f"seed_rule must be one of {', '.join(SEED_RULES)}, got {seed_rule!r}")
+
 
 def build(config: SpecConfig, parts: Parts) -> Speculation:
     """The drafter and schedule factories of `config` on `parts` (the only place drafters are
-    assembled from a method's name)."""
+    assembled from a method's name), with its acceptance options."""
+    options = dict(lenience=config.effective_lenience(), typical=config.typical(), seed_rule=config.seed_rule)
     if config.method == "ar":
-        return Speculation(config, None, None)
+        return Speculation(config, None, None, **options)
     config.validate(parts.target)
     if config.needs_drafter_model() and parts.drafter_model is None:
         raise SpecdecError(f"the {config.method} method drafts with a drafter model, and none is loaded")
@@ -178,7 +277,7 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
     from ..sizing.schedules import make_schedule
 
     if METHODS[config.method].trees:  # a tree drafter's own TreeCost sizes its drafts, up to gamma_max deep
-        return Speculation(config, make_drafter, None)
+        return Speculation(config, make_drafter, None, **options)
     costs = None  # measured once here, shared by every schedule made
     if config.schedule == "cost" and parts.costs is not None and config.method not in ("self-skip", "early-exit"):
         costs = parts.costs(parts.drafter_model if METHODS[config.method].drafter_model else None)
@@ -186,7 +285,7 @@ def build(config: SpecConfig, parts: Parts) -> Speculation:
     return Speculation(config, make_drafter, lambda: make_schedule(
         config.schedule, config.effective_gamma(), config.gamma_min, config.effective_gamma_max(), config.egag_beta,
         config.confidence,
-        costs, assumed))
+        costs, assumed), **options)
 
 
 def _assumed(config: SpecConfig, parts: Parts):

@@ -3,7 +3,8 @@
 (`BatchedBackend.forward_batch`)."""
 
 from .batch import generate_many
-from .engine import Engine, Request
+from .engine import Engine
+from .request import Request
 from .output import StepFailed, StepOutput
 
 __all__ = ["Engine", "Request", "StepFailed", "StepOutput", "generate_many"]

@@ -8,7 +8,8 @@ from ..backends import Backend
 from ..decoding.results import GenerationResult
 from ..errors import SpecdecError
 from ..sizing.pass_costs import LoadCosts
-from .engine import Engine, Request
+from .engine import Engine
+from .request import Request
 
 
 def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=None, max_batch: int = 8,

@@ -4,48 +4,18 @@ and failed). A step is the scheduler's plan (scheduler.py) and the runner's pass
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from ..backends import Backend, features
 from ..errors import SpecdecError
-from ..drafters.base import capabilities_of, is_drafter, is_factory
 from ..decoding.sequence import Decoding
 from ..decoding.results import GenerationResult
 from ..sizing.pass_costs import LoadCosts
-from ..core.penalties import LogitRules
-from ..core.samplers import GREEDY, Sampler
-from ..sizing.schedules import Schedule
 from ..sizing.batch_policy import BatchCosts
 from .output import StepFailed, StepOutput
 from .runner import Runner
-from .scheduler import Scheduler, _kv_need, kv_need, kv_positions  # noqa: F401 (kv_*: server/service.py's import)
-
-
-@dataclass
-class Request:
-    """What to generate: the prompt's ids, how to sample, when to stop, and who drafts.
-
-    drafter: None (plain decoding), a drafter model (each request drafts with it through its own
-    cache), or a factory returning a fresh `Drafter` for this request (`LookupDrafter`,
-    `methods.build(...).make_drafter`): a drafter holds one sequence's state.
-    schedule: a factory returning this request's draft-length schedule (default: fixed `gamma`).
-    """
-
-    prompt_ids: Sequence[int]
-    drafter: object = None
-    sampler: Sampler = GREEDY
-    max_new_tokens: int = 128
-    eos_token_ids: Sequence[int] | None = None
-    seed: int | None = None
-    gamma: int | None = None  # a chain's fixed draft length without a schedule (default 5); a tree's depth bound
-    schedule: Callable[[], Schedule] | None = None
-    logprobs: int | None = None  # report the target's log-probabilities (`Decoding`'s logprobs)
-    seed_rule: str = "coupled"  # what a seed pins (`speculative_generate`'s seed_rule)
-    cache_salt: str = ""  # the tenant: prompt caches reuse only prompts kept under the same salt
-    rules: LogitRules | None = None  # penalties, logit bias, min_tokens (`speculative_generate`'s rules)
-    grammar: object = None  # what the output must match (`speculative_generate`'s grammar)
-    id: int = field(default=-1, compare=False)
+from .request import Request
+from .scheduler import Scheduler, _kv_charge, _model_of
+from ..decoding import sequence
 
 
 class Engine:
@@ -74,19 +44,30 @@ class Engine:
         self._ids = itertools.count()
 
     def add(self, request: Request) -> int:
-        """Queue a request; returns its id. Its options are checked now (a clear error), its
-        memory is taken when it is admitted."""
-        decoding = self._decoding(request)  # validates the options; the real one is built at admission
-        drafter_model = decoding.drafter_model
+        """Queue a request; returns its id. What can be checked before its sequence exists is
+        checked now (a clear error): its prompt and limits, its drafter, the KV memory it needs.
+        Its sequence (`Decoding`) is made once, when it is admitted."""
+        speculation = request.speculation
+        shared = speculation.one_drafter
+        if shared is not None:
+            raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
+                               f"each (e.g. {type(shared).__name__} itself, or a lambda), or a drafter model")
+        # the drafter a sequence of this request would make, looked at where a bound asks about it
+        probe = speculation.make_drafter() if speculation.speculative and (
+            self.kv_memory is not None or self.max_batch > 1) else None
+        drafter_model = _model_of(probe)
+        prompt, limit, _, _ = sequence.check_limits(request.prompt_ids, self.target, request.limits, drafter_model)
         most = features(drafter_model).sequences if drafter_model is not None else None
         if most is not None and self.max_batch > most:
             raise SpecdecError(f"the drafter {drafter_model.name} holds {drafter_model.sequences} sequence(s) at once, "
                                f"fewer than max_batch={self.max_batch}; load it with sequences={self.max_batch}")
-        need = _kv_need(request, decoding) if self.kv_memory is not None else 0
-        if need > (self.kv_memory or 0) > 0:
-            raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
-                               f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
-                               "lower max_new_tokens")
+        if self.kv_memory is not None:
+            positions = len(prompt) + limit + (sequence.DRAFT_ROOM if probe is not None else 0)
+            need = _kv_charge(positions, self.target, probe, speculation)
+            if need > self.kv_memory:
+                raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
+                                   f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
+                                   "lower max_new_tokens")
         request.id = next(self._ids)
         self.waiting.append(request)
         return request.id
@@ -134,17 +115,12 @@ class Engine:
         return total.finished
 
     def _decoding(self, request: Request) -> Decoding:
-        drafter = request.drafter
-        if is_drafter(drafter):
-            raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
-                               f"each (e.g. {type(drafter).__name__} itself, or a lambda), or a drafter model")
-        if is_factory(drafter):
-            drafter = drafter()  # this request's own drafter
-        if is_drafter(drafter) and capabilities_of(drafter).reads_target_hidden and self._batched:
+        """The request's sequence, made once (at admission), its speculation handed on whole."""
+        decoding = Decoding(request.prompt_ids, self.target, request.speculation, request.sampler, request.limits,
+                            seed=request.seed, logprobs=request.logprobs, cache_salt=request.cache_salt,
+                            rules=request.rules, grammar=request.grammar)
+        if decoding.reads_hidden and self._batched:
             raise SpecdecError("self-drafting heads (Medusa, EAGLE) read the target's hidden states, which "
                                "batched passes do not keep yet; run them with speculative_generate")
-        return Decoding(request.prompt_ids, self.target, drafter, gamma=request.gamma, sampler=request.sampler,
-                        max_new_tokens=request.max_new_tokens, eos_token_ids=request.eos_token_ids, seed=request.seed,
-                        schedule=request.schedule() if request.schedule else None, logprobs=request.logprobs,
-                        seed_rule=request.seed_rule, cache_salt=request.cache_salt, rules=request.rules,
-                        grammar=request.grammar)
+        return decoding
+

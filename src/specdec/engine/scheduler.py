@@ -17,6 +17,7 @@ from ..backends.cache import cache_length
 from ..backends.slab import slab_capacity
 from ..decoding import sequence
 from ..decoding.sequence import Decoding
+from ..drafters.base import capabilities_of, is_drafter, most_nodes
 from ..errors import SpecdecError
 from ..sizing.batch_policy import BatchCosts
 from .output import StepOutput
@@ -241,3 +242,35 @@ def kv_positions(prompt_length: int, max_new_tokens: int, drafts: bool) -> int:
     """The cache positions a request can reach: its prompt, its output and the widest draft
     (`Decoding.positions`, before the context caps them)."""
     return prompt_length + max_new_tokens + (sequence.DRAFT_ROOM if drafts else 0)
+
+
+def _model_of(drafter):
+    """The drafter model `drafter` (what a request's speculation makes) drafts with, or None."""
+    if drafter is None:
+        return None
+    if not is_drafter(drafter):
+        return drafter  # a model: the sequence wraps it
+    return drafter.model if capabilities_of(drafter).model else None
+
+
+def _kv_charge(positions: int, target, drafter, speculation) -> int:
+    """`_kv_need`'s charge before a sequence exists: `positions` in the target's cache and in the
+    drafter model's of `drafter` (what the request's speculation makes), its widest draft checked
+    against the room kept for it."""
+    if drafter is not None:
+        trees = is_drafter(drafter) and capabilities_of(drafter).trees
+        if trees:
+            width = most_nodes(drafter)
+        else:
+            schedule = speculation.schedule() or sequence.Fixed(speculation.gamma or sequence.DEFAULT_GAMMA)
+            width = schedule.ceiling()
+        if width is None:
+            raise SpecdecError(f"the tree drafter {drafter.name} does not say how wide its trees grow "
+                               "(subclass drafters.Drafter, whose most_nodes reads its policy), so a KV budget cannot "
+                               "charge them; run without a budget")
+        if width > sequence.DRAFT_ROOM:
+            kind = "tree nodes" if trees else "draft tokens"
+            raise SpecdecError(f"this request drafts up to {width} {kind} a step, more than the {sequence.DRAFT_ROOM} "
+                               "positions a KV budget keeps for a draft; lower the tree's max_nodes (or gamma)")
+    return kv_need(positions, [target, _model_of(drafter)])
+

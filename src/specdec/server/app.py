@@ -429,7 +429,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                 raise BadRequest(f"the request body did not arrive within this server's limit of "
                                  f"{service.limits.body_timeout:g} s", status=408, code="body_timeout") from None
             body = parse_body(raw, service.limits.max_body)
-            job = parse_job(body, chat, service.name, service.default)
+            job = parse_job(body, chat, service.name, service.default, service.default_method)
             # each key its own tenant, its clients' salts apart within it; always prefixed, so that a
             # client's own salt ("a/b") never names a tenant
             job.cache_salt, job.tenant = f"{tenant}/{job.cache_salt}", tenant
@@ -636,7 +636,7 @@ class _Run:
                          default=0) for p in range(len(self.prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached},
-                "speculative": {"method": self.job.speculation.method or "off",
+                "speculative": {"method": self.job.method or "off",
                                 "drafted_tokens": sum(s["draft_tokens"] for s in spec),
                                 "accepted_tokens": sum(s["accepted_tokens"] for s in spec),
                                 "target_passes": passes,

@@ -6,12 +6,15 @@ trace and never a silently ignored option. Pure functions, no model: tested alon
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import re
 from dataclasses import dataclass, field
 
 from ..core.penalties import LogitRules
+from ..decoding.config import SpecConfig
+from ..errors import SpecdecError
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_N = 16  # choices per prompt
@@ -86,7 +89,8 @@ def _check_fields(body: dict, endpoint: str) -> None:
                              code="unsupported")
 
 
-def _served_methods() -> tuple[str, ...]:
+@functools.cache
+def served_methods() -> tuple[str, ...]:
     """The names a request's `speculative.method` takes: every method and preset of the registry
     (`specdec methods`) but those where the target drafts for itself, which run one sequence at a
     time (the engine's batched passes keep no hidden states)."""
@@ -95,7 +99,6 @@ def _served_methods() -> tuple[str, ...]:
     return tuple(name for name in names() if not REGISTRY[preset(name).method].self_drafting)
 
 
-METHODS = _served_methods()
 SPECULATIVE_FIELDS = ("method", "gamma_max", "tree_nodes", "tree", "schedule", "gamma")
 
 
@@ -112,20 +115,6 @@ class BadRequest(Exception):
 
 
 @dataclass
-class Speculation:
-    """The request's `speculative` block: which method or preset drafts (None: plain decoding),
-    and the `SpecConfig` fields a request may set (None: the server's). A request names no model,
-    datastore or checkpoint: those are the server's (`service.Service.config`)."""
-
-    method: str | None = "default"
-    gamma_max: int | None = None
-    tree_nodes: int | None = None
-    tree: str | None = None
-    schedule: str | None = None
-    gamma: int | None = None
-
-
-@dataclass
 class Job:
     """A checked request: prompts (each text or ids) or chat messages, and how to generate."""
 
@@ -139,7 +128,11 @@ class Job:
     stop: list[str]
     n: int
     stream: bool
-    speculation: Speculation = field(default_factory=Speculation)
+    # the request's speculation: the server's default config with the `speculative` block's changes
+    # (`replace()`), validated; `method` the name it asked for (None: plain decoding)
+    speculation: SpecConfig = field(default_factory=SpecConfig)
+    method: str | None = "default"
+    built: object = None  # the `Speculation` built from it, once a job (`Service.speculation`)
     logprobs: int | None = None  # None: off; k: each token's log-probability and its k most likely
     cache_salt: str = ""  # the tenant: shared caches (prompts, suffix drafting) only within one salt
     tenant: str = ""  # the API key's tenant where several keys are set (the app's, never the body's)
@@ -188,25 +181,28 @@ def _number(body: dict, name: str, default, low: float, high: float, low_open: b
     return value
 
 
-def _speculation(value, default: Speculation) -> Speculation:
+def _speculation(value, default: SpecConfig, default_method: str | None) -> tuple[str | None, SpecConfig]:
+    """The request's `speculative` block as a change to the server's `default` config (named
+    `default_method`; None: plain decoding) -> (the method name asked for, None for plain decoding;
+    the config, validated). A request names no model, datastore or checkpoint: those are the
+    server's."""
     from ..decoding.sequence import DRAFT_ROOM  # a tree's nodes must fit the draft's room in the KV charge
-    from ..decoding.speculation import preset
+    from ..decoding.speculation import gamma_means_fixed, preset
 
-    if value is None:
-        return default
+    if value is None or value is True:
+        return default_method, default
     if value is False:
-        return Speculation(method=None)
-    if value is True:
-        return default
+        return None, SpecConfig("ar")
     if not isinstance(value, dict):
         raise BadRequest(f"speculative must be false or an object with {', '.join(SPECULATIVE_FIELDS)}; got {value!r}",
                          "speculative")
     unknown = set(value) - set(SPECULATIVE_FIELDS)
     if unknown:
         raise BadRequest(f"speculative takes {', '.join(SPECULATIVE_FIELDS)}, not {sorted(unknown)}", "speculative")
-    method = value.get("method", default.method or "default")
-    if method not in METHODS:
-        raise BadRequest(f"speculative.method must be one of {', '.join(METHODS)} (`specdec methods`); got {method!r}",
+    method = value.get("method", default_method or "default")
+    served = served_methods()
+    if method not in served:
+        raise BadRequest(f"speculative.method must be one of {', '.join(served)} (`specdec methods`); got {method!r}",
                          "speculative.method")
     kind = preset(method).method if method != "ar" else "ar"
     if "tree_nodes" in value and kind not in ("tree", "lookahead"):
@@ -215,16 +211,32 @@ def _speculation(value, default: Speculation) -> Speculation:
         raise BadRequest("speculative.tree applies to the tree method", "speculative.tree")
     if ("schedule" in value or "gamma" in value) and kind in ("tree", "lookahead", "ar"):
         raise BadRequest("speculative.schedule and gamma size chains; trees are sized by cost", "speculative.schedule")
-    tree = value.get("tree", default.tree if kind == "tree" else None)
-    if tree is not None and not isinstance(tree, str):
-        raise BadRequest(f"speculative.tree must be a shape's name, got {tree!r}", "speculative.tree")
-    schedule = value.get("schedule", default.schedule if kind not in ("tree", "lookahead") else None)
-    if schedule is not None and not isinstance(schedule, str):
-        raise BadRequest(f"speculative.schedule must be a schedule's name, got {schedule!r}", "speculative.schedule")
-    gamma_max = _number(value, "gamma_max", default.gamma_max, 1, 32, integer=True, within="speculative.")
-    nodes = _number(value, "tree_nodes", default.tree_nodes, 1, DRAFT_ROOM, integer=True, within="speculative.")
-    gamma = _number(value, "gamma", default.gamma, 1, 32, integer=True, within="speculative.")
-    return Speculation(None if method == "ar" else method, gamma_max, nodes, tree, schedule, gamma)
+    if method == "ar":
+        return None, SpecConfig("ar")
+    changes = {}
+    for name in ("tree", "schedule"):
+        if value.get(name) is not None:
+            if not isinstance(value[name], str):
+                raise BadRequest(f"speculative.{name} must be a {name}'s name, got {value[name]!r}",
+                                 f"speculative.{name}")
+            changes[name] = value[name]
+    for name, high in (("gamma_max", 32), ("tree_nodes", DRAFT_ROOM), ("gamma", 32)):
+        number = _number(value, name, None, 1, high, integer=True, within="speculative.")
+        if number is not None:
+            changes[name] = number
+    # "default" is the server's own config; another name is its preset, with the server's sizing
+    if method == "default" and default.speculative:
+        name, base = default_method or "default", default
+    else:
+        name = method
+        base = preset(method).replace(gamma_max=default.gamma_max, tree_nodes=default.tree_nodes,
+                                      assumed=default.assumed)
+    if "gamma" in changes and "schedule" not in changes and gamma_means_fixed(name, base):
+        changes["schedule"] = "fixed"  # gamma alone: a fixed γ, as `specdec generate --gamma N`
+    try:
+        return method, base.replace(**changes).validate()
+    except SpecdecError as error:
+        raise BadRequest(str(error), "speculative") from None
 
 
 def _stop(value) -> list[str]:
@@ -475,8 +487,11 @@ def _prompts(value) -> list[str | list[int]]:
     return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
-def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> Job:
-    """Check a /v1/completions (chat=False) or /v1/chat/completions body -> a `Job`."""
+def parse_job(body: dict, chat: bool, model_name: str, default: SpecConfig,
+              default_method: str | None = "default") -> Job:
+    """Check a /v1/completions (chat=False) or /v1/chat/completions body -> a `Job`. default: the
+    server's speculation (`Service.default`), named `default_method` (None: plain decoding); a
+    request's `speculative` block changes it (`_speculation`)."""
     model = body.get("model")
     if model is not None and model != model_name:
         raise BadRequest(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
@@ -498,7 +513,8 @@ def parse_job(body: dict, chat: bool, model_name: str, default: Speculation) -> 
         stop=_stop(body.get("stop")),
         n=_number(body, "n", 1, 1, MAX_N, integer=True),
         stream=stream,
-        speculation=_speculation(body.get("speculative"), default),
+        speculation=(asked := _speculation(body.get("speculative"), default, default_method))[1],
+        method=asked[0],
         logprobs=_logprobs(body, chat),
         cache_salt=_cache_salt(body.get("cache_salt")),
         min_p=_number(body, "min_p", 0.0, 0, 1),

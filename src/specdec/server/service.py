@@ -15,12 +15,13 @@ from ..drafters.suffix import SuffixCache
 from ..engine import Request
 from ..errors import SpecdecError
 from ..core.grammar import Grammar
-from ..decoding.speculation import METHODS, Parts, build, gamma_means_fixed, preset
-from ..core.penalties import LogitRules
+from ..decoding.config import runs_trees
+from ..decoding.sequence import Limits as Stops
+from ..decoding.speculation import METHODS, Parts, Speculation, build, preset
 from ..core.samplers import Sampler
 from ..decoding.config import SpecConfig
 from ..backends.text import token_bytes_reader
-from .schema import BadRequest, Job, Speculation
+from .schema import BadRequest, Job
 from .tools import call_grammar, template_message, template_offers_tools
 
 log = logging.getLogger("specdec.server")
@@ -102,14 +103,21 @@ class Service:
     from `assumed`, or measured by the first lookahead request.
     """
 
-    def __init__(self, target, drafter=None, name: str | None = None, default: Speculation | None = None,
+    def __init__(self, target, drafter=None, name: str | None = None, default: str | SpecConfig | None = None,
                  limits: Limits | None = None, costs=None, lookup_costs=None, assumed=None,
                  suffix_cache_tokens: int = 100_000, datastore=None, lookahead_rows: int | None = None,
-                 load_costs=None):
+                 load_costs=None, default_method: str | None = None):
         self.target, self.drafter, self.name = target, drafter, name or target.name
-        self.default = default or Speculation("default" if drafter is not None else None)
-        if self.default.method is not None and preset(self.default.method).needs_drafter_model() and drafter is None:
-            raise BadRequest(f"speculation {self.default.method!r} needs a drafter model")
+        if default is None:
+            default = "default" if drafter is not None else "ar"
+        if isinstance(default, str):  # a method or preset's name
+            default_method, default = default, preset(default) if default != "ar" else SpecConfig("ar")
+        # the requests' default config (what a request's `speculative` block changes), and the name
+        # responses report it by (None: plain decoding)
+        self.default = default.replace(assumed=assumed is not None)
+        self.default_method = (default_method or default.method) if default.speculative else None
+        if self.default.speculative and self.default.needs_drafter_model() and drafter is None:
+            raise BadRequest(f"speculation {self.default_method!r} needs a drafter model")
         self.limits = limits or Limits()
         self.costs, self.lookup_costs, self.assumed, self.load_costs = costs, lookup_costs, assumed, load_costs
         self.lookahead_rows = lookahead_rows
@@ -117,7 +125,7 @@ class Service:
         self._suffix_caches: dict[str, OrderedDict[str, SuffixCache]] = {}  # by API key, then cache_salt (LRU)
         if datastore is not None:
             datastore.check_tokenizer(target.tokenizer, target.vocab_size)
-        elif self.default.method is not None and preset(self.default.method).method == "retrieval":
+        elif self.default.method == "retrieval":
             raise BadRequest("speculation 'retrieval' needs a datastore")
         self.datastore = datastore
         # costs still to take (from the cache, or timed) between requests, by the field each fills;
@@ -301,8 +309,8 @@ class Service:
         """Tokens the drafter model's context leaves after the prompt where the job's method drafts
         with one whose context is shorter than the target's (a generation stops at the shorter
         context); None otherwise."""
-        config = self.config(job.speculation)
-        if config is None or not config.needs_drafter_model() or \
+        config = self.speculation(job).config
+        if not config.speculative or not config.needs_drafter_model() or \
                 self.drafter.max_context >= self.target.max_context:
             return None
         return self.drafter.max_context - prompt_length
@@ -311,13 +319,13 @@ class Service:
         """A 400 before the answer starts where a choice's KV caches could never fit the engine's
         budget (they would wait forever): its prompt, its output and the widest draft, in the
         target's cache and a drafter model's."""
-        from ..engine.engine import kv_need, kv_positions
+        from ..engine.scheduler import kv_need, kv_positions
 
         if budget is None:
             return
-        config = self.config(job.speculation)
-        model = self.drafter if config is not None and config.needs_drafter_model() else None
-        need = kv_need(kv_positions(prompt_length, max_new_tokens, config is not None), [self.target, model])
+        config = self.speculation(job).config
+        model = self.drafter if config.speculative and config.needs_drafter_model() else None
+        need = kv_need(kv_positions(prompt_length, max_new_tokens, config.speculative), [self.target, model])
         if need > budget:
             raise BadRequest(f"this request's KV caches would take {need / 2**20:.1f} MiB, more than this server's "
                              f"whole budget of {budget / 2**20:.1f} MiB; send a shorter prompt or lower max_tokens",
@@ -341,38 +349,34 @@ class Service:
                 set(job.rules.allowed) <= set(self.target.eos_token_ids if ends is None else ends):
             raise BadRequest("allowed_token_ids holds only end tokens, which min_tokens rules out: no token could "
                              "come", "allowed_token_ids")
-        requests = [self._request(job.speculation, prompt_ids, sampler, max_new_tokens,
-                                  None if job.seed is None else job.seed + i, job.cache_salt, job.rules, job.tenant,
-                                  job.grammar)
-                    for i in range(job.n)]
-        for request in requests:
-            request.logprobs, request.cache_salt, request.rules, request.eos_token_ids = \
-                job.logprobs, job.cache_salt, job.rules, ends
-        return requests
+        speculation = self.speculation(job)  # built once a job: every prompt's every choice carries it
+        stops = Stops(max_new_tokens, ends)
+        return [Request(prompt_ids, speculation, sampler, stops, seed=None if job.seed is None else job.seed + i,
+                        logprobs=job.logprobs, cache_salt=job.cache_salt, rules=job.rules, grammar=job.grammar)
+                for i in range(job.n)]
 
-    def config(self, speculation: Speculation) -> SpecConfig | None:
-        """The `SpecConfig` of a request's block (None: plain decoding): its method or preset, with
-        the request's fields over the server's defaults (`default`, from `specdec serve`'s flags;
-        a request's "default" is the server's method). BadRequest where this server cannot run it."""
-        name = speculation.method
-        if name is None:
-            return None
-        if name == "default" and self.default.method not in (None, "default"):
-            name = self.default.method
-        fields = {"gamma_max": speculation.gamma_max or self.default.gamma_max,  # None: 20 (egag: γ)
-                  "tree_nodes": speculation.tree_nodes or self.default.tree_nodes or 64,
-                  "assumed": self.assumed is not None}
-        for key in ("tree", "schedule", "gamma"):
-            if getattr(speculation, key) is not None:
-                fields[key] = getattr(speculation, key)
-        if "gamma" in fields and "schedule" not in fields and gamma_means_fixed(name, preset(name)):
-            fields["schedule"] = "fixed"  # gamma alone: a fixed γ, as `specdec generate --gamma N`
-        param = "speculative.method"
-        config = preset(name).replace(**fields)
-        try:
-            config.validate()
-        except SpecdecError as error:
-            raise BadRequest(str(error), "speculative") from None
+    def speculation(self, job: Job) -> Speculation:
+        """The job's `Speculation`, built from its config once (the first call; later ones return it):
+        BadRequest where this server cannot run the config (a drafter model, a datastore, trees
+        on its backend) or the job's constraints do not combine with it."""
+        if job.built is None:
+            self._check_speculation(job)
+            config = job.speculation
+            if not config.speculative:
+                job.built = build(config, Parts(self.target))
+            else:  # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
+                job.built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
+                                                costs=lambda model: self.costs if model is not None else
+                                                self.lookup_costs, assumed=self.assumed,
+                                                suffix_cache=self.suffix_cache(job.cache_salt, job.tenant),
+                                                datastore=self.datastore, lookahead_rows=self._lookahead_rows()))
+        return job.built
+
+    def _check_speculation(self, job: Job) -> None:
+        """What this server's models and the job's other options ask of its speculation."""
+        config, name, param = job.speculation, job.method, "speculative.method"
+        if not config.speculative:
+            return
         if config.needs_drafter_model() and self.drafter is None:
             raise BadRequest(f"speculative.method {name!r} needs a drafter model, and this server has none; "
                              "use lookup, suffix or false", param)
@@ -382,31 +386,13 @@ class Service:
         if config.method == "retrieval" and self.datastore is None:
             raise BadRequest(f"speculative.method {name!r} needs a datastore, and this server has none; "
                              "use lookup, suffix or false", param)
-        if METHODS[config.method].trees and not features(self.target).tree_masks:
+        trees = METHODS[config.method].trees
+        if trees and not runs_trees(self.target):
             raise BadRequest(f"speculative.method {name!r} scores token trees, which this server's backend "
                              f"({self.target.kernels}) does not; use chain, lookup, suffix or false", param)
-        return config
-
-    def _request(self, speculation: Speculation, prompt_ids, sampler: Sampler, max_new_tokens: int,
-                 seed: int | None, cache_salt: str = "", rules: LogitRules | None = None, key: str = "",
-                 grammar=None) -> Request:
-        common = dict(sampler=sampler, max_new_tokens=max_new_tokens, seed=seed, grammar=grammar)
-        config = self.config(speculation)
-        if config is None:
-            return Request(prompt_ids, None, **common)
-        if rules is not None and rules.active and METHODS[config.method].trees:
+        if trees and job.rules is not None and job.rules.active:
             raise BadRequest(f"penalties, logit_bias and min_tokens apply to chain drafts; speculative.method "
-                             f"{config.method!r} drafts token trees: use chain, lookup, suffix or false",
-                             "speculative.method")
-        if grammar is not None and METHODS[config.method].trees:
+                             f"{config.method!r} drafts token trees: use chain, lookup, suffix or false", param)
+        if trees and job.grammar is not None:
             raise BadRequest(f"response_format and required tool calls constrain chain drafts; speculative.method "
-                             f"{config.method!r} drafts token trees: use chain, lookup, suffix, forced or false",
-                             "speculative.method")
-        # measured costs even under a seed: a seeded output is coupled to (seed, position), not to drafts
-        built = build(config, Parts(self.target, self.drafter if config.needs_drafter_model() else None,
-                                    costs=lambda model: self.costs if model is not None else self.lookup_costs,
-                                    assumed=self.assumed, suffix_cache=self.suffix_cache(cache_salt, key),
-                                    datastore=self.datastore,
-                                    lookahead_rows=self._lookahead_rows()))
-        return Request(prompt_ids, built.make_drafter, **common, schedule=built.make_schedule,
-                       seed_rule=config.seed_rule)
+                             f"{config.method!r} drafts token trees: use chain, lookup, suffix, forced or false", param)

@@ -155,12 +155,8 @@ class ChatSession:
             config = self.config()
             if config.speculative:
                 printer = DebugPrinter(self.target, self.console) if self.debug else StepPrinter(self.target, self.console)
-                speculation = self.speculation()
-                result = speculative_generate(list(ids), self.target, speculation.make_drafter(),
-                                              sampler=self.sampler, max_new_tokens=self.max_new_tokens,
-                                              schedule=speculation.schedule(), on_step=printer, debug=self.debug,
-                                              lenience=config.effective_lenience(), typical=config.typical(),
-                                              seed_rule=config.seed_rule)
+                result = speculative_generate(list(ids), self.target, self.speculation(), sampler=self.sampler,
+                                              max_new_tokens=self.max_new_tokens, on_step=printer, debug=self.debug)
             else:
                 result = autoregressive_generate(list(ids), self.target, sampler=self.sampler,
                                                  max_new_tokens=self.max_new_tokens,
