@@ -12,8 +12,8 @@ from specdec import autoregressive_generate, speculative_generate
 from specdec.backends import Features, features
 from specdec.backends.transformers import TransformersModel
 from specdec.decoding.config import SpecConfig
-from specdec.decoding.speculation import Parts, build
-from specdec.decoding.sequence import Decoding
+from specdec.decoding.speculation import Parts, Speculation, build
+from specdec.decoding.sequence import Decoding, Limits
 from specdec.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from specdec.drafters.base import Capabilities, capabilities_of, is_drafter, is_factory
 from specdec.drafters.parallel import ParallelDrafter
@@ -79,7 +79,7 @@ def test_a_drafter_that_does_not_subclass_drafter_is_refused_with_what_to_do():
     with pytest.raises(SpecdecError, match=r"neither a drafter nor a model: a drafter subclasses specdec\.drafters\.Drafter"):
         speculative_generate(PROMPT, target, _Repeats(), max_new_tokens=8, eos_token_ids=[])
     with pytest.raises(SpecdecError, match=r"subclasses specdec\.drafters\.Drafter"):
-        Decoding(PROMPT, target, _Repeats(), max_new_tokens=8, eos_token_ids=[])
+        Decoding(PROMPT, target, Speculation.of(_Repeats()), limits=Limits(8, []))
     # the same members on a Drafter subclass draft, its capabilities the base's
     ar = autoregressive_generate(PROMPT, target, max_new_tokens=12, eos_token_ids=[])
     assert capabilities_of(_RepeatsDrafter()) == Capabilities()
@@ -170,11 +170,11 @@ def test_the_online_learner_is_read_from_the_declaration_not_probed():
     out = speculative_generate(PROMPT, target, drafter_model, gamma=3, max_new_tokens=16, eos_token_ids=[])
     assert out.tokens == ar.tokens
     assert recorder.records and recorder.finished == [PROMPT + ar.tokens]  # told of each rejection, then the end
-    assert Decoding(PROMPT, target, drafter_model, max_new_tokens=8).online is recorder
+    assert Decoding(PROMPT, target, Speculation.of(drafter_model), limits=Limits(8)).online is recorder
 
     table = TableModel(16, 1)
     table.online = _Recorder()  # an attribute the old side channel set on any model: not declared, not read
-    assert Decoding(PROMPT, TableModel(16, 0), table, max_new_tokens=8).online is None
+    assert Decoding(PROMPT, TableModel(16, 0), Speculation.of(table), limits=Limits(8)).online is None
 
 
 def test_an_online_distiller_is_its_drafter_models_declared_learner():
@@ -183,7 +183,7 @@ def test_an_online_distiller_is_its_drafter_models_declared_learner():
     drafter_model = tiny_model(1, vocab=16, role="drafter")
     online = OnlineDistiller(drafter_model, rank=2, min_records=1)
     assert features(drafter_model).online is online
-    assert Decoding(PROMPT, tiny_model(0, vocab=16), drafter_model, max_new_tokens=8).online is online
+    assert Decoding(PROMPT, tiny_model(0, vocab=16), Speculation.of(drafter_model), limits=Limits(8)).online is online
 
 
 # ---------------------------------------------------------------- no probe comes back
