@@ -29,7 +29,7 @@ from ..sizing.pass_costs import LoadCosts
 from ..core.penalties import LogitRules
 from ..core.samplers import GREEDY, Sampler, greedy_rows
 from ..sizing.schedules import Schedule
-from ..core.verify import verify_ragged
+from ..decoding.verifier import decide_batch
 from ..sizing.batch_policy import BatchCosts
 
 log = logging.getLogger("specdec.engine")
@@ -273,7 +273,7 @@ class Engine:
         where the target's own tokens decide (`_decide`), and its caches rolled back
         (`Decoding.commit`); a sequence's own error ends it alone; finished ones collected."""
         emitted = {}
-        decided = _decide(plan.decodings, logits)
+        decided = decide_batch(plan.decodings, logits)
         for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
             if rows is None:  # ended when its pass failed
                 continue
@@ -474,31 +474,6 @@ def _free(decoding: Decoding) -> None:
     decoding.cache = None
     if decoding.can.model:
         decoding.drafter.cache = None
-
-
-def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | Exception]:
-    """The step's verification for every sequence whose target tokens decide it (greedy or seeded
-    chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
-    in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
-    The others (trees, unseeded sampling, logit rules, step details) are verified by their own
-    `commit`, as is a sequence whose pass returned other than a row per draft token and one more
-    (its `commit` then raises its own error)."""
-    chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits))
-              if rows is not None and d.verifies_by_tokens and len(rows) == len(d.draft_tokens) + 1]
-    greedy = [i for i in chosen if decodings[i].sampler.is_greedy]
-    # the greedy rows' argmaxes in one copy to the host (a GPU would wait once per sequence)
-    tokens: dict[int, list[int] | Exception] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
-    for i in chosen:
-        if i not in tokens:
-            try:
-                tokens[i] = decodings[i].own_tokens(logits[i])
-            except Exception as error:
-                tokens[i] = error
-    decided: dict[int, tuple[int, int] | Exception] = {i: t for i, t in tokens.items() if isinstance(t, Exception)}
-    ready = [i for i in chosen if i not in decided]
-    decided.update(zip(ready, zip(*verify_ragged([tokens[i] for i in ready],
-                                                 [decodings[i].draft_tokens for i in ready]))))
-    return decided
 
 
 def _kv_need(request: Request, decoding: Decoding) -> int:
