@@ -6,7 +6,7 @@ The acceptance rules themselves are core/verify.py's; a sequence reaches them th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -17,9 +17,6 @@ from ..core.samplers import Sampler, SeededNoise, greedy_rows, greedy_tokens, ra
 from ..core.trees import Tree, depths
 from ..core.verify import (Typical, sibling_laws, verify_coupled, verify_draft, verify_greedy, verify_ragged,
                            verify_tree, verify_tree_coupled, verify_tree_greedy, verify_typical)
-
-if TYPE_CHECKING:
-    from .sequence import Decoding
 
 RULES = ("greedy", "coupled", "standard", "lenient", "typical")
 
@@ -326,12 +323,13 @@ def choose_verifier(sampler: Sampler, noise: SeededNoise | None = None, lenience
     return VERIFIERS[rule, bool(trees)](sampler, noise if rule == "coupled" else None, lenience, typical)
 
 
-def decide_batch(decodings: Sequence[Decoding], logits: Sequence[torch.Tensor | None]
+def decide_batch(decodings: Sequence, logits: Sequence[torch.Tensor | None]
                  ) -> dict[int, tuple[int, int] | Exception]:
     """The step's verification for every sequence whose target tokens decide it (greedy or seeded
     chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
     in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
-    logits: each sequence's rows [n_i, V] from the step's pass (None where its pass failed).
+    decodings: the step's `Decoding`s; logits: each one's rows [n_i, V] from the step's pass (None
+    where its pass failed).
     The others (trees, unseeded sampling, logit rules, step details) are verified by their own
     `commit`, as is a sequence whose pass returned other than a row per draft token and one more
     (its `commit` then raises its own error)."""
