@@ -292,9 +292,11 @@ def test_coupled_generation_follows_the_target_joint_law():
 
 @pytest.mark.slow
 def test_the_joint_law_test_catches_the_loop_reading_the_races_a_position_early(monkeypatch):
-    real = generate.Decoding._noise_rows
-    monkeypatch.setattr(generate.Decoding, "_noise_rows",
-                        lambda self, offsets, logits: real(self, [max(0, o - 1) for o in offsets], logits))
+    from specdec.decoding.verifier import Verifier
+
+    real = Verifier._races
+    monkeypatch.setattr(Verifier, "_races",
+                        lambda self, start, offsets, vocab: real(self, start, [max(0, o - 1) for o in offsets], vocab))
     assert _loop_pvalue() < ALPHA
 
 

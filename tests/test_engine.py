@@ -97,8 +97,8 @@ def test_a_seeded_sampled_sequence_equals_the_same_seed_alone(pair, drafter):
 
 def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, monkeypatch):
     """Greedy and seeded chains (and plain sequences) are verified together, one `verify_ragged`
-    call a step; unseeded sampling and trees verify alone. Every output as alone."""
-    import specdec.engine.runner as engine_module
+    call a step (`verifier.decide_batch`); unseeded sampling and trees verify alone. Every output as alone."""
+    import specdec.decoding.verifier as verifier_module
 
     target, same, other = pair
     prompts, sampler = _prompts(), Sampler(temperature=1.0, top_k=50)
@@ -108,7 +108,7 @@ def test_one_verification_call_a_step_over_the_greedy_and_seeded_chains(pair, mo
         calls.append(len(drafts))
         return verify_ragged(targets, drafts)
 
-    monkeypatch.setattr(engine_module, "verify_ragged", counted)
+    monkeypatch.setattr(verifier_module, "verify_ragged", counted)
     requests = [Request(prompts[0], other, max_new_tokens=10, eos_token_ids=[], gamma=3),
                 Request(prompts[1], same, sampler, max_new_tokens=10, eos_token_ids=[], gamma=3, seed=5),
                 Request(prompts[2], None, sampler, max_new_tokens=10, eos_token_ids=[], seed=6),

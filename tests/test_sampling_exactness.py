@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import specdec.decoding.sequence as generate_module
+import specdec.decoding.sequence as generate_module  # where a sequence crops its target cache
 from specdec import Sampler, TransformersModel, sample, speculative_generate
 from specdec.drafters import Draft, Drafter, LookupDrafter, ModelDrafter, NgramDrafter, SuffixDrafter
 
@@ -75,14 +75,14 @@ def test_speculative_sampling_matches_the_target_joint_distribution(sampler, gam
 @pytest.mark.slow
 def test_the_joint_test_catches_a_biased_loop(monkeypatch):
     """Power check: resampling from p after a rejection (a known bug elsewhere) is detected."""
-    import specdec.decoding.loop as generate
+    import specdec.decoding.verifier as verifier_module
     from specdec import sample, verify_draft
 
     def biased(p, q, tokens, generator=None, lenience=1.0, details=None):
         n, _ = verify_draft(p, q, tokens, generator)
         return n, sample(p[int(n)], generator)
 
-    monkeypatch.setattr(generate, "verify_draft", biased)
+    monkeypatch.setattr(verifier_module, "verify_draft", biased)
     target, drafter, sampler = TableModel(5, 0), TableModel(5, 1), Sampler(1.0)
     joint = exact_joint(target, [2, 3], 2, sampler)
     samples = [tuple(speculative_generate([2, 3], target, drafter, gamma=2, sampler=sampler, max_new_tokens=2,

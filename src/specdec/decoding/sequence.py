@@ -23,7 +23,7 @@ from ..drafters.retokenize import OtherTokenizerDrafter
 from ..errors import SpecdecError
 from ..core.logprobs import TokenLogprob, collect as collect_logprobs, emitted_rows
 from ..core.penalties import LogitRules
-from ..core.samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens, race
+from ..core.samplers import GREEDY, CoupledGenerator, Sampler, SeededNoise, greedy_tokens
 from ..sizing.schedules import CostAware, Fixed
 from ..backends.text import pair_mode
 from ..core.trees import Tree, depths, input_parents
@@ -33,7 +33,7 @@ from ..core.verify import Typical
 from .config import SEED_RULES
 from .speculation import Speculation
 from .results import GenerationResult, GenerationStats, Step, StepCallback
-from .verifier import _target_token, _verify, _verify_tree, chain_beta
+from .verifier import Verdict, choose_verifier
 
 DEFAULT_GAMMA = 5  # a chain's fixed draft length where neither gamma nor a schedule is given
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
@@ -159,6 +159,7 @@ class Decoding:
         self._draft = None
         # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
         self.online = features(self.drafter_model).online if isinstance(drafter, ModelDrafter) else None
+        self.verifier = choose_verifier(self.sampler, self.noise, self.lenience, self.typical, self.trees, drafter is not None)
 
     @property
     def done(self) -> bool:
@@ -284,9 +285,10 @@ class Decoding:
 
     def commit(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:
         """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
-        core/verify.py alone), roll back what was rejected, emit -> the tokens emitted. decided: the
-        draft's (num_accepted, next_token) where the caller verified it already, with other
-        sequences' in one call (`verifies_by_tokens`, `verify.verify_ragged`: a batched step's)."""
+        core/verify.py alone, reached through this sequence's `verifier`), roll back what was
+        rejected, emit -> the tokens emitted. decided: the draft's (num_accepted, next_token) where
+        the caller verified it already, with other sequences' in one call (`verifies_by_tokens`,
+        `verifier.decide_batch`: a batched step's)."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
         raw = logits  # the model's own: what logprobs report
         rows = 1 if draft is None else len(draft.tokens) + 1
@@ -302,8 +304,8 @@ class Decoding:
         if self.noise is not None:
             self.noise.forget(len(self.sequence))
         if draft is None:  # the target's token alone (AR, or the first token from the prompt pass)
-            token = decided[1] if decided is not None else _target_token(
-                logits[-1], self.sampler, self.generator, self._noise_rows([0], logits)[0] if self.noise is not None else None)
+            token = decided[1] if decided is not None else \
+                self.verifier.target_token(logits[-1], self.generator, len(self.sequence))
             emitted = self.out.add(Step([], 0, int(token), []))
             self._record_logprobs(raw, [len(raw) - 1], emitted)
             self.sequence += emitted
@@ -316,34 +318,23 @@ class Decoding:
             self._finish()
             return emitted
         details = {} if self.debug else None
-        probs = None  # the sampler's law of the chain's rows, where verification computed it
-        if self.trees:
-            noise = None if self.noise is None else self._noise_rows([0] + depths(draft.parents), logits)
-            path, next_token = _verify_tree(logits, draft, self.sampler, self.generator, details, noise)
-            num_accepted = len(path)
-        elif decided is not None:
-            num_accepted, next_token = decided
-        else:
-            noise = None if self.noise is None else self._noise_rows(range(len(logits)), logits)
-            probs = None if self.sampler.is_greedy else self.sampler.probs(logits)  # once, for both
-            num_accepted, next_token = _verify(logits, draft, self.sampler, self.generator, self.lenience, details,
-                                             self.typical, noise, probs)
-
-        if not self.trees:  # α's β at the rows this pass judged: a min and a sum, no pass of its own
-            judged = [j for j in range(min(num_accepted + 1, len(draft.tokens))) if j not in forced]
-            shared = probs if probs is not None and probs.shape[0] == rows else None
-            stats.beta_sum += float(chain_beta(logits[-rows:], draft, self.sampler, judged, shared).sum())
-            stats.beta_positions += len(judged)
+        length = len(self.sequence)
+        verdict = Verdict(*decided) if decided is not None else \
+            self.verifier.verify(logits, draft, self.generator, length, details)
+        num_accepted, next_token = verdict.num_accepted, verdict.next_token
+        # α's β at the rows this pass judged (a chain's): a min and a sum, no pass of its own
+        beta_sum, beta_positions = self.verifier.beta(logits, draft, verdict, forced)
+        stats.beta_sum += beta_sum
+        stats.beta_positions += beta_positions
 
         # Roll back: rejected positions leave both caches (a tree keeps its accepted path).
-        length = len(self.sequence)
-        if self.online is not None and not self.trees and num_accepted < len(draft.tokens):  # p where q failed
+        if self.online is not None and verdict.rejected(draft):  # p where q failed
             self.online.record(id(self), length + num_accepted, raw[len(raw) - len(logits) + num_accepted])
-        if self.trees:
-            compact_cache(self.cache, length, path)
-        else:
+        if verdict.path is None:
             crop_cache(self.cache, length + num_accepted)
-        accepted = path if self.trees else range(num_accepted)
+        else:
+            compact_cache(self.cache, length, verdict.path)
+        accepted = verdict.accepted
         with _timed(stats, "drafter_seconds"):
             if self.can.reads_target_tokens and self._budget > 0:  # lookahead: the target's argmax at every node
                 drafter.observe_targets(greedy_tokens(logits[-len(draft.tokens) - 1:]).tolist())
@@ -362,10 +353,10 @@ class Decoding:
             (drafter if self.trees else self.schedule).timing(*timings)
         step = Step(draft.tokens, num_accepted, next_token, [], {**self.schedule.step_info(), **(details or {})},
                     forced=forced)
-        if self.trees:
-            step.tree_parents, step.path = draft.parents, path
+        if verdict.path is not None:
+            step.tree_parents, step.path = draft.parents, verdict.path
         emitted = self.out.add(step)
-        self._record_logprobs(raw, emitted_rows(num_accepted, path if self.trees else None), emitted)
+        self._record_logprobs(raw, emitted_rows(num_accepted, verdict.path), emitted)
         self.sequence += emitted
         if self.constraint is not None:
             self.constraint.commit(emitted)
@@ -397,25 +388,13 @@ class Decoding:
         """Whether the target's own token at each row of the next pass decides this sequence's
         step (a chain, or no draft, under a greedy sampler or a seed's coupled draws, no logit
         rules, no step details): a batched step then verifies it with the other such sequences
-        in one call (`verify.verify_ragged`) and commits the decision."""
-        return not self.trees and self.rules is None and self.constraint is None and not self.debug and \
-            (self.sampler.is_greedy or self.noise is not None)
+        in one call (`verifier.decide_batch`) and commits the decision."""
+        return self.verifier.batchable and self.rules is None and self.constraint is None and not self.debug
 
     @property
     def draft_tokens(self) -> list[int]:
         """The planned draft's tokens (none for a step that scores the target's token alone)."""
         return [] if self._draft is None else self._draft.tokens
-
-    def own_tokens(self, logits: torch.Tensor) -> list[int]:
-        """The target's own token at each row of this sequence's logits [n, V] under a seed: the
-        sampler's probabilities raced against each row's position noise (`verify_coupled`'s)."""
-        return race(self.sampler.probs(logits), self._noise_rows(range(len(logits)), logits)).tolist()
-
-    def _noise_rows(self, offsets, logits: torch.Tensor) -> torch.Tensor:
-        """The shared races [n, V] of the positions `offsets` past the sequence's end (the rows of
-        this pass's logits [n, V] that choose tokens there)."""
-        start = len(self.sequence)
-        return self.noise.rows([start + offset for offset in offsets], logits.shape[-1])
 
     def _finish(self) -> None:
         """A drafter that learns across generations (`SuffixDrafter.finish`, an online distiller)

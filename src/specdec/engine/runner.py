@@ -2,7 +2,7 @@
 
 Every running sequence drafts (`Decoding.planning`), the drafter model's passes batched across the
 sequences that share it (lock step); one target pass scores every sequence's new tokens; the greedy
-and seeded chains are verified in one call over the ragged batch (`_decide`), the others each
+and seeded chains are verified in one call over the ragged batch (`decoding.verifier.decide_batch`), the others each
 alone, and each sequence rolls back and emits (`Decoding.commit`). A sequence's output does not
 depend on what shares its passes: its rows are computed bit for bit as its own pass computes them
 (`forward_batch`), and everything random comes from its own generators. A sequence's own error ends
@@ -16,8 +16,7 @@ import time
 
 from ..backends import Backend, Segment, features
 from ..backends.cache import cache_length, crop_cache
-from ..core.samplers import greedy_rows
-from ..core.verify import verify_ragged
+from ..decoding.verifier import decide_batch
 from ..decoding.sequence import Decoding
 from ..errors import SpecdecError
 from .output import StepOutput
@@ -88,10 +87,10 @@ class Runner:
 
     def verify(self, plan: StepPlan, logits: list, out: StepOutput) -> None:
         """Each sequence's draft verified against its logits, in one call over the ragged batch
-        where the target's own tokens decide (`_decide`), and its caches rolled back
+        where the target's own tokens decide (`decoding.verifier.decide_batch`), and its caches rolled back
         (`Decoding.commit`) -> its tokens, their logprobs, and its result where it finished, in
         `out`; a sequence's own error ends it alone."""
-        decided = _decide(plan.decodings, logits)
+        decided = decide_batch(plan.decodings, logits)
         for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
             if rows is None:  # ended when its pass failed
                 continue
@@ -191,28 +190,3 @@ def _shares_drafter_passes(model, decoding: Decoding) -> bool:
     if not can.batched or not can.exact_rows:
         return False
     return can.rows_invariant or not decoding.pinned
-
-
-def _decide(decodings: list[Decoding], logits: list) -> dict[int, tuple[int, int] | Exception]:
-    """The step's verification for every sequence whose target tokens decide it (greedy or seeded
-    chains, `Decoding.verifies_by_tokens`), in one `verify_ragged` call over the batch -> by index
-    in the batch, (num_accepted, next_token), or the sequence's own error (non-finite logits).
-    The others (trees, unseeded sampling, logit rules, step details) are verified by their own
-    `commit`, as is a sequence whose pass returned other than a row per draft token and one more
-    (its `commit` then raises its own error)."""
-    chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits))
-              if rows is not None and d.verifies_by_tokens and len(rows) == len(d.draft_tokens) + 1]
-    greedy = [i for i in chosen if decodings[i].sampler.is_greedy]
-    # the greedy rows' argmaxes in one copy to the host (a GPU would wait once per sequence)
-    tokens: dict[int, list[int] | Exception] = dict(zip(greedy, greedy_rows([logits[i] for i in greedy])))
-    for i in chosen:
-        if i not in tokens:
-            try:
-                tokens[i] = decodings[i].own_tokens(logits[i])
-            except Exception as error:
-                tokens[i] = error
-    decided: dict[int, tuple[int, int] | Exception] = {i: t for i, t in tokens.items() if isinstance(t, Exception)}
-    ready = [i for i in chosen if i not in decided]
-    decided.update(zip(ready, zip(*verify_ragged([tokens[i] for i in ready],
-                                                 [decodings[i].draft_tokens for i in ready]))))
-    return decided
