@@ -88,8 +88,13 @@ def test_validate_names_the_option_out_of_range(changes, needle):
 
 
 def test_trees_and_self_drafting_are_refused_on_gguf_weights():
+    from specdec.backends import Features
+
     class Gguf:  # as llama.cpp's backend declares itself: no tree masks
-        weights, name, kernels, tree_masks = "gguf", "a.gguf", "llama.cpp", False
+        weights, name, kernels = "gguf", "a.gguf", "llama.cpp"
+
+        def features(self):
+            return Features(tree_masks=False)
 
     for config, message in ((SpecConfig("tree"), "token trees are not supported on the llama.cpp backend"),
                             (SpecConfig("lookahead"), "token trees are not supported on the llama.cpp backend"),
