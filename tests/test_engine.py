@@ -241,14 +241,14 @@ def test_a_requests_own_error_ends_it_alone_and_run_raises_it_after_the_others(p
     target, _, other = pair
     prompts = _prompts()
     reference = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
-    commit = Decoding.commit
+    commit = Decoding.apply
 
     def failing(self, logits, seconds, decided=None):  # the third prompt's sequence fails on its second step
         if self.sequence[:len(prompts[2])] == prompts[2] and self.stats.target_passes >= 1:
             raise SpecdecError("model produced NaN logits")
         return commit(self, logits, seconds, decided)
 
-    monkeypatch.setattr(Decoding, "commit", failing)
+    monkeypatch.setattr(Decoding, "apply", failing)
     engine = Engine(target, max_batch=5)
     ids = [engine.add(Request(p, other, max_new_tokens=8, eos_token_ids=[])) for p in prompts]
     seen = _recorded(engine)

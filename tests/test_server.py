@@ -576,14 +576,14 @@ def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
     """NaN logits in one sequence end that request alone, as the server's fault (500), not the
     client's (it was a 400)."""
     url, _ = server
-    commit = Decoding.commit
+    commit = Decoding.apply
 
     def failing(self, logits, seconds, decided=None):
         if self.sequence[:2] == [13, 14]:  # what broken weights give: the sampler finds it
             return commit(self, logits * float("nan"), seconds)
         return commit(self, logits, seconds, decided)
 
-    monkeypatch.setattr(Decoding, "commit", failing)
+    monkeypatch.setattr(Decoding, "apply", failing)
     client = _client(url)
     with ThreadPoolExecutor(2) as pool:
         bad = pool.submit(client.completions.create, model=NAME, prompt=[13, 14, 1], max_tokens=40, temperature=0)
@@ -973,7 +973,7 @@ def _rss_bytes() -> int:
 FAULT_EVERY = 50  # one engine step in so many fails in the target's pass
 WARM_UP = 1000  # requests before the soak's 1,000 are counted and its memory watched
 # per-request call sites, each failing once in so many calls (primes, so that they seldom meet)
-SITE_FAULTS = {"begin": 37, "prefill": 41, "lag": 211, "accept": 97, "finish": 23, "rules": 53, "commit": 307}
+SITE_FAULTS = {"begin": 37, "prefill": 41, "lag": 211, "accept": 97, "finish": 23, "rules": 53, "apply": 307}
 
 
 def _faulty_sites(target, drafter_counts: dict) -> list[tuple[object, str, object]]:
@@ -998,7 +998,7 @@ def _faulty_sites(target, drafter_counts: dict) -> list[tuple[object, str, objec
             (ModelDrafter, "accept", faulty("accept", Drafter.accept)),
             (SuffixDrafter, "finish", faulty("finish", SuffixDrafter.finish)),
             (LogitRules, "apply", faulty("rules", LogitRules.apply)),
-            (Decoding, "commit", faulty("commit", Decoding.commit))]
+            (Decoding, "apply", faulty("apply", Decoding.apply))]
 
 
 @pytest.mark.soak

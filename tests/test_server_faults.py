@@ -85,8 +85,8 @@ def _inject(site: str, monkeypatch, target) -> None:
     elif site == "rules":
         monkeypatch.setattr(LogitRules, "apply", when(lambda r, logits, prompt, *a: _doomed(list(prompt)),
                                                       LogitRules.apply))
-    elif site == "commit":
-        monkeypatch.setattr(Decoding, "commit", when(lambda d, *a: _doomed(d.sequence), Decoding.commit))
+    elif site == "apply":
+        monkeypatch.setattr(Decoding, "apply", when(lambda d, *a: _doomed(d.sequence), Decoding.apply))
     elif site == "target pass":  # a backend call that fails (llama.cpp's decode): batched, then alone again
         begin, forward_batch, forward = Decoding.begin, target.forward_batch, target.forward
 
@@ -111,7 +111,7 @@ def _inject(site: str, monkeypatch, target) -> None:
         raise AssertionError(site)
 
 
-SITES = ["begin", "prefill", "lag", "accept", "finish", "rules", "commit", "target pass"]
+SITES = ["begin", "prefill", "lag", "accept", "finish", "rules", "apply", "target pass"]
 
 
 @pytest.mark.parametrize("site", SITES)

@@ -229,7 +229,7 @@ def test_every_sequence_of_an_engine_step_is_verified_by_its_verifier_the_batcha
             through_verifier.append(id(self))
             return _real(self, *args, **kwargs)
         monkeypatch.setattr(cls, name, counted)
-    real_commit = sequence_module.Decoding.commit
+    real_commit = sequence_module.Decoding.apply
 
     def commit(self, logits, pass_seconds, decided=None):
         before = len(through_verifier)
@@ -237,7 +237,7 @@ def test_every_sequence_of_an_engine_step_is_verified_by_its_verifier_the_batcha
         commits.append((self.verifier, decided is not None, len(through_verifier) > before))
         return emitted
 
-    monkeypatch.setattr(sequence_module.Decoding, "commit", commit)
+    monkeypatch.setattr(sequence_module.Decoding, "apply", commit)
     sampler = Sampler(temperature=1.0, top_k=50)
     prompts = [(_ids(6, 4096, i) * 3)[: 5 + 4 * i] for i in range(6)]
     requests = [Request(prompts[0], other, max_new_tokens=8, eos_token_ids=[], gamma=3),

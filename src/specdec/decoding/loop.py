@@ -181,8 +181,8 @@ def run(decoding: "Decoding") -> GenerationResult:
     decoding.prefill()
     target = decoding.target
     while not decoding.done:
-        segment = decoding.plan()
+        segment = decoding.draft()
         began = time.perf_counter()
         logits = target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents)
-        decoding.commit(logits, time.perf_counter() - began)
+        decoding.apply(logits, time.perf_counter() - began)
     return decoding.result()

@@ -65,8 +65,8 @@ def seed_pins_drafts(seed: int | None, sampler: Sampler, lenience: float = 1.0,
 
 
 class Decoding:
-    """One sequence's decoding, a step at a time: `plan` drafts and says what the target's next pass
-    must score (a `Segment`), `commit` verifies what that pass returned, rolls the caches back and
+    """One sequence's decoding, a step at a time: `draft` drafts and says what the target's next pass
+    must score (a `Segment`), `apply` verifies what that pass returned, rolls the caches back and
     emits. `run` drives one with `forward`; the engine drives many, their passes batched. With no
     drafter it is autoregressive decoding (every pass scores the pending token alone).
 
@@ -220,11 +220,11 @@ class Decoding:
         """Whether the prompt is fed in chunks (`prefill_step`)."""
         return self.features.exact_rows and self.features.batched and not self.reads_hidden
 
-    def plan(self) -> Segment:
+    def draft(self) -> Segment:
         """Draft (a chain, or a token tree no deeper than the budget), leaving room for the target's
         own token, never past the output limit -> what the target's next pass scores: the tokens it
         has not seen and the whole draft (a tree under its tree attention mask)."""
-        return drive(self.planning(), self.drafter.model.forward if self.batches_drafts else None)
+        return drive(self.drafting(), self.drafter.model.forward if self.batches_drafts else None)
 
     @property
     def pinned(self) -> bool:
@@ -256,8 +256,8 @@ class Decoding:
         model."""
         return self.can.batched_passes
 
-    def planning(self) -> Generator[Segment, torch.Tensor, Segment]:
-        """`plan`, with the drafter model's passes left to the caller: yields each drafter pass
+    def drafting(self) -> Generator[Segment, torch.Tensor, Segment]:
+        """`draft`, with the drafter model's passes left to the caller: yields each drafter pass
         (a `Segment` on `drafter.model`), is sent its logits, returns the target's `Segment`."""
         pending = self.sequence[cache_length(self.cache):]
         if self._target_only:
@@ -283,7 +283,7 @@ class Decoding:
         parents = None if draft.parents is None else input_parents(len(pending), draft.parents)
         return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
-    def commit(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:
+    def apply(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:
         """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
         core/verify.py alone, reached through this sequence's `verifier`), roll back what was
         rejected, emit -> the tokens emitted. decided: the draft's (num_accepted, next_token) where

@@ -331,8 +331,8 @@ def decide_batch(decodings: Sequence, logits: Sequence[torch.Tensor | None]
     decodings: the step's `Decoding`s; logits: each one's rows [n_i, V] from the step's pass (None
     where its pass failed).
     The others (trees, unseeded sampling, logit rules, step details) are verified by their own
-    `commit`, as is a sequence whose pass returned other than a row per draft token and one more
-    (its `commit` then raises its own error)."""
+    `apply`, as is a sequence whose pass returned other than a row per draft token and one more
+    (its `apply` then raises its own error)."""
     chosen = [i for i, (d, rows) in enumerate(zip(decodings, logits))
               if rows is not None and d.verifies_by_tokens and len(rows) == len(d.draft_tokens) + 1]
     greedy = [i for i in chosen if decodings[i].sampler.is_greedy]

@@ -179,7 +179,7 @@ Proposal = Generator["Segment", torch.Tensor, "Draft"]
 
 
 def drive(proposal: Generator, forward: Callable) -> object:
-    """Run a generator of passes (`Proposal`, `Decoding.planning`) to its end, each pass made by
+    """Run a generator of passes (`Proposal`, `Decoding.drafting`) to its end, each pass made by
     `forward(input_ids, cache, num_logits, parents=, tree_start=)` -> what it returns."""
     try:
         segment = next(proposal)

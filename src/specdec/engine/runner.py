@@ -1,9 +1,9 @@
 """The engine's runner: a step's passes over the batch the scheduler planned.
 
-Every running sequence drafts (`Decoding.planning`), the drafter model's passes batched across the
+Every running sequence drafts (`Decoding.drafting`), the drafter model's passes batched across the
 sequences that share it (lock step); one target pass scores every sequence's new tokens; the greedy
 and seeded chains are verified in one call over the ragged batch (`decoding.verifier.decide_batch`), the others each
-alone, and each sequence rolls back and emits (`Decoding.commit`). A sequence's output does not
+alone, and each sequence rolls back and emits (`Decoding.apply`). A sequence's output does not
 depend on what shares its passes: its rows are computed bit for bit as its own pass computes them
 (`forward_batch`), and everything random comes from its own generators. A sequence's own error ends
 it alone (`StepOutput.failed`); a batched pass that fails is made again one sequence at a time.
@@ -88,7 +88,7 @@ class Runner:
     def verify(self, plan: StepPlan, logits: list, out: StepOutput) -> None:
         """Each sequence's draft verified against its logits, in one call over the ragged batch
         where the target's own tokens decide (`decoding.verifier.decide_batch`), and its caches rolled back
-        (`Decoding.commit`) -> its tokens, their logprobs, and its result where it finished, in
+        (`Decoding.apply`) -> its tokens, their logprobs, and its result where it finished, in
         `out`; a sequence's own error ends it alone."""
         decided = decide_batch(plan.decodings, logits)
         for i, (request_id, decoding, rows) in enumerate(zip(plan.ids, plan.decodings, logits)):
@@ -97,7 +97,7 @@ class Runner:
             try:
                 if isinstance(decided.get(i), Exception):
                     raise decided[i]
-                emitted = decoding.commit(rows, plan.pass_seconds, decided.get(i))
+                emitted = decoding.apply(rows, plan.pass_seconds, decided.get(i))
                 out.emitted[request_id] = emitted
                 logprobs = decoding.emitted_logprobs(len(emitted))
                 if logprobs is not None:
@@ -116,7 +116,7 @@ class Runner:
         and the number of rounds.
         A sequence whose drafting raises ends alone (its segment None); a batched drafter pass that
         fails is made again one sequence at a time, from the caches as they were."""
-        plans = [d.planning() for d in decodings]
+        plans = [d.drafting() for d in decodings]
         segments: list[Segment | None] = [None] * len(plans)
         asks: dict[int, Segment] = {}
 
