@@ -72,8 +72,8 @@ $(VLLM_STAMP):
 	touch $@
 
 # the tests that run vLLM's CPU build (SmolLM2-135M; skipped without .peers/vllm): the bench peer,
-# each of our proposers (tests/test_vllm_proposers.py, ~4 min) and each `specdec export` kind
-# (tests/test_vllm_export.py, ~5 min); ~13 min on 2 cores once built, most of it vLLM loading the
+# each of our proposers (tests/vllm/test_vllm_proposers.py, ~4 min) and each `specdec export` kind
+# (tests/vllm/test_vllm_export.py, ~5 min); ~13 min on 2 cores once built, most of it vLLM loading the
 # model, one worker at a time
 test-vllm: setup vllm
 	$(BIN)/python -m pytest -q -m vllm

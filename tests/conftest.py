@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,13 @@ from specdec import TransformersModel, load
 from specdec.models import catalogue as registry
 from specdec.backends import transformers as transformers_backend
 from specdec.backends.kernels import bf16_rows_exact
+
+# The tests mirror src/specdec's packages, one folder each, and some import helpers from one another
+# by module name (test_server's live server, test_sampling_exactness's chi-square): every folder is
+# on the path before collection, whatever pytest collects first.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")):
+        sys.path.insert(0, str(_folder))
 
 # `SPECDEC_TEST_DEVICE=cuda` (`make test-cuda`) runs every model the tests wrap on that device;
 # tensors a test builds itself stay where it builds them (CONTRIBUTING.md).

@@ -302,3 +302,25 @@ def test_the_history_check_finds_a_date_and_an_issue(tmp_path):
     (tmp_path / "a.py").write_text('"""Fast."""\n# was 191 ms on 2026-11-29\n')
     (tmp_path / "b.py").write_text("x = 1  # issue 47 measured it\ny = 2  # tissue 5 is no issue\n")
     assert narrated_history(tmp_path) == ["a.py:2", "b.py:1"]
+
+
+CROSS_CUTTING = {"test_contracts.py", "test_docs.py", "test_layout.py"}  # about the whole tree, not one package
+
+
+def mirror_breaks(tests: Path = Path(__file__).resolve().parent, src: Path = SRC) -> list[str]:
+    """What breaks the tests' mirror of src/specdec: a test folder that is no package, or a test
+    file at the top that is not about the whole tree."""
+    packages = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
+    wrong = [f"{p.name}/" for p in sorted(tests.iterdir())
+             if p.is_dir() and any(p.glob("test_*.py")) and p.name not in packages]
+    return wrong + [p.name for p in sorted(tests.glob("test_*.py")) if p.name not in CROSS_CUTTING]
+
+
+def test_the_tests_mirror_the_packages(tmp_path):
+    assert mirror_breaks() == []
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "test_a.py").write_text("")
+    (tmp_path / "stray").mkdir()
+    (tmp_path / "stray" / "test_b.py").write_text("")
+    (tmp_path / "test_c.py").write_text("")
+    assert mirror_breaks(tmp_path) == ["stray/", "test_c.py"]  # the check sees both kinds

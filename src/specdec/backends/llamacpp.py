@@ -21,7 +21,7 @@ build (below the GEMM), 31 on the build `make peers` makes. Its patch
 (patches/llama.cpp-row-exact.patch) makes the x86 Q4_K GEMV accumulate as the GEMM does, so GEMM
 and GEMV rows agree bit for bit, and moves the tiled matmul's start from 8 rows to 32 (prompts
 still take it). Every scored row then is what a 1-token pass gives, bit for bit
-(tests/test_llamacpp.py checks this on real weights after a 600-token prefix), and a 4-row pass
+(tests/backends/test_llamacpp.py checks this on real weights after a 600-token prefix), and a 4-row pass
 costs about 2 one-row passes instead of 3.3 (docs/kernels.md). The prompt (no logits) is fed
 in the same calls by every loop (`prefill`,
 in `Decoding.prefill_step`'s chunks), and a drafter's rounding only steers acceptance: drafters
@@ -32,7 +32,7 @@ Several sequences (`sequences` > 1, the engine's and the server's batches): each
 a KV stream of its own (llama.cpp's non-unified cache), and `forward_batch` feeds the rows of
 all of them, still at most `rows_per_call()` a call; every row then is what a 1-token pass of
 its sequence alone gives (attention reads its own stream; keys past its length are masked and
-skipped), so each sequence's logits are bit for bit its own (tests/test_llamacpp.py).
+skipped), so each sequence's logits are bit for bit its own (tests/backends/test_llamacpp.py).
 
 Limits: chains only (no tree masks), CPU only in this build, optional dependency
 (`pip install -e .[peers]`). With one sequence, a new cache clears the old one.

@@ -4,7 +4,7 @@ Greedy speculative decoding is token-identical to greedy autoregressive decoding
 gives each position the same logits whether it scores that position alone (a decode step) or
 among the γ+1 rows of a verification pass. In floating point that is not automatic: kernels pick
 their blocking, their summation order, even their algorithm by the number of rows. Near-ties then
-flip. What each CPU kind computes (the probe: tests/test_rows.py, `row_gap`) is in
+flip. What each CPU kind computes (the probe: tests/backends/test_rows.py, `row_gap`) is in
 docs/kernels.md#row-exact-passes; in short:
 
 - linear layers: a 1-row bf16 `F.linear` call may differ from multi-row ones (which agree with

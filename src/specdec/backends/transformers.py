@@ -327,7 +327,7 @@ class TransformersModel:
         Returns: per segment, logits [num_logits_i, V] fp32.
         Needs row-exact passes (`exact_rows`: attention a row at a time over its own cache);
         the rows equal each sequence's own pass bit for bit where the model is `rows_invariant`
-        (bf16 and packed fp32 linears, cut to calls of 2..32 rows: tests/test_batch.py). Otherwise
+        (bf16 and packed fp32 linears, cut to calls of 2..32 rows: tests/engine/test_batch.py). Otherwise
         (an int8 drafter) each sequence's rows are its own but rounded as the batch's width has it.
         """
         if not self.exact_rows:

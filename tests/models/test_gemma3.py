@@ -61,7 +61,7 @@ def test_gemma3_greedy_past_the_sliding_window_is_identical(gemma3):
     target, drafter = gemma3
     window = target.hf.config.sliding_window
     assert window and any(getattr(layer, "is_sliding", False) for layer in target.new_cache().layers)
-    source = (Path(__file__).parents[1] / "src" / "specdec" / "core" / "samplers.py").read_text()
+    source = (Path(__file__).parents[2] / "src" / "specdec" / "core" / "samplers.py").read_text()
     prompt = target.encode(source)[:window - 6]  # 6 tokens short of the window: generation crosses it
     assert prompt[0] == target.tokenizer.bos_token_id
     length = 16

@@ -18,7 +18,7 @@ from specdec.decoding.config import SpecConfig, from_flags
 
 from conftest import tiny_model
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "specdec"
+SRC = Path(__file__).resolve().parents[2] / "src" / "specdec"
 PROMPT = [2, 5, 7, 9, 11, 5, 7, 9, 11, 5]
 
 

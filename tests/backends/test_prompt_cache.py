@@ -1,6 +1,6 @@
 """Prompt caches on transformers' weights (backends/prompts.py): a later prompt reuses an earlier
 one's entries only where they came from the very calls it would be fed in, and every output and
-log-probability equals a cache-free run's. llama.cpp's prompt cache: tests/test_llamacpp.py."""
+log-probability equals a cache-free run's. llama.cpp's prompt cache: tests/backends/test_llamacpp.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from specdec.drafters import make_tree_drafter
 from conftest import tiny_model
 from test_rows import _ids, qwen_like
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "specdec"
+SRC = Path(__file__).resolve().parents[2] / "src" / "specdec"
 SAMPLED = Sampler(temperature=1.0)
 NOISE = SeededNoise(7)
 

@@ -20,7 +20,7 @@ from specdec.engine.scheduler import Scheduler, kv_need
 
 from conftest import tiny_model
 
-ENGINE = Path(__file__).resolve().parent.parent / "src" / "specdec" / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "src" / "specdec" / "engine"
 
 
 @pytest.fixture(scope="module")

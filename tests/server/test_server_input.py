@@ -25,7 +25,7 @@ from specdec.server.service import Limits, Service
 from conftest import tiny_model
 from test_server import NAME, _client, _metric, _metrics, serving
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 
 
 class _ByteTokenizer:

@@ -23,7 +23,7 @@ from specdec.backends.text import token_bytes_reader
 
 from test_server import _client, serving
 
-COMPONENTS = json.loads((Path(__file__).parent / "data" / "openai_openapi_components.json").read_text())
+COMPONENTS = json.loads((Path(__file__).parents[1] / "data" / "openai_openapi_components.json").read_text())
 SCHEMAS = COMPONENTS["components"]["schemas"]
 NAME = "tiny-bytes"
 SPECIALS = ["<|im_start|>", "<|im_end|>"]
