@@ -237,11 +237,7 @@ class Speculation:
         its target; SpecdecError where they do not fit (the checks that need the drafter made)."""
         if not trees:
             return
-        check_runs_trees(target)
-        if self.lenience != 1:
-            raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
-        if self.typical is not None:
-            raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
+        check_runs_trees(target)  # (lenient and typical acceptance on trees: the verifier's choice refuses them)
         if self.make_schedule is not None:
             raise SpecdecError(f"the tree drafter {drafter.name} sizes its drafts by its own policy "
                                "(its `policy`, a TreeCost); give the tree's depth bound as gamma instead of a schedule")
