@@ -6,6 +6,7 @@ one `SpecConfig` (a `replace()` on its default) and builds it once a request."""
 import pytest
 
 from specdec import Engine, Request, Sampler, SpecdecError, speculative_generate
+from specdec.core.penalties import LogitRules
 from specdec.core.verify import Typical
 from specdec.decoding import loop, sequence
 from specdec.decoding.config import SpecConfig, check_runs_trees, runs_trees
@@ -136,6 +137,19 @@ def test_what_add_can_check_without_a_sequence_it_still_refuses_in_one_line(pair
                               "tree nodes")]:
         with pytest.raises(SpecdecError, match=message):
             engine.add(request)
+    # what its sequence would refuse is refused when it is added, with or without bounds to check
+    trees = lambda: make_tree_drafter("lookup")  # noqa: E731
+    for engine in (Engine(target, max_batch=1), Engine(target, kv_memory=10**9)):
+        for request, message in [
+                (Request([1, 2], Speculation.of(trees, lenience=0.5)), "lenience < 1 applies to chain drafts only"),
+                (Request([1, 2], trees, rules=LogitRules(presence=1.0)), "apply to chain drafts only"),
+                (Request([1, 2], trees, grammar="json"), "a grammar constrains chain drafts only"),
+                (Request([1], logprobs=-1), "logprobs must be"),
+                (Request([1], rules="no"), "rules must be"),
+                (Request([1, 2], drafter, schedule=Fixed(3)), "a schedule object holds one sequence's state")]:
+            with pytest.raises(SpecdecError, match=message):
+                engine.add(request)
+        assert not engine.waiting
     with pytest.raises(SpecdecError, match="whole budget"):
         Engine(target, kv_memory=1000).add(Request([1, 2], drafter, max_new_tokens=8))
     assert recorded == [] and not engine.waiting
@@ -183,3 +197,28 @@ def test_one_rule_says_which_backends_score_trees(pair, monkeypatch):
     with pytest.raises(SpecdecError) as through_sequence:
         speculative_generate(PROMPT, target, make_tree_drafter("lookup"), max_new_tokens=2)
     assert str(direct.value) == str(through_config.value) == str(through_sequence.value)
+
+
+def test_serve_with_plain_decoding_keeps_its_sizing_flags_for_requests_that_ask_for_a_method(monkeypatch):
+    """`serve --method ar --gamma-max 8 --tree-nodes 16`: a request's own method is sized by them."""
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec.models import loading
+
+    made = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, default=None, **kwargs):
+        made["default"] = default
+        raise Stop
+
+    monkeypatch.setattr(loading, "load", lambda *a, **k: tiny_model(0))
+    monkeypatch.setattr(service_module, "Service", capture)
+    result = CliRunner().invoke(app, ["serve", "--target", "tiny", "--method", "ar", "--gamma-max", "8",
+                                      "--tree-nodes", "16"])
+    assert "default" in made, result.output  # the server was made (then stopped: no need to serve)
+    assert made["default"].method == "ar"
+    assert (made["default"].gamma_max, made["default"].tree_nodes) == (8, 16)

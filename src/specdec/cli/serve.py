@@ -209,7 +209,8 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
             from ..adapters.lora import OnlineDistiller
 
             OnlineDistiller(drafter_model)  # the drafter records its rejections; the worker updates it when idle
-        default = preset(method).replace(gamma_max=gamma_max, tree_nodes=tree_nodes) if method != "ar" else "ar"
+        # (`ar` too: a request's own method is sized by the server's --gamma-max and --tree-nodes)
+        default = preset(method).replace(gamma_max=gamma_max, tree_nodes=tree_nodes)
         service = Service(target_model, drafter_model, default=default, default_method=method,
                           limits=limits, suffix_cache_tokens=suffix_cache_tokens, datastore=datastore)
         # the costs, each from the cache or timed (on a first start, minutes on a CPU), are taken by

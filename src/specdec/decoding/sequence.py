@@ -79,34 +79,15 @@ class Decoding:
                  first_target: bool = True, on_step: StepCallback | None = None, debug: bool = False,
                  logprobs: int | None = None, cache_salt: str = "", rules: LogitRules | None = None,
                  grammar=None):
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
-        speculation = Speculation.of() if speculation is None else speculation
-        if not isinstance(speculation, Speculation):
-            raise SpecdecError(f"a sequence takes a Speculation (`build(config, parts)`, `Speculation.of(drafter)`), "
-                               f"got {type(speculation).__name__}")
-        limits = Limits() if limits is None else limits
+        checked = check_request(prompt_ids, target, speculation, sampler, limits, logprobs=logprobs, rules=rules,
+                                grammar=grammar)
+        speculation, drafter, self.can = checked.speculation, checked.drafter, checked.can
         self.speculation = speculation  # whole, as the request carried it
         lenience, typical, gamma = speculation.lenience, speculation.typical, speculation.gamma
-        drafter = speculation.make_drafter() if speculation.make_drafter is not None else None
-        if drafter is not None and not is_drafter(drafter):
-            require_drafter_or_model(drafter)  # an object that is neither: a clear error, never a probe
-            # a model: its ids as they are, or through text where its tokenizer is another
-            drafter = ModelDrafter(drafter) if pair_mode(target, drafter) == "shared" else OtherTokenizerDrafter(drafter)
         self.features = features(target)  # what the target's backend does beyond `Backend`
-        self.can = capabilities_of(drafter) if drafter is not None else Capabilities()  # declared by its class
         self.trees = self.can.trees
         self.reads_hidden = self.can.reads_target_hidden  # self-drafting heads (Medusa, EAGLE)
         self.drafter_model = drafter.model if self.can.model else None
-        if drafter is not None:
-            speculation.check_drafter(drafter, target, self.trees)
-            if self.trees and rules is not None and rules.active:
-                raise SpecdecError("penalties, logit bias and min_tokens apply to chain drafts only (a tree's "
-                                   "positions have other pasts); use a chain method")
-            if self.trees and grammar is not None:
-                raise SpecdecError("a grammar constrains chain drafts only (a tree's nodes would each need a "
-                                   "matcher of their own); use a chain method")
-            drafter.check_target(target)
         self.target, self.drafter, self.sampler, self.seed = target, drafter, sampler, seed
         self.cache_salt = cache_salt  # prompt caches reuse only prompts kept under the same salt (a tenant's)
         self.lenience, self.typical, self.debug = lenience, typical, debug
@@ -121,7 +102,7 @@ class Decoding:
             if self.can.one_pass and isinstance(self.schedule, CostAware):
                 self.schedule.one_pass = drafter.k  # a token inside a pass costs a row, not a drafter pass
         self._depth = gamma if self.trees else None
-        prompt, limit, limit_reason, eos = check_limits(prompt_ids, target, limits, self.drafter_model)
+        prompt, limit, limit_reason, eos = checked.prompt, checked.limit, checked.limit_reason, checked.eos
         # Under a seed with an exact rule, every sampled token is a coupled draw from noise of
         # (seed, position) alone, shared by the drafter: the output is the seeded AR output.
         self.seed_rule = speculation.seed_rule
@@ -140,16 +121,10 @@ class Decoding:
         self.out.logprobs = None if logprobs is None else []
         self.stats = self.out.stats
         self.sequence = list(prompt)
-        if rules is not None and not isinstance(rules, LogitRules):
-            raise SpecdecError(f"rules must be a penalties.LogitRules, got {rules!r}")
-        self.rules = rules if rules is not None and rules.active else None
+        self.rules = checked.rules
         self._prompt_tokens = None if self.rules is None else \
             self.rules.prompt_tokens(prompt, target.vocab_size, target.device)
-        self.constraint = _constraint(grammar, target, eos)  # the grammar's state (None: unconstrained)
-        if self.constraint is not None and self.rules is not None and (self.rules.min_tokens or self.rules.allowed):
-            # the grammar decides where the output ends and what may come: these could leave no token
-            raise SpecdecError("min_tokens and allowed tokens do not combine with a grammar (which decides where "
-                               "the output ends and which tokens may come)")
+        self.constraint = checked.constraint  # the grammar's state (None: unconstrained)
         if self.can.grammar:  # it drafts under the same masks (None: none; a drafter object may be reused)
             drafter.constraint = self.constraint
         # cache positions the sequence can reach: its prompt, its output and the widest draft
@@ -574,6 +549,64 @@ class _Output:
             flush()
         return GenerationResult(self.tokens, self.steps, self.stats, self.stop_reason or self.limit_reason,
                                 self.logprobs)
+
+
+@dataclass
+class Checked:
+    """What `check_request` found a request's options to make: the speculation, the drafter made for
+    one sequence (a model wrapped as the sequence drafts with it; None: plain decoding) and its
+    declared capabilities, the prompt and its limits, the active logit rules and the grammar's state."""
+
+    speculation: Speculation
+    drafter: object
+    can: Capabilities
+    prompt: list[int]
+    limit: int
+    limit_reason: str
+    eos: set[int]
+    rules: LogitRules | None
+    constraint: object
+
+
+def check_request(prompt_ids: Sequence[int], target: Backend, speculation: Speculation | None = None,
+                  sampler: Sampler = GREEDY, limits: Limits | None = None, *, logprobs: int | None = None,
+                  rules: LogitRules | None = None, grammar=None) -> Checked:
+    """Every refusal a sequence of these options would make, checked once: by the engine's `add`
+    before the request waits (a clear error at once, not on admission) and by `Decoding` itself,
+    which takes what this makes. SpecdecError naming what is wrong."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise SpecdecError(f"logprobs must be None or the number of top tokens to report (>= 0), got {logprobs!r}")
+    speculation = Speculation.of() if speculation is None else speculation
+    if not isinstance(speculation, Speculation):
+        raise SpecdecError(f"a sequence takes a Speculation (`build(config, parts)`, `Speculation.of(drafter)`), "
+                           f"got {type(speculation).__name__}")
+    drafter = speculation.make_drafter() if speculation.make_drafter is not None else None
+    if drafter is not None and not is_drafter(drafter):
+        require_drafter_or_model(drafter)  # an object that is neither: a clear error, never a probe
+        # a model: its ids as they are, or through text where its tokenizer is another
+        drafter = ModelDrafter(drafter) if pair_mode(target, drafter) == "shared" else OtherTokenizerDrafter(drafter)
+    can = capabilities_of(drafter) if drafter is not None else Capabilities()  # declared by its class
+    if drafter is not None:
+        speculation.check_drafter(drafter, target, can.trees)
+        if can.trees and rules is not None and rules.active:
+            raise SpecdecError("penalties, logit bias and min_tokens apply to chain drafts only (a tree's "
+                               "positions have other pasts); use a chain method")
+        if can.trees and grammar is not None:
+            raise SpecdecError("a grammar constrains chain drafts only (a tree's nodes would each need a "
+                               "matcher of their own); use a chain method")
+        drafter.check_target(target)
+    choose_verifier(sampler, None, speculation.lenience, speculation.typical, can.trees, drafter is not None)
+    prompt, limit, limit_reason, eos = check_limits(prompt_ids, target, limits or Limits(),
+                                                    drafter.model if can.model else None)
+    if rules is not None and not isinstance(rules, LogitRules):
+        raise SpecdecError(f"rules must be a penalties.LogitRules, got {rules!r}")
+    rules = rules if rules is not None and rules.active else None
+    constraint = _constraint(grammar, target, eos)
+    if constraint is not None and rules is not None and (rules.min_tokens or rules.allowed):
+        # the grammar decides where the output ends and what may come: these could leave no token
+        raise SpecdecError("min_tokens and allowed tokens do not combine with a grammar (which decides where "
+                           "the output ends and which tokens may come)")
+    return Checked(speculation, drafter, can, prompt, limit, limit_reason, eos, rules, constraint)
 
 
 def check_limits(prompt_ids: Sequence[int], target: Backend, limits: Limits,

@@ -207,6 +207,12 @@ class Speculation:
         return self.make_drafter is not None
 
     @property
+    def one_schedule(self):
+        """The schedule object `of` was given, where it was one (it holds one sequence's state, so
+        only one sequence may be sized by it), else None (a factory, a fixed γ, a tree's policy)."""
+        return self.make_schedule.made if isinstance(self.make_schedule, _Given) else None
+
+    @property
     def one_drafter(self):
         """The drafter object `of` was given, where it was one (it holds one sequence's state, so only
         one sequence may draft with it), else None (a factory, a drafter model, plain decoding)."""

@@ -52,18 +52,23 @@ class Engine:
         if shared is not None:
             raise SpecdecError(f"a drafter object holds one sequence's state; give requests a factory that makes one "
                                f"each (e.g. {type(shared).__name__} itself, or a lambda), or a drafter model")
-        # the drafter a sequence of this request would make, looked at where a bound asks about it
-        probe = speculation.make_drafter() if speculation.speculative and (
-            self.kv_memory is not None or self.max_batch > 1) else None
-        drafter_model = _model_of(probe)
-        prompt, limit, _, _ = sequence.check_limits(request.prompt_ids, self.target, request.limits, drafter_model)
+        if speculation.one_schedule is not None:
+            raise SpecdecError("a schedule object holds one sequence's state; give requests a factory that makes "
+                               "one each (e.g. lambda: Heuristic(...))")
+        # every refusal its sequence would make, now (the drafter made here is looked at, not kept)
+        checked = sequence.check_request(request.prompt_ids, self.target, speculation, request.sampler,
+                                         request.limits, logprobs=request.logprobs, rules=request.rules,
+                                         grammar=request.grammar)
+        self._check_batching(checked.can)
+        drafter_model = _model_of(checked.drafter)
         most = features(drafter_model).sequences if drafter_model is not None else None
         if most is not None and self.max_batch > most:
             raise SpecdecError(f"the drafter {drafter_model.name} holds {drafter_model.sequences} sequence(s) at once, "
                                f"fewer than max_batch={self.max_batch}; load it with sequences={self.max_batch}")
         if self.kv_memory is not None:
-            positions = len(prompt) + limit + (sequence.DRAFT_ROOM if probe is not None else 0)
-            need = _kv_charge(positions, self.target, probe, speculation)
+            drafts = checked.drafter is not None
+            positions = len(checked.prompt) + checked.limit + (sequence.DRAFT_ROOM if drafts else 0)
+            need = _kv_charge(positions, self.target, checked.drafter, speculation)
             if need > self.kv_memory:
                 raise SpecdecError(f"this request needs {need / 2**20:.1f} MiB of KV cache, more "
                                    f"than the whole budget of {self.kv_memory / 2**20:.1f} MiB; raise the budget or "
@@ -119,8 +124,11 @@ class Engine:
         decoding = Decoding(request.prompt_ids, self.target, request.speculation, request.sampler, request.limits,
                             seed=request.seed, logprobs=request.logprobs, cache_salt=request.cache_salt,
                             rules=request.rules, grammar=request.grammar)
-        if decoding.reads_hidden and self._batched:
+        self._check_batching(decoding.can)
+        return decoding
+
+    def _check_batching(self, can) -> None:
+        if can.reads_target_hidden and self._batched:
             raise SpecdecError("self-drafting heads (Medusa, EAGLE) read the target's hidden states, which "
                                "batched passes do not keep yet; run them with speculative_generate")
-        return decoding
 
