@@ -200,6 +200,7 @@ class TableModel:
 
     role = None  # no loader gave it one
     num_parameters = None
+    weights, kernels, exact_rows = "float32", "table", False  # the Backend protocol's, read, never probed
 
     def features(self):
         """The backend contract's declaration: token trees, one sequence a pass, no row exactness."""

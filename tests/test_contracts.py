@@ -1,12 +1,13 @@
 """The contracts the loop reads instead of probing: a drafter subclasses `Drafter` and declares its
 `Capabilities`; a model backend declares its `Features` (`parallel_k` and an online learner
 included). What declares nothing is refused with a clear error, and no probe on a drafter or a
-backend comes back into drafters/, backends/ or models/roles.py."""
+backend comes back anywhere in src/specdec."""
 
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec import autoregressive_generate, speculative_generate
 from specdec.backends import Features, features
@@ -188,10 +189,12 @@ def test_an_online_distiller_is_its_drafter_models_declared_learner():
 
 # ---------------------------------------------------------------- no probe comes back
 
-# Every hasattr/getattr left in drafters/, backends/ and models/roles.py, by (file, the object
-# probed), with why it is fair: duck typing of third-party objects (transformers' configs, modules
-# and caches, tokenizers, llama_cpp, os) or the contract's own check. A probe on a drafter or a
-# backend is none of these: it fails this test until it reads a declaration instead.
+# Every hasattr/getattr left in src/specdec, by (file, the object probed), with why it is fair:
+# duck typing of third-party objects (transformers' configs, modules and caches, tokenizers,
+# llama_cpp, torch, os, vLLM, the ASGI server), our own objects' fields by name, or the contract's
+# own check. A probe on a drafter or a backend is none of these: it fails this test until it reads
+# a declaration instead (a Backend protocol member, a Features or Capabilities field, or an
+# isinstance check against our own backend class where only that one has the member).
 ALLOWED = {
     ("backends/__init__.py", "type(model)"): "the contract's check: the class declares features() or is refused",
     ("backends/captured.py", "attention"): "a transformers attention module (q_norm/k_norm by family)",
@@ -228,6 +231,39 @@ ALLOWED = {
     ("drafters/model.py", "tokenizer"): "a transformers tokenizer (unk or pad id)",
     ("drafters/retokenize.py", "mine"): "a transformers tokenizer (its special tokens)",
     ("drafters/retokenize.py", "theirs"): "a transformers tokenizer (its special tokens)",
+    # the rest of src/specdec: the same two kinds, and our own objects' fields by name
+    ("adapters/eagle_layer.py", "config"): "a transformers config (fields vary by family)",
+    ("adapters/eagle_layer.py", "embeddings"): "a torch Embedding (its width)",
+    ("adapters/export.py", "hf.config"): "a transformers config (torch_dtype or none)",
+    ("adapters/export.py", "torch"): "the torch module (a dtype by its name)",
+    ("adapters/lora.py", "module"): "a torch module (a Linear's in_features)",
+    ("bench/kvstorage.py", "config"): "a transformers config (fields vary by family)",
+    ("bench/rowprobe.py", "type(m)"): "a torch module's class (patched norms mark themselves)",
+    ("bench/run.py", "llama_cpp"): "the llama_cpp module (its version)",
+    ("bench/runners.py", "settings"): "own fields: a Settings field by name",
+    ("bench/vllm_peer.py", "os"): "os.sched_getaffinity and os.getuid exist on some systems only",
+    ("bench/vllm_worker.py", "getattr(worker.model_runner"): "vLLM's model runner and its drafter",
+    ("bench/vllm_worker.py", "worker.model_runner"): "vLLM's model runner (a drafter or none)",
+    ("cli/chat.py", "target_model.tokenizer"): "a transformers tokenizer (a chat template or none)",
+    ("cli/training.py", "config"): "own fields: a training config's fields by name (validation)",
+    ("core/penalties.py", "self"): "own fields by name (validation)",
+    ("core/verify.py", "self"): "own fields by name (validation)",
+    ("decoding/config.py", "default"): "own fields: SpecConfig's by name (to_dict)",
+    ("decoding/config.py", "self"): "own fields: SpecConfig's by name (validation, to_dict)",
+    ("decoding/sequence.py", "self.on_step"): "the caller's step callback (a printer may hold output back: flush)",
+    ("models/catalogue.py", "model.config"): "a transformers config (quantized or not)",
+    ("models/loading.py", "AutoConfig.from_pretrained(directory)"): "a transformers config (encoder-decoder or not)",
+    ("models/vocab.py", "tokenizer"): "a transformers tokenizer (its backend and special ids)",
+    ("server/app.py", "getattr(send"): "the ASGI server's send callable and its transport",
+    ("server/app.py", "send"): "the ASGI server's send callable (bound to a protocol object or not)",
+    ("server/service.py", "ids"): "what a tokenizer's apply_chat_template returns (a BatchEncoding or a list)",
+    ("server/service.py", "tokenizer"): "a transformers tokenizer (a chat template or none)",
+    ("server/tools.py", "tokenizer"): "a transformers tokenizer (chat template, added vocabulary)",
+    ("training/fit_distilled.py", "config"): "own fields: a training config's fields by name (validation)",
+    ("training/fit_parallel.py", "config"): "own fields: a training config's fields by name (validation)",
+    ("ui/conversation.py", "ids"): "what a tokenizer's apply_chat_template returns (a BatchEncoding or a list)",
+    ("ui/conversation.py", "self"): "own fields by name (a /command sets one)",
+    ("vllm/proposers.py", "config"): "vLLM's speculative config (fields vary by version)",
 }
 
 
@@ -245,11 +281,17 @@ def _probes(text: str) -> list[str]:
     return found
 
 
+def _found(folder: Path = SRC) -> set[tuple[str, str]]:
+    """(file relative to `folder`, the object probed) of every hasattr/getattr under `folder`."""
+    return {(path.relative_to(folder).as_posix(), probed) for path in sorted(folder.rglob("*.py"))
+            for probed in _probes(path.read_text())}
+
+
 def test_no_probe_on_a_drafter_or_a_backend_comes_back():
-    files = [*sorted((SRC / "drafters").glob("*.py")), *sorted((SRC / "backends").glob("*.py")),
-             SRC / "models" / "roles.py"]
-    found = {(path.relative_to(SRC).as_posix(), probed) for path in files for probed in _probes(path.read_text())}
+    """Over the whole of src/specdec: every probe left is on the allow-list, with its reason."""
+    found = _found()
     assert found - set(ALLOWED) == set(), "probes on drafters or backends: read a declaration instead"
+    assert set(ALLOWED) - found == set(), "allowed probes that are gone: take them off the list"
     assert _probes('getattr(model, "parallel_k", None) and hasattr(drafter, "pin")') == ["model", "drafter"]
     assert _probes('getattr(getattr(tokenizer, "x", None), "y")') == ["getattr(tokenizer", "tokenizer"]
 
@@ -289,3 +331,91 @@ def test_chains_and_trees_have_one_proposal_entry():
         assert speculative_generate(prompt, target, drafter, max_new_tokens=12, eos_token_ids=[]).tokens == ar.tokens
     assert ("tree", True, None) in calls and ("chain", True, True) in calls  # a tree's policy sizes it: no keep_going
     assert {call[:2] for call in calls} == {("tree", True), ("chain", True)}
+
+
+# ---------------------------------------------------------------- declarations outside drafters/ and backends/
+
+def test_the_probe_guard_sees_a_new_probe_anywhere(tmp_path):
+    (tmp_path / "sizing").mkdir()
+    (tmp_path / "sizing" / "costs.py").write_text('weights = getattr(model, "weights", None)\n')
+    assert _found(tmp_path) - set(ALLOWED) == {("sizing/costs.py", "model")}
+
+
+class _BatchedTable(TableModel):
+    """Every member the beam search's old probe looked for, and a declaration that says no row exactness."""
+
+    exact_rows = True
+
+    def forward_batch(self, segments):
+        return [self.forward(s.input_ids, s.cache, s.num_logits, s.parents, s.tree_start) for s in segments]
+
+
+def test_beam_search_reads_row_exactness_and_drafter_kinds_from_declarations():
+    from specdec.decoding.beam import _fork_drafter, speculative_beam_search
+    from specdec.drafters import LookupTreeDrafter
+
+    with pytest.raises(SpecdecError, match="row-exact target"):
+        speculative_beam_search(PROMPT, _BatchedTable(16, 0), LookupTreeDrafter, num_beams=2, max_new_tokens=4)
+    target = tiny_model(0, vocab=16, exact_rows=True)
+    with pytest.raises(SpecdecError, match="a drafter model or a factory of tree drafters"):
+        speculative_beam_search(PROMPT, target, LookupTreeDrafter(), num_beams=2, max_new_tokens=4)
+    drafter = LookupTreeDrafter()
+    drafter.cache = marker = object()  # not a model drafter's cache: a fork shares it, never clones it
+    assert _fork_drafter(drafter).cache is marker
+
+
+def test_pass_costs_key_a_restricted_vocabulary_of_transformers_models_alone():
+    from specdec.sizing.pass_costs import _key
+
+    table = TableModel(16, 0)
+    table.draft_vocabulary = 7  # a member only transformers' backend declares
+    assert "|vocab=all|" in _key(table)
+    drafter = tiny_model(1, vocab=16, role="drafter")
+    drafter.restrict_vocabulary([0, 1, 2, 3])
+    assert "|vocab=4|" in _key(drafter) and f"|{drafter.weights}|" in _key(drafter)
+
+
+def test_adapters_and_heads_refuse_what_is_not_transformers_own_model():
+    from specdec.adapters.checkpoints import check_reads_hidden, head_rows
+    from specdec.adapters.eagle_layer import check_embeddings
+    from specdec.adapters.lora import Head, OnlineDistiller, adapted_layers, check_adapter_target
+    from specdec.drafters.layerskip import LayerSkipModel
+
+    target = tiny_model(0, vocab=16, layers=3)
+    view = LayerSkipModel(target, [1])  # a drafter whose members are its target's, by delegation
+    for attach in (adapted_layers, Head, lambda model: OnlineDistiller(model, rank=2)):
+        with pytest.raises(SpecdecError, match="transformers' weights|cannot be read for distillation"):
+            attach(view)
+    table = TableModel(16, 0)
+    table.hidden_size, table.hf, table.adapter_target = 32, target.hf, "0" * 64  # members it does not declare
+    with pytest.raises(SpecdecError, match=r"hidden states can be read; table \(table\)"):
+        check_reads_hidden(table)
+    with pytest.raises(SpecdecError, match="has none to read"):
+        check_embeddings(table)
+    with pytest.raises(SpecdecError, match=r"output head cannot be read for self-drafting heads \(table\)"):
+        head_rows(table, torch.arange(2))
+    check_adapter_target(table, target)  # only transformers' backend carries an adapter's target
+    check_reads_hidden(target)
+    check_embeddings(target)
+    assert head_rows(target, torch.arange(2)).shape == (2, target.hidden_size)
+
+
+def test_transformers_model_declares_its_source_and_parallel_hooks():
+    from specdec.adapters.pard import remove
+    from specdec.training.distill import drafter_source
+
+    model = tiny_model(0, vocab=16, name="tiny")
+    assert model.source is None and model._parallel_hooks == () and drafter_source(model) == "tiny"
+    remove(model)  # nothing installed: nothing to remove
+    model.source = "tiny-dir"
+    assert drafter_source(model) == "tiny-dir"
+
+
+def test_a_drafters_weights_are_its_declared_models():
+    from specdec.cli.common import _weights_of
+
+    drafter_model = tiny_model(1, vocab=16, role="drafter")
+    ngram = NgramDrafter()
+    ngram.model = drafter_model  # not declared (no `model` capability): not a drafter model's weights
+    assert _weights_of(ngram) is None and _weights_of(None) is None
+    assert _weights_of(ModelDrafter(drafter_model)) == drafter_model.weights

@@ -38,7 +38,7 @@ SPECS = {"medusa": "medusa:DIR", "eagle": "eagle:DIR", "adapter": "distilled:DIR
 def target_fingerprint(model) -> str:
     """What a checkpoint's target is: the registry file's sha256 for an embedded model, else the
     sha256 of its output head's first rows in bf16 (equal for fp32 and bf16 loads of one model)."""
-    spec = registry.MODELS.get(getattr(model, "name", ""))
+    spec = registry.MODELS.get(model.name)
     if spec is not None:
         return spec.sha256
     rows = head_rows(model, torch.arange(min(1024, model.vocab_size)))
@@ -48,12 +48,14 @@ def target_fingerprint(model) -> str:
 
 def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     """The target's output-head rows for `ids` [N] -> [N, H] (its weight dtype; fp32 when packed)."""
-    weight = getattr(model, "_head_weight", None)
-    if weight is None:
-        packed = getattr(getattr(model, "_head", None), "packed_weight", None)
-        if packed is None:
-            raise SpecdecError(f"{model.name}: its output head cannot be read for self-drafting heads")
-        weight = packed.to_dense()
+    from ..backends.transformers import TransformersModel
+
+    if not isinstance(model, TransformersModel):  # the other backends keep their head in their own form
+        raise SpecdecError(f"{model.name}: its output head cannot be read for self-drafting heads ({model.kernels}); "
+                           "use --dtype auto (transformers' weights)")
+    weight = model._head_weight
+    if weight is None:  # packed for the CPU's kernels (a PackedLinear), the dense copy let go
+        weight = model._head.packed_weight.to_dense()
     return weight.index_select(0, ids.to(weight.device))
 
 
@@ -67,9 +69,12 @@ def bound_copy(module: nn.Module, store: dict, device: torch.device, dtype: torc
 
 def check_reads_hidden(target) -> None:
     """SpecdecError unless the loop can hand `target`'s hidden states to a self-drafter."""
-    if getattr(target, "hidden_size", None) is None:
+    from ..backends.captured import CapturedModel
+    from ..backends.transformers import TransformersModel
+
+    if not isinstance(target, (TransformersModel, CapturedModel)):  # the backends that keep `hidden_size`
         raise SpecdecError(f"self-drafting heads need a target whose hidden states can be read; {target.name} "
-                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype auto (transformers' weights)")
+                           f"({target.kernels}) gives none; use --dtype auto (transformers' weights)")
 
 
 def check_checkpoint_target(info: dict, vocab_ids: torch.Tensor, target, title: str) -> None:

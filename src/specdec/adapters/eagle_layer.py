@@ -143,7 +143,11 @@ def check_eagle_target(eagle: Eagle, target) -> None:
 
 def check_embeddings(target) -> None:
     """SpecdecError unless `target`'s input embeddings can be read and are as wide as its features."""
-    embeddings = getattr(getattr(target, "hf", None), "get_input_embeddings", lambda: None)()
+    from ..backends.captured import CapturedModel
+    from ..backends.transformers import TransformersModel
+
+    # the backends on a transformers model (`hf`); llama.cpp's keeps its embeddings to itself
+    embeddings = target.hf.get_input_embeddings() if isinstance(target, (TransformersModel, CapturedModel)) else None
     if embeddings is None:
         raise SpecdecError(f"an EAGLE drafter reads the target's input embeddings; {target.name} has none to read")
     if getattr(embeddings, "embedding_dim", target.hidden_size) != target.hidden_size:

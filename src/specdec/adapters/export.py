@@ -71,7 +71,7 @@ def medusa_tensors(heads: Heads, target, token_map: bool = False) -> dict[str, t
 def medusa_config(heads: Heads, target, token_map: bool = False) -> dict:
     """vLLM's Medusa config.json for `heads` (with specdec's provenance under "specdec")."""
     blocks = heads.heads.blocks
-    dtype = str(getattr(target, "dtype", torch.float32)).removeprefix("torch.")
+    dtype = str(target.dtype).removeprefix("torch.")
     return {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": blocks[0].in_features,
             "vocab_size": int(target.vocab_size), "num_heads": len(blocks), "num_hidden_layers": 1,
             "truncated_vocab_size": len(heads.vocab_ids) if token_map else int(target.vocab_size),

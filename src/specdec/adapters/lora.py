@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..backends.transformers import TransformersModel
+
 from .checkpoints import read_checkpoint, target_fingerprint
 from ..errors import SpecdecError
 from ..backends.kernels import dense_weight, differentiable_linears, set_dense_weight
@@ -79,10 +81,9 @@ def _key(name: str) -> str:
 
 def adapted_layers(model) -> dict[str, tuple[int, int]]:
     """{name: (out, in)} of the drafter's projections an adapter adapts (`PROJECTIONS`)."""
-    decoder = getattr(model, "_decoder", None)
-    if decoder is None:
-        raise SpecdecError(f"an adapter needs a drafter on transformers' weights, not {model.name} "
-                           f"({getattr(model, 'kernels', '?')})")
+    if not isinstance(model, TransformersModel):  # the projections adapted are transformers' modules
+        raise SpecdecError(f"an adapter needs a drafter on transformers' weights, not {model.name} ({model.kernels})")
+    decoder = model._decoder
     shapes = {name: (module.out_features, module.in_features) for name, module in decoder.named_modules()
               if name.rsplit(".", 1)[-1] in PROJECTIONS and hasattr(module, "in_features")}
     if not shapes:
@@ -137,9 +138,9 @@ def agreement(logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _check_drafter(model) -> None:
-    if getattr(model, "role", None) != "drafter" or not hasattr(model, "_decoder"):
+    if not isinstance(model, TransformersModel) or model.role != "drafter":
         raise SpecdecError(f"an adapter attaches to a drafter on transformers' weights, not {model.name} "
-                           f"({getattr(model, 'role', '?')}, {getattr(model, 'kernels', '?')})")
+                           f"({model.role}, {model.kernels})")
 
 
 def _check_fits(model, adapter: DraftAdapter) -> None:
@@ -225,7 +226,8 @@ def load_distilled(folder: str | Path, load_model: Callable[[str], object]) -> o
 
 def check_adapter_target(drafter_model, target) -> None:
     """SpecdecError where `drafter_model` carries an adapter trained towards another target."""
-    wanted = getattr(drafter_model, "adapter_target", None)
+    # only transformers' backend carries a distilled adapter (`distilled`)
+    wanted = drafter_model.adapter_target if isinstance(drafter_model, TransformersModel) else None
     if wanted is not None and wanted != target_fingerprint(target):
         raise SpecdecError(f"{drafter_model.name}'s adapter was trained for another target than {target.name}; "
                            "distil one for this target (specdec distill-drafter)")
@@ -236,18 +238,21 @@ class Head:
     (bias [S]), and where each of the target's ids sits among them (`slots`)."""
 
     def __init__(self, model):
-        weight = getattr(model, "_head_weight", None)
-        if weight is None:
+        if not isinstance(model, TransformersModel):
+            raise SpecdecError(f"{model.name}: its output head cannot be read for distillation "
+                               f"({model.kernels}); use transformers' weights (--dtype auto)")
+        weight = model._head_weight
+        if weight is None:  # packed for the CPU's kernels, the dense copy let go
             raise SpecdecError(f"{model.name}: its output head cannot be read for distillation")
-        scored = getattr(model, "_vocab_ids", None)
+        scored = model._vocab_ids
         scored = torch.arange(weight.shape[0], device=weight.device) if scored is None else scored
         self.ids = scored.cpu()
         self.weight = weight.detach().index_select(0, scored).float()
-        bias = getattr(model, "_head_bias", None)
+        bias = model._head_bias
         self.bias = None if bias is None else bias.detach().index_select(0, scored).float()
         self._place = torch.full((int(self.ids.max()) + 1,), -1, dtype=torch.long)
         self._place[self.ids] = torch.arange(len(self.ids))
-        self.transform = getattr(model, "_transform", None)
+        self.transform = model._transform
 
     def slots(self, top_ids: torch.Tensor) -> torch.Tensor:
         """top_ids [..., k] target ids -> [..., k] their places among the scored ids (-1: not scored)."""

@@ -93,7 +93,7 @@ def install(model, adapter: ParallelAdapter) -> None:
 
 def remove(model) -> None:
     """Undo `install`."""
-    for handle in getattr(model, "_parallel_hooks", ()):
+    for handle in model._parallel_hooks:
         handle.remove()
     model._parallel_hooks = ()
 

@@ -132,6 +132,8 @@ class TransformersModel:
         self.adapter_target: str | None = None
         self.online = None
         self.parallel_k: int | None = None
+        self.source: str | None = None  # what `load` takes to load it again (models/loading.py sets it)
+        self._parallel_hooks: tuple = ()  # the hooks adapters/pard.py `install`s, until `remove`
         if int8:
             self._build_draft_head()
 

@@ -245,7 +245,9 @@ def load_peers(methods: list[str], target: str, drafter: str, target_model, draf
     llama.cpp's own for the llama-cpp methods."""
     peers = PeerModels()
     hf_methods = [m for m in methods if m.startswith("hf")]
-    if hf_methods and not hasattr(target_model, "hf"):  # ours are on the llama.cpp backend
+    from ..backends.llamacpp import LlamaCppModel
+
+    if hf_methods and isinstance(target_model, LlamaCppModel):  # transformers' peers need a transformers model
         say("transformers' peers run on transformers' own models (dtype auto)")
         peers.hf_target = load(target, device=device, role="target", say=say)
         if NEEDS_DRAFTER & set(hf_methods):

@@ -55,8 +55,12 @@ def _check_runs_on(dtype: str, config) -> None:
 
 def _weights_of(drafter) -> str | None:
     """The weights a drafter model runs (a model, or a drafter holding one); None for model-free ones."""
-    model = drafter if hasattr(drafter, "forward") else getattr(drafter, "model", None)
-    return getattr(model, "weights", None)
+    from ..drafters.base import capabilities_of
+    from ..drafters.eagle import EagleModel
+
+    if drafter is None or not capabilities_of(drafter).model or isinstance(drafter.model, EagleModel):
+        return None  # model-free, or an EAGLE layer over the target's features (no weights of its own)
+    return drafter.model.weights
 
 
 def _measured_costs(target_model, drafter_model):

@@ -351,7 +351,7 @@ def _generate_seq2seq(prompt: str, target: str, config, sampler, dtype: str, dev
     if as_json:
         print(json.dumps({"text": target_model.decode(result.tokens), "tokens": result.tokens,
                           "stats": result.stats.to_dict(), "stop_reason": result.stop_reason, "method": method,
-                          "target": target_model.name, "drafter": getattr(drafter_used, "name", None),
+                          "target": target_model.name, "drafter": drafter_used.name if drafter_used is not None else None,
                           "sampler": sampler.describe()}, ensure_ascii=False))
     else:
         out.print()

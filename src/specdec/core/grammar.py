@@ -126,7 +126,7 @@ class Grammar:
             raise SpecdecError(f"the {self.kind} grammar is not valid: {matcher.get_error()}"[:500])
         # llguidance allows the model's own end token once the grammar is satisfied; where this
         # sequence does not end on it (ignore_eos with stop_token_ids), it is not allowed
-        foreign = [t for t in getattr(model, "eos_token_ids", None) or [] if t not in ends]
+        foreign = [t for t in model.eos_token_ids if t not in ends]
         return Constraint(matcher, model.vocab_size, list(ends), foreign)
 
 
@@ -139,12 +139,12 @@ def _tokenizer(model):
     with _LOCK:
         made = _TOKENIZERS.get(model)
         if made is None:
-            tokenizer = getattr(model, "tokenizer", None)
+            tokenizer = model.tokenizer
             if tokenizer is None:
                 raise SpecdecError(f"{model.name} has no tokenizer, which a grammar needs")
             import llguidance.hf
 
-            eos = (getattr(model, "eos_token_ids", None) or [None])[0]
+            eos = (model.eos_token_ids or [None])[0]
             made = _TOKENIZERS[model] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=model.vocab_size,
                                                                     eos_token=eos)
         return made

@@ -20,9 +20,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..backends import Backend, Segment
+from ..backends import Backend, Segment, declares_features, features
 from ..backends.cache import cache_length, compact_cache
-from ..drafters.base import accept_draft
+from ..drafters.base import accept_draft, capabilities_of, is_factory
 from ..errors import SpecdecError
 from .results import GenerationResult, GenerationStats
 from .sequence import _timed, _validate
@@ -102,7 +102,8 @@ def _check_beams(num_beams) -> None:
 
 
 def _row_exact(model) -> bool:
-    return bool(getattr(model, "exact_rows", False)) and hasattr(model, "forward_batch")
+    can = features(model)
+    return can.exact_rows and can.batched
 
 
 def beam_search_generate(prompt_ids: Sequence[int], model: Backend, num_beams: int = 4,
@@ -182,7 +183,7 @@ def _fork_drafter(drafter):
     """A tree drafter's copy for a forked beam: its own model cache (a drafter model's), the rest
     (counts, policy) shared."""
     twin = copy.copy(drafter)
-    if getattr(drafter, "cache", None) is not None:
+    if capabilities_of(drafter).model and drafter.cache is not None:
         twin.cache = clone_cache(drafter.cache)
     return twin
 
@@ -208,13 +209,16 @@ def speculative_beam_search(prompt_ids: Sequence[int], target: Backend, drafter,
     if not _row_exact(target):
         raise SpecdecError("speculative beam search needs a row-exact target (exact_rows=True): its "
                            "replayed steps must see the numbers a 1-row pass computes")
-    if not callable(drafter) or hasattr(drafter, "forward"):
+    if declares_features(drafter):
         model = drafter
         from ..drafters import SidesDrafter
         from ..sizing.schedules import TreeCost
 
         # every step drafts (no step timings steer it here), at most 16 nodes a beam
         drafter = lambda: SidesDrafter(model, width=2, policy=TreeCost(max_nodes=16, warmup=10**9))  # noqa: E731
+    elif not is_factory(drafter):
+        raise SpecdecError(f"speculative beam search takes a drafter model or a factory of tree drafters "
+                           f"(one per beam), not {type(drafter).__name__}")
     prompt, limit, limit_reason, eos = _validate(prompt_ids, [target], max_new_tokens, eos_token_ids)
     stats = GenerationStats()
     start = time.perf_counter()

@@ -226,7 +226,7 @@ class SpecConfig:
 
             if method.trees:
                 check_runs_trees(target)
-            if getattr(target, "weights", None) in GGUF_WEIGHTS and method.self_drafting:
+            if target.weights in GGUF_WEIGHTS and method.self_drafting:
                 raise SpecdecError(f"{self.method} cannot run on gguf weights (llama.cpp's backend takes chain "
                                    "drafts only); use transformers' weights (--dtype auto)")
         return self
@@ -266,7 +266,7 @@ def weights_run_trees(dtype: str) -> bool:
 def check_runs_trees(target) -> None:
     """SpecdecError where `target`'s backend cannot score token trees (`runs_trees`)."""
     if not runs_trees(target):
-        raise SpecdecError(f"token trees are not supported on the {getattr(target, 'kernels', 'model')} backend "
+        raise SpecdecError(f"token trees are not supported on the {target.kernels} backend "
                            f"({target.name}); use a chain method, or --dtype auto (transformers' weights) for trees")
 
 

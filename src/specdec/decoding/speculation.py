@@ -330,7 +330,7 @@ def _bigram(config, parts):
     from ..drafters.bigram import BigramDrafter, corpus_table
 
     target = parts.target  # counted once here, shared by every drafter made
-    table = corpus_table(getattr(target, "tokenizer", None), target.vocab_size) if target is not None else None
+    table = corpus_table(target.tokenizer, target.vocab_size) if target is not None else None
     return lambda: BigramDrafter(table=table)
 
 

@@ -190,15 +190,18 @@ def batch_pass_seconds(model, batch: int, rows: int, context: int = CONTEXT, rep
 
 
 def _key(model) -> str:
-    weights = getattr(model, "weights", None) or str(model.dtype).removeprefix("torch.")
+    from ..backends.transformers import TransformersModel
+
+    # only transformers' backend restricts a head's vocabulary (restrict_vocabulary); the others score all
+    vocabulary = model.draft_vocabulary if isinstance(model, TransformersModel) else None
     versions = [torch.__version__]
     if model.kernels.startswith("llama.cpp"):
         import llama_cpp
 
         # a patched build feeds more rows a call: other costs for the same version
         versions.append(f"{llama_cpp.__version__} rows/call={model.rows_per_call}")
-    return "|".join([model.name, weights, model.kernels, f"exact_rows={getattr(model, 'exact_rows', None)}",
-                     f"vocab={getattr(model, 'draft_vocabulary', None) or 'all'}", str(model.device), machine(model),
+    return "|".join([model.name, model.weights, model.kernels, f"exact_rows={model.exact_rows}",
+                     f"vocab={vocabulary or 'all'}", str(model.device), machine(model),
                      f"threads={torch.get_num_threads()}", *versions])
 
 

@@ -105,9 +105,11 @@ def prepare(target, corpus: str | Sequence[int], out: Path, tokens: int, seq_len
 
     from ..models.vocab import frequent_ids
 
-    if not hasattr(target, "_decoder"):
+    from ..backends.transformers import TransformersModel
+
+    if not isinstance(target, TransformersModel):  # hidden states of every position: transformers' backend
         raise SpecdecError(f"training needs the target's hidden states; {target.name} "
-                           f"({getattr(target, 'kernels', '?')}) gives none; use --dtype auto (transformers' weights)")
+                           f"({target.kernels}) gives none; use --dtype auto (transformers' weights)")
     if isinstance(corpus, str):
         ids, identity = corpus_ids(target.tokenizer, corpus)
     else:
@@ -213,4 +215,4 @@ def cached(path: Path, key: dict):
 
 def drafter_source(model) -> str:
     """What `load` takes to load `model` again: its registry name, else its directory or file."""
-    return getattr(model, "source", None) or model.name
+    return model.source or model.name

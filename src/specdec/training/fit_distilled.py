@@ -95,6 +95,7 @@ def distill_drafter(target, drafter, corpus: str | Sequence[int], out: str | Pat
     from rich.progress import Progress
 
     from ..backends.text import check_pair
+    from ..backends.transformers import TransformersModel
 
     for name in ("tokens", "context", "continuation", "rank", "epochs", "batch", "sequences_per_pass"):
         if getattr(config, name) < 1:
@@ -104,9 +105,9 @@ def distill_drafter(target, drafter, corpus: str | Sequence[int], out: str | Pat
     if config.loss not in ("tvd", "fkl"):
         raise SpecdecError(f"unknown divergence {config.loss!r}: tvd or fkl")
     for model, role in ((target, "target"), (drafter, "drafter")):
-        if not hasattr(model, "_decoder"):
+        if not isinstance(model, TransformersModel):
             raise SpecdecError(f"distillation needs the {role}'s hidden states and logits from transformers' weights; "
-                               f"{model.name} runs on {getattr(model, 'kernels', '?')}: use --dtype auto")
+                               f"{model.name} runs on {model.kernels}: use --dtype auto")
     _check_drafter(drafter)
     check_pair(target, drafter)
     if drafter.adapter is not None:

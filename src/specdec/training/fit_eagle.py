@@ -101,7 +101,9 @@ def train_eagle(target, corpus: str | Sequence[int], out: str | Path, config: Ea
             or config.seq_len <= config.unroll + 1 or config.intermediate < 0 or config.noise < 0):
         raise SpecdecError("train-heads --kind eagle needs epochs, batch, vocab and unroll >= 1, "
                            "seq-len > unroll + 1, and a non-negative intermediate size and noise")
-    if hasattr(target, "hf"):
+    from ..backends.transformers import TransformersModel
+
+    if isinstance(target, TransformersModel):  # the others are refused by `prepare`, which needs its hidden states
         check_embeddings(target)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
