@@ -34,6 +34,7 @@ class Seq2SeqModel:
         self.name = name or config.model_type
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
+        self.weights = str(self.dtype).removeprefix("torch.")  # the Backend protocol's: which weights run
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         start = config.decoder_start_token_id
         if start is None:
@@ -88,7 +89,7 @@ class BoundDecoder:
 
     def __init__(self, model: Seq2SeqModel, encoded, mask: torch.Tensor):
         self.model, self.hf, self.tokenizer = model, model.hf, model.tokenizer
-        self.name, self.device, self.dtype = model.name, model.device, model.dtype
+        self.name, self.device, self.dtype, self.weights = model.name, model.device, model.dtype, model.weights
         self.role, self.num_parameters = model.role, model.num_parameters
         self.vocab_size, self.eos_token_ids, self.max_context = model.vocab_size, model.eos_token_ids, model.max_context
         self.encoded, self.mask = encoded, mask

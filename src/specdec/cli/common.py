@@ -55,12 +55,15 @@ def _check_runs_on(dtype: str, config) -> None:
 
 def _weights_of(drafter) -> str | None:
     """The weights a drafter model runs (a model, or a drafter holding one); None for model-free ones."""
-    from ..drafters.base import capabilities_of
+    from ..drafters.base import capabilities_of, is_drafter
     from ..drafters.eagle import EagleModel
 
-    if drafter is None or not capabilities_of(drafter).model or isinstance(drafter.model, EagleModel):
+    if drafter is None:
+        return None
+    model = drafter if not is_drafter(drafter) else drafter.model if capabilities_of(drafter).model else None
+    if model is None or isinstance(model, EagleModel):
         return None  # model-free, or an EAGLE layer over the target's features (no weights of its own)
-    return drafter.model.weights
+    return model.weights
 
 
 def _measured_costs(target_model, drafter_model):

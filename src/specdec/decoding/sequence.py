@@ -33,7 +33,7 @@ from ..core.verify import Typical
 from .config import SEED_RULES
 from .speculation import Speculation
 from .results import GenerationResult, GenerationStats, Step, StepCallback
-from .verifier import Verdict, choose_verifier
+from .verifier import Verdict, check_rule, choose_verifier
 
 DEFAULT_GAMMA = 5  # a chain's fixed draft length where neither gamma nor a schedule is given
 DRAFT_STREAM = 0x5EED  # the drafter's random stream is seeded with seed + DRAFT_STREAM
@@ -595,7 +595,8 @@ def check_request(prompt_ids: Sequence[int], target: Backend, speculation: Specu
             raise SpecdecError("a grammar constrains chain drafts only (a tree's nodes would each need a "
                                "matcher of their own); use a chain method")
         drafter.check_target(target)
-    choose_verifier(sampler, None, speculation.lenience, speculation.typical, can.trees, drafter is not None)
+    if drafter is not None:
+        check_rule(speculation.lenience, speculation.typical, can.trees)
     prompt, limit, limit_reason, eos = check_limits(prompt_ids, target, limits or Limits(),
                                                     drafter.model if can.model else None)
     if rules is not None and not isinstance(rules, LogitRules):

@@ -292,6 +292,21 @@ VERIFIERS: dict[tuple[str, bool], type[Verifier]] = {
 }
 
 
+def check_rule(lenience: float = 1.0, typical: Typical | None = None, trees: bool = False) -> None:
+    """SpecdecError where no verifier takes these options (`choose_verifier`'s refusals, for a
+    request checked before its sequence exists)."""
+    if trees and lenience != 1:
+        raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
+    if trees and typical is not None:
+        raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
+    if typical is not None and lenience != 1:
+        raise SpecdecError("choose lenience or typical acceptance, not both")
+    if typical is not None and not isinstance(typical, Typical):
+        raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
+    if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
+        raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
+
+
 def choose_verifier(sampler: Sampler, noise: SeededNoise | None = None, lenience: float = 1.0,
                     typical: Typical | None = None, trees: bool = False, drafts: bool = True) -> Verifier:
     """The one verifier of a sequence. Greedy sampling compares tokens whatever the rule; a seed's
@@ -300,16 +315,7 @@ def choose_verifier(sampler: Sampler, noise: SeededNoise | None = None, lenience
     exact rules alone (greedy, coupled, standard). drafts: False for a sequence without a drafter,
     which never verifies a draft (its lenience and typical play no part)."""
     if drafts:
-        if trees and lenience != 1:
-            raise SpecdecError("lenience < 1 applies to chain drafts only; tree verification is exact")
-        if trees and typical is not None:
-            raise SpecdecError("typical acceptance applies to chain drafts only; tree verification is exact")
-        if typical is not None and lenience != 1:
-            raise SpecdecError("choose lenience or typical acceptance, not both")
-        if typical is not None and not isinstance(typical, Typical):
-            raise SpecdecError(f"typical must be a verify.Typical, got {typical!r}")
-        if not (isinstance(lenience, (int, float)) and 0 < lenience <= 1):
-            raise SpecdecError(f"lenience must be in (0, 1] (1 = exact), got {lenience!r}")
+        check_rule(lenience, typical, trees)
     else:
         lenience, typical = 1.0, None
     if sampler.is_greedy:
