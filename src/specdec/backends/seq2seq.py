@@ -23,6 +23,7 @@ class Seq2SeqModel:
     """A transformers encoder-decoder (`AutoModelForSeq2SeqLM`), its tokenizer (or None) and name."""
 
     role = None  # the loader gives encoder-decoders no role (roles.check_roles then compares sizes alone)
+    kernels = "encoder-decoder"
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None):
         config = hf_model.config
