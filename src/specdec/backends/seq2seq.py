@@ -5,7 +5,7 @@ loops then drive is the decoder (`BoundDecoder`): a Backend whose "prompt" is th
 token and whose cache holds its own self-attention keys beside the cross-attention keys of the
 encoded source. Drafts and verification run on the decoders with their own caches, cropped on
 rejection like a decoder-only model's, so the whole speculative loop applies unchanged
-(`generate.speculative_generate_encoder_decoder`). Chains only: no tree masks, no batched engine.
+(`loop.speculative_generate_encoder_decoder`). Chains only: no tree masks, no batched engine.
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def run_method(method: str, ids: list[int], target: TransformersModel, drafter: 
                       answer["iterations"] or None, answer["drafted"], answer["accepted"],
                       first_token_seconds=out["first_token_seconds"])
     # every exact method seeded (its output is the seeded AR output); typical acceptance's seed would
-    # turn off the measured-cost policies (generate.seed_pins_drafts): time what users run
+    # turn off the measured-cost policies (sequence.seed_pins_drafts): time what users run
     config = bench_config(method, settings)
     typical = config.typical()
     grammar = None if schema is None else CountedGrammar("json_schema", schema)

@@ -1,6 +1,6 @@
 """The `specdec` command (also `python -m specdec`): one module per command group. A command that
 speculates parses its options into a `SpecConfig` (`common.spec_config`), builds through
-`methods.build`, runs and renders; no drafter is assembled here."""
+`speculation.build`, runs and renders; no drafter is assembled here."""
 
 from __future__ import annotations
 

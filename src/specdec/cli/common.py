@@ -165,7 +165,7 @@ TREE_SCHEME_HELP = ("How a sampled tree draws the drafter's side tokens: without
 
 def spec_config(method: str, drafter: str | None, tree: str = "off", cascade: str = "off",
                 schedule: str | None = None, lenience: float = 1.0, typical: bool = False, **fields):
-    """The `SpecConfig` of a command's flags (`methods.from_options`)."""
+    """The `SpecConfig` of a command's flags (`speculation.from_options`)."""
     from ..decoding.speculation import from_options
 
     return from_options(method, drafter, tree, cascade, schedule, lenience, typical, **fields)

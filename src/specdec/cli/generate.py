@@ -399,11 +399,11 @@ def _generate_batch(target_model, speculation, rows: list[dict], batch_size: int
                     kv_memory: int | None = None, online=None, drafter_model=None, grammar=None) -> None:
     """Every row of a --prompts file through the engine, `batch_size` at a time; output in the
     file's order (a JSON line per prompt with --json), then one summary line. speculation: the
-    built `methods.Speculation`, a drafter and a schedule per row; a row's output is that of its
+    built `speculation.Speculation`, a drafter and a schedule per row; a row's output is that of its
     prompt alone (greedy, or seeded: the seeded AR output), whatever its batch. online: an
-    `adapter.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one).
+    `lora.OnlineDistiller` on the drafter, updated after each row (the rows then run one by one).
     drafter_model: the loaded drafter model, if any (with the target: the batched pass costs the
-    engine's batch policy starts from, `passcost.load_costs`). grammar: what every row's output
+    engine's batch policy starts from, `pass_costs.load_costs`). grammar: what every row's output
     must match (`grammar.Grammar`), or None."""
     import time
 

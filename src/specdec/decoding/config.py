@@ -1,7 +1,7 @@
 """`SpecConfig`: what speculation a generation runs, as one typed value, checked in one place.
 
 The CLI (`generate`, `chat`, `serve`, `profile`, `bench`), the server's `speculative` block and
-the Python API all describe speculation with it; `methods.build` turns it into a drafter and a
+the Python API all describe speculation with it; `speculation.build` turns it into a drafter and a
 draft-length schedule. It holds names and numbers only: the models, datastores and checkpoints
 it names are loaded by whoever runs it (a request to the server may not name any).
 """
@@ -77,7 +77,7 @@ METHODS: dict[str, Method] = {
 class SpecConfig:
     """One speculation, by name and options.
 
-    method: a registered method (`methods.METHODS`: ar, chain, parallel, cascade, ngram, lookup, suffix,
+    method: a registered method (`speculation.METHODS`: ar, chain, parallel, cascade, ngram, lookup, suffix,
         retrieval, tree, lookahead, medusa, eagle, self-skip, early-exit, multi-draft,
         cascade-horizontal).
     drafter: the drafter model's name, for methods that draft with one (None: the run's default).

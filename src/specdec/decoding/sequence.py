@@ -132,7 +132,7 @@ class Decoding:
         self.cache = None
         self._target_only = first_target or drafter is None  # the next pass scores the pending tokens alone
         self._draft = None
-        # a drafter model learning from its rejections between requests (adapter.OnlineDistiller)
+        # a drafter model learning from its rejections between requests (lora.OnlineDistiller)
         self.online = features(self.drafter_model).online if isinstance(drafter, ModelDrafter) else None
         self.verifier = choose_verifier(self.sampler, self.noise, self.lenience, self.typical, self.trees, drafter is not None)
 

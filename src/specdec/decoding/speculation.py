@@ -124,7 +124,7 @@ class Parts:
     """What a build draws on besides its config; the caller loads and owns them.
 
     drafter_model: the drafter model, for configs that need one (`SpecConfig.needs_drafter_model`).
-    costs: `costs(model)` gives the measured pass costs (`passcost.PassCosts`) of the target with
+    costs: `costs(model)` gives the measured pass costs (`pass_costs.PassCosts`) of the target with
         that drafter model (None: a model-free drafter) for the cost schedule; None: the schedule
         times passes as it goes (a seed under the stream rule, which nothing measured may size).
     assumed: the `schedules.AssumedCosts` a config with `assumed=True` is sized for.
@@ -132,7 +132,7 @@ class Parts:
         server's requests); None: each generation drafts from its own text.
     datastore: the retrieval method's `datastore.Datastore` (else opened from the config's folder).
     lookahead_rows: rows a target pass takes at little more than one row's cost
-        (`passcost.flat_rows`), which shape lookahead where the config gives no shape.
+        (`pass_costs.flat_rows`), which shape lookahead where the config gives no shape.
     """
 
     target: object
@@ -483,7 +483,7 @@ def open_files(config: SpecConfig) -> None:
 
 def from_options(method: str = "default", drafter: str | None = None, tree: str = "off", cascade: str = "off",
                  schedule: str | None = None, lenience: float = 1.0, typical: bool = False, **fields) -> SpecConfig:
-    """The config a command line names: `method` (a method or preset, `methods.resolve`) with
+    """The config a command line names: `method` (a method or preset, `speculation.resolve`) with
     today's `--drafter`, `--tree` and `--cascade` flags on top. Where the method is a drafter
     model's chain (`default`, `sd`, `sd-*`), those flags choose what drafts instead, keeping the
     preset's schedule and rules: `--method sd --drafter lookup` is prompt lookup at a fixed γ.

@@ -92,7 +92,7 @@ class LookaheadDrafter(Drafter):
 
     def check_target(self, target) -> None:
         """Size the shape for `target` where none was given: from the policy's assumed costs, or
-        the target's measured ones (`passcost.flat_rows`, measured once per machine and cached)."""
+        the target's measured ones (`pass_costs.flat_rows`, measured once per machine and cached)."""
         if self.shape is not None:
             return
         assumed = self.policy.assumed

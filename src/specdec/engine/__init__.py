@@ -1,5 +1,5 @@
 """Many sequences at once: requests admitted up to a batch size, each decoded step by step
-(`generate.Decoding`), all running sequences' tokens scored in one target pass per step
+(`sequence.Decoding`), all running sequences' tokens scored in one target pass per step
 (`BatchedBackend.forward_batch`)."""
 
 from .batch import generate_many

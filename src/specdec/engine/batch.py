@@ -22,7 +22,7 @@ def generate_many(prompts: Sequence[Sequence[int]], target: Backend, drafter=Non
     seeds: one per generated sequence (len(prompts) * samples), or None.
     kv_memory: the engine's KV budget in bytes (`Engine`), or None.
     load_costs: the machine's batched pass costs with the drafter's model
-    (`passcost.load_costs(target, drafter)`), so that batch sizes where no draft can pay decode
+    (`pass_costs.load_costs(target, drafter)`), so that batch sizes where no draft can pay decode
     plainly from the first step (`Engine`); None: every size is learned from its own steps.
     allow_larger_drafter: as `speculative_generate`'s (a drafter model larger than the target, or
     the two loaded the other way round, is refused: `roles.check_roles`).

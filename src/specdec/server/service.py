@@ -88,9 +88,9 @@ class Limits:
 class Service:
     """A target, an optional drafter model, and the default speculation of requests.
 
-    costs: the pass costs (`passcost.pass_costs`) of (target, drafter model) and of (target,
+    costs: the pass costs (`pass_costs.pass_costs`) of (target, drafter model) and of (target,
     model-free drafter), measured once at start, for the cost-aware schedule.
-    load_costs: the batched pass costs (`passcost.load_costs`) of the target with the default
+    load_costs: the batched pass costs (`pass_costs.load_costs`) of the target with the default
     method's drafter, for the engine's batch policy (`Engine`); None: it learns from steps alone.
     assumed: costs taken as given instead of timed (`schedules.AssumedCosts`): drafts and trees
     sized as on a machine with those costs, the same on every run (tests).
@@ -99,7 +99,7 @@ class Service:
     datastore: a `datastore.Datastore` the `retrieval` method drafts from (the operator's, opened
     at start; no request names one), checked against the target's tokenizer.
     lookahead_rows: the rows a pass of the target takes at little more than a one-token pass's
-    cost (`passcost.flat_rows`, measured at start), which shape the `lookahead` method; None:
+    cost (`pass_costs.flat_rows`, measured at start), which shape the `lookahead` method; None:
     from `assumed`, or measured by the first lookahead request.
     """
 
@@ -140,7 +140,7 @@ class Service:
         """Take the next of `pending_costs` (the engine's thread calls it between requests, so that
         timing and serving never share the machine) -> the field it filled, or None when none was
         pending or it stopped early. should_stop: asked between the sizes of a long measurement,
-        which then yields (`passcost.Interrupted`) and goes on from there at the next call. A
+        which then yields (`pass_costs.Interrupted`) and goes on from there at the next call. A
         measurement that fails is logged and left out: its field keeps its default."""
         from ..sizing.pass_costs import Interrupted
 

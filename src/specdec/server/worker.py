@@ -51,7 +51,7 @@ class Worker:
     max_waiting: the most requests queued (not yet running) before `submit` raises QueueFull.
     on_step: called after each step with the engine (metrics), on the engine's thread.
     between: called on the engine's thread whenever no request is in the engine (an online
-        distiller's update: `adapter.OnlineDistiller.update`), so it never runs during a request.
+        distiller's update: `lora.OnlineDistiller.update`), so it never runs during a request.
     stall_timeout: seconds without a completed step, while requests wait or run, after which
         `trouble` reports the engine stalled.
     """

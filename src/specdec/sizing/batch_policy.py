@@ -40,7 +40,7 @@ switch to drafting there.
 
 Learning that drafting loses costs drafting steps; at a batch size where no draft can pay that
 is all loss (docs/engine.md#speculation-under-load). So given the machine's batched pass costs
-(`passcost.LoadCosts`, measured once per pair), a batch size drafts only where they say that
+(`pass_costs.LoadCosts`, measured once per pair), a batch size drafts only where they say that
 drafting could beat plain steps by 10% at the acceptance seen so far (before any,
 `ACCEPTANCE_PRIOR`), or where its own steps have shown drafting faster: elsewhere it takes plain
 steps from the first, with no warm-up and no probes. The profile is a best case (the best draft
@@ -80,7 +80,7 @@ class BatchCosts:
     `decay` a step so the costs follow the batch's current width).
     probe_share: the most a losing probe's drafter catch-up may cost, as a share of the plain
     steps' time since the last drafting step.
-    prior: the machine's batched pass costs with the requests' drafter (`passcost.load_costs`):
+    prior: the machine's batched pass costs with the requests' drafter (`pass_costs.load_costs`):
     batch sizes where they say drafting cannot pay take plain steps unmeasured; None: every size
     is learned from its own steps.
     """

@@ -357,7 +357,7 @@ class CostAware(Schedule):
 
     def __init__(self, gamma_max: int = 32, threshold: float = 0.5, warmup: int = 3, probe: int = 8,
                  decay: float = 0.9, pass_costs=None, assumed: AssumedCosts | None = None):
-        """pass_costs: a `passcost.PassCosts` profile of this target and drafter on this machine, or
+        """pass_costs: a `pass_costs.PassCosts` profile of this target and drafter on this machine, or
         None. For a model-free drafter θ starts at its price of one more row, (t(2) − t(1)) / t(1).
         Where it shows that no draft would beat plain decoding by 10% even if accepted in full
         (`never_pays`), the schedule drafts nothing at all, so neither the drafting steps it would

@@ -34,8 +34,8 @@ HELP = """commands:
 
 
 class ChatSession:
-    """method: a method or preset (`methods.resolve`), with `drafter` (a --drafter value) and
-    `tree` on top as `spec.from_options` reads them; schedule None: the method's.
+    """method: a method or preset (`speculation.resolve`), with `drafter` (a --drafter value) and
+    `tree` on top as `speculation.from_options` reads them; schedule None: the method's.
     load_drafter(name): the drafter model of that name, loaded (called once a name)."""
 
     def __init__(self, target: Backend, load_drafter: Callable[[str], Backend], drafter: str,
