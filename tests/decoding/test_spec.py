@@ -264,7 +264,9 @@ def test_the_server_the_engine_bench_and_the_cli_take_the_registrys_names():
     assert list(listed) == names()
     assert set(names()) <= set(BENCH_METHODS)
     self_drafting = {n for n in names() if METHODS[preset(n).method].self_drafting}
-    assert set(SERVED) == set(names()) - self_drafting
+    lossy = {n for n in names() if preset(n).acceptance != "exact"}
+    assert lossy == {"sd-typical"}
+    assert set(SERVED) == set(names()) - self_drafting - lossy  # a served output is the target's own
     assert set(LOAD_METHODS) - set(PEERS) == set(names()) - self_drafting
     assert {"hf-cb", "hf-padded", "vllm", "vllm-draft", "vllm-ngram", "vllm-specdec-suffix", "vllm-specdec-lookup",
             "vllm-specdec-ngram", "vllm-specdec-retrieval"} == set(PEERS)

@@ -334,3 +334,21 @@ def test_an_assistant_message_echoed_back_with_null_fields_is_taken():
                "audio": None, "annotations": [], "name": None}
     job = parse_job({"messages": [{"role": "user", "content": "x"}, message]}, True, NAME, SpecConfig())
     assert job.messages[1] == {"role": "assistant", "content": "hi"}
+
+
+def test_a_lossy_preset_is_refused_by_the_server_and_by_serve():
+    """sd-typical accepts what the target would not sample: a served output is always the target's."""
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+    from specdec.server.schema import BadRequest, parse_job, served_methods
+    from specdec.server.service import Service
+
+    target, drafter = tiny_model(0), tiny_model(1)
+    service = Service(target, drafter)
+    with pytest.raises(BadRequest, match="speculative.method must be one of") as caught:
+        parse_job({"prompt": [1, 2], "speculative": {"method": "sd-typical"}}, False, target.name,
+                  service.default, service.default_method)
+    assert caught.value.param == "speculative.method" and "sd-typical" not in served_methods()
+    result = CliRunner().invoke(app, ["serve", "--method", "sd-typical"])
+    assert result.exit_code != 0 and "--method must be one of" in result.output

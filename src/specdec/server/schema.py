@@ -93,10 +93,12 @@ def _check_fields(body: dict, endpoint: str) -> None:
 def served_methods() -> tuple[str, ...]:
     """The names a request's `speculative.method` takes: every method and preset of the registry
     (`specdec methods`) but those where the target drafts for itself, which run one sequence at a
-    time (the engine's batched passes keep no hidden states)."""
+    time (the engine's batched passes keep no hidden states), and the lossy presets (`sd-typical`):
+    whatever drafts, a served output is the target's own (greedy, or its seeded law)."""
     from ..decoding.speculation import METHODS as REGISTRY, names, preset
 
-    return tuple(name for name in names() if not REGISTRY[preset(name).method].self_drafting)
+    return tuple(name for name in names()
+                 if not REGISTRY[preset(name).method].self_drafting and preset(name).acceptance == "exact")
 
 
 SPECULATIVE_FIELDS = ("method", "gamma_max", "tree_nodes", "tree", "schedule", "gamma")
