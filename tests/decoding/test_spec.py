@@ -388,38 +388,6 @@ def test_the_loop_and_the_engine_read_declarations_instead_of_probing():
     assert probes <= 3, probes
 
 
-def test_a_drafter_that_does_not_subclass_drafter_is_refused():
-    """A drafter written against the bare members, without subclassing `Drafter`, is refused with
-    what to do (nothing is derived from its members); the same members on a subclass draft."""
-    from specdec.drafters import Draft
-
-    class Repeats:
-        name = "repeats"
-        passes = 0
-
-        def check_target(self, target):
-            pass
-
-        def start(self, prompt):
-            pass
-
-        def propose(self, context, max_tokens, sampler, generator, keep_going):
-            return Draft([context[-1]] * max_tokens)
-
-        def rollback(self, length):
-            pass
-
-    class Subclassed(Repeats, Drafter):
-        pass
-
-    target = tiny_model(0, vocab=32)
-    ar = autoregressive_generate(PROMPT, target, max_new_tokens=16, eos_token_ids=[])
-    with pytest.raises(SpecdecError, match=r"Repeats is neither a drafter nor a model: a drafter subclasses "
-                                           r"specdec\.drafters\.Drafter"):
-        speculative_generate(PROMPT, target, Repeats(), max_new_tokens=16, eos_token_ids=[])
-    assert speculative_generate(PROMPT, target, Subclassed(), max_new_tokens=16, eos_token_ids=[]).tokens == ar.tokens
-
-
 def test_a_subclass_overriding_the_whole_proposal_is_called_through_it():
     """A drafter class that batches its passes (`proposal`) is driven through that generator;
     a subclass that overrides `propose` must still be called through its override."""
