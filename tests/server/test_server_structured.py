@@ -318,7 +318,7 @@ def test_qwen_calls_a_tool_and_answers_a_pydantic_model():
     """Qwen2.5-Coder 0.5B's own template and tool tags: a required call parses into tool_calls
     whose arguments validate, the same streamed; parse() returns the object. (One call: left to
     call on, this small model goes on calling until max_tokens.)"""
-    from specdec.models.loading import loading as models
+    from specdec.models import loading as models
 
     target = models.load("qwen2.5-coder-0.5b", role="target", exact_rows=True)
     service = Service(target, None, default="ar", limits=Limits(max_tokens=96))
