@@ -227,7 +227,8 @@ def test_a_distilled_drafter_is_loaded_by_name_and_refused_as_a_target(tmp_path)
 def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     from torch import nn
 
-    from specdec.backends.kernels import Int8Linear, PackedLinear, dense_weight, int8_supported, set_dense_weight
+    from specdec.backends.kernels import (Int8Linear, PackedLinear, dense_weight, dynamic_int8_supported, int8_supported,
+                                         set_dense_weight)
 
     torch.manual_seed(0)
     old, new, x = torch.randn(32, 64), torch.randn(32, 64), torch.randn(3, 64)
@@ -240,6 +241,8 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     kinds = [linear, lambda w: PackedLinear(w), lambda w: PackedLinear(w.bfloat16(), dense_rows=4)]
     if int8_supported(torch.device("cpu")):
         kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8))
+    if dynamic_int8_supported():
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, dynamic=True))
     for made in kinds:
         layer = made(old)
         set_dense_weight(layer, new.to(dense_weight(layer).dtype))

@@ -10,8 +10,8 @@ from torch import nn
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
-from specdec.backends.kernels import (Int8Linear, int8_fits, int8_supported, pack_linears, packed_bf16_supported, quantize_int8,
-                             quantize_linears)
+from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_supported, pack_linears,
+                                     packed_bf16_supported, quantize_int8, quantize_linears)
 from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
@@ -19,6 +19,8 @@ from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
 
 needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")) or TEST_DEVICE != "cpu",
                                 reason="no CPU int8 kernel in this torch, or models on CUDA")
+needs_dynamic = pytest.mark.skipif(not dynamic_int8_supported() or TEST_DEVICE != "cpu",
+                                   reason="no fbgemm int8 GEMM here (not x86), or models on CUDA")
 
 
 def test_int8_rounding_is_within_half_a_step_per_row():
@@ -43,6 +45,42 @@ def test_int8_linear_follows_the_dense_layer_for_short_inputs_and_hands_long_one
         assert float((layer(x) - reference).abs().max()) < 0.03 * scale
     x = torch.randn(2, 2, in_features)  # 4 rows > short_rows: the long layer itself
     assert torch.equal(layer(x), dense(x))
+
+
+@needs_dynamic
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dynamic_int8_linear_follows_the_dense_layer_and_hands_long_inputs_on(dtype):
+    torch.manual_seed(0)
+    dense = nn.Linear(896, 40, bias=True).to(dtype).requires_grad_(False)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2, dynamic=True)
+    assert layer.dynamic and layer.int8_weight is None  # fbgemm's packed copy only
+    for rows in (1, 2):
+        x = torch.randn(rows, 896, dtype=dtype)
+        reference = dense(x).float()
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == reference.shape
+        # inputs and weights rounded to 8 bits: within a few percent of the largest output
+        assert float((out.float() - reference).abs().max()) < 0.05 * float(reference.abs().max())
+    x = torch.randn(3, 896, dtype=dtype)
+    assert torch.equal(layer(x), dense(x))
+    clone = copy.deepcopy(layer)
+    x = torch.randn(1, 896, dtype=dtype)
+    assert torch.equal(clone(x), layer(x))
+
+
+@needs_dynamic
+def test_only_layers_fed_by_a_norm_round_their_inputs():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
+
+    block = Block()
+    assert quantize_linears(block, short_rows=2) == 5
+    kinds = {name: layer.dynamic for name, layer in block.named_children()}
+    assert kinds == {name: name in NORMED_INPUTS for name in kinds}
+    assert kinds["q_proj"] and kinds["up_proj"] and not kinds["o_proj"] and not kinds["down_proj"]
 
 
 @needs_int8
@@ -219,7 +257,8 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     # its long path: bf16 packed for oneDNN where this build and CPU run it (native bf16)
     long_path = "onednn-packed-bf16" if packed_bf16_supported() else "bfloat16"
-    assert drafter.kernels == (f"int8+{long_path}" if native_bf16 else "int8+onednn-packed-fp32")
+    int8 = "int8/fbgemm" if dynamic_int8_supported() else "int8"
+    assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)
     assert drafter._draft_head.short_rows == (short if native_bf16 else 8)
