@@ -224,6 +224,31 @@ def test_a_distilled_drafter_is_loaded_by_name_and_refused_as_a_target(tmp_path)
         load(f"distilled:{tmp_path}", dtype="gguf", role="drafter")
 
 
+def test_gradients_pass_through_every_kind_of_drafter_linear():
+    """An adapter trained on a drafter's outputs (online distillation: sequences of a few tokens)
+    needs gradients through its int8 layers too, whose short paths have none."""
+    from torch import nn
+
+    from specdec.backends.kernels import (Int8Linear, PackedBf16Linear, differentiable_linears, dynamic_int8_supported,
+                                         int8_supported, packed_bf16_supported)
+
+    if not int8_supported(torch.device("cpu")):
+        pytest.skip("no CPU int8 kernel in this torch")
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 32).bfloat16().requires_grad_(False)
+    long = PackedBf16Linear(dense.weight, dense.bias) if packed_bf16_supported() else dense
+    layers = [Int8Linear(dense.weight, dense.bias, long, short_rows=8)]
+    if dynamic_int8_supported():
+        layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, dynamic=True))
+    for layer in layers:
+        model = nn.Sequential(layer)
+        x = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)  # 2 rows: the short path outside
+        with differentiable_linears(model):
+            model(x).float().sum().backward()
+        assert x.grad is not None and torch.allclose(x.grad.float(), dense.weight.float().sum(0).expand(2, -1), atol=0.1)
+        assert "forward" not in vars(layer)  # the class's own forward again
+
+
 def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     from torch import nn
 
@@ -243,6 +268,8 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
         kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8))
     if dynamic_int8_supported():
         kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, dynamic=True))
+        bias = torch.full((32,), 5.0)  # fbgemm packs the bias with the weight: packed anew, it must stay
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), bias, linear(w.bfloat16()), short_rows=8, dynamic=True))
     for made in kinds:
         layer = made(old)
         set_dense_weight(layer, new.to(dense_weight(layer).dtype))

@@ -68,6 +68,17 @@ def test_dynamic_int8_linear_follows_the_dense_layer_and_hands_long_inputs_on(dt
     assert torch.equal(clone(x), layer(x))
 
 
+def test_fbgemm_inputs_keep_7_bits_unless_the_cpu_has_avx512_vnni(monkeypatch):
+    # fbgemm sums u8*s8 pairs in 16 bits on its AVX2 kernel (which AVX-VNNI-only CPUs run): 8-bit inputs saturate there
+    import specdec.backends.kernels as kernels
+
+    for flags, reduce in (({"avx2"}, True), ({"avx2", "avx_vnni"}, True), ({"avx512f", "avx512_vnni"}, False), (None, True)):
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda flags=flags: flags)
+        kernels._reduce_range.cache_clear()
+        assert kernels._reduce_range() is reduce, flags
+    kernels._reduce_range.cache_clear()
+
+
 @needs_dynamic
 def test_only_layers_fed_by_a_norm_round_their_inputs():
     class Block(nn.Module):
@@ -257,6 +268,7 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     # its long path: bf16 packed for oneDNN where this build and CPU run it (native bf16)
     long_path = "onednn-packed-bf16" if packed_bf16_supported() else "bfloat16"
+    # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs where fbgemm runs
     int8 = "int8/fbgemm" if dynamic_int8_supported() else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]

@@ -279,9 +279,9 @@ def dynamic_int8_supported() -> bool:
 
 @functools.cache
 def _reduce_range() -> bool:
-    """fbgemm's 7-bit inputs, needed where its u8*s8 products are summed in 16 bits (no VNNI)."""
-    flags = _cpu_flags() or set()
-    return not flags & {"avx512_vnni", "avx_vnni"}
+    """fbgemm's 7-bit inputs, needed where its u8*s8 products are summed in 16 bits: everywhere
+    but AVX512-VNNI (fbgemm has no AVX-VNNI kernel; those CPUs run its AVX2 one)."""
+    return "avx512_vnni" not in (_cpu_flags() or set())
 
 
 def quantize_int8(weight: torch.Tensor, chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
@@ -507,10 +507,10 @@ def quantize_linears(module: nn.Module, short_rows: int) -> int:
     return count
 
 
-def int8_label() -> str:
-    """What a model's int8 layers run, for its `kernels` name (and the pass-cost cache's key):
-    "int8", or "int8/fbgemm" where the layers fed by a norm round their inputs too."""
-    return "int8/fbgemm" if dynamic_int8_supported() else "int8"
+def int8_label(module: nn.Module) -> str:
+    """What the int8 layers inside `module` run, for its `kernels` name (and the pass-cost cache's
+    key): "int8", or "int8/fbgemm" where some of them round their inputs too."""
+    return "int8/fbgemm" if any(isinstance(m, Int8Linear) and m.dynamic for m in module.modules()) else "int8"
 
 
 def _dynamic(name: str) -> bool:
@@ -555,7 +555,10 @@ def differentiable_linears(module: nn.Module):
     adapter trained on a drafter's outputs needs gradients through every layer after it."""
     patched = []
     for layer in module.modules():
-        if isinstance(layer, (PackedLinear, PackedBf16Linear)):
+        if isinstance(layer, Int8Linear):  # neither int8 op has a gradient: the layer it stands in for
+            layer.forward = lambda x, long=layer.long: long(x)
+            patched.append(layer)
+        elif isinstance(layer, (PackedLinear, PackedBf16Linear)):
             weight = dense_weight(layer)
             bias = layer.packed_bias if isinstance(layer, PackedLinear) else layer.bias
             layer.forward = lambda x, w=weight, b=bias: nn.functional.linear(

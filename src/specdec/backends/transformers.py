@@ -90,18 +90,18 @@ class TransformersModel:
             # int8 beat packed fp32 up to 16 rows (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head);
             # emulated bf16 beats packed fp32 only up to 2
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
-            self.kernels = f"{int8_label()}+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
+            self.kernels = f"{int8_label(self._decoder)}+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
         elif on_cpu and self._dtype == torch.bfloat16 and cpu_has_native_bf16() and packed_bf16_supported():
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
-            self.kernels = (f"{int8_label()}+" if int8 else "") + "onednn-packed-bf16"
+            self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + "onednn-packed-bf16"
             if role == "target":
                 self._packed_head = PackedBf16Linear(weight, None, packed_bf16_least_rows())
         elif int8:
             # native bf16 grows slowly with rows on AMX, where int8 wins for 1-2 rows; up to 8 without
             quantize_linears(self._decoder, short_rows=int8_short_rows())
-            self.kernels = f"{int8_label()}+{str(self._dtype).removeprefix('torch.')}"
+            self.kernels = f"{int8_label(self._decoder)}+{str(self._dtype).removeprefix('torch.')}"
         self.int8 = bool(int8)
         self._vocab_ids: torch.Tensor | None = None
         self._draft_head: torch.nn.Module | None = None
@@ -330,7 +330,8 @@ class TransformersModel:
         Needs row-exact passes (`exact_rows`: attention a row at a time over its own cache);
         the rows equal each sequence's own pass bit for bit where the model is `rows_invariant`
         (bf16 and packed fp32 linears, cut to calls of 2..32 rows: tests/engine/test_batch.py). Otherwise
-        (an int8 drafter) each sequence's rows are its own but rounded as the batch's width has it.
+        (an int8 drafter) each sequence's rows are its own but rounded as the batch has them: by its
+        width, and where an int8 layer rounds its input with one scale a call, by the other rows too.
         """
         if not self.exact_rows:
             raise SpecdecError(f"batched passes are row-exact passes; {self.name} runs without them "
