@@ -262,7 +262,7 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
 
     monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(specdec.backends.kernels, "cpu_has_amx", lambda: amx)
-    short = 2 if amx or packed_bf16_supported() else 8
+    short = 2 if amx else (4 if dynamic_int8_supported() else 2) if packed_bf16_supported() else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
@@ -293,8 +293,9 @@ def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
         assert specdec.backends.kernels.cpu_has_amx() is expected
-        # without AMX: 2 rows where the bf16 path is packed for oneDNN, 8 over plain bf16
-        assert specdec.backends.kernels.int8_short_rows() == (2 if expected or packed_bf16_supported() else 8)
+        # without AMX: 4 rows where the bf16 path is packed for oneDNN and fbgemm runs (else 2), 8 over plain bf16
+        packed = 4 if dynamic_int8_supported() else 2
+        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else packed if packed_bf16_supported() else 8)
         monkeypatch.setattr(specdec.backends.kernels, "packed_bf16_supported", lambda: False)
         assert specdec.backends.kernels.int8_short_rows() == (2 if expected else 8)
         monkeypatch.undo()

@@ -90,9 +90,14 @@ def cpu_has_amx() -> bool:
 
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
-    native: 2 on AMX and where the bf16 path is packed for oneDNN (`PackedBf16Linear`), else 8 (plain
-    bf16): the break-evens probed (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)."""
-    return 2 if cpu_has_amx() or packed_bf16_supported() else 8
+    native: 2 on AMX; where the bf16 path is packed for oneDNN (`PackedBf16Linear`), 4 if the layers
+    fed by a norm run fbgemm's int8 GEMM (`dynamic_int8_supported`), else 2; else 8 (plain bf16):
+    the break-evens probed (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)."""
+    if cpu_has_amx():
+        return 2
+    if packed_bf16_supported():
+        return 4 if dynamic_int8_supported() else 2
+    return 8
 
 
 class PackedLinear(nn.Module):

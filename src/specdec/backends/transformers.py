@@ -171,7 +171,7 @@ class TransformersModel:
         if not self.int8 and self._vocab_ids is None:
             self._draft_head = None
             return
-        # the head's long path: packed as the layers are (`int8_short_rows`: int8 beats it up to 2
+        # the head's long path: packed as the layers are (int8 beats it up to `int8_short_rows`
         # rows), else plain bf16 (int8 beats that up to 8 rows: docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)
         if self.kernels.endswith("onednn-packed-bf16"):
             long = PackedBf16Linear(weight, bias, packed_bf16_least_rows())

@@ -195,6 +195,10 @@ def _key(model) -> str:
     # only transformers' backend restricts a head's vocabulary (restrict_vocabulary); the others score all
     vocabulary = model.draft_vocabulary if isinstance(model, TransformersModel) else None
     versions = [torch.__version__]
+    if isinstance(model, TransformersModel) and model.int8:  # where its int8 short path hands over to the long one
+        from ..backends.kernels import int8_short_rows
+
+        versions.append(f"int8 rows={int8_short_rows()}")
     if model.kernels.startswith("llama.cpp"):
         import llama_cpp
 
