@@ -10,8 +10,8 @@ from torch import nn
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
-from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_supported, pack_linears,
-                                     packed_bf16_supported, quantize_int8, quantize_linears)
+from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_label, int8_supported,
+                                     pack_bf16_linears, pack_linears, packed_bf16_supported, quantize_int8, quantize_linears)
 from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
@@ -80,18 +80,27 @@ def test_fbgemm_inputs_keep_7_bits_unless_the_cpu_has_avx512_vnni(monkeypatch):
 
 
 @needs_dynamic
-def test_only_layers_fed_by_a_norm_round_their_inputs():
+@pytest.mark.skipif(not packed_bf16_supported(), reason="no packed bf16 here (no native bf16 or oneDNN)")
+def test_only_layers_fed_by_a_norm_round_their_inputs_and_only_over_packed_bf16():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.q_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 64)
             self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
 
-    block = Block()
-    assert quantize_linears(block, short_rows=2) == 5
+    block = Block().bfloat16()
+    assert pack_bf16_linears(block, int8_rows=2) == 5
     kinds = {name: layer.dynamic for name, layer in block.named_children()}
     assert kinds == {name: name in NORMED_INPUTS for name in kinds}
     assert kinds["q_proj"] and kinds["up_proj"] and not kinds["o_proj"] and not kinds["down_proj"]
+    assert int8_label(block) == "int8/fbgemm"
+    # the CPU kinds not measured with it (AVX2-only, AMX) keep the weight-only op everywhere
+    for other in (Block(), Block().bfloat16()):
+        if other.q_proj.weight.dtype == torch.float32:
+            assert pack_linears(other, int8_rows=16) == 5
+        else:
+            assert quantize_linears(other, short_rows=2) == 5
+        assert not any(layer.dynamic for layer in other.children()) and int8_label(other) == "int8"
 
 
 @needs_int8
@@ -268,8 +277,8 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     # its long path: bf16 packed for oneDNN where this build and CPU run it (native bf16)
     long_path = "onednn-packed-bf16" if packed_bf16_supported() else "bfloat16"
-    # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs where fbgemm runs
-    int8 = "int8/fbgemm" if dynamic_int8_supported() else "int8"
+    # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs over packed bf16 without AMX
+    int8 = "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packed_bf16_supported() else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)

@@ -492,7 +492,7 @@ def pack_linears(module: nn.Module, dense_rows: int = 0, int8_rows: int = 0) -> 
             # a layer the int8 op cannot take keeps the bf16 short path the drafter had before
             rows = dense_rows if int8 or not int8_rows else max(dense_rows, 2)
             packed = PackedLinear(child.weight, child.bias, rows)
-            setattr(module, name, Int8Linear(child.weight, child.bias, packed, int8_rows, _dynamic(name)) if int8 else packed)
+            setattr(module, name, Int8Linear(child.weight, child.bias, packed, int8_rows) if int8 else packed)
             count += 1
         else:
             count += pack_linears(child, dense_rows, int8_rows)
@@ -505,7 +505,7 @@ def quantize_linears(module: nn.Module, short_rows: int) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and int8_fits(child):
-            setattr(module, name, Int8Linear(child.weight, child.bias, child, short_rows, _dynamic(name)))
+            setattr(module, name, Int8Linear(child.weight, child.bias, child, short_rows))
             count += 1
         else:
             count += quantize_linears(child, short_rows)
@@ -519,8 +519,10 @@ def int8_label(module: nn.Module) -> str:
 
 
 def _dynamic(name: str) -> bool:
-    """Whether the int8 layer standing in for the linear `name` rounds its inputs too (`Int8Linear`)."""
-    return name in NORMED_INPUTS and dynamic_int8_supported()
+    """Whether the int8 layer standing in for the linear `name` in front of a packed bf16 layer
+    rounds its inputs too (`Int8Linear`): on AVX512-BF16 CPUs, the kind measured; AMX and
+    AVX2-only CPUs keep the weight-only op."""
+    return name in NORMED_INPUTS and not cpu_has_amx() and dynamic_int8_supported()
 
 
 def dense_weight(layer: nn.Module) -> torch.Tensor:
