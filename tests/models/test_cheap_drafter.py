@@ -81,25 +81,30 @@ def test_fbgemm_inputs_keep_7_bits_unless_the_cpu_has_avx512_vnni(monkeypatch):
 
 @needs_dynamic
 @pytest.mark.skipif(not packed_bf16_supported(), reason="no packed bf16 here (no native bf16 or oneDNN)")
-def test_only_layers_fed_by_a_norm_round_their_inputs_and_only_over_packed_bf16():
+def test_only_layers_fed_by_a_norm_round_their_inputs_and_only_over_packed_bf16(monkeypatch):
+    import specdec.backends.kernels as kernels
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.q_proj, self.o_proj = nn.Linear(64, 64), nn.Linear(64, 64)
             self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
 
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)  # an AVX512-BF16 CPU, the kind measured
     block = Block().bfloat16()
     assert pack_bf16_linears(block, int8_rows=2) == 5
     kinds = {name: layer.dynamic for name, layer in block.named_children()}
     assert kinds == {name: name in NORMED_INPUTS for name in kinds}
     assert kinds["q_proj"] and kinds["up_proj"] and not kinds["o_proj"] and not kinds["down_proj"]
     assert int8_label(block) == "int8/fbgemm"
-    # the CPU kinds not measured with it (AVX2-only, AMX) keep the weight-only op everywhere
-    for other in (Block(), Block().bfloat16()):
-        if other.q_proj.weight.dtype == torch.float32:
-            assert pack_linears(other, int8_rows=16) == 5
-        else:
-            assert quantize_linears(other, short_rows=2) == 5
+    # the CPU kinds not measured with it keep the weight-only op everywhere: AMX (packed bf16 too),
+    # AVX2-only (packed fp32), and plain bf16 layers
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    amx, avx2, plain = Block().bfloat16(), Block(), Block().bfloat16()
+    assert pack_bf16_linears(amx, int8_rows=2) == 5
+    assert pack_linears(avx2, int8_rows=16) == 5
+    assert quantize_linears(plain, short_rows=2) == 5
+    for other in (amx, avx2, plain):
         assert not any(layer.dynamic for layer in other.children()) and int8_label(other) == "int8"
 
 
