@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")])
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
-CITED_FILE = re.compile(r"(?<![\w/.-])((?:src|tests|docs|scripts|\.ci)/[\w./-]*\w\.(?:py|md|json|png|jsonl|toml))")
+CITED_FILE = re.compile(r"(?<![\w/.-])((?:src|tests|docs|scripts|\.ci)/[\w./-]*\w\.(?:py|md|jsonl|json|png|toml))(?!\w)")
 CODE = re.compile(r"```.*?```", re.S)
 
 
@@ -97,5 +97,7 @@ def test_the_checks_catch_a_broken_link_a_missing_anchor_and_a_gone_file(tmp_pat
     assert broken_links(tmp_path / "a.md") == ["#nope (no such heading)", "b.md (no such file)"]
     assert CITED_FILE.findall("see `scripts/row_cost.py` and docs/benchmarks/trees-9.json.") == \
         ["scripts/row_cost.py", "docs/benchmarks/trees-9.json"]
+    assert CITED_FILE.findall("--dataset docs/benchmarks/vllm/short-prompts.jsonl --max") == \
+        ["docs/benchmarks/vllm/short-prompts.jsonl"]
     assert slug("Token trees: the `mixed` default (2.4×)") == "token-trees-the-mixed-default-24"
     assert code_spans("make sure `make bench` runs\n```\nspecdec serve\n```\n") == "make bench\nspecdec serve\n"

@@ -110,9 +110,10 @@ def test_packed_bf16_linears_compute_what_f_linear_computes():
     model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
     assert model.kernels == "onednn-packed-bf16" and model.rows_invariant
     layers = [m for m in model.hf.modules() if isinstance(m, PackedBf16Linear)]
-    assert len(layers) == 7 * 2 and not any(type(m) is torch.nn.Linear for m in model._decoder.modules())
+    # a layer's GEMMs: q/k/v stacked, o, gate/up stacked, down (backends/merged.py)
+    assert len(layers) == 4 * 2 and not any(type(m) is torch.nn.Linear for m in model._decoder.modules())
     torch.manual_seed(0)
-    for layer in layers[:7] + [model._packed_head]:
+    for layer in layers[:4] + [model._packed_head]:
         weight = dense_weight(layer)
         x = torch.randn(ROW_CHUNK, layer.in_features).bfloat16()
         reference = torch.nn.functional.linear(x, weight, layer.bias)
@@ -206,6 +207,23 @@ def test_refined_bf16_logits_pick_the_fp32_argmax():
     assert (bf16.argmax(-1) != exact.argmax(-1)).any()  # plain bf16 logits get some rows wrong
     top = exact.argmax(-1)
     assert torch.allclose(refined.gather(-1, top[:, None]).double(), exact.gather(-1, top[:, None]), atol=1e-4)
+
+
+def test_refined_logits_of_a_row_do_not_depend_on_the_other_rows():
+    """A row's re-scored logits are the same bits alone as among 48 others (a batch's pass scores
+    every sequence's rows in one call)."""
+    torch.manual_seed(1)
+    vocab, size = 3000, 1536
+    weight = (torch.randn(vocab, size) / 40).bfloat16()
+    hidden = torch.randn(48, size).bfloat16()
+    weight[7:40] = weight[6]  # many candidates within the margin in some rows
+    norm = float(weight.float().norm(dim=-1).max())
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    together = refine_top_logits(logits, hidden, weight, norm)
+    for t in (0, 1, 17, 47):
+        alone = refine_top_logits(logits[t:t + 1], hidden[t:t + 1], weight, norm)
+        assert torch.equal(alone[0], together[t])
+    assert not torch.equal(together, logits)  # something was re-scored
 
 
 @cpu_only

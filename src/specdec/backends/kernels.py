@@ -525,6 +525,20 @@ def _dynamic(name: str) -> bool:
     return name in NORMED_INPUTS and not cpu_has_amx() and dynamic_int8_supported()
 
 
+class StackedPart(nn.Module):
+    """A linear layer that computes with its rows of a weight stacked with its siblings'
+    (`backends.merged.MergedPart`): it reads and rewrites its own rows, and has `bias`,
+    `in_features` and `out_features` as a layer of its own would."""
+
+    def dense_weight(self) -> torch.Tensor:
+        """[out_features, in_features]: this layer's rows of the stacked weight."""
+        raise NotImplementedError
+
+    def set_dense_weight(self, weight: torch.Tensor) -> None:
+        """Compute with `weight` [out_features, in_features] from now on."""
+        raise NotImplementedError
+
+
 def dense_weight(layer: nn.Module) -> torch.Tensor:
     """The [out, in] weight a linear layer of any kind here computes with (nn.Linear, Int8Linear's
     long path, PackedLinear's dense copy or its packed one made dense)."""
@@ -534,6 +548,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         return layer.dense_weight if layer.dense_weight is not None else layer.packed_weight.to_dense()
     if isinstance(layer, PackedBf16Linear):
         return layer.packed_weight.to_dense()
+    if isinstance(layer, StackedPart):
+        return layer.dense_weight()
     return layer.weight
 
 
@@ -551,6 +567,8 @@ def set_dense_weight(layer: nn.Module, weight: torch.Tensor) -> None:
     elif isinstance(layer, PackedBf16Linear):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().to(torch.bfloat16).contiguous(), None)
+    elif isinstance(layer, StackedPart):
+        layer.set_dense_weight(weight.detach())
     else:
         layer.weight.copy_(weight)
 
@@ -565,7 +583,7 @@ def differentiable_linears(module: nn.Module):
         if isinstance(layer, Int8Linear):  # neither int8 op has a gradient: the layer it stands in for
             layer.forward = lambda x, long=layer.long: long(x)
             patched.append(layer)
-        elif isinstance(layer, (PackedLinear, PackedBf16Linear)):
+        elif isinstance(layer, (PackedLinear, PackedBf16Linear, StackedPart)):
             weight = dense_weight(layer)
             bias = layer.packed_bias if isinstance(layer, PackedLinear) else layer.bias
             layer.forward = lambda x, w=weight, b=bias: nn.functional.linear(

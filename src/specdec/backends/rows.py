@@ -247,7 +247,9 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     size = hidden.shape[-1]
     sum_error = 2 * size * 2.0 ** -24 * hidden.float().norm(dim=-1) * weight_row_norm
     margin = torch.ldexp(torch.ones_like(top), exponent - 6) + sum_error
-    for t in range(logits.shape[0]):
-        candidates = (logits[t] >= top[t] - margin[t]).nonzero().squeeze(-1)
-        out[t, candidates] = (weight[candidates].float() * hidden[t].float()).sum(-1)
+    # every row's candidates in one scan of the logits, not a scan per row (a batch's pass has a row
+    # per sequence); each candidate's sum runs along its own contiguous row, the same way however
+    # many rows there are
+    rows, candidates = (logits >= (top - margin)[:, None]).nonzero(as_tuple=True)
+    out[rows, candidates] = (weight[candidates].float() * hidden.float()[rows]).sum(-1)
     return out

@@ -18,6 +18,7 @@ from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exac
                        fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
+from .merged import merge_projections
 from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
@@ -75,6 +76,7 @@ class TransformersModel:
         self._packed_head: PackedBf16Linear | None = None  # a bf16 target's head, packed (`_logits`)
         self._head_row_norm = None
         self.kernels = "stock"
+        self.merged_groups = 0  # sibling projections stacked into one GEMM (backends/merged.py)
         on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
         if on_cpu and self._dtype == torch.float32 and not int8:
             pack_linears(self._decoder)
@@ -95,6 +97,8 @@ class TransformersModel:
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
+            # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's stay apart)
+            self.merged_groups = merge_projections(self._decoder)
             self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + "onednn-packed-bf16"
             if role == "target":
                 self._packed_head = PackedBf16Linear(weight, None, packed_bf16_least_rows())

@@ -199,6 +199,8 @@ def _key(model) -> str:
         from ..backends.kernels import int8_short_rows
 
         versions.append(f"int8 rows={int8_short_rows()}")
+    if isinstance(model, TransformersModel) and model.merged_groups:  # fewer, wider GEMMs: other costs
+        versions.append(f"merged={model.merged_groups}")
     if model.kernels.startswith("llama.cpp"):
         import llama_cpp
 

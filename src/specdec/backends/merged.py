@@ -1,0 +1,131 @@
+"""Sibling projections as one GEMM: an attention's q/k/v and an MLP's gate/up read the same input,
+so their packed bf16 weights are stacked and multiplied once (vLLM's CPU models hold them merged
+too). Four GEMM calls a layer instead of seven, and wider ones: oneDNN streams a 256-wide k or v
+weight poorly on its own (docs/kernels.md#merged-projections).
+
+The model's own code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one after the other, so
+each becomes a `MergedPart`: the first call on an input runs the stacked GEMM, and each part hands
+out its own columns as a tensor of its own, laid out as the separate layer's output was.
+
+A merge is made only where it changes no bit: a column of the stacked GEMM must come out as the
+separate GEMM computes it, at every row count a pass uses. That depends on how oneDNN blocks the
+call on this CPU, so each shape is checked once, on random rows, before any layer of it is merged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .kernels import ROW_CHUNK, PackedBf16Linear, StackedPart
+
+# (the model's attribute names of sibling projections that read one input, in the order its code calls them)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class MergedGemm(nn.Module):
+    """One packed GEMM over sibling layers' weights stacked [sum of outs, in], run once per input
+    and split into the parts' outputs."""
+
+    def __init__(self, layers: list[PackedBf16Linear]):
+        super().__init__()
+        self.sizes = [layer.out_features for layer in layers]
+        weight = torch.cat([layer.packed_weight.to_dense() for layer in layers])
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        self.gemm = PackedBf16Linear(weight, bias, layers[0].least_rows)
+        # (the input, its parts' outputs, the parts served), until every part took its own
+        self._memo: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Part `index`'s output for x [..., in] -> [..., sizes[index]] (contiguous)."""
+        memo = self._memo  # read once: a part serves only outputs computed from its own input
+        if memo is None or memo[0] is not x:  # the same tensor object: the siblings' calls of one forward
+            memo = self._memo = (x, self.gemm(x).split(self.sizes, dim=-1), set())
+        memo[2].add(index)
+        if len(memo[2]) == len(self.sizes) and self._memo is memo:  # hold no tensor between passes
+            self._memo = None
+        return memo[1][index].contiguous()
+
+    def offset(self, index: int) -> int:
+        return sum(self.sizes[:index])
+
+
+class MergedPart(StackedPart):
+    """One of the layers a `MergedGemm` stands in for: same call, same output, same attributes."""
+
+    def __init__(self, merged: MergedGemm, index: int):
+        super().__init__()
+        self.merged, self.index = merged, index
+        self.out_features = merged.sizes[index]
+        self.in_features = merged.gemm.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] bf16 -> [..., out_features] bf16."""
+        return self.merged.part(x, self.index)
+
+    @property
+    def rows(self) -> slice:
+        """This part's rows of the stacked weight."""
+        start = self.merged.offset(self.index)
+        return slice(start, start + self.out_features)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.merged.gemm.bias
+        return None if bias is None else bias[self.rows]
+
+    def dense_weight(self) -> torch.Tensor:
+        """[out_features, in_features]: this part's rows of the stacked weight."""
+        return self.merged.gemm.packed_weight.to_dense()[self.rows]
+
+    @torch.no_grad()
+    def set_dense_weight(self, weight: torch.Tensor) -> None:
+        """Compute with `weight` [out_features, in_features] from now on (the stack packed anew)."""
+        stacked = self.merged.gemm.packed_weight.to_dense()
+        stacked[self.rows] = weight.to(stacked.dtype)
+        self.merged.gemm.packed_weight = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
+
+
+def merge_projections(module: nn.Module) -> int:
+    """Stack every group of sibling projections (`GROUPS`) inside `module` that are all
+    `PackedBf16Linear` of one input width, with or without bias alike, and whose stacked GEMM gives
+    their own bits (`stacks_exactly`); return how many groups were merged."""
+    count = 0
+    for child in list(module.modules()):
+        for names in GROUPS:
+            layers = [child._modules.get(name) for name in names]  # a registered layer, or None
+            if not all(type(layer) is PackedBf16Linear for layer in layers):
+                continue
+            if len({(layer.in_features, layer.bias is None, layer.least_rows) for layer in layers}) != 1:
+                continue
+            if not stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
+                                  layers[0].bias is not None, layers[0].least_rows):
+                continue
+            merged = MergedGemm(layers)
+            for index, name in enumerate(names):
+                setattr(child, name, MergedPart(merged, index))
+            count += 1
+    return count
+
+
+@functools.cache
+def stacks_exactly(width: int, sizes: tuple[int, ...], bias: bool, least_rows: int) -> bool:
+    """Whether a stacked packed GEMM returns, column for column, the bits of the separate ones, for
+    inputs of `width` and outputs of `sizes` at the row counts passes use (1, least_rows, a
+    decode batch's, ROW_CHUNK and a prompt chunk's), on random bf16 values."""
+    generator = torch.Generator().manual_seed(0)
+    random = lambda *shape: torch.randn(*shape, generator=generator).to(torch.bfloat16)  # noqa: E731
+    layers = [PackedBf16Linear(random(size, width) * 0.05, random(size) if bias else None, least_rows)
+              for size in sizes]
+    merged = MergedGemm(layers)
+    with torch.inference_mode():
+        for rows in sorted({1, least_rows, 16, ROW_CHUNK, 256}):
+            x = random(rows, width)
+            if not torch.equal(merged.gemm(x), torch.cat([layer(x) for layer in layers], dim=-1)):
+                return False
+    return True

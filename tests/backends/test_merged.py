@@ -1,0 +1,129 @@
+"""Sibling projections stacked into one GEMM (backends/merged.py): the same bits as apart, in
+every pass kind, and the same layer to everything that reads or rewrites a layer."""
+
+import pytest
+import torch
+
+import specdec.backends.merged as merged_module
+from specdec.backends import Segment
+from specdec.backends.kernels import PackedBf16Linear, dense_weight, differentiable_linears, set_dense_weight
+from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
+
+from test_rows import _ids, packed_bf16, qwen_like, row_gap
+
+pytestmark = packed_bf16
+
+
+def _apart(monkeypatch, **kwargs):
+    """The same random model with its projections left apart."""
+    import specdec.backends.transformers
+
+    monkeypatch.setattr(specdec.backends.transformers, "merge_projections", lambda module: 0)
+    model = qwen_like(torch.bfloat16, **kwargs)
+    monkeypatch.undo()
+    return model
+
+
+def test_a_bf16_target_runs_q_k_v_and_gate_up_as_one_gemm_each():
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=3)
+    assert model.merged_groups == 2 * 3
+    attention, mlp = model._decoder.layers[0].self_attn, model._decoder.layers[0].mlp
+    parts = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
+    assert all(isinstance(p, MergedPart) for p in parts)
+    assert attention.q_proj.merged is attention.v_proj.merged and mlp.gate_proj.merged is not attention.q_proj.merged
+    assert (attention.k_proj.out_features, attention.k_proj.in_features) == (128, 512)
+    # the layers a pass calls: o, down and the two stacks, each packed once
+    assert sum(isinstance(m, PackedBf16Linear) for m in model._decoder.modules()) == 4 * 3
+
+
+def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
+    """Logits of one-token, multi-token, prompt and batched passes are equal bit for bit with the
+    projections stacked or apart."""
+    apart = _apart(monkeypatch, exact_rows=True, layers=3)
+    stacked = qwen_like(torch.bfloat16, exact_rows=True, layers=3)
+    assert apart.merged_groups == 0 and stacked.merged_groups == 6
+    prompt = _ids(300, 4096, 0)  # over one 256-id prompt chunk
+    for model in (apart, stacked):
+        cache = model.new_cache()
+        first = model.forward(model.prefill(prompt, cache), cache, 1)
+        wide = model.forward(_ids(7, 4096, 1), cache, 7)
+        caches = [model.new_cache() for _ in range(3)]
+        for i, c in enumerate(caches):
+            model.forward(model.prefill(_ids(20 + i, 4096, 10 + i), c), c, 1)
+        batch = model.forward_batch([Segment(_ids(n, 4096, 20 + n), c, n) for n, c in zip((1, 4, 2), caches)])
+        model.outputs = [first, wide, *batch]
+    for a, b in zip(apart.outputs, stacked.outputs):
+        assert torch.equal(a, b)
+    assert row_gap(stacked, _ids(37, 4096, 5), _ids(5, 4096, 105)) == 0.0
+
+
+def test_a_part_called_on_its_own_input_computes_its_own_rows():
+    """A part asked for an input its siblings have not seen runs the stacked GEMM for it; every
+    part's output is a tensor of its own (a hook may change it in place)."""
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    attention = model._decoder.layers[0].self_attn
+    x, y = torch.randn(2, 3, 512).bfloat16(), torch.randn(2, 3, 512).bfloat16()
+    with torch.inference_mode():
+        k_alone = attention.k_proj(y)
+        q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        assert attention.q_proj.merged._memo is None  # nothing held once every part took its share
+        reference = [torch.nn.functional.linear(x, dense_weight(p), p.bias) for p in
+                     (attention.q_proj, attention.k_proj, attention.v_proj)]
+        assert all(torch.equal(a, b) for a, b in zip((q, k, v), reference))
+        assert torch.equal(k_alone, torch.nn.functional.linear(y, dense_weight(attention.k_proj), attention.k_proj.bias))
+        assert q.is_contiguous() and k.shape == (2, 3, 128) and k.untyped_storage().data_ptr() != \
+            q.untyped_storage().data_ptr()
+
+
+def test_a_part_takes_a_new_weight_and_passes_gradients():
+    """What an adapter does to a layer (adapters/lora.py): read its weight, write a new one in its
+    layout, and train through it."""
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    attention = model._decoder.layers[0].self_attn
+    v = attention.v_proj
+    before_q = dense_weight(attention.q_proj).clone()
+    new = (dense_weight(v).float() * 0.5).bfloat16()
+    set_dense_weight(v, new)
+    assert torch.equal(dense_weight(v), new) and torch.equal(dense_weight(attention.q_proj), before_q)
+    x = torch.randn(4, 512).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(v(x), torch.nn.functional.linear(x, new, v.bias))
+    x = torch.randn(4, 512, dtype=torch.bfloat16, requires_grad=True)
+    with differentiable_linears(model._decoder):
+        v(x).float().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_a_stack_that_would_change_bits_is_not_made(monkeypatch):
+    model = _apart(monkeypatch, exact_rows=True, layers=1)
+    monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
+    module = model._decoder
+    assert merge_projections(module) == 0
+    assert not any(isinstance(m, MergedPart) for m in module.modules())
+
+
+def test_the_stacking_check_sees_a_changed_bit(monkeypatch):
+    """`stacks_exactly` compares the bits: a stacked GEMM off by one part in 2⁸ fails it."""
+    stacks_exactly.cache_clear()
+    assert stacks_exactly(512, (512, 128, 128), True, 6)
+    real = PackedBf16Linear._packed
+
+    def off(self, flat):
+        y = real(self, flat)
+        return y * (1 + 2.0 ** -8) if self.out_features == 768 else y
+    monkeypatch.setattr(PackedBf16Linear, "_packed", off)
+    stacks_exactly.cache_clear()
+    assert not stacks_exactly(512, (512, 128, 128), True, 6)
+    stacks_exactly.cache_clear()
+
+
+@pytest.mark.parametrize("names", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")])
+def test_groups_of_unlike_layers_stay_apart(monkeypatch, names):
+    """Parts of a group must share their input width and whether they add a bias."""
+    model = _apart(monkeypatch, exact_rows=True, layers=1)
+    layer = model._decoder.layers[0]
+    owner = layer.self_attn if names[0] == "q_proj" else layer.mlp
+    first = owner._modules[names[0]]
+    flipped = None if first.bias is not None else torch.zeros(first.out_features, dtype=torch.bfloat16)
+    owner._modules[names[0]] = PackedBf16Linear(dense_weight(first), flipped, first.least_rows)
+    assert merge_projections(owner) == 0
