@@ -6,7 +6,8 @@ import torch
 
 import specdec.backends.merged as merged_module
 from specdec.backends import Segment
-from specdec.backends.kernels import PackedBf16Linear, dense_weight, differentiable_linears, set_dense_weight
+from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
+                                     set_dense_weight)
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
@@ -14,16 +15,28 @@ from test_rows import _ids, packed_bf16, qwen_like, row_gap
 pytestmark = packed_bf16
 
 
+def _stacks() -> bool:
+    """Whether this CPU stacks qwen_like's groups (q 512 + k, v 128 each, bias; gate, up 1536)."""
+    least, threads = packed_bf16_least_rows(), torch.get_num_threads()
+    return stacks_exactly(512, (512, 128, 128), True, least, threads) and \
+        stacks_exactly(512, (1536, 1536), False, least, threads)
+
+
+stacked_here = pytest.mark.skipif(not _stacks(), reason="oneDNN rounds a stacked GEMM otherwise on this CPU")
+
+
 def _apart(monkeypatch, **kwargs):
-    """The same random model with its projections left apart."""
+    """The same random model with its projections left apart. (Undoes the test's earlier patches:
+    call it first.)"""
     import specdec.backends.transformers
 
-    monkeypatch.setattr(specdec.backends.transformers, "merge_projections", lambda module: 0)
+    monkeypatch.setattr(specdec.backends.transformers, "merge_projections", lambda module, family: 0)
     model = qwen_like(torch.bfloat16, **kwargs)
     monkeypatch.undo()
     return model
 
 
+@stacked_here
 def test_a_bf16_target_runs_q_k_v_and_gate_up_as_one_gemm_each():
     model = qwen_like(torch.bfloat16, exact_rows=True, layers=3)
     assert model.merged_groups == 2 * 3
@@ -36,6 +49,7 @@ def test_a_bf16_target_runs_q_k_v_and_gate_up_as_one_gemm_each():
     assert sum(isinstance(m, PackedBf16Linear) for m in model._decoder.modules()) == 4 * 3
 
 
+@stacked_here
 def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
     """Logits of one-token, multi-token, prompt and batched passes are equal bit for bit with the
     projections stacked or apart."""
@@ -54,15 +68,18 @@ def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
         model.outputs = [first, wide, *batch]
     for a, b in zip(apart.outputs, stacked.outputs):
         assert torch.equal(a, b)
-    assert row_gap(stacked, _ids(37, 4096, 5), _ids(5, 4096, 105)) == 0.0
+    for width in (1, 2, 5, 12, 20, 40):  # 40: a 32-row call and the rest
+        assert row_gap(stacked, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
 
 
-def test_a_part_called_on_its_own_input_computes_its_own_rows():
+@stacked_here
+@pytest.mark.parametrize("shape", [(2, 3, 512), (1, 1, 512)], ids=["rows", "one-row"])
+def test_a_part_called_on_its_own_input_computes_its_own_rows(shape):
     """A part asked for an input its siblings have not seen runs the stacked GEMM for it; every
-    part's output is a tensor of its own (a hook may change it in place)."""
+    part's output is a tensor of its own (a hook may change it in place), one row's too."""
     model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
     attention = model._decoder.layers[0].self_attn
-    x, y = torch.randn(2, 3, 512).bfloat16(), torch.randn(2, 3, 512).bfloat16()
+    x, y = torch.randn(*shape).bfloat16(), torch.randn(*shape).bfloat16()
     with torch.inference_mode():
         k_alone = attention.k_proj(y)
         q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
@@ -71,10 +88,11 @@ def test_a_part_called_on_its_own_input_computes_its_own_rows():
                      (attention.q_proj, attention.k_proj, attention.v_proj)]
         assert all(torch.equal(a, b) for a, b in zip((q, k, v), reference))
         assert torch.equal(k_alone, torch.nn.functional.linear(y, dense_weight(attention.k_proj), attention.k_proj.bias))
-        assert q.is_contiguous() and k.shape == (2, 3, 128) and k.untyped_storage().data_ptr() != \
+        assert q.is_contiguous() and k.shape == (*shape[:-1], 128) and k.untyped_storage().data_ptr() != \
             q.untyped_storage().data_ptr()
 
 
+@stacked_here
 def test_a_part_takes_a_new_weight_and_passes_gradients():
     """What an adapter does to a layer (adapters/lora.py): read its weight, write a new one in its
     layout, and train through it."""
@@ -83,11 +101,12 @@ def test_a_part_takes_a_new_weight_and_passes_gradients():
     v = attention.v_proj
     before_q = dense_weight(attention.q_proj).clone()
     new = (dense_weight(v).float() * 0.5).bfloat16()
-    set_dense_weight(v, new)
-    assert torch.equal(dense_weight(v), new) and torch.equal(dense_weight(attention.q_proj), before_q)
     x = torch.randn(4, 512).bfloat16()
     with torch.inference_mode():
+        attention.q_proj(x)  # a pass under way, its v not taken yet, computed with the old weight
+        set_dense_weight(v, new)
         assert torch.equal(v(x), torch.nn.functional.linear(x, new, v.bias))
+    assert torch.equal(dense_weight(v), new) and torch.equal(dense_weight(attention.q_proj), before_q)
     x = torch.randn(4, 512, dtype=torch.bfloat16, requires_grad=True)
     with differentiable_linears(model._decoder):
         v(x).float().sum().backward()
@@ -98,14 +117,20 @@ def test_a_stack_that_would_change_bits_is_not_made(monkeypatch):
     model = _apart(monkeypatch, exact_rows=True, layers=1)
     monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
     module = model._decoder
-    assert merge_projections(module) == 0
+    assert merge_projections(module, "qwen2") == 0
     assert not any(isinstance(m, MergedPart) for m in module.modules())
+
+
+def test_families_not_read_for_one_input_stay_apart(monkeypatch):
+    """A model type outside `FAMILIES` (a cross-attention's q reads another input) is not stacked."""
+    model = _apart(monkeypatch, exact_rows=True, layers=1)
+    assert merge_projections(model._decoder, "mllama") == 0
 
 
 def test_the_stacking_check_sees_a_changed_bit(monkeypatch):
     """`stacks_exactly` compares the bits: a stacked GEMM off by one part in 2⁸ fails it."""
     stacks_exactly.cache_clear()
-    assert stacks_exactly(512, (512, 128, 128), True, 6)
+    assert stacks_exactly(512, (512, 128, 128), True, 6, torch.get_num_threads()) == _stacks()
     real = PackedBf16Linear._packed
 
     def off(self, flat):
@@ -113,7 +138,7 @@ def test_the_stacking_check_sees_a_changed_bit(monkeypatch):
         return y * (1 + 2.0 ** -8) if self.out_features == 768 else y
     monkeypatch.setattr(PackedBf16Linear, "_packed", off)
     stacks_exactly.cache_clear()
-    assert not stacks_exactly(512, (512, 128, 128), True, 6)
+    assert not stacks_exactly(512, (512, 128, 128), True, 6, torch.get_num_threads())
     stacks_exactly.cache_clear()
 
 
@@ -126,4 +151,4 @@ def test_groups_of_unlike_layers_stay_apart(monkeypatch, names):
     first = owner._modules[names[0]]
     flipped = None if first.bias is not None else torch.zeros(first.out_features, dtype=torch.bfloat16)
     owner._modules[names[0]] = PackedBf16Linear(dense_weight(first), flipped, first.least_rows)
-    assert merge_projections(owner) == 0
+    assert merge_projections(owner, "qwen2") == 0

@@ -109,11 +109,14 @@ def test_packed_bf16_linears_compute_what_f_linear_computes():
 
     model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
     assert model.kernels == "onednn-packed-bf16" and model.rows_invariant
+    from specdec.backends.merged import MergedGemm
+
     layers = [m for m in model.hf.modules() if isinstance(m, PackedBf16Linear)]
-    # a layer's GEMMs: q/k/v stacked, o, gate/up stacked, down (backends/merged.py)
-    assert len(layers) == 4 * 2 and not any(type(m) is torch.nn.Linear for m in model._decoder.modules())
+    # a layer's 7 linears, less those stacked into one GEMM with a sibling (backends/merged.py)
+    stacked = sum(len(m.sizes) - 1 for m in model.hf.modules() if isinstance(m, MergedGemm))
+    assert len(layers) == 7 * 2 - stacked and not any(type(m) is torch.nn.Linear for m in model._decoder.modules())
     torch.manual_seed(0)
-    for layer in layers[:4] + [model._packed_head]:
+    for layer in layers[:len(layers) // 2] + [model._packed_head]:
         weight = dense_weight(layer)
         x = torch.randn(ROW_CHUNK, layer.in_features).bfloat16()
         reference = torch.nn.functional.linear(x, weight, layer.bias)
@@ -209,21 +212,26 @@ def test_refined_bf16_logits_pick_the_fp32_argmax():
     assert torch.allclose(refined.gather(-1, top[:, None]).double(), exact.gather(-1, top[:, None]), atol=1e-4)
 
 
-def test_refined_logits_of_a_row_do_not_depend_on_the_other_rows():
+def test_refined_logits_of_a_row_do_not_depend_on_the_other_rows(monkeypatch):
     """A row's re-scored logits are the same bits alone as among 48 others (a batch's pass scores
-    every sequence's rows in one call)."""
+    every sequence's rows in one call), and with too many candidates for one call, row by row."""
+    import specdec.backends.rows as rows
+
     torch.manual_seed(1)
     vocab, size = 3000, 1536
     weight = (torch.randn(vocab, size) / 40).bfloat16()
     hidden = torch.randn(48, size).bfloat16()
-    weight[7:40] = weight[6]  # many candidates within the margin in some rows
+    weight[7:40] = weight[6]  # rows pointing along weight[6] have 34 tied candidates at their top
+    hidden[[1, 17]] = (weight[6].float() * 40).bfloat16()
     norm = float(weight.float().norm(dim=-1).max())
     logits = torch.nn.functional.linear(hidden, weight).float()
     together = refine_top_logits(logits, hidden, weight, norm)
+    assert int((together[1] != logits[1]).sum()) > 1  # several candidates re-scored in that row
     for t in (0, 1, 17, 47):
         alone = refine_top_logits(logits[t:t + 1], hidden[t:t + 1], weight, norm)
         assert torch.equal(alone[0], together[t])
-    assert not torch.equal(together, logits)  # something was re-scored
+    monkeypatch.setattr(rows, "REFINED_AT_ONCE", 3)  # more candidates than that: a row at a time
+    assert torch.equal(refine_top_logits(logits, hidden, weight, norm), together)
 
 
 @cpu_only

@@ -8,8 +8,11 @@ each becomes a `MergedPart`: the first call on an input runs the stacked GEMM, a
 out its own columns as a tensor of its own, laid out as the separate layer's output was.
 
 A merge is made only where it changes no bit: a column of the stacked GEMM must come out as the
-separate GEMM computes it, at every row count a pass uses. That depends on how oneDNN blocks the
-call on this CPU, so each shape is checked once, on random rows, before any layer of it is merged.
+separate GEMM computes it, at every row count a row-exact call takes (so the stack is as
+row-invariant as the layers apart) and at a prompt chunk's. That depends on how oneDNN blocks the
+call on this CPU and its threads, so each shape is checked once, on random rows, before any layer
+of it is merged. Only model families whose code calls a group's projections on one tensor in one
+forward are merged (`FAMILIES`); a cross-attention's q reads another input than its k and v.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ import torch
 from torch import nn
 
 from .kernels import ROW_CHUNK, PackedBf16Linear, StackedPart
+from .prompts import PREFILL_CHUNK
 
-# (the model's attribute names of sibling projections that read one input, in the order its code calls them)
+# the model's attribute names of sibling projections that read one input (stacked in this order)
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+# transformers' model types whose attention and MLP call each group on the same tensor, unchanged
+# in between (read in transformers 5.23's modeling files)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 class MergedGemm(nn.Module):
@@ -46,7 +54,8 @@ class MergedGemm(nn.Module):
         memo[2].add(index)
         if len(memo[2]) == len(self.sizes) and self._memo is memo:  # hold no tensor between passes
             self._memo = None
-        return memo[1][index].contiguous()
+        # a copy even where the slice counts as contiguous (one row): a hook may change it in place
+        return memo[1][index].clone(memory_format=torch.contiguous_format)
 
     def offset(self, index: int) -> int:
         return sum(self.sizes[:index])
@@ -86,15 +95,19 @@ class MergedPart(StackedPart):
         stacked = self.merged.gemm.packed_weight.to_dense()
         stacked[self.rows] = weight.to(stacked.dtype)
         self.merged.gemm.packed_weight = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), None)
+        self.merged._memo = None  # outputs of the old weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
 
 
-def merge_projections(module: nn.Module) -> int:
-    """Stack every group of sibling projections (`GROUPS`) inside `module` that are all
+def merge_projections(module: nn.Module, family: str) -> int:
+    """Stack every group of sibling projections (`GROUPS`) inside `module`, a model of transformers'
+    model type `family` (one of `FAMILIES`, else nothing is stacked), that are all
     `PackedBf16Linear` of one input width, with or without bias alike, and whose stacked GEMM gives
     their own bits (`stacks_exactly`); return how many groups were merged."""
+    if family not in FAMILIES:
+        return 0
     count = 0
     for child in list(module.modules()):
         for names in GROUPS:
@@ -104,7 +117,7 @@ def merge_projections(module: nn.Module) -> int:
             if len({(layer.in_features, layer.bias is None, layer.least_rows) for layer in layers}) != 1:
                 continue
             if not stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
-                                  layers[0].bias is not None, layers[0].least_rows):
+                                  layers[0].bias is not None, layers[0].least_rows, torch.get_num_threads()):
                 continue
             merged = MergedGemm(layers)
             for index, name in enumerate(names):
@@ -114,17 +127,18 @@ def merge_projections(module: nn.Module) -> int:
 
 
 @functools.cache
-def stacks_exactly(width: int, sizes: tuple[int, ...], bias: bool, least_rows: int) -> bool:
+def stacks_exactly(width: int, sizes: tuple[int, ...], bias: bool, least_rows: int, threads: int) -> bool:
     """Whether a stacked packed GEMM returns, column for column, the bits of the separate ones, for
-    inputs of `width` and outputs of `sizes` at the row counts passes use (1, least_rows, a
-    decode batch's, ROW_CHUNK and a prompt chunk's), on random bf16 values."""
+    inputs of `width` and outputs of `sizes`, on random bf16 values, in every call a row-exact
+    pass makes (least_rows..ROW_CHUNK rows; fewer are padded to least_rows) and in a prompt
+    chunk's, with `threads` threads (oneDNN splits its work by them; the caller's count)."""
     generator = torch.Generator().manual_seed(0)
     random = lambda *shape: torch.randn(*shape, generator=generator).to(torch.bfloat16)  # noqa: E731
     layers = [PackedBf16Linear(random(size, width) * 0.05, random(size) if bias else None, least_rows)
               for size in sizes]
     merged = MergedGemm(layers)
     with torch.inference_mode():
-        for rows in sorted({1, least_rows, 16, ROW_CHUNK, 256}):
+        for rows in [*range(least_rows, ROW_CHUNK + 1), PREFILL_CHUNK]:
             x = random(rows, width)
             if not torch.equal(merged.gemm(x), torch.cat([layer(x) for layer in layers], dim=-1)):
                 return False

@@ -251,5 +251,14 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     # per sequence); each candidate's sum runs along its own contiguous row, the same way however
     # many rows there are
     rows, candidates = (logits >= (top - margin)[:, None]).nonzero(as_tuple=True)
-    out[rows, candidates] = (weight[candidates].float() * hidden.float()[rows]).sum(-1)
+    if len(candidates) <= REFINED_AT_ONCE:
+        out[rows, candidates] = (weight[candidates].float() * hidden.float()[rows]).sum(-1)
+        return out
+    for t in range(logits.shape[0]):  # flat logits (a degenerate model): one row's products at a time
+        picked = candidates[rows == t]
+        out[t, picked] = (weight[picked].float() * hidden[t].float()).sum(-1)
     return out
+
+
+# candidates re-scored in one call (`refine_top_logits`): [n, H] fp32 products, 25 MB at H = 1536
+REFINED_AT_ONCE = 4096

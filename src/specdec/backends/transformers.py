@@ -98,7 +98,7 @@ class TransformersModel:
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's stay apart)
-            self.merged_groups = merge_projections(self._decoder)
+            self.merged_groups = merge_projections(self._decoder, hf_model.config.model_type)
             self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + "onednn-packed-bf16"
             if role == "target":
                 self._packed_head = PackedBf16Linear(weight, None, packed_bf16_least_rows())
