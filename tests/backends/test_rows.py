@@ -126,6 +126,21 @@ def test_packed_bf16_linears_compute_what_f_linear_computes():
         assert torch.equal(padded, reference[:1])
 
 
+@cpu_only
+@packed_bf16
+def test_a_packed_layer_counts_the_weights_it_computes_with():
+    """Packed layers keep their weights as buffers; what a pass's cost goes by (the layer-skipping
+    drafters' calibration) counts them as an unpacked layer's parameters, a stacked GEMM once."""
+    from specdec.backends.kernels import weight_count
+
+    packed = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
+    stock = qwen_like(torch.bfloat16, exact_rows=True, vocab=512, kernels="stock")
+    assert packed.kernels == "onednn-packed-bf16" and stock.kernels == "stock"
+    expected = sum(p.numel() for p in stock._decoder.layers[0].parameters())
+    assert weight_count(packed._decoder.layers[0]) == expected > 2 * 512 ** 2
+    assert weight_count(stock._decoder.layers[0]) == expected
+
+
 def test_batched_passes_are_not_row_exact_here():
     """What the mode removes: on the machines measured, a plain multi-row bf16 pass rounds rows
     differently from one-row passes. (Kernel-dependent: reported, not asserted, elsewhere.)"""

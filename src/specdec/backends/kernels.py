@@ -525,6 +525,18 @@ def _dynamic(name: str) -> bool:
     return name in NORMED_INPUTS and not cpu_has_amx() and dynamic_int8_supported()
 
 
+def weight_count(module: nn.Module) -> int:
+    """The weights `module` computes with, whatever layout its linear layers keep them in: packed
+    layers hold theirs as buffers, not parameters (an int8 layer's are counted once, by the layer it
+    stands in for; a stacked GEMM once). What a pass's cost goes by (drafters/layerskip.py)."""
+    packed = 0
+    for m in module.modules():
+        if isinstance(m, (PackedLinear, PackedBf16Linear)):
+            bias = m.packed_bias if isinstance(m, PackedLinear) else m.bias
+            packed += m.in_features * m.out_features + (0 if bias is None else bias.numel())
+    return packed + sum(p.numel() for p in module.parameters())
+
+
 class StackedPart(nn.Module):
     """A linear layer that computes with its rows of a weight stacked with its siblings'
     (`backends.merged.MergedPart`): it reads and rewrites its own rows, and has `bias`,

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ..backends.kernels import weight_count
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
 from ..sizing.theory import optimal_gamma, walltime_improvement
@@ -49,7 +50,7 @@ def choose_exit(target: TransformersModel, text: str = CALIBRATION,
     ids = calibration_ids(target, text)
     truth = target._logits(target._decoder(input_ids=ids.view(1, -1), use_cache=False).last_hidden_state[0],
                            exact=False).argmax(-1)
-    layer_params = sum(p.numel() for p in layers[0].parameters())
+    layer_params = weight_count(layers[0])  # packed layers keep their weights as buffers
     head_params = target.vocab_size * target.hidden_size
     trials = []
     for exit_layer in sorted({min(count - 1, max(1, round(f * count))) for f in fractions}):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..backends import Features
+from ..backends.kernels import weight_count
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
 from ..sizing.theory import optimal_gamma, walltime_improvement
@@ -129,7 +130,7 @@ def choose_skipped(target: TransformersModel, text: str = CALIBRATION,
               for i in range(count)]
     candidates = sorted(range(1, count - 1), key=lambda i: change[i])
     truth = target._logits(out.last_hidden_state[0], exact=False).argmax(-1)
-    layer_params = sum(p.numel() for p in layers[0].parameters())
+    layer_params = weight_count(layers[0])  # packed layers keep their weights as buffers
     head_params = target.vocab_size * target.hidden_size
     trials = []
     for fraction in fractions:
