@@ -93,7 +93,9 @@ def test_the_one_row_gemm_test_has_power(monkeypatch, kernels):
     import specdec.backends.kernels
 
     _one_row_gemv_differs(monkeypatch)
-    # every linear path makes its calls through row_exact_calls: without it, a lone row is a 1-row call
+    # every linear path but our tiled kernel (row-exact by construction: tests/backends/test_native.py)
+    # makes its calls through row_exact_calls: without it, a lone row is a 1-row call
+    monkeypatch.setattr(specdec.backends.kernels, "tiled_bf16_supported", lambda: False)
     monkeypatch.setattr(specdec.backends.kernels, "row_exact_calls", lambda function, flat, least=2: function(flat))
     model = qwen_like(torch.bfloat16, exact_rows=True, kernels=kernels)
     assert row_gap(model, _ids(20, 4096, 3), _ids(3, 4096, 53)) > 0.0
@@ -101,12 +103,15 @@ def test_the_one_row_gemm_test_has_power(monkeypatch, kernels):
 
 @cpu_only
 @packed_bf16
-def test_packed_bf16_linears_compute_what_f_linear_computes():
-    """A bf16 target on a native-bf16 CPU runs every linear, its head too, on weights packed once
-    for oneDNN; each row comes out as `F.linear`'s over the same rows, in calls of 2..32 rows
-    wherever the row sits, and a lone row padded to `least_rows` is the first row of such a call."""
+def test_packed_bf16_linears_compute_what_f_linear_computes(monkeypatch):
+    """A bf16 target on a native-bf16 CPU without our tiled kernel runs every linear, its head too,
+    on weights packed once for oneDNN; each row comes out as `F.linear`'s over the same rows, in
+    calls of 2..32 rows wherever the row sits, and a lone row padded to `least_rows` is the first
+    row of such a call."""
+    import specdec.backends.kernels
     from specdec.backends.kernels import ROW_CHUNK, PackedBf16Linear, dense_weight
 
+    monkeypatch.setattr(specdec.backends.kernels, "tiled_bf16_supported", lambda: False)
     model = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
     assert model.kernels == "onednn-packed-bf16" and model.rows_invariant
     from specdec.backends.merged import MergedGemm
@@ -131,11 +136,11 @@ def test_packed_bf16_linears_compute_what_f_linear_computes():
 def test_a_packed_layer_counts_the_weights_it_computes_with():
     """Packed layers keep their weights as buffers; what a pass's cost goes by (the layer-skipping
     drafters' calibration) counts them as an unpacked layer's parameters, a stacked GEMM once."""
-    from specdec.backends.kernels import weight_count
+    from specdec.backends.kernels import packed_bf16_label, weight_count
 
     packed = qwen_like(torch.bfloat16, exact_rows=True, vocab=512)
     stock = qwen_like(torch.bfloat16, exact_rows=True, vocab=512, kernels="stock")
-    assert packed.kernels == "onednn-packed-bf16" and stock.kernels == "stock"
+    assert packed.kernels == packed_bf16_label() and stock.kernels == "stock"
     expected = sum(p.numel() for p in stock._decoder.layers[0].parameters())
     assert weight_count(packed._decoder.layers[0]) == expected > 2 * 512 ** 2
     assert weight_count(stock._decoder.layers[0]) == expected

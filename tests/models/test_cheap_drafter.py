@@ -11,7 +11,8 @@ from specdec import TransformersModel, Sampler, autoregressive_generate, load, s
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
 from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_label, int8_supported,
-                                     pack_bf16_linears, pack_linears, packed_bf16_supported, quantize_int8, quantize_linears)
+                                     pack_bf16_linears, pack_linears, packed_bf16_label, packed_bf16_supported, quantize_int8,
+                                     quantize_linears)
 from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
@@ -280,8 +281,8 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
-    # its long path: bf16 packed for oneDNN where this build and CPU run it (native bf16)
-    long_path = "onednn-packed-bf16" if packed_bf16_supported() else "bfloat16"
+    # its long path: bf16 packed (in tiles for our kernel, else for oneDNN) where this build and CPU run it
+    long_path = packed_bf16_label() if packed_bf16_supported() else "bfloat16"
     # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs over packed bf16 without AMX
     int8 = "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packed_bf16_supported() else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")

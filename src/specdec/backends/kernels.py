@@ -1,10 +1,12 @@
 """Linear layers for scoring several tokens at once: faster ones on the CPU, and row-exact ones
 (every row as a one-token pass computes it) on the CPU and CUDA.
 
-On CPUs with native bf16, bf16 weights get `PackedBf16Linear`: reordered once into oneDNN's
-blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which reorders them
-on every call, and faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path
-(`Int8Linear`) stays in front.
+On CPUs with native bf16, bf16 weights get `PackedBf16Linear`, packed once at load: in tiles for
+our kernel where it is built and the CPU has no AMX (`native.linear`: rows exact in calls of any
+size, a few-row call at the memory's speed; docs/kernels.md#tiled-bf16-linears), else into
+oneDNN's blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which
+reorders them on every call, and faster (docs/kernels.md#packed-bf16-linears); a drafter's int8
+short path (`Int8Linear`) stays in front.
 
 On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a handful of rows
 costs about as much per row as a matrix-vector product, which leaves speculative decoding nothing
@@ -30,6 +32,7 @@ import warnings
 import torch
 from torch import nn
 
+from . import native
 from .rows import row_exact_active
 
 
@@ -143,33 +146,52 @@ class PackedLinear(nn.Module):
 
 
 class PackedBf16Linear(nn.Module):
-    """y = x W^T + b with a bf16 W reordered once into oneDNN's blocked layout (CPUs with native
-    bf16), the way vLLM's CPU backend runs its linears.
+    """y = x W^T + b with a bf16 W packed once at load (CPUs with native bf16), in one of two layouts:
 
-    `F.linear` on a plain bf16 weight has oneDNN copy the weight into that layout on every call,
-    so a pass reads each weight twice (docs/kernels.md#packed-bf16-linears). The results are the
-    same bit for bit as `F.linear`'s at every row count measured. Calls of fewer than `least_rows`
-    rows are padded with zero rows: the blocked kernel streams the weight fastest at 4-6 rows on
-    the AVX512-BF16 EPYC, so a padded 1-row call costs less than an unpadded one, and a row comes
-    out the same in calls of 2..ROW_CHUNK rows. The dense weight is not kept (`dense_weight`
-    unpacks it).
+    - tiles for our kernel (`native.linear`, where it is built: AVX512-BF16): a row's result is the
+      same in a call of any number of rows by construction, and a few-row call streams the weight
+      at the memory's speed (docs/kernels.md#tiled-bf16-linears);
+    - else oneDNN's blocked layout, the way vLLM's CPU backend runs its linears. `F.linear` on a
+      plain bf16 weight has oneDNN copy the weight into that layout on every call, so a pass reads
+      each weight twice (docs/kernels.md#packed-bf16-linears); the results are the same bit for bit
+      as `F.linear`'s at every row count measured. Calls of fewer than `least_rows` rows are padded
+      with zero rows (oneDNN's kernel streams the weight fastest at 4-6 rows on the AVX512-BF16
+      EPYC), and a row comes out the same in calls of 2..ROW_CHUNK rows.
+
+    The dense weight is not kept (`dense` unpacks it, `set_weight` packs a new one).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, least_rows: int = 2):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.least_rows = max(2, least_rows)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(torch.bfloat16).contiguous(), None), persistent=False)
+        self.tiled = tiled_bf16_supported() and self.in_features % 2 == 0
+        self.register_buffer("packed_weight", self._pack(weight), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
                              persistent=False)
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        weight = weight.detach().to(torch.bfloat16).contiguous()
+        return native.pack_tiles(weight) if self.tiled else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out_features, in_features] bf16, unpacked."""
+        if self.tiled:
+            return native.unpack_tiles(self.packed_weight, self.out_features)
+        return self.packed_weight.to_dense()
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Compute with `weight` [out_features, in_features] from now on (packed anew)."""
+        self.packed_weight = self._pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] bf16 -> [..., out_features] bf16."""
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
+        if self.tiled:  # any number of rows: each comes out as it would alone
+            y = native.linear(flat, self.packed_weight, self.out_features, self.bias)
         # short calls are padded either way (faster); outside a row-exact pass long ones go whole
-        if row_exact_active() or rows < self.least_rows:
+        elif row_exact_active() or rows < self.least_rows:
             y = row_exact_calls(self._packed, flat, self.least_rows)
         else:
             y = self._packed(flat)
@@ -180,10 +202,11 @@ class PackedBf16Linear(nn.Module):
 
     def __deepcopy__(self, memo):
         """A copy packed anew (oneDNN's blocked tensors have no storage to copy)."""
-        return PackedBf16Linear(self.packed_weight.to_dense(), self.bias, self.least_rows)
+        return PackedBf16Linear(self.dense(), self.bias, self.least_rows)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, least_rows={self.least_rows}"
+        layout = "tiles" if self.tiled else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}, least_rows={self.least_rows}"
 
 
 # torch 2.13's CPU int8 op returns garbage (inf, NaN) or crashes for other input widths
@@ -457,6 +480,19 @@ def packed_bf16_supported() -> bool:
     return bool((out == 32).all())
 
 
+def packed_bf16_label() -> str:
+    """What `PackedBf16Linear` runs here, for a model's `kernels` name (and the pass-cost cache's
+    key): "tiled-bf16" (our kernel, `native.linear`) or "onednn-packed-bf16"."""
+    return "tiled-bf16" if tiled_bf16_supported() else "onednn-packed-bf16"
+
+
+def tiled_bf16_supported() -> bool:
+    """Whether `PackedBf16Linear` packs its weight in tiles for our kernel (`native.linear`): where
+    it is built (AVX512-BF16) and the CPU has no AMX, whose tiles oneDNN uses (a prompt's GEMMs run
+    several times faster there than on the dot-product instruction; ours is unmeasured on AMX)."""
+    return native.linear_kernel() is not None and not cpu_has_amx()
+
+
 def packed_bf16_least_rows() -> int:
     """The rows a packed bf16 GEMM call is padded to (`PackedBf16Linear`): 6 on a CPU with
     AVX512-BF16 and no AMX, where oneDNN's blocked kernel streams the weight fastest at 5-6 rows a
@@ -559,7 +595,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     if isinstance(layer, PackedLinear):
         return layer.dense_weight if layer.dense_weight is not None else layer.packed_weight.to_dense()
     if isinstance(layer, PackedBf16Linear):
-        return layer.packed_weight.to_dense()
+        return layer.dense()
     if isinstance(layer, StackedPart):
         return layer.dense_weight()
     return layer.weight
@@ -577,8 +613,7 @@ def set_dense_weight(layer: nn.Module, weight: torch.Tensor) -> None:
         if layer.dense_weight is not None:
             layer.dense_weight.copy_(weight)
     elif isinstance(layer, PackedBf16Linear):
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().to(torch.bfloat16).contiguous(), None)
+        layer.set_weight(weight)
     elif isinstance(layer, StackedPart):
         layer.set_dense_weight(weight.detach())
     else:

@@ -40,7 +40,7 @@ class MergedGemm(nn.Module):
     def __init__(self, layers: list[PackedBf16Linear]):
         super().__init__()
         self.sizes = [layer.out_features for layer in layers]
-        weight = torch.cat([layer.packed_weight.to_dense() for layer in layers])
+        weight = torch.cat([layer.dense() for layer in layers])
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         self.gemm = PackedBf16Linear(weight, bias, layers[0].least_rows)
         # (the input, its parts' outputs, the parts served), until every part took its own
@@ -87,14 +87,14 @@ class MergedPart(StackedPart):
 
     def dense_weight(self) -> torch.Tensor:
         """[out_features, in_features]: this part's rows of the stacked weight."""
-        return self.merged.gemm.packed_weight.to_dense()[self.rows]
+        return self.merged.gemm.dense()[self.rows]
 
     @torch.no_grad()
     def set_dense_weight(self, weight: torch.Tensor) -> None:
         """Compute with `weight` [out_features, in_features] from now on (the stack packed anew)."""
-        stacked = self.merged.gemm.packed_weight.to_dense()
+        stacked = self.merged.gemm.dense()
         stacked[self.rows] = weight.to(stacked.dtype)
-        self.merged.gemm.packed_weight = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), None)
+        self.merged.gemm.set_weight(stacked)
         self.merged._memo = None  # outputs of the old weight
 
     def extra_repr(self) -> str:

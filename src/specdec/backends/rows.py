@@ -12,11 +12,14 @@ docs/kernels.md#row-exact-passes; in short:
   oneDNN-packed fp32 gives equal rows for 2..32 rows and another result for 1.
   So a row-exact pass makes GEMM calls of 2..32 rows only (`kernels.row_exact_calls`): 1-row
   inputs as 2-row ones, wider ones cut (`kernels.PackedLinear`, `kernels.TwoRowLinear`, the bf16
-  head in `TransformersModel._logits`);
+  head in `TransformersModel._logits`), but where our tiled bf16 kernel runs them
+  (`native.linear`), whose rows are equal in calls of any size by construction;
 - attention: a 1-query decode step runs sdpa without a mask over exactly the keys it may see, a
   multi-row pass runs another kernel path with a causal mask, and their rows differ. Here a
-  row-exact pass runs attention one query row at a time, each over exactly the keys its mask
-  allows, through the very call a decode step makes — equal by construction, whatever the kernel;
+  row-exact pass computes each query row over exactly the keys its mask allows, by the very code
+  a decode step runs — equal by construction, whatever the kernel: our kernel takes every row of
+  a pass (every sequence's, in a batch) in one call per layer (`native.attention_rows`), or,
+  where it is not built, sdpa takes them one call a row;
 - the output head: see `TransformersModel._logits` (fp32 packed head, or bf16 head with the top
   candidates re-scored in fp32, both row-invariant).
 
@@ -29,9 +32,9 @@ their threads by it, so there a row-exact pass also makes every GEMM and norm ca
 number of rows (`kernels.CUDA_ROWS`, `kernels.fix_norm_rows`); measured in docs/kernels.md.
 
 One-query attention, the call every decode step and every row of a row-exact pass makes, runs
-with grouped-query heads packed (`one_query_attention`) in our own passes on CPU: transformers
-there asks sdpa for `enable_gqa`, many times slower in bf16 (docs/kernels.md#one-query-attention).
-Per row and per layer that is most of a long prompt's extra cost.
+with grouped-query heads packed (`one_query_attention`: our kernel, else one sdpa call) in our own
+passes on CPU: transformers there asks sdpa for `enable_gqa`, many times slower in bf16
+(docs/kernels.md#one-query-attention).
 Passes that are not ours (transformers' `generate` on the same model object) stay stock.
 """
 
@@ -46,6 +49,7 @@ import weakref
 import torch
 
 from ..errors import SpecdecError
+from . import native
 
 # None outside our passes, else whether the pass is row-exact
 _ROW_EXACT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("specdec_row_exact", default=None)
@@ -112,6 +116,10 @@ def _our_attention(base, packs: bool):
             return one_query_attention(query, key, value, kwargs.get("scaling"))
         return base(module, query, key, value, None, **kwargs)[0]
 
+    def kernel_takes(query, keys, values, kwargs) -> bool:
+        return (packs and not any(kwargs.get(name) for name in _EXTRAS) and native.one_query_kernel() is not None
+                and native.supported(query, keys, values))
+
     @functools.wraps(base)
     def attention(module, query, key, value, attention_mask, **kwargs):
         """query [B, heads, T, D], key/value [B, kv_heads, L, D] -> ([B, T, heads, D], None)."""
@@ -125,13 +133,41 @@ def _our_attention(base, packs: bool):
         if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
             cache, parts = batch
             keys_of, values_of = cache.layer(module.layer_idx)
+            if kernel_takes(query, keys_of, values_of, kwargs):  # every row in one call
+                return native.attention_rows(query, keys_of, values_of, _segments_layout(parts),
+                                             _scale(query, kwargs)).unsqueeze(0), None
             return torch.cat([_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs)
                               for i, (start, spans) in enumerate(parts)], dim=1), None
         spans = key_spans(attention_mask, rows, keys)
         if rows == 1 and spans[0] == slice(0, keys):
             return one_query(module, query, key, value, **kwargs), None
+        if key.shape[0] == 1 and kernel_takes(query, [key], [value], kwargs):
+            layout = native.RowLayout(list(range(rows)), [0] * rows, spans)
+            return native.attention_rows(query, [key], [value], layout, _scale(query, kwargs)).unsqueeze(0), None
         return _rows(one_query, module, query, key, value, spans, 0, kwargs), None
     return attention
+
+
+def _scale(query: torch.Tensor, kwargs) -> float:
+    """The scores' scale: the model's, else sdpa's default 1/sqrt(head size)."""
+    scaling = kwargs.get("scaling")
+    return query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+
+
+_layout_memo: list = [None, None]  # [parts, its layout]: one batched pass's rows serve all its layers
+
+
+def _segments_layout(parts: list[tuple[int, list]]):
+    """The kernel's rows for a batched pass (`segmented`): sequence i's rows start, start + 1, ...
+    of the pass's query, each over its spans in sequence i's own cache."""
+    if _layout_memo[0] is not parts:
+        query_rows, sequences, spans = [], [], []
+        for i, (start, row_spans) in enumerate(parts):
+            query_rows += range(start, start + len(row_spans))
+            sequences += [i] * len(row_spans)
+            spans += row_spans
+        _layout_memo[:] = [parts, native.RowLayout(query_rows, sequences, spans)]
+    return _layout_memo[1]
 
 
 def _rows(one_query, module, query, key, value, spans, start: int, kwargs) -> torch.Tensor:
@@ -184,6 +220,11 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if rows != 1 or heads % kv_heads:
         raise SpecdecError(f"one-query attention takes 1 query row and heads a multiple of key/value heads, "
                            f"not {rows} rows and {heads} over {kv_heads}")
+    keys, values = [key[b:b + 1] for b in range(batch)], [value[b:b + 1] for b in range(batch)]
+    if native.one_query_kernel() is not None and native.supported(query, keys, values):
+        layout = native.RowLayout(list(range(batch)), list(range(batch)), [slice(0, key.shape[2])] * batch)
+        scale = dim ** -0.5 if scale is None else float(scale)
+        return native.attention_rows(query, keys, values, layout, scale).unsqueeze(1)
     packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scale)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2)

@@ -16,7 +16,7 @@ from ..errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
                        fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
-                       pack_linears, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
+                       pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
 from .merged import merge_projections
 from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
@@ -99,7 +99,7 @@ class TransformersModel:
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's stay apart)
             self.merged_groups = merge_projections(self._decoder, hf_model.config.model_type)
-            self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + "onednn-packed-bf16"
+            self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + packed_bf16_label()
             if role == "target":
                 self._packed_head = PackedBf16Linear(weight, None, packed_bf16_least_rows())
         elif int8:
@@ -177,7 +177,7 @@ class TransformersModel:
             return
         # the head's long path: packed as the layers are (int8 beats it up to `int8_short_rows`
         # rows), else plain bf16 (int8 beats that up to 8 rows: docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)
-        if self.kernels.endswith("onednn-packed-bf16"):
+        if self.kernels.endswith(("onednn-packed-bf16", "tiled-bf16")):
             long = PackedBf16Linear(weight, bias, packed_bf16_least_rows())
         else:
             long = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=self.device,
@@ -220,7 +220,7 @@ class TransformersModel:
         """Whether every row of a pass, batched ones included, is bit for bit the row a one-token pass
         computes: row-exact attention and no layer that switches kernels by row count (the int8
         short path, a bf16 short path over packed fp32, a frequent-token head)."""
-        return self.exact_rows and self.kernels in ("stock", "onednn-packed", "onednn-packed-bf16") and \
+        return self.exact_rows and self.kernels in ("stock", "onednn-packed", "onednn-packed-bf16", "tiled-bf16") and \
             self._draft_head is None
 
     def features(self) -> Features:

@@ -49,8 +49,8 @@ def pass_profile(target: Backend, drafter: Backend | None, widths: list[int], dr
 
 # What each op of a CPU pass is, by the names torch's profiler gives them (self times: no op twice)
 OP_KINDS = (("linears", ("linear_pointwise", "mkldnn_linear", "aten::mm", "aten::addmm", "aten::bmm",
-                         "_weight_int8pack_mm")),
-            ("attention", ("scaled_dot_product", "flash_attention")))
+                         "_weight_int8pack_mm", "specdec::linear")),
+            ("attention", ("scaled_dot_product", "flash_attention", "specdec::one_query")))
 
 
 def op_split(model: Backend, tokens: int = 1, context: int = 128, repeats: int = 5) -> dict[str, float]:

@@ -1,0 +1,119 @@
+/* bf16 linear layers for the few rows of a decode step or a verification pass (specdec, Apache-2.0).
+
+   y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), W packed once at load in tiles of 16 outputs by 2
+   inputs ([n / 16][k / 2][16][2]: backends/native.py, `pack_tiles`), read by the CPU's bf16
+   dot-product instruction (AVX512-BF16): one pass over the weights streams them at the memory's
+   speed, every row of the call reusing each tile while it is in cache.
+
+   Every output's sum runs over k in one order, in one lane, whatever the number of rows, the
+   blocking or the threads: a row comes out with the same bits in a call of 1 row or of 64
+   (backends/rows.py needs no padding or cutting of the calls that use it). */
+
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16      /* outputs per tile: one register's fp32 lanes */
+#define GROUP 4      /* tiles a thread works on at once */
+#define ROWS 6       /* rows whose sums stay in registers at once */
+#define PAIRS 256    /* input pairs per block: a group's block of weights (64 KiB) stays in L2 */
+
+/* the floats of scratch space specdec_linear_bf16 needs for `rows` rows on `threads` threads */
+int64_t specdec_linear_scratch(int64_t rows, int threads) { return (rows > 0 ? rows : 1) * GROUP * TILE * threads; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int specdec_linear_available(void) { return 1; }
+
+/* Rows m0..m0+height-1 of tiles first..first+count-1 over input pairs start..end-1, the partial
+   sums carried in `sums` [rows][GROUP][16] between blocks. Inlined with height and count
+   constants (`group` picks a `block_H`), the sums stay in registers. */
+static inline __attribute__((always_inline)) void block(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                                                        int64_t pairs, int64_t first, int64_t start, int64_t end,
+                                                        int64_t m0, float *sums, const int64_t height,
+                                                        const int64_t count) {
+    __m512 acc[ROWS][GROUP];
+    for (int64_t m = 0; m < height; m++)
+        for (int64_t g = 0; g < count; g++)
+            acc[m][g] = start ? _mm512_loadu_ps(sums + ((m0 + m) * GROUP + g) * TILE) : _mm512_setzero_ps();
+    for (int64_t p = start; p < end; p++) {
+        __m512i w[GROUP];
+        for (int64_t g = 0; g < count; g++) w[g] = _mm512_loadu_si512(packed + (((first + g) * pairs + p) * TILE) * 2);
+        for (int64_t m = 0; m < height; m++) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + m) * x_stride + 2 * p, sizeof pair);
+            const __m512i xs = _mm512_set1_epi32(pair);
+            for (int64_t g = 0; g < count; g++) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], (__m512bh)xs, (__m512bh)w[g]);
+        }
+    }
+    for (int64_t m = 0; m < height; m++)
+        for (int64_t g = 0; g < count; g++) _mm512_storeu_ps(sums + ((m0 + m) * GROUP + g) * TILE, acc[m][g]);
+}
+
+#define BLOCK_ARGS const uint16_t *x, int64_t x_stride, const uint16_t *packed, int64_t pairs, int64_t first, \
+    int64_t start, int64_t end, int64_t m0, float *sums, int64_t height, int64_t count
+#define BLOCK(H) static void block_##H(BLOCK_ARGS) { (void)height; (void)count; \
+    block(x, x_stride, packed, pairs, first, start, end, m0, sums, H, GROUP); }
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+static void block_any(BLOCK_ARGS) { block(x, x_stride, packed, pairs, first, start, end, m0, sums, height, count); }
+typedef void (*block_fn)(BLOCK_ARGS);
+
+/* Tiles first..first+count-1 (count <= GROUP) for every row, input pairs in blocks of PAIRS. */
+static void group(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t pairs,
+                  int64_t first, int64_t count, float *sums) {
+    static const block_fn full[] = {block_any, block_1, block_2, block_3, block_4, block_5, block_6};
+    for (int64_t start = 0; start < pairs; start += PAIRS) {
+        const int64_t end = start + PAIRS < pairs ? start + PAIRS : pairs;
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS) {
+            const int64_t height = m0 + ROWS < rows ? ROWS : rows - m0;
+            (count == GROUP ? full[height] : block_any)(x, x_stride, packed, pairs, first, start, end, m0, sums,
+                                                        height, count);
+        }
+    }
+}
+
+/* y [rows, n] (y_stride elements between rows) = x [rows, k] (x_stride) @ W^T + bias (bf16 [n],
+   or NULL), W packed in tiles; k even. scratch: specdec_linear_scratch(rows, threads) floats.
+   Returns 0. */
+int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t n,
+                        int64_t k, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads, float *scratch) {
+    const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float *sums = scratch + (int64_t)thread * rows * GROUP * TILE;
+        const int64_t first = gi * GROUP, count = first + GROUP <= tiles ? GROUP : tiles - first;
+        group(x, rows, x_stride, packed, pairs, first, count, sums);
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t g = 0; g < count; g++) {
+                __m512 out = _mm512_loadu_ps(sums + (m * GROUP + g) * TILE);
+                const int64_t column = (first + g) * TILE, width = n - column < TILE ? n - column : TILE;
+                const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+                if (bias) {
+                    const __m256i b = _mm256_maskz_loadu_epi16(mask, bias + column);
+                    out = _mm512_add_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+                }
+                _mm256_mask_storeu_epi16(y + m * y_stride + column, mask, (__m256i)_mm512_cvtneps_pbh(out));
+            }
+    }
+    return 0;
+}
+
+#else
+
+int specdec_linear_available(void) { return 0; }
+
+int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t n,
+                        int64_t k, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads, float *scratch) {
+    (void)x; (void)rows; (void)x_stride; (void)packed; (void)n; (void)k; (void)bias; (void)y; (void)y_stride;
+    (void)threads; (void)scratch;
+    return -1;
+}
+
+#endif

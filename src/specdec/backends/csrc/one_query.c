@@ -1,0 +1,224 @@
+/* One-query attention for many rows at once, each row over its own keys (specdec, Apache-2.0).
+
+   A row is one query position of one sequence: its heads attend to the keys of its runs (spans of
+   its sequence's cache, in order), grouped-query heads reading key/value head h / groups. Every
+   (row, key/value head) is computed by the same code from its own inputs alone, in one fixed
+   order, so a row's output does not depend on which other rows share the call: a decode step's
+   one row and the same row among a batch's hundreds get the same bits (backends/rows.py).
+
+   Arithmetic: fp32 throughout (products of bf16 values are exact in fp32), each dot product summed
+   in 16 interleaved partial sums, then those pairwise; softmax with the row's maximum subtracted
+   (e^x by a polynomial, vectorised); the weighted sum of values in key order; one rounding to
+   the output's dtype. Needs heads / kv_heads <= 16. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 16 fp32 lanes (GCC/Clang vector extensions: AVX-512, AVX2 or NEON code as the CPU has) */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint32_t u16w __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define LANES 16
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+/* LANES values at src (bf16 when bf16 != 0, else fp32) */
+static inline v16 load16(const char *src, int bf16) {
+    if (bf16) {
+        h16 h;
+        memcpy(&h, src, sizeof h);
+        u16w wide = __builtin_convertvector(h, u16w) << 16;
+        v16 f;
+        memcpy(&f, &wide, sizeof f);
+        return f;
+    }
+    v16 f;
+    memcpy(&f, src, sizeof f);
+    return f;
+}
+
+/* the first n (< LANES) values at src, the other lanes 0 */
+static inline v16 load_part(const char *src, int64_t n, int bf16) {
+    char buffer[64] = {0};
+    memcpy(buffer, src, (size_t)(n * (bf16 ? 2 : 4)));
+    return load16(buffer, bf16);
+}
+
+/* the lanes' sum, halves added pairwise: one fixed order */
+static inline float total16(v16 x) {
+    v8 a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (const char *)&x + sizeof a, sizeof b);
+    a += b;
+    v4 c, d;
+    memcpy(&c, &a, sizeof c);
+    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* e^x for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
+   polynomial (relative error under 2e-7); x below -87 gives 2^-126's neighbourhood, not 0 */
+static inline v16 exp16(v16 x) {
+    const i16 low = x < -87.0f;  /* lanes all ones where true */
+    const v16 floor = (v16){0} - 87.0f;
+    x = (v16)(((i16)x & ~low) | ((i16)floor & low));
+    const v16 shifted = x * 1.44269504f + 12582912.0f;  /* round to nearest by the fp32 ulp at 2^23 */
+    const v16 n = shifted - 12582912.0f;
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.42860677e-6f;
+    v16 p = r * (1.0f / 720) + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i16 exponent = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return p * scale;
+}
+
+/* One (row, key/value head): `groups` query heads (at most 16) over the row's keys (head sizes
+   that are no multiple of LANES end in a chunk padded with zeros). Returns 0, or -1 where memory
+   ran out. Inlined with `groups` a constant (`task_for`), its per-head partial sums stay in
+   registers. */
+static inline __attribute__((always_inline)) int one_task(
+                    int64_t row, int64_t kv_head, int64_t groups, int64_t dim, int64_t vdim, float scale, int bf16,
+                    const char *query, int64_t q_head_stride, const int64_t *q_offsets, const int64_t *row_seq,
+                    const int64_t *row_runs, const int64_t *runs, const int64_t *k_ptrs, const int64_t *v_ptrs,
+                    const int64_t *k_head_strides, const int64_t *v_head_strides, char *out, int64_t heads) {
+    const int64_t size = bf16 ? 2 : 4, chunks = (dim + LANES - 1) / LANES, vchunks = (vdim + LANES - 1) / LANES;
+    const int64_t tail = dim - (chunks - 1) * LANES, vtail = vdim - (vchunks - 1) * LANES;
+    const int64_t first = row_runs[row], last = row_runs[row + 1];
+    int64_t count = 0;
+    for (int64_t r = first; r < last; r++) count += runs[2 * r + 1] - runs[2 * r];
+    const int64_t padded = (count + LANES - 1) / LANES * LANES;
+    v16 *q = aligned_alloc(64, sizeof(v16) * (size_t)(groups * chunks + groups * vchunks) +
+                                   sizeof(float) * (size_t)(groups * padded));
+    if (!q) return -1;
+    v16 *acc = q + groups * chunks;
+    float *scores = (float *)(acc + groups * vchunks);
+    const int64_t s = row_seq[row];
+    const char *keys = (const char *)(intptr_t)k_ptrs[s] + kv_head * k_head_strides[s] * size;
+    const char *values = (const char *)(intptr_t)v_ptrs[s] + kv_head * v_head_strides[s] * size;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const char *at = query + (q_offsets[row] + (kv_head * groups + g) * q_head_stride + c * LANES) * size;
+            q[g * chunks + c] = c + 1 < chunks || tail == LANES ? load16(at, bf16) : load_part(at, tail, bf16);
+        }
+
+    /* scores: q . k for each key, in key order */
+    int64_t n = 0;
+    for (int64_t r = first; r < last; r++)
+        for (int64_t j = runs[2 * r]; j < runs[2 * r + 1]; j++, n++) {
+            const char *k = keys + j * dim * size;
+            v16 part[16];
+            for (int64_t g = 0; g < groups; g++) part[g] = (v16){0};
+            for (int64_t c = 0; c < chunks; c++) {
+                const v16 kc = c + 1 < chunks || tail == LANES ? load16(k + c * LANES * size, bf16)
+                                                               : load_part(k + c * LANES * size, tail, bf16);
+                for (int64_t g = 0; g < groups; g++) part[g] += q[g * chunks + c] * kc;
+            }
+            for (int64_t g = 0; g < groups; g++) scores[g * padded + n] = total16(part[g]) * scale;
+        }
+    /* softmax weights, unnormalised: e^(score - max), the padding's set to 0 */
+    float denominator[16];
+    for (int64_t g = 0; g < groups; g++) {
+        float *row_scores = scores + g * padded, top = -INFINITY;
+        for (int64_t i = 0; i < count; i++) top = row_scores[i] > top ? row_scores[i] : top;
+        for (int64_t i = count; i < padded; i++) row_scores[i] = top;
+        v16 sum = {0};
+        for (int64_t i = 0; i < padded; i += LANES) {
+            v16 x;
+            memcpy(&x, row_scores + i, sizeof x);
+            v16 e = exp16(x - top);
+            for (int l = 0; l < LANES; l++)
+                if (i + l >= count) e[l] = 0.0f;
+            memcpy(row_scores + i, &e, sizeof e);
+            sum += e;
+        }
+        denominator[g] = total16(sum);
+    }
+    /* the weighted sum of values, in key order; two chunks (a cache line of bf16) at a time, so
+       that the groups' partial sums stay in registers */
+    for (int64_t c = 0; c < vchunks; c += 2) {
+        const int64_t width = c + 1 < vchunks ? 2 : 1;
+        v16 sum[16][2];
+        for (int64_t g = 0; g < groups; g++) sum[g][0] = sum[g][1] = (v16){0};
+        n = 0;
+        for (int64_t r = first; r < last; r++)
+            for (int64_t j = runs[2 * r]; j < runs[2 * r + 1]; j++, n++) {
+                const char *v = values + (j * vdim + c * LANES) * size;
+                for (int64_t w = 0; w < width; w++) {
+                    const v16 vc = c + w + 1 < vchunks || vtail == LANES ? load16(v + w * LANES * size, bf16)
+                                                                         : load_part(v + w * LANES * size, vtail, bf16);
+                    for (int64_t g = 0; g < groups; g++) sum[g][w] += scores[g * padded + n] * vc;
+                }
+            }
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t w = 0; w < width; w++) acc[g * vchunks + c + w] = sum[g][w];
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const float inverse = 1.0f / denominator[g];
+        char *o = out + (row * heads + kv_head * groups + g) * vdim * size;
+        for (int64_t c = 0; c < vchunks; c++) {
+            const v16 x = acc[g * vchunks + c] * inverse;
+            for (int l = 0; l < (c + 1 < vchunks ? LANES : vtail); l++) {
+                if (bf16) ((uint16_t *)o)[c * LANES + l] = to_bf16(x[l]);
+                else ((float *)o)[c * LANES + l] = x[l];
+            }
+        }
+    }
+    free(q);
+    return 0;
+}
+
+#define TASK_ARGS int64_t row, int64_t kv_head, int64_t groups, int64_t dim, int64_t vdim, float scale, int bf16, \
+    const char *query, int64_t q_head_stride, const int64_t *q_offsets, const int64_t *row_seq, \
+    const int64_t *row_runs, const int64_t *runs, const int64_t *k_ptrs, const int64_t *v_ptrs, \
+    const int64_t *k_head_strides, const int64_t *v_head_strides, char *out, int64_t heads
+#define TASK_PASS dim, vdim, scale, bf16, query, q_head_stride, q_offsets, row_seq, row_runs, runs, k_ptrs, v_ptrs, \
+    k_head_strides, v_head_strides, out, heads
+#define TASK(G) static int task_##G(TASK_ARGS) { (void)groups; return one_task(row, kv_head, G, TASK_PASS); }
+TASK(1) TASK(2) TASK(3) TASK(4) TASK(5) TASK(6) TASK(7) TASK(8)
+static int task_any(TASK_ARGS) { return one_task(row, kv_head, groups, TASK_PASS); }
+typedef int (*task_fn)(TASK_ARGS);
+
+/* the task specialised for `groups` query heads per key/value head (any count up to 16) */
+static task_fn task_for(int64_t groups) {
+    static const task_fn special[] = {task_1, task_1, task_2, task_3, task_4, task_5, task_6, task_7, task_8};
+    return groups <= 8 ? special[groups] : task_any;
+}
+
+/* rows: query rows to compute; row i's heads start q_offsets[i] elements into query, heads
+   q_head_stride elements apart (each head's dim values contiguous); it is a row of sequence
+   row_seq[i], over the key spans runs[2r]..runs[2r+1] for r in row_runs[i]..row_runs[i+1]; sequence s's keys (values):
+   [kv_heads, positions, dim (vdim)] from k_ptrs[s] (v_ptrs[s]), heads k_head_strides[s]
+   (v_head_strides[s]) elements apart, positions contiguous. out: [rows, heads, vdim], contiguous.
+   Returns 0, or -1 where memory ran out. */
+int specdec_one_query_rows(int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t vdim, float scale,
+                           int bf16, int threads, const void *query, int64_t q_head_stride, const int64_t *q_offsets,
+                           const int64_t *row_seq, const int64_t *row_runs,
+                           const int64_t *runs, const int64_t *k_ptrs, const int64_t *v_ptrs,
+                           const int64_t *k_head_strides, const int64_t *v_head_strides, void *out) {
+    const int64_t groups = heads / kv_heads, tasks = rows * kv_heads;
+    const task_fn task = task_for(groups);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed) if (threads > 1 && tasks > 1)
+    for (int64_t t = 0; t < tasks; t++)
+        failed |= task(t / kv_heads, t % kv_heads, groups, dim, vdim, scale, bf16, (const char *)query, q_head_stride,
+                       q_offsets, row_seq, row_runs, runs, k_ptrs, v_ptrs, k_head_strides, v_head_strides,
+                       (char *)out, heads) != 0;
+    return failed ? -1 : 0;
+}

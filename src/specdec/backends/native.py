@@ -1,0 +1,232 @@
+"""Our compiled kernels, exact by construction: a row's result never depends on what shares its call.
+
+- `attention_rows` (csrc/one_query.c): one-query attention for every row of a pass in one call.
+- `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
+  read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
+  in one order whatever the call's rows, so a decode step's one row and a verification pass's
+  rows meet without padding or cutting (backends/rows.py), and a 1..4-row call streams the
+  weights at the memory's speed, where oneDNN's blocked kernel reached about two thirds of it
+  (docs/kernels.md#tiled-bf16-linears).
+
+Attention: a row-exact pass runs attention a query row at a time, each row over exactly the keys it may see
+(backends/rows.py); through sdpa that is a call per row per layer, and at 16 sequences in flight
+those calls and the Python around them cost more than the attention itself. The kernel takes all
+of a pass's rows, each over its own key spans in its own sequence's cache, and computes every
+(row, key/value head) by the same code from its own inputs alone: a decode step's row and the
+same row inside a batch come out with the same bits by construction. Decode steps use it too, so
+every pass kind agrees.
+
+Both are C, built at first use with the machine's C compiler (`cc`, or $CC) for this CPU, and kept
+under specdec's home (kernels/). Where they cannot be built or loaded, or with SPECDEC_NATIVE=0,
+attention stays sdpa a row at a time and linears oneDNN's (exact too, slower); without
+AVX512-BF16 the linears stay oneDNN's. CPU only; attention in bf16 and fp32, linears in bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecdecError
+
+log = logging.getLogger("specdec.backends")
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c")]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_I64 = ctypes.POINTER(ctypes.c_int64)
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: a home shared by machines of other CPUs gets other builds."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
+
+
+def _build(target: Path, compiler: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # workers building at once each replace it whole
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(built, target)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they are off or cannot be built (the reason logged once)."""
+    if os.environ.get("SPECDEC_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler (cc): attention runs through sdpa a row at a time, linears through oneDNN")
+        return None
+    from ..models.catalogue import home
+
+    parts = [source.read_bytes() for source in SOURCES] + [" ".join(FLAGS).encode(), compiler.encode(),
+                                                           platform.machine().encode(), _cpu_signature().encode()]
+    stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
+    target = home() / "kernels" / f"specdec-{stamp}.so"
+    try:
+        if not target.exists():
+            _build(target, compiler)
+        return ctypes.CDLL(str(target))  # torch's libgomp is loaded: the kernels' OpenMP is torch's
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
+        log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "
+                    "linears through oneDNN", detail.splitlines()[-1] if detail else type(error).__name__)
+        return None
+
+
+@functools.cache
+def one_query_kernel():
+    """The compiled `specdec_one_query_rows`, or None (`library`)."""
+    lib = library()
+    if lib is None:
+        return None
+    function = lib.specdec_one_query_rows
+    function.restype = ctypes.c_int
+    function.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                  ctypes.c_int64] + [_I64] * 8 + [ctypes.c_void_p])
+    return function
+
+
+@functools.cache
+def linear_kernel():
+    """The compiled `specdec_linear_bf16`, or None where the library is not built or the CPU has no
+    AVX512-BF16 (the library was built without it)."""
+    lib = library()
+    if lib is None or not lib.specdec_linear_available():
+        return None
+    function = lib.specdec_linear_bf16
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                         ctypes.c_void_p]
+    return function
+
+
+TILE = 16  # outputs per tile of a packed weight (csrc/linear.c)
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) -> bf16 [ceil(N / 16), K / 2, 16, 2]: tile t, input pair p holds
+    W[16t + i, 2p + j] at [t, p, i, j] (rows past N zero), the layout `linear` reads."""
+    n, k = weight.shape
+    padded = -(-n // TILE) * TILE
+    weight = weight.detach().to(torch.bfloat16)
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_tiles`'s inverse: [N, K] bf16."""
+    tiles, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)[:n].contiguous()
+
+
+@functools.cache
+def _scratch_per_row() -> int:
+    """Floats of scratch space `specdec_linear_bf16` needs per row and thread."""
+    lib = library()
+    lib.specdec_linear_scratch.restype = ctypes.c_int64
+    return lib.specdec_linear_scratch(ctypes.c_int64(1), ctypes.c_int(1))
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T (+ bias [n] bf16) -> [M, n] bf16, W packed by `pack_tiles`; sums in fp32,
+    each output's over k in one order whatever M is, rounded once."""
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise SpecdecError(f"the tiled bf16 linear takes bf16 inputs on the CPU, not {x.dtype} on {x.device}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    threads = torch.get_num_threads()
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    scratch = torch.empty(max(rows, 1) * threads * _scratch_per_row(), dtype=torch.float32)
+    if rows:
+        with _traced("specdec::linear_bf16"):
+            linear_kernel()(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads, scratch.data_ptr())
+    return y
+
+
+def _traced(name: str):
+    """A named range for torch's profiler around a kernel call, where it is recording (`specdec
+    profile --ops` sorts its ops by name); nothing otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+class RowLayout:
+    """Which query rows a call computes and the keys each sees, the same for every layer of a
+    pass: row i is query row `query_rows[i]` (of the query's [B, heads, T, D] rows, b * T + t) of
+    sequence `sequences[i]`, over its key spans `spans[i]` (each a slice, or a tuple of slices
+    read in order)."""
+
+    def __init__(self, query_rows: list[int], sequences: list[int], spans: list):
+        runs, bounds = [], [0]
+        for span in spans:
+            for run in (span if isinstance(span, tuple) else (span,)):
+                runs += [run.start, run.stop]
+            bounds.append(len(runs) // 2)
+        self.rows = len(query_rows)
+        self.query_rows, self.sequences = query_rows, _int64s(sequences)
+        self.bounds, self.runs = _int64s(bounds), _int64s(runs)
+
+
+def supported(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+    """Whether the kernel can take these tensors as they are laid out: CPU, one dtype (bf16 or
+    fp32), each head's positions contiguous, heads a multiple (at most 16) of key/value heads."""
+    dtype = query.dtype
+    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or query.stride(-1) != 1:
+        return False
+    heads, kv_heads = query.shape[1], keys[0].shape[1]
+    if heads % kv_heads or heads // kv_heads > 16:
+        return False
+    return all(x.dtype == dtype and x.device.type == "cpu" and x.shape[1] == kv_heads
+               and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (*keys, *values))
+
+
+def attention_rows(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], layout: RowLayout,
+                   scale: float) -> torch.Tensor:
+    """Every row of `layout` in one kernel call.
+
+    query [B, heads, T, D]; keys[s], values[s]: sequence s's cache [1, kv_heads, L_s, D] (and Dv),
+    grouped-query head h reading key/value head h // (heads // kv_heads).
+    Returns [rows, heads, Dv] in query's dtype.
+    """
+    kernel = one_query_kernel()
+    heads, dim = query.shape[1], query.shape[-1]
+    kv_heads, vdim = keys[0].shape[1], values[0].shape[-1]
+    out = torch.empty(layout.rows, heads, vdim, dtype=query.dtype)
+    length = query.shape[2]
+    offsets = _int64s([r // length * query.stride(0) + r % length * query.stride(2) for r in layout.query_rows])
+    with _traced("specdec::one_query_rows"):
+        status = kernel(layout.rows, heads, kv_heads, dim, vdim, scale, int(query.dtype == torch.bfloat16),
+                        torch.get_num_threads(), query.data_ptr(), query.stride(1), offsets, layout.sequences,
+                        layout.bounds, layout.runs, _int64s([k.data_ptr() for k in keys]),
+                        _int64s([v.data_ptr() for v in values]), _int64s([k.stride(1) for k in keys]),
+                        _int64s([v.stride(1) for v in values]), out.data_ptr())
+    if status:
+        raise MemoryError("the one-query attention kernel ran out of memory")
+    return out

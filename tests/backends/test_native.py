@@ -1,0 +1,157 @@
+"""Our compiled kernels (backends/native.py): each row of a call computed as it would be alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specdec.backends import native, rows
+from specdec.backends.kernels import tiled_bf16_supported
+
+built = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the kernels are not built")
+tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512-BF16 (no AMX)")
+
+
+def _reference(query, keys, values, spans, scale):
+    """Attention in float64, row by row: [rows, heads, Dv]."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    out = []
+    for t, span in enumerate(spans):
+        index = torch.cat([torch.arange(s.start, s.stop) for s in (span if isinstance(span, tuple) else (span,))])
+        k = keys[0][:, index].double().repeat_interleave(heads // kv_heads, 0)
+        v = values[0][:, index].double().repeat_interleave(heads // kv_heads, 0)
+        q = query[0, :, t].double()
+        weights = torch.softmax((k @ q[:, :, None]).squeeze(-1) * scale, dim=-1)
+        out.append((weights[:, None, :] @ v).squeeze(1))
+    return torch.stack(out)
+
+
+def _cache(kv_heads, length, dim, dtype, capacity=None, generator=None):
+    """A slab's view: [1, kv_heads, length, dim] of a [1, kv_heads, capacity, dim] buffer."""
+    capacity = capacity or length + 13
+    make = lambda: torch.randn(1, kv_heads, capacity, dim, generator=generator).to(dtype)[:, :, :length]  # noqa: E731
+    return make(), make()
+
+
+@built
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (8, 8, 64), (9, 3, 72), (24, 2, 8), (4, 1, 256)])
+def test_attention_rows_match_float64_and_a_row_alone(dtype, heads, kv_heads, dim):
+    """Every shape our models have (groups 1..12, head sizes off the 16-lane grid too): within
+    float rounding of float64 attention, and each row bit for bit what it is alone, among rows of
+    other sequences, with keys in gapped runs (a tree's), on 1 thread or 2."""
+    generator = torch.Generator().manual_seed(heads * dim)
+    caches = [_cache(kv_heads, length, dim, dtype, generator=generator) for length in (37, 90)]
+    query = torch.randn(1, heads, 5, dim, generator=generator).to(dtype)
+    spans = [slice(0, 35), (slice(0, 20), slice(30, 37)), slice(0, 90), (slice(0, 80), slice(85, 86)), slice(3, 4)]
+    sequences = [0, 0, 1, 1, 0]
+    layout = native.RowLayout(list(range(5)), sequences, spans)
+    keys, values = [c[0] for c in caches], [c[1] for c in caches]
+    scale = dim ** -0.5
+    out = native.attention_rows(query, keys, values, layout, scale)
+    assert out.shape == (5, heads, dim) and out.dtype == dtype
+    for t, (sequence, span) in enumerate(zip(sequences, spans)):
+        expected = _reference(query[:, :, t:t + 1], *caches[sequence], [span], scale)[0]
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(out[t].double(), expected, atol=tolerance, rtol=tolerance), t
+        alone = native.attention_rows(query, [keys[sequence]], [values[sequence]],
+                                      native.RowLayout([t], [0], [span]), scale)
+        assert torch.equal(alone[0], out[t]), t
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(native.attention_rows(query, keys, values, layout, scale), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@built
+def test_one_query_attention_is_the_kernels_row_and_sdpas_within_rounding():
+    """A decode step's attention (`rows.one_query_attention`, batch rows of their own caches) is the
+    kernel's, and within bf16 rounding of what sdpa computes."""
+    generator = torch.Generator().manual_seed(1)
+    key, value = _cache(2, 50, 64, torch.bfloat16, capacity=50, generator=generator)
+    key, value = key.repeat(3, 1, 1, 1), value.repeat(3, 1, 1, 1)
+    query = torch.randn(3, 12, 1, 64, generator=generator).bfloat16()
+    out = rows.one_query_attention(query, key, value, 0.125)
+    assert out.shape == (3, 1, 12, 64)
+    for b in range(3):
+        row = native.attention_rows(query[b:b + 1], [key[b:b + 1]], [value[b:b + 1]],
+                                    native.RowLayout([0], [0], [slice(0, 50)]), 0.125)
+        assert torch.equal(out[b, 0], row[0])
+    packed = query.reshape(3, 2, 6, 64)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=0.125).reshape(3, 1, 12, 64)
+    assert torch.allclose(out.float(), sdpa.float(), atol=1e-2)
+
+
+@built
+def test_the_kernel_declines_what_it_cannot_read():
+    """fp16, over 16 query heads per key/value head, or positions not contiguous: sdpa's."""
+    key, value = _cache(1, 8, 16, torch.bfloat16)
+    assert native.supported(torch.zeros(1, 16, 1, 16, dtype=torch.bfloat16), [key], [value])
+    assert not native.supported(torch.zeros(1, 17, 1, 16, dtype=torch.bfloat16), [key], [value])
+    assert not native.supported(torch.zeros(1, 4, 1, 16, dtype=torch.float16), [key.half()], [value.half()])
+    assert not native.supported(torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), [key.transpose(2, 3)], [value])
+
+
+@built
+@tiled
+@pytest.mark.parametrize("n,k,bias", [(100, 64, True), (2048, 1536, False), (16, 2, True), (77, 1030, False)])
+def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):
+    """Outputs off the 16-wide tiles, inputs past a block of pairs, with and without bias: within
+    bf16 rounding of float64, and each row bit for bit what it is in a call of 1..40 rows, on
+    1 thread or 2."""
+    generator = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    packed = native.pack_tiles(weight)
+    assert torch.equal(native.unpack_tiles(packed, n), weight)
+    x = torch.randn(40, k, generator=generator).bfloat16()
+    full = native.linear(x, packed, n, b)
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+    assert torch.allclose(full.double(), expected, rtol=2 ** -7, atol=1e-2)
+    for count in (1, 2, 5, 6, 7, 13, 40):
+        assert torch.equal(native.linear(x[-count:].clone(), packed, n, b), full[-count:]), count
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(native.linear(x, packed, n, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@tiled
+def test_a_tiled_layer_unpacks_rewrites_and_copies_its_weight():
+    """`PackedBf16Linear` in tiles: `dense` gives the weight back, `set_weight` computes with a new
+    one, a deep copy computes the same."""
+    import copy
+
+    from specdec.backends.kernels import PackedBf16Linear, dense_weight, set_dense_weight
+
+    weight = torch.randn(48, 32).bfloat16()
+    layer = PackedBf16Linear(weight, torch.randn(48).bfloat16())
+    assert layer.tiled and torch.equal(dense_weight(layer), weight)
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+    set_dense_weight(layer, weight * 2)
+    assert torch.equal(layer.dense(), weight * 2)
+    assert torch.allclose(layer(x).float(), (x.float() @ (weight * 2).float().T + layer.bias.float()), atol=0.1, rtol=0.02)
+
+
+def test_without_a_compiler_the_kernels_are_off_with_a_warning(monkeypatch, tmp_path, caplog):
+    """A machine with no working C compiler keeps sdpa and oneDNN: one warning, nothing raised."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="specdec.backends"):
+            assert native.library() is None
+        assert "could not be built" in caplog.text
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        native.library.cache_clear()
+        assert native.library() is None
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
