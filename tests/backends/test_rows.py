@@ -412,3 +412,33 @@ def test_importing_specdec_sets_a_short_openmp_spin_unless_the_user_set_one(env,
     out = subprocess.run([sys.executable, "-c", "import os, specdec; print(os.environ.get('GOMP_SPINCOUNT'))"],
                          env={**clean, **env}, capture_output=True, text=True, check=True).stdout.split()[-1]
     assert out == str(expected)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_short_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
+    """`prefill_batch` feeds short prompts in one pass, each cache (and the first token's logits)
+    bit for bit what its own `prefill` gives it; a prompt cache's partial entries are extended; a
+    prompt past `shared_prefill` ids is refused."""
+    from specdec.backends import native
+    from specdec.backends.prompts import SHARED_PREFILL
+    from specdec.errors import SpecdecError
+
+    model = qwen_like(dtype, exact_rows=True, vocab=512)
+    if native.one_query_kernel() is None:
+        assert model.shared_prefill == 0
+        pytest.skip("our attention kernel is not built here: prompts are fed alone")
+    assert model.shared_prefill == SHARED_PREFILL and model.features().shared_prefill == SHARED_PREFILL
+    prompts = [_ids(n, 512, n) for n in (1, 6, 30, SHARED_PREFILL)]
+    alone, together = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
+    for prompt, cache in zip(prompts, alone):
+        model.prefill(prompt, cache)
+    model.prefill(prompts[2][:11], together[2])  # 10 entries in already (a chunk, a kept prompt)
+    model.prefill_batch(list(zip(prompts, together)))
+    for prompt, one, shared in zip(prompts, alone, together):
+        assert one.get_seq_length() == shared.get_seq_length() == len(prompt) - 1
+        for a, b in zip(one.layers, shared.layers):
+            assert (a.keys is None and b.keys is None) or (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
+        assert torch.equal(model.forward(prompt[-1:], one, 1), model.forward(prompt[-1:], shared, 1))
+    with pytest.raises(SpecdecError, match=f"prompts of 1..{SHARED_PREFILL} ids"):
+        model.prefill_batch([(_ids(SHARED_PREFILL + 1, 512, 0), model.new_cache())])

@@ -35,12 +35,16 @@ class _Cache:
     def get_seq_length(self) -> int:
         return self.length
 
+    def crop(self, length: int) -> None:
+        self.length = length
+
 
 class _Sequence:
     """What the scheduler reads of a `Decoding`, with no model behind it: its prompt is fed a
     chunk (`PREFILL_CHUNK`) a call, up to its last token (which its first pass scores)."""
 
     drafter_passes, caught_up, steerable, drafts_next, drafter_model = 0, None, None, False, None
+    shares_prefill = False
 
     def __init__(self, request, target):
         self.sequence, self.target, self.remaining = list(request.prompt_ids), target, request.max_new_tokens
@@ -85,6 +89,54 @@ def test_the_scheduler_admits_in_order_up_to_max_batch_and_a_request_that_fails_
     scheduler.settle(StepOutput(finished={0: None}))
     out = StepOutput()
     assert scheduler.schedule(out).ids == [2, 3] and out.started == [3] and not scheduler.waiting
+
+
+class _SharedTarget:
+    """A target whose shared prompt passes are counted, and fail when told to."""
+
+    def __init__(self, fails: bool = False):
+        self.calls, self.fails = [], fails
+
+    def prefill_batch(self, prompts) -> None:
+        self.calls.append([len(prompt) for prompt, _ in prompts])
+        for prompt, cache in prompts:
+            cache.length = len(prompt) - 1
+        if self.fails:
+            raise RuntimeError("the shared pass broke")
+
+
+class _Short(_Sequence):
+    """A sequence whose short prompt may share a prompt pass (`Decoding.shares_prefill`)."""
+
+    def __init__(self, request, target):
+        super().__init__(request, target)
+        self.together = None
+
+    @property
+    def shares_prefill(self) -> bool:
+        return len(self.sequence) <= 8 and self.cache.length < len(self.sequence) - 1
+
+    def prefilled_together(self, seconds: float) -> None:
+        self.together = seconds
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["shared", "fails"])
+def test_short_prompts_are_fed_in_one_shared_pass_and_alone_where_it_fails(target, fails):
+    """Short prompts go in one `prefill_batch` call, the long one behind them alone (a chunk of
+    it, within the step's budget); where the shared pass fails, each short prompt is fed alone
+    from its cache as it was, and nothing ends."""
+    shared = _SharedTarget(fails)
+    scheduler = Scheduler(shared, 8, None, None, lambda request: _Short(request, shared))
+    for i, prompt in enumerate([[1] * 5, [1] * 3, [1] * 8, [1] * 300]):
+        scheduler.waiting.append(SimpleNamespace(id=i, prompt_ids=prompt, max_new_tokens=4))
+    out = StepOutput()
+    plan = scheduler.schedule(out)
+    assert shared.calls == [[5, 3, 8]] and not out.failed
+    if fails:  # each fed alone by prefill_step, after its cache went back
+        assert all(scheduler.running[i].together is None for i in (0, 1, 2))
+    else:
+        assert all(scheduler.running[i].together > 0 for i in (0, 1, 2))
+    assert plan.ids == [0, 1, 2] and scheduler.prefilling[3].cache.length == sequence.PREFILL_CHUNK
 
 
 def test_the_kv_budget_holds_a_request_that_does_not_fit_and_those_behind_it(target):

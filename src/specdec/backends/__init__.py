@@ -93,6 +93,8 @@ class Features:
         `OnlineDistiller`, `--online`), which the loop tells of each rejection; None: none.
     embedded: the ids its input embeddings cover (a drafter feeds a stand-in for a target id past
         them); None: every id the target gives.
+    shared_prefill: prompts of at most this many ids are fed row-exactly, so several can share
+        one pass (`prefill_batch`), each cache getting the bits its own `prefill` gives; 0: none.
     """
 
     batched: bool = False
@@ -106,6 +108,7 @@ class Features:
     parallel_k: int | None = None
     online: object | None = None
     embedded: int | None = None
+    shared_prefill: int = 0
 
 
 def declares_features(model) -> bool:
@@ -141,3 +144,7 @@ class BatchedBackend(Backend, Protocol):
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
         """One pass over every segment's tokens, each seeing only its own cache and tree -> per
         segment logits [num_logits, V] fp32, bit for bit what `forward` returns for it alone."""
+
+    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], Cache]]) -> None:
+        """`prefill` for several short prompts (`Features.shared_prefill`) in one pass, each cache
+        getting the bits its own `prefill` gives it; only where `shared_prefill` > 0."""

@@ -15,6 +15,11 @@ from typing import Sequence
 import torch
 
 PREFILL_CHUNK = 256  # prompt ids fed per call (`Decoding.prefill_step`, a drafter model's `_catch_up`)
+# A prompt of at most this many ids is fed row-exactly where attention runs in our kernel
+# (`TransformersModel.prefill`): bound by reading the weights, a few prompts cost what one does
+# in a shared pass (`prefill_batch`); past this its rows' compute dominates and sharing buys little,
+# while attention a row at a time grows with the square of its length.
+SHARED_PREFILL = 65
 
 
 class Held:

@@ -23,7 +23,9 @@ from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_e
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
 from . import Features, Segment
+from . import native
 from .cache import SegmentedCache, cache_length
+from .prompts import SHARED_PREFILL
 
 
 class TransformersModel:
@@ -229,7 +231,7 @@ class TransformersModel:
         return Features(batched=True, exact_rows=bool(self.exact_rows), rows_invariant=self.rows_invariant,
                         tree_masks=self.tree_masks, prompt_cache=self.prompt_cache, keeps_prompts=True,
                         kv_bytes_per_token=self.kv_bytes_per_token, parallel_k=self.parallel_k, online=self.online,
-                        embedded=self.hf.get_input_embeddings().num_embeddings)
+                        embedded=self.hf.get_input_embeddings().num_embeddings, shared_prefill=self.shared_prefill)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -342,13 +344,24 @@ class TransformersModel:
                                "(load it with exact_rows=True)")
         if not segments:
             return []
-        self._check_no_sliding_window("batched passes", "run its sequences one at a time")
-        ids, positions, parts, start = [], [], [], 0
         for segment in segments:
             new = len(segment.input_ids)
             if new < 1 or not 1 <= segment.num_logits <= new:
                 raise SpecdecError(f"a segment needs >= 1 new token and 1..{new} logits, got {new} and "
                                    f"{segment.num_logits}")
+        hidden = self._segmented_pass(segments)
+        with row_exact(True):
+            rows = torch.cat([part[len(part) - s.num_logits:] for part, s in zip(hidden, segments)])
+            logits = self._logits(rows)
+        return list(logits.split([s.num_logits for s in segments]))
+
+    def _segmented_pass(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """One row-exact pass over several sequences' new ids, each cache growing by its own ->
+        each segment's final hidden states [T_i, H] (`forward_batch`, `prefill_batch`)."""
+        self._check_no_sliding_window("batched passes", "run its sequences one at a time")
+        ids, positions, parts, start = [], [], [], 0
+        for segment in segments:
+            new = len(segment.input_ids)
             cached = cache_length(segment.cache)
             if segment.parents is None:
                 position = torch.arange(cached, cached + new, device=self.device).view(1, -1)
@@ -367,18 +380,31 @@ class TransformersModel:
         with segmented(cache, parts):
             hidden = self._decoder(input_ids=torch.cat(ids).view(1, -1), position_ids=torch.cat(positions).view(1, -1),
                                    past_key_values=cache, use_cache=True, attention_mask=unused_mask).last_hidden_state[0]
-            rows = torch.cat([hidden[first + len(s.input_ids) - s.num_logits:first + len(s.input_ids)]
-                              for (first, _), s in zip(parts, segments)])
-            logits = self._logits(rows)
         self.last_hidden = self.pass_hidden = None  # per-sequence hidden states are not kept for a batch
-        return list(logits.split([s.num_logits for s in segments]))
+        return list(hidden.split([len(s.input_ids) for s in segments]))
+
+    @property
+    def shared_prefill(self) -> int:
+        """Prompts of at most this many ids are fed row-exactly (`prefill`), so several can share
+        one pass (`prefill_batch`); 0 where attention does not run in our kernel (its rows would
+        cost an sdpa call each), rows round otherwise in a wider pass, or a sliding window
+        stops batched passes."""
+        if not (self.exact_rows and self.rows_invariant and self.device.type == "cpu"
+                and self.hf.config._attn_implementation == PREFIX + "sdpa" and native.one_query_kernel() is not None
+                and not self._sliding_window()):
+            return 0
+        return SHARED_PREFILL
+
+    def _sliding_window(self) -> bool:
+        """Whether the model has sliding-window layers."""
+        config = self.hf.config
+        return bool(getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
+                    "sliding_attention" in (getattr(config, "layer_types", None) or ())))
 
     def _check_no_sliding_window(self, what: str, instead: str) -> None:
         """SpecdecError for a model with sliding-window layers: their keys would need a window in
         each row's span (not built yet)."""
-        config = self.hf.config
-        if getattr(config, "sliding_window", None) and (getattr(config, "use_sliding_window", True) or
-                                                        "sliding_attention" in (getattr(config, "layer_types", None) or ())):
+        if self._sliding_window():
             raise SpecdecError(f"{what} are not supported for {self.name}: its sliding-window attention would need "
                                f"a window in each row's keys; {instead}")
 
@@ -420,11 +446,33 @@ class TransformersModel:
         fed = cache_length(cache)  # a prompt fed in chunks (`Decoding.prefill_step`): what the cache lacks
         if len(prompt) - 1 > fed:
             ids = torch.as_tensor(prompt[fed:-1], dtype=torch.long, device=self.device).view(1, -1)
-            with row_exact(False):
+            # a short prompt row-exactly, as `prefill_batch` feeds it among others (a chunk of a
+            # long one is never this short: `Decoding.prefill_step` passes its first 257+ ids)
+            with row_exact(len(prompt) <= self.shared_prefill):
                 self.pass_hidden = self._decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0]
-            if hasattr(cache, "held"):  # a prompt cache's record of the calls (prompts.py)
-                cache.held.fed(prompt, fed)
+            _record_fed(cache, prompt, fed)
         return prompt[-1:]
+
+    @torch.inference_mode()
+    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], object]]) -> None:
+        """`prefill` for several short prompts (each of at most `shared_prefill` ids) in one pass:
+        each (prompt, cache) gets all of its prompt but the last token, the bits its own `prefill`
+        gives it (row-exact rows; attention over its own cache, `forward_batch`'s). Bound by reading
+        the weights, the pass costs about what one prompt's does. Hidden states are not kept."""
+        limit, segments, fed = self.shared_prefill, [], []
+        for prompt, cache in prompts:
+            prompt = list(prompt)
+            if not 1 <= len(prompt) <= limit:
+                raise SpecdecError(f"a shared prompt pass takes prompts of 1..{limit} ids, not {len(prompt)}")
+            start = cache_length(cache)
+            if len(prompt) - 1 > start:
+                segments.append(Segment(prompt[start:-1], cache, 0))
+                fed.append((prompt, start))
+        if segments:
+            self._segmented_pass(segments)
+            for segment, (prompt, start) in zip(segments, fed):
+                _record_fed(segment.cache, prompt, start)
+        self.last_hidden = self.pass_hidden = None
 
     @torch.inference_mode()
     def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -481,3 +529,10 @@ class TransformersModel:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return decode_ids(self.tokenizer, ids, skip_special_tokens)
+
+
+def _record_fed(cache, prompt: list[int], start: int) -> None:
+    """Tell a prompt cache's record (`prompts.Held`) that `prompt` but its last id was fed from
+    `start`; caches without one keep no record."""
+    if hasattr(cache, "held"):
+        cache.held.fed(prompt, start)

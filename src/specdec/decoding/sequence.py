@@ -191,6 +191,21 @@ class Decoding:
         return self.prefilled
 
     @property
+    def shares_prefill(self) -> bool:
+        """Whether the prompt may be fed in one pass with other sequences' (`prefilled_together`):
+        a short prompt on a target that feeds such prompts row-exactly (`shared_prefill`), its
+        cache then holding what this sequence's own `prefill_step` would give it."""
+        return self._chunked and not self.prefilled and len(self.sequence) <= self.features.shared_prefill
+
+    def prefilled_together(self, seconds: float) -> None:
+        """The prompt was fed by a pass shared with other sequences' (`Backend.prefill_batch`), at
+        `seconds` of its time: the prompt is in."""
+        self.stats.add_seconds("target_seconds", seconds)
+        self.prefilled = True
+        if self.features.keeps_prompts:
+            self.target.keep_prompt(self.cache)
+
+    @property
     def _chunked(self) -> bool:
         """Whether the prompt is fed in chunks (`prefill_step`)."""
         return self.features.exact_rows and self.features.batched and not self.reads_hidden

@@ -9,11 +9,12 @@ the runner. It records each step's costs for that policy, and lets ended sequenc
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..backends import Backend, Segment, features
-from ..backends.cache import cache_length
+from ..backends.cache import cache_length, crop_cache
 from ..backends.slab import slab_capacity
 from ..decoding import sequence
 from ..decoding.sequence import Decoding
@@ -60,7 +61,7 @@ class Scheduler:
             if features(target).kv_bytes_per_token is None:
                 raise SpecdecError(f"a KV memory budget needs the cache size per token, which {target.name}'s "
                                    "backend does not give; bound the batch with max_batch")
-        self.max_batch, self.kv_memory, self.costs, self.make = max_batch, kv_memory, costs, make
+        self.target, self.max_batch, self.kv_memory, self.costs, self.make = target, max_batch, kv_memory, costs, make
         self.waiting: list = []  # requests, first come first served
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
@@ -113,20 +114,56 @@ class Scheduler:
     def prefill(self, out: StepOutput) -> None:
         """Prompt chunks (`Decoding.prefill_step`), first come first served, until a chunk's worth
         of tokens (PREFILL_CHUNK) is fed this step: a long prompt delays the running sequences by
-        about one chunk's pass a step, not by its whole length. A prompt that is in joins this
-        step's pass."""
-        fed = 0
+        about one chunk's pass a step, not by its whole length. Short prompts go together in one
+        pass (`shared`), which costs about what one of them alone does. A prompt that is in joins
+        this step's pass."""
+        fed, shared = 0, []
         for request_id, decoding in list(self.prefilling.items()):
             if fed >= sequence.PREFILL_CHUNK:
                 break
             before = cache_length(decoding.cache)
-            try:
-                if decoding.prefill_step():
-                    self.running[request_id] = self.prefilling.pop(request_id)
-            except Exception as error:  # this prompt's own trouble (its cache, its drafter's observe)
-                self.fail(out, request_id, error, "feeding its prompt")
+            if decoding.shares_prefill:
+                shared.append(request_id)
+                fed += max(1, len(decoding.sequence) - 1 - before)
                 continue
+            self._prefill_alone(out, request_id)
             fed += max(1, cache_length(decoding.cache) - before)
+        if len(shared) > 1:
+            self._prefill_together(out, shared)
+        elif shared:
+            self._prefill_alone(out, shared[0])
+
+    def _prefill_alone(self, out: StepOutput, request_id: int) -> None:
+        """Feed one prompt's next chunk in a pass of its own; it runs once it is in."""
+        decoding = self.prefilling[request_id]
+        try:
+            if decoding.prefill_step():
+                self.running[request_id] = self.prefilling.pop(request_id)
+        except Exception as error:  # this prompt's own trouble (its cache, its drafter's observe)
+            self.fail(out, request_id, error, "feeding its prompt")
+
+    def _prefill_together(self, out: StepOutput, request_ids: list[int]) -> None:
+        """Short prompts fed in one shared pass (`prefill_batch`), each cache getting the bits its
+        own pass would give it; where the shared pass fails, each is fed alone, its cache first
+        put back as it was."""
+        decodings = [self.prefilling[i] for i in request_ids]
+        before = [cache_length(d.cache) for d in decodings]
+        began = time.perf_counter()
+        try:
+            self.target.prefill_batch([(d.sequence, d.cache) for d in decodings])
+        except Exception:
+            log.exception("a shared prompt pass failed; its prompts are fed one by one")
+            for request_id, decoding, length in zip(request_ids, decodings, before):
+                crop_cache(decoding.cache, length)
+                self._prefill_alone(out, request_id)
+            return
+        seconds = (time.perf_counter() - began) / len(decodings)
+        for request_id, decoding in zip(request_ids, decodings):
+            try:
+                decoding.prefilled_together(seconds)
+                self.running[request_id] = self.prefilling.pop(request_id)
+            except Exception as error:  # its prompt cache's copy: this request alone ends
+                self.fail(out, request_id, error, "feeding its prompt")
 
     def lags(self, out: StepOutput) -> dict[int, int]:
         """How far each running sequence's drafter model lags its context (`Decoding.lag`), by
