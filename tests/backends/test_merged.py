@@ -7,7 +7,7 @@ import torch
 import specdec.backends.merged as merged_module
 from specdec.backends import Segment
 from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
-                                     set_dense_weight)
+                                     set_dense_weight, tiled_bf16_supported)
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
@@ -17,9 +17,9 @@ pytestmark = packed_bf16
 
 def _stacks() -> bool:
     """Whether this CPU stacks qwen_like's groups (q 512 + k, v 128 each, bias; gate, up 1536)."""
-    least, threads = packed_bf16_least_rows(), torch.get_num_threads()
-    return stacks_exactly(512, (512, 128, 128), True, least, threads) and \
-        stacks_exactly(512, (1536, 1536), False, least, threads)
+    least, threads, tiled = packed_bf16_least_rows(), torch.get_num_threads(), tiled_bf16_supported()
+    return stacks_exactly(512, (512, 128, 128), True, least, threads, tiled) and \
+        stacks_exactly(512, (1536, 1536), False, least, threads, tiled)
 
 
 stacked_here = pytest.mark.skipif(not _stacks(), reason="oneDNN rounds a stacked GEMM otherwise on this CPU")

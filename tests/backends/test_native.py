@@ -87,13 +87,23 @@ def test_one_query_attention_is_the_kernels_row_and_sdpas_within_rounding():
 
 
 @built
-def test_the_kernel_declines_what_it_cannot_read():
-    """fp16, over 16 query heads per key/value head, or positions not contiguous: sdpa's."""
+def test_the_kernel_takes_a_model_by_its_shape_and_copies_what_it_cannot_read_in_place():
+    """fp16, or over 16 query heads per key/value head: sdpa's, for every row of the model. Keys
+    laid out otherwise (positions not contiguous) are copied, not sent elsewhere: the same bits
+    as the contiguous copy. A row's span past its cache is refused, not read."""
     key, value = _cache(1, 8, 16, torch.bfloat16)
-    assert native.supported(torch.zeros(1, 16, 1, 16, dtype=torch.bfloat16), [key], [value])
-    assert not native.supported(torch.zeros(1, 17, 1, 16, dtype=torch.bfloat16), [key], [value])
-    assert not native.supported(torch.zeros(1, 4, 1, 16, dtype=torch.float16), [key.half()], [value.half()])
-    assert not native.supported(torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), [key.transpose(2, 3)], [value])
+    assert native.takes(torch.zeros(1, 16, 1, 16, dtype=torch.bfloat16), key)
+    assert not native.takes(torch.zeros(1, 17, 1, 16, dtype=torch.bfloat16), key)
+    assert not native.takes(torch.zeros(1, 4, 1, 16, dtype=torch.float16), key.half())
+    query = torch.randn(1, 4, 1, 16).bfloat16()
+    strided = torch.randn(1, 1, 16, 16).bfloat16()[:, :, ::2]
+    layout = native.RowLayout([0], [0], [slice(0, 8)])
+    assert torch.equal(native.attention_rows(query, [strided], [value], layout, 0.25),
+                       native.attention_rows(query, [strided.contiguous()], [value], layout, 0.25))
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="reach position 9"):
+        native.attention_rows(query, [key], [value], native.RowLayout([0], [0], [slice(0, 9)]), 0.25)
 
 
 @built

@@ -35,8 +35,8 @@ class _Cache:
     def get_seq_length(self) -> int:
         return self.length
 
-    def crop(self, length: int) -> None:
-        self.length = length
+    def crop(self, count: int) -> None:  # transformers' convention: minus the positions dropped
+        self.length += count
 
 
 class _Sequence:

@@ -67,8 +67,10 @@ def _inject(site: str, monkeypatch, target) -> None:
 
     if site == "begin":
         monkeypatch.setattr(Decoding, "begin", when(lambda d: _doomed(d.sequence), Decoding.begin))
-    elif site == "prefill":
+    elif site == "prefill":  # a prompt fed alone, or after a pass shared with other short prompts
         monkeypatch.setattr(Decoding, "prefill_step", when(lambda d: _doomed(d.sequence), Decoding.prefill_step))
+        monkeypatch.setattr(Decoding, "prefilled_together",
+                            when(lambda d, seconds: _doomed(d.sequence), Decoding.prefilled_together))
     elif site == "lag":
         monkeypatch.setattr(ModelDrafter, "lag", when(lambda d, context: _doomed(context), ModelDrafter.lag))
     elif site == "accept":

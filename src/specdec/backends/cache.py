@@ -51,6 +51,19 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(0)  # restrict sliding layers to their window
 
 
+def crop_layers(cache, length: int) -> None:
+    """Put each layer of a full-attention cache back to `length` positions on its own (a pass that
+    failed part way grew its first layers only; `crop_cache` drops one count from every layer)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        crop_cache(cache, length)
+        return
+    for layer in layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
 @torch.inference_mode()
 def compact_cache(cache, start: int, offsets: Sequence[int]) -> None:
     """Keep the cache's first `start` positions and then those at start + offsets (ascending),

@@ -161,11 +161,13 @@ class PackedBf16Linear(nn.Module):
     The dense weight is not kept (`dense` unpacks it, `set_weight` packs a new one).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, least_rows: int = 2):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, least_rows: int = 2,
+                 tiled: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.least_rows = max(2, least_rows)
-        self.tiled = tiled_bf16_supported() and self.in_features % 2 == 0
+        # tiles where our kernel runs (None: wherever it does here), for an even input width
+        self.tiled = (tiled_bf16_supported() if tiled is None else tiled) and self.in_features % 2 == 0
         self.register_buffer("packed_weight", self._pack(weight), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
                              persistent=False)
@@ -202,7 +204,7 @@ class PackedBf16Linear(nn.Module):
 
     def __deepcopy__(self, memo):
         """A copy packed anew (oneDNN's blocked tensors have no storage to copy)."""
-        return PackedBf16Linear(self.dense(), self.bias, self.least_rows)
+        return PackedBf16Linear(self.dense(), self.bias, self.least_rows, self.tiled)
 
     def extra_repr(self) -> str:
         layout = "tiles" if self.tiled else "onednn"

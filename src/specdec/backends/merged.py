@@ -9,9 +9,9 @@ out its own columns as a tensor of its own, laid out as the separate layer's out
 
 A merge is made only where it changes no bit: a column of the stacked GEMM must come out as the
 separate GEMM computes it, at every row count a row-exact call takes (so the stack is as
-row-invariant as the layers apart) and at a prompt chunk's. That depends on how oneDNN blocks the
-call on this CPU and its threads, so each shape is checked once, on random rows, before any layer
-of it is merged. Only model families whose code calls a group's projections on one tensor in one
+row-invariant as the layers apart) and at a prompt chunk's. In oneDNN's layout that depends on how
+it blocks the call on this CPU and its threads (in tiles every output column is summed alone), so
+each shape is checked once, on random rows, before any layer of it is merged. Only model families whose code calls a group's projections on one tensor in one
 forward are merged (`FAMILIES`); a cross-attention's q reads another input than its k and v.
 """
 
@@ -42,7 +42,7 @@ class MergedGemm(nn.Module):
         self.sizes = [layer.out_features for layer in layers]
         weight = torch.cat([layer.dense() for layer in layers])
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        self.gemm = PackedBf16Linear(weight, bias, layers[0].least_rows)
+        self.gemm = PackedBf16Linear(weight, bias, layers[0].least_rows, layers[0].tiled)
         # (the input, its parts' outputs, the parts served), until every part took its own
         self._memo: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
 
@@ -114,10 +114,11 @@ def merge_projections(module: nn.Module, family: str) -> int:
             layers = [child._modules.get(name) for name in names]  # a registered layer, or None
             if not all(type(layer) is PackedBf16Linear for layer in layers):
                 continue
-            if len({(layer.in_features, layer.bias is None, layer.least_rows) for layer in layers}) != 1:
+            if len({(layer.in_features, layer.bias is None, layer.least_rows, layer.tiled) for layer in layers}) != 1:
                 continue
             if not stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
-                                  layers[0].bias is not None, layers[0].least_rows, torch.get_num_threads()):
+                                  layers[0].bias is not None, layers[0].least_rows, torch.get_num_threads(),
+                                  layers[0].tiled):
                 continue
             merged = MergedGemm(layers)
             for index, name in enumerate(names):
@@ -127,18 +128,20 @@ def merge_projections(module: nn.Module, family: str) -> int:
 
 
 @functools.cache
-def stacks_exactly(width: int, sizes: tuple[int, ...], bias: bool, least_rows: int, threads: int) -> bool:
+def stacks_exactly(width: int, sizes: tuple[int, ...], bias: bool, least_rows: int, threads: int,
+                   tiled: bool = False) -> bool:
     """Whether a stacked packed GEMM returns, column for column, the bits of the separate ones, for
     inputs of `width` and outputs of `sizes`, on random bf16 values, in every call a row-exact
-    pass makes (least_rows..ROW_CHUNK rows; fewer are padded to least_rows) and in a prompt
-    chunk's, with `threads` threads (oneDNN splits its work by them; the caller's count)."""
+    pass makes (least_rows..ROW_CHUNK rows, fewer padded to least_rows in oneDNN's layout; from 1
+    row in `tiled` layers) and in a prompt chunk's, with `threads` threads (oneDNN splits its work
+    by them; the caller's count)."""
     generator = torch.Generator().manual_seed(0)
     random = lambda *shape: torch.randn(*shape, generator=generator).to(torch.bfloat16)  # noqa: E731
-    layers = [PackedBf16Linear(random(size, width) * 0.05, random(size) if bias else None, least_rows)
+    layers = [PackedBf16Linear(random(size, width) * 0.05, random(size) if bias else None, least_rows, tiled)
               for size in sizes]
     merged = MergedGemm(layers)
     with torch.inference_mode():
-        for rows in [*range(least_rows, ROW_CHUNK + 1), PREFILL_CHUNK]:
+        for rows in [*range(1 if tiled else least_rows, ROW_CHUNK + 1), PREFILL_CHUNK]:
             x = random(rows, width)
             if not torch.equal(merged.gemm(x), torch.cat([layer(x) for layer in layers], dim=-1)):
                 return False

@@ -56,6 +56,14 @@ def _cpu_signature() -> str:
     return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
 
 
+def _compiler_version(compiler: str) -> bytes:
+    """What `compiler --version` prints (another compiler, another build), or its name."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout or compiler.encode()
+    except (OSError, subprocess.SubprocessError):
+        return compiler.encode()
+
+
 def _build(target: Path, compiler: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # workers building at once each replace it whole
@@ -76,14 +84,15 @@ def library() -> ctypes.CDLL | None:
         return None
     from ..models.catalogue import home
 
-    parts = [source.read_bytes() for source in SOURCES] + [" ".join(FLAGS).encode(), compiler.encode(),
+    parts = [source.read_bytes() for source in SOURCES] + [" ".join(FLAGS).encode(), _compiler_version(compiler),
                                                            platform.machine().encode(), _cpu_signature().encode()]
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
     try:
         if not target.exists():
             _build(target, compiler)
-        return ctypes.CDLL(str(target))  # torch's libgomp is loaded: the kernels' OpenMP is torch's
+        # torch's CPU wheels load their libgomp as libgomp.so.1, which this library's OpenMP binds to
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
         log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "
@@ -153,6 +162,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     rows, k = x.shape
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise SpecdecError(f"the tiled bf16 linear takes bf16 inputs on the CPU, not {x.dtype} on {x.device}")
+    if (packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.shape[1:] != (k // 2, TILE, 2)
+            or k % 2 or not k or packed.shape[0] * TILE < n):
+        raise SpecdecError(f"a tiled weight [{n}, {k}] must be packed by pack_tiles, not {tuple(packed.shape)} "
+                           f"{packed.dtype}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)):
+        raise SpecdecError(f"a tiled layer's bias must be bf16 [{n}], contiguous")
     if x.stride(-1) != 1:
         x = x.contiguous()
     threads = torch.get_num_threads()
@@ -185,26 +200,32 @@ class RowLayout:
 
     def __init__(self, query_rows: list[int], sequences: list[int], spans: list):
         runs, bounds = [], [0]
-        for span in spans:
+        self.ends: dict[int, int] = {}  # sequence -> the furthest key position its rows read
+        for sequence, span in zip(sequences, spans):
             for run in (span if isinstance(span, tuple) else (span,)):
+                if not 0 <= run.start < run.stop:
+                    raise SpecdecError(f"a row's keys must be non-empty runs from position 0 on, not {run}")
                 runs += [run.start, run.stop]
+                self.ends[sequence] = max(self.ends.get(sequence, 0), run.stop)
             bounds.append(len(runs) // 2)
         self.rows = len(query_rows)
         self.query_rows, self.sequences = query_rows, _int64s(sequences)
         self.bounds, self.runs = _int64s(bounds), _int64s(runs)
 
 
-def supported(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
-    """Whether the kernel can take these tensors as they are laid out: CPU, one dtype (bf16 or
-    fp32), each head's positions contiguous, heads a multiple (at most 16) of key/value heads."""
-    dtype = query.dtype
-    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or query.stride(-1) != 1:
-        return False
-    heads, kv_heads = query.shape[1], keys[0].shape[1]
-    if heads % kv_heads or heads // kv_heads > 16:
-        return False
-    return all(x.dtype == dtype and x.device.type == "cpu" and x.shape[1] == kv_heads
-               and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (*keys, *values))
+def takes(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the attention kernel computes a model's rows: it is built, the model runs on the CPU
+    in bf16 or fp32, and has at most 16 query heads per key/value head. A model's shape and dtype
+    decide it, never a tensor's layout (`attention_rows` copies what it cannot read in place), so
+    every row of a model takes the same path."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    return (one_query_kernel() is not None and query.device.type == "cpu" and key.dtype == query.dtype
+            and query.dtype in (torch.bfloat16, torch.float32) and heads % kv_heads == 0 and heads // kv_heads <= 16)
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: positions (and each head's values) contiguous."""
+    return x if x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1]) else x.contiguous()
 
 
 def attention_rows(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], layout: RowLayout,
@@ -216,6 +237,12 @@ def attention_rows(query: torch.Tensor, keys: list[torch.Tensor], values: list[t
     Returns [rows, heads, Dv] in query's dtype.
     """
     kernel = one_query_kernel()
+    keys, values = [_readable(k) for k in keys], [_readable(v) for v in values]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    for s, end in layout.ends.items():  # a span past its cache would read out of bounds
+        if end > keys[s].shape[2] or end > values[s].shape[2]:
+            raise SpecdecError(f"a row's keys reach position {end} of a cache holding {keys[s].shape[2]}")
     heads, dim = query.shape[1], query.shape[-1]
     kv_heads, vdim = keys[0].shape[1], values[0].shape[-1]
     out = torch.empty(layout.rows, heads, vdim, dtype=query.dtype)

@@ -116,9 +116,10 @@ def _our_attention(base, packs: bool):
             return one_query_attention(query, key, value, kwargs.get("scaling"))
         return base(module, query, key, value, None, **kwargs)[0]
 
-    def kernel_takes(query, keys, values, kwargs) -> bool:
-        return (packs and not any(kwargs.get(name) for name in _EXTRAS) and native.one_query_kernel() is not None
-                and native.supported(query, keys, values))
+    def kernel_takes(query, key, kwargs) -> bool:
+        # by the model's shape and dtype alone, never by a tensor's layout: a row must take the
+        # same path in a decode step, a tree pass and a batch
+        return packs and not any(kwargs.get(name) for name in _EXTRAS) and native.takes(query, key)
 
     @functools.wraps(base)
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -131,17 +132,16 @@ def _our_attention(base, packs: bool):
             return one_query(module, query, key, value, **kwargs), None
         batch = _SEGMENTS.get()
         if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
-            cache, parts = batch
+            cache, parts, layout = batch
             keys_of, values_of = cache.layer(module.layer_idx)
-            if kernel_takes(query, keys_of, values_of, kwargs):  # every row in one call
-                return native.attention_rows(query, keys_of, values_of, _segments_layout(parts),
-                                             _scale(query, kwargs)).unsqueeze(0), None
+            if kernel_takes(query, keys_of[0], kwargs):  # every row in one call
+                return native.attention_rows(query, keys_of, values_of, layout, _scale(query, kwargs)).unsqueeze(0), None
             return torch.cat([_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs)
                               for i, (start, spans) in enumerate(parts)], dim=1), None
         spans = key_spans(attention_mask, rows, keys)
         if rows == 1 and spans[0] == slice(0, keys):
             return one_query(module, query, key, value, **kwargs), None
-        if key.shape[0] == 1 and kernel_takes(query, [key], [value], kwargs):
+        if key.shape[0] == 1 and kernel_takes(query, key, kwargs):
             layout = native.RowLayout(list(range(rows)), [0] * rows, spans)
             return native.attention_rows(query, [key], [value], layout, _scale(query, kwargs)).unsqueeze(0), None
         return _rows(one_query, module, query, key, value, spans, 0, kwargs), None
@@ -154,20 +154,15 @@ def _scale(query: torch.Tensor, kwargs) -> float:
     return query.shape[-1] ** -0.5 if scaling is None else float(scaling)
 
 
-_layout_memo: list = [None, None]  # [parts, its layout]: one batched pass's rows serve all its layers
-
-
-def _segments_layout(parts: list[tuple[int, list]]):
+def _segments_layout(parts: list[tuple[int, list]]) -> native.RowLayout:
     """The kernel's rows for a batched pass (`segmented`): sequence i's rows start, start + 1, ...
     of the pass's query, each over its spans in sequence i's own cache."""
-    if _layout_memo[0] is not parts:
-        query_rows, sequences, spans = [], [], []
-        for i, (start, row_spans) in enumerate(parts):
-            query_rows += range(start, start + len(row_spans))
-            sequences += [i] * len(row_spans)
-            spans += row_spans
-        _layout_memo[:] = [parts, native.RowLayout(query_rows, sequences, spans)]
-    return _layout_memo[1]
+    query_rows, sequences, spans = [], [], []
+    for i, (start, row_spans) in enumerate(parts):
+        query_rows += range(start, start + len(row_spans))
+        sequences += [i] * len(row_spans)
+        spans += row_spans
+    return native.RowLayout(query_rows, sequences, spans)
 
 
 def _rows(one_query, module, query, key, value, spans, start: int, kwargs) -> torch.Tensor:
@@ -184,16 +179,18 @@ def _rows(one_query, module, query, key, value, spans, start: int, kwargs) -> to
 
 
 # inside a batched pass: (the pass's `backends.cache.SegmentedCache`, [(first row, key spans of
-# each row)] per sequence); None elsewhere
+# each row)] per sequence, those rows as the kernel takes them or None); None elsewhere
 _SEGMENTS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specdec_segments", default=None)
 
 
 @contextlib.contextmanager
 def segmented(cache, parts: list[tuple[int, list]]):
     """Marks a row-exact pass over several sequences' rows: attention reads each sequence's keys
-    from `cache` (a `SegmentedCache`) and runs its rows one at a time over their spans, so every
-    row is computed as that sequence's own row-exact pass computes it."""
-    token = _SEGMENTS.set((cache, parts))
+    from `cache` (a `SegmentedCache`) and computes its rows over their spans (every row of a layer
+    in one call of our kernel, else one sdpa call a row), so every row is computed as that
+    sequence's own row-exact pass computes it."""
+    layout = _segments_layout(parts) if native.one_query_kernel() is not None else None
+    token = _SEGMENTS.set((cache, parts, layout))
     try:
         with row_exact(True):
             yield
@@ -220,8 +217,8 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if rows != 1 or heads % kv_heads:
         raise SpecdecError(f"one-query attention takes 1 query row and heads a multiple of key/value heads, "
                            f"not {rows} rows and {heads} over {kv_heads}")
-    keys, values = [key[b:b + 1] for b in range(batch)], [value[b:b + 1] for b in range(batch)]
-    if native.one_query_kernel() is not None and native.supported(query, keys, values):
+    if native.takes(query, key):
+        keys, values = [key[b:b + 1] for b in range(batch)], [value[b:b + 1] for b in range(batch)]
         layout = native.RowLayout(list(range(batch)), list(range(batch)), [slice(0, key.shape[2])] * batch)
         scale = dim ** -0.5 if scale is None else float(scale)
         return native.attention_rows(query, keys, values, layout, scale).unsqueeze(1)

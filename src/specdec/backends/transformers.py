@@ -387,11 +387,17 @@ class TransformersModel:
     def shared_prefill(self) -> int:
         """Prompts of at most this many ids are fed row-exactly (`prefill`), so several can share
         one pass (`prefill_batch`); 0 where attention does not run in our kernel (its rows would
-        cost an sdpa call each), rows round otherwise in a wider pass, or a sliding window
-        stops batched passes."""
-        if not (self.exact_rows and self.rows_invariant and self.device.type == "cpu"
-                and self.hf.config._attn_implementation == PREFIX + "sdpa" and native.one_query_kernel() is not None
-                and not self._sliding_window()):
+        cost an sdpa call each: no kernel built, fp16, over 16 query heads per key/value head,
+        soft-capped scores or attention sinks), rows round otherwise in a wider pass, or a sliding
+        window stops batched passes."""
+        config = self.hf.config.get_text_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kernel = (native.one_query_kernel() is not None and self.dtype in (torch.bfloat16, torch.float32)
+                  and heads % kv_heads == 0 and heads // kv_heads <= 16
+                  and not getattr(config, "attn_logit_softcapping", None) and config.model_type != "gpt_oss")
+        if not (kernel and self.exact_rows and self.rows_invariant and self.device.type == "cpu"
+                and self.hf.config._attn_implementation == PREFIX + "sdpa" and not self._sliding_window()):
             return 0
         return SHARED_PREFILL
 
@@ -433,7 +439,9 @@ class TransformersModel:
 
         Both decoding loops start this way, so the prompt's cache entries come from one identical
         call, and the first token (or first draft) is scored by a row-exact pass like every later
-        one: the prompt needs no row-exact attention (a call per prompt token per layer). Without
+        one. A long prompt is fed in a plain pass (row-exact attention grows with the square of its
+        length); a short one (`shared_prefill`) row-exactly, so that it may share a pass with
+        others (`prefill_batch`) and get the same bits. Without
         `exact_rows` nothing is fed here and the whole prompt is left to the first scoring pass.
         Where `cache` already holds the prompt's first tokens, only the rest is fed (a prompt
         prefilled in chunks, `Decoding.prefill_step`). The fed positions' final hidden states are

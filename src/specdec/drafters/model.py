@@ -103,9 +103,10 @@ class ModelDrafter(Drafter):
         return Draft(tokens, torch.stack(probs) if probs and not sampler.is_greedy else None)
 
     def _catch_up(self, context: Sequence[int]) -> None:
-        """On a row-exact model, feed the prompt, or the tokens of steps that drafted nothing, in
-        a plain pass: a row-exact pass over them would attend a row at a time. Only when a draft
-        is asked for (a sequence the engine never lets draft never pays it)."""
+        """On a row-exact model, feed the prompt, or the tokens of steps that drafted nothing, as
+        `prefill` feeds a prompt: in a plain pass (a row-exact one for a context short enough to
+        share a pass, `shared_prefill`). Only when a draft is asked for (a sequence the engine
+        never lets draft never pays it)."""
         can = features(self.model)
         if can.exact_rows and len(context) - cache_length(self.cache) > 2:
             began, behind = time.perf_counter(), self.lag(context)

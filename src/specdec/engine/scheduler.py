@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..backends import Backend, Segment, features
-from ..backends.cache import cache_length, crop_cache
+from ..backends.cache import cache_length, crop_layers
 from ..backends.slab import slab_capacity
 from ..decoding import sequence
 from ..decoding.sequence import Decoding
@@ -154,7 +154,11 @@ class Scheduler:
         except Exception:
             log.exception("a shared prompt pass failed; its prompts are fed one by one")
             for request_id, decoding, length in zip(request_ids, decodings, before):
-                crop_cache(decoding.cache, length)
+                try:  # a pass that failed part way grew some layers only: each goes back alone
+                    crop_layers(decoding.cache, length)
+                except Exception as error:
+                    self.fail(out, request_id, error, "feeding its prompt")
+                    continue
                 self._prefill_alone(out, request_id)
             return
         seconds = (time.perf_counter() - began) / len(decodings)

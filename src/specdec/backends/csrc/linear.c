@@ -20,7 +20,7 @@
 /* the floats of scratch space specdec_linear_bf16 needs for `rows` rows on `threads` threads */
 int64_t specdec_linear_scratch(int64_t rows, int threads) { return (rows > 0 ? rows : 1) * GROUP * TILE * threads; }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
