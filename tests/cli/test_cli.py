@@ -350,16 +350,18 @@ def test_generate_prompts_file_gives_each_prompt_its_single_output(need_smollm2,
 
 
 def test_a_seed_prints_the_same_tokens_whatever_drafts_and_in_a_batch_of_8(need_smollm2, tmp_path):
-    """The seeded AR output, token for token, from the default method, a tree, prompt lookup and
-    eight copies of the prompt decoded together (Gumbel-max coupling: docs/exactness.md#seeds)."""
+    """The seeded AR output, token for token, from the default method (which may draft nothing
+    where the pair's measured costs say drafting does not pay: a 135M model drafting for itself),
+    a fixed draft length, a tree, prompt lookup and eight copies of the prompt decoded together
+    (Gumbel-max coupling: docs/exactness.md#seeds)."""
     prompt = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,"
     common = ["--target", "smollm2-135m", "--drafter", "smollm2-135m", "--max-new-tokens", "16", "--json"]
     sampled = ["--temperature", "0.8", "--seed", "7"]
     ar = _json(["generate", prompt, "--method", "ar"] + sampled + common)
-    for extra in ([], ["--tree", "mixed"], ["--drafter", "lookup"]):
+    for extra in ([], ["--schedule", "fixed", "--gamma", "3"], ["--tree", "mixed"], ["--drafter", "lookup"]):
         out = _json(["generate", prompt] + sampled + common + extra)
         assert out["tokens"] == ar["tokens"], extra
-        assert out["stats"]["drafted"] > 0, extra
+        assert out["stats"]["drafted"] > 0 or not extra, extra
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": prompt, "temperature": 0.8, "seed": 7}) + "\n" for _ in range(8)))
     result = runner.invoke(app, ["generate", "--prompts", str(path), "--batch-size", "8"] + common)
