@@ -102,7 +102,7 @@ docs-check: $(STAMP)
 # PROMPT_CACHE=on leaves both servers' prompt caches on (their default) and writes gguf-cached.*
 PROMPT_CACHE ?= off
 SERVE_LOAD := --concurrency 1,4,8,16 --requests 16 --dataset humaneval:10,spec-bench:1 --max-tokens 64 --wait 300
-GGUF_PATHS := from specdec import registry as r; print(*(r.model_root(m) / r.spec(m).gguf_name for m in (r.DEFAULT_TARGET, r.DEFAULT_DRAFTER)))
+GGUF_PATHS := from specdec.models import catalogue as r; print(*(r.model_root(m) / r.spec(m).gguf_name for m in (r.DEFAULT_TARGET, r.DEFAULT_DRAFTER)))
 OURS_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-prompt-cache)
 PEER_CACHE := $(if $(filter on,$(PROMPT_CACHE)),,--no-cache-prompt)
 SERVE_OUT := docs/benchmarks/server/gguf$(if $(filter on,$(PROMPT_CACHE)),-cached)
@@ -122,7 +122,7 @@ bench-serve-gguf: peers $(LLAMA_SERVER)
 # ~25 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
 # no local folder, hence --model. PROMPT_CACHE=on leaves our prompt cache on and writes hf-cached.*
 # transformers serve sizes its paged KV cache to the free memory (~14 GB of 23 here): run nothing beside it.
-HF_TARGET := from specdec import registry as r; print(r.converted_dir(r.DEFAULT_TARGET))
+HF_TARGET := from specdec.models import catalogue as r; print(r.converted_dir(r.DEFAULT_TARGET))
 HF_OUT := docs/benchmarks/server/hf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-hf: setup
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); mkdir -p $${HF_HOME:-$$HOME/.cache/huggingface}/hub; \

@@ -101,3 +101,17 @@ def test_the_checks_catch_a_broken_link_a_missing_anchor_and_a_gone_file(tmp_pat
         ["docs/benchmarks/vllm/short-prompts.jsonl"]
     assert slug("Token trees: the `mixed` default (2.4×)") == "token-trees-the-mixed-default-24"
     assert code_spans("make sure `make bench` runs\n```\nspecdec serve\n```\n") == "make bench\nspecdec serve\n"
+
+
+def test_the_makefile_s_python_snippets_run():
+    """The one-line Python programs the bench targets run for a model's path (`GGUF_PATHS`,
+    `HF_TARGET`): a module they import that moved would end those targets in an ImportError."""
+    import subprocess
+    import sys
+
+    snippets = re.findall(r"^[A-Z_]+ := (from specdec[^\n]*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert len(snippets) >= 2
+    for snippet in snippets:
+        done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{snippet}\n{done.stderr[-2000:]}"
+        assert done.stdout.strip()
