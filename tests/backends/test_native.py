@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -162,6 +164,33 @@ def test_without_a_compiler_the_kernels_are_off_with_a_warning(monkeypatch, tmp_
         monkeypatch.setenv("SPECDEC_NATIVE", "0")
         native.library.cache_clear()
         assert native.library() is None
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+@built
+def test_a_new_build_removes_builds_no_process_loaded_for_a_month(monkeypatch, tmp_path):
+    """Each change of sources, compiler or CPU leaves its build behind; the next build removes
+    those not loaded for STALE_SECONDS, and loading one touches it."""
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    old, recent, other = kernels / "specdec-old.so", kernels / "specdec-recent.so", kernels / "notes.txt"
+    for path in (old, recent, other):
+        path.write_bytes(b"")
+    month_ago = time.time() - native.STALE_SECONDS - 60
+    for path in (old, other):
+        os.utime(path, (month_ago, month_ago))
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        built = [p for p in kernels.glob("specdec-*.so") if p not in (old, recent)]
+        assert len(built) == 1 and not old.exists() and recent.exists() and other.exists()
+        os.utime(built[0], (month_ago, month_ago))
+        native.library.cache_clear()
+        assert native.library() is not None
+        assert time.time() - built[0].stat().st_mtime < 3600  # loaded: touched
     finally:
         monkeypatch.undo()
         native.library.cache_clear()

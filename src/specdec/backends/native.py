@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +46,9 @@ log = logging.getLogger("specdec.backends")
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _I64 = ctypes.POINTER(ctypes.c_int64)
+# a build that no process loaded for this long (each load touches it) goes at the next build: each
+# change of sources, compiler or CPU leaves its build behind, and nothing else would remove it
+STALE_SECONDS = 30 * 24 * 3600
 
 
 def _cpu_signature() -> str:
@@ -73,6 +77,19 @@ def _build(target: Path, compiler: str) -> None:
         os.replace(built, target)
 
 
+def prune_builds(keep: Path, stale: float = STALE_SECONDS) -> list[Path]:
+    """Remove the other builds beside `keep` that no process loaded for `stale` seconds -> those
+    removed. A process still running one keeps it mapped; a checkout that needs one again builds
+    it anew (under a second)."""
+    removed, now = [], time.time()
+    for build in keep.parent.glob("specdec-*.so"):
+        with contextlib.suppress(OSError):  # gone already, or another user's
+            if build != keep and now - build.stat().st_mtime > stale:
+                build.unlink()
+                removed.append(build)
+    return removed
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they are off or cannot be built (the reason logged once)."""
@@ -91,6 +108,9 @@ def library() -> ctypes.CDLL | None:
     try:
         if not target.exists():
             _build(target, compiler)
+            prune_builds(target)
+        with contextlib.suppress(OSError):  # a read-only home keeps its builds as they are
+            os.utime(target)
         # torch's CPU wheels load their libgomp as libgomp.so.1, which this library's OpenMP binds to
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
