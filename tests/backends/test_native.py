@@ -169,10 +169,10 @@ def test_without_a_compiler_the_kernels_are_off_with_a_warning(monkeypatch, tmp_
         native.library.cache_clear()
 
 
-@built
 def test_a_new_build_removes_builds_no_process_loaded_for_a_month(monkeypatch, tmp_path):
     """Each change of sources, compiler or CPU leaves its build behind; the next build removes
-    those not loaded for STALE_SECONDS, and loading one touches it."""
+    those not loaded for STALE_SECONDS, a load touches its build, and a build pruned by another
+    process between our look and our load is made again. Builds and loads are stubbed."""
     kernels = tmp_path / "kernels"
     kernels.mkdir()
     old, recent, other = kernels / "specdec-old.so", kernels / "specdec-recent.so", kernels / "notes.txt"
@@ -181,16 +181,41 @@ def test_a_new_build_removes_builds_no_process_loaded_for_a_month(monkeypatch, t
     month_ago = time.time() - native.STALE_SECONDS - 60
     for path in (old, other):
         os.utime(path, (month_ago, month_ago))
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    native.library.cache_clear()
-    try:
-        assert native.library() is not None
-        built = [p for p in kernels.glob("specdec-*.so") if p not in (old, recent)]
-        assert len(built) == 1 and not old.exists() and recent.exists() and other.exists()
-        os.utime(built[0], (month_ago, month_ago))
-        native.library.cache_clear()
-        assert native.library() is not None
-        assert time.time() - built[0].stat().st_mtime < 3600  # loaded: touched
-    finally:
-        monkeypatch.undo()
-        native.library.cache_clear()
+    builds, loads = [], []
+    monkeypatch.setattr(native, "_build", lambda target, compiler: (builds.append(target), target.write_bytes(b"")))
+
+    def load(path):
+        loads.append(path)
+        if not os.path.exists(path):
+            raise OSError(f"{path}: cannot open shared object file")
+        return object()
+
+    monkeypatch.setattr(native.ctypes, "CDLL", load)
+    target = kernels / "specdec-new.so"
+    native._load(target, "cc")
+    assert builds == [target] and not old.exists() and recent.exists() and other.exists()
+
+    os.utime(target, (month_ago, month_ago))
+    kept = kernels / "specdec-kept.so"
+    kept.write_bytes(b"")
+    os.utime(kept, (month_ago, month_ago))
+    native._load(target, "cc")  # found: loaded as it is, nothing pruned
+    assert builds == [target] and kept.exists()
+    assert time.time() - target.stat().st_mtime < 3600  # loaded: touched
+
+    calls = []
+
+    def pruned_first(path):  # another process prunes it between our look and our load
+        calls.append(path)
+        if len(calls) == 1:
+            os.unlink(path)
+        return load(path)
+
+    monkeypatch.setattr(native.ctypes, "CDLL", pruned_first)
+    native._load(target, "cc")
+    assert builds == [target, target] and target.exists()
+
+    monkeypatch.setattr(native.ctypes, "CDLL", lambda path: (_ for _ in ()).throw(OSError("bad ELF header")))
+    with pytest.raises(OSError, match="bad ELF"):  # a build that is there but will not load: said once, not rebuilt
+        native._load(target, "cc")
+    assert builds == [target, target]

@@ -79,8 +79,9 @@ def _build(target: Path, compiler: str) -> None:
 
 def prune_builds(keep: Path, stale: float = STALE_SECONDS) -> list[Path]:
     """Remove the other builds beside `keep` that no process loaded for `stale` seconds -> those
-    removed. A process still running one keeps it mapped; a checkout that needs one again builds
-    it anew (under a second)."""
+    removed. On a local disk a process still running one keeps it mapped; a checkout that needs
+    one again builds it anew (under a second). A home on a network filesystem shared by machines
+    that run specdec for over a month at a time should keep its own `SPECDEC_HOME` per machine."""
     removed, now = [], time.time()
     for build in keep.parent.glob("specdec-*.so"):
         with contextlib.suppress(OSError):  # gone already, or another user's
@@ -88,6 +89,23 @@ def prune_builds(keep: Path, stale: float = STALE_SECONDS) -> list[Path]:
                 build.unlink()
                 removed.append(build)
     return removed
+
+
+def _load(target: Path, compiler: str) -> ctypes.CDLL:
+    """The build at `target`, made first where it is missing, touched as in use (`prune_builds`)."""
+    for attempt in range(2):
+        with contextlib.suppress(OSError):  # missing, or a read-only home that keeps its builds as they are
+            os.utime(target)
+        if not target.exists():
+            _build(target, compiler)
+            prune_builds(target)
+        try:
+            # torch's CPU wheels load their libgomp as libgomp.so.1, which this library's OpenMP binds to
+            return ctypes.CDLL(str(target))
+        except OSError:
+            if attempt or target.exists():
+                raise
+            # another process pruned it between our look and our load (its last use was a month ago)
 
 
 @functools.cache
@@ -106,13 +124,7 @@ def library() -> ctypes.CDLL | None:
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
     try:
-        if not target.exists():
-            _build(target, compiler)
-            prune_builds(target)
-        with contextlib.suppress(OSError):  # a read-only home keeps its builds as they are
-            os.utime(target)
-        # torch's CPU wheels load their libgomp as libgomp.so.1, which this library's OpenMP binds to
-        return ctypes.CDLL(str(target))
+        return _load(target, compiler)
     except (OSError, subprocess.SubprocessError) as error:
         detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
         log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "
