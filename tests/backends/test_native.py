@@ -52,19 +52,19 @@ def test_attention_rows_match_float64_and_a_row_alone(dtype, heads, kv_heads, di
     layout = native.RowLayout(list(range(5)), sequences, spans)
     keys, values = [c[0] for c in caches], [c[1] for c in caches]
     scale = dim ** -0.5
-    out = native.attention_rows(query, keys, values, layout, scale)
+    out = native.attention_rows(query, native.KeyValues.of(keys, values), layout, scale)
     assert out.shape == (5, heads, dim) and out.dtype == dtype
     for t, (sequence, span) in enumerate(zip(sequences, spans)):
         expected = _reference(query[:, :, t:t + 1], *caches[sequence], [span], scale)[0]
         tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
         assert torch.allclose(out[t].double(), expected, atol=tolerance, rtol=tolerance), t
-        alone = native.attention_rows(query, [keys[sequence]], [values[sequence]],
+        alone = native.attention_rows(query, native.KeyValues.of([keys[sequence]], [values[sequence]]),
                                       native.RowLayout([t], [0], [span]), scale)
         assert torch.equal(alone[0], out[t]), t
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
-        assert torch.equal(native.attention_rows(query, keys, values, layout, scale), out)
+        assert torch.equal(native.attention_rows(query, native.KeyValues.of(keys, values), layout, scale), out)
     finally:
         torch.set_num_threads(threads)
 
@@ -80,7 +80,7 @@ def test_one_query_attention_is_the_kernels_row_and_sdpas_within_rounding():
     out = rows.one_query_attention(query, key, value, 0.125)
     assert out.shape == (3, 1, 12, 64)
     for b in range(3):
-        row = native.attention_rows(query[b:b + 1], [key[b:b + 1]], [value[b:b + 1]],
+        row = native.attention_rows(query[b:b + 1], native.KeyValues.of([key[b:b + 1]], [value[b:b + 1]]),
                                     native.RowLayout([0], [0], [slice(0, 50)]), 0.125)
         assert torch.equal(out[b, 0], row[0])
     packed = query.reshape(3, 2, 6, 64)
@@ -100,12 +100,39 @@ def test_the_kernel_takes_a_model_by_its_shape_and_copies_what_it_cannot_read_in
     query = torch.randn(1, 4, 1, 16).bfloat16()
     strided = torch.randn(1, 1, 16, 16).bfloat16()[:, :, ::2]
     layout = native.RowLayout([0], [0], [slice(0, 8)])
-    assert torch.equal(native.attention_rows(query, [strided], [value], layout, 0.25),
-                       native.attention_rows(query, [strided.contiguous()], [value], layout, 0.25))
+    assert torch.equal(native.attention_rows(query, native.KeyValues.of([strided], [value]), layout, 0.25),
+                       native.attention_rows(query, native.KeyValues.of([strided.contiguous()], [value]), layout, 0.25))
     from specdec.errors import SpecdecError
 
     with pytest.raises(SpecdecError, match="reach position 9"):
-        native.attention_rows(query, [key], [value], native.RowLayout([0], [0], [slice(0, 9)]), 0.25)
+        native.attention_rows(query, native.KeyValues.of([key], [value]), native.RowLayout([0], [0], [slice(0, 9)]), 0.25)
+
+
+@built
+def test_append_kv_writes_each_sequences_rows_at_its_own_position_and_refuses_what_does_not_fit():
+    """A batched pass's keys [1, heads, rows, D] (laid out as a projection's transposed view) go to
+    each sequence's slab from its own position on; nothing else of a slab changes; rows past a
+    slab's room are refused before anything is written."""
+    from specdec.errors import SpecdecError
+
+    generator = torch.Generator().manual_seed(3)
+    key = torch.randn(1, 5, 2, 8, generator=generator).bfloat16().transpose(1, 2)  # [1, 2 heads, 5 rows, 8]
+    value = torch.randn(1, 2, 5, 8, generator=generator).bfloat16()
+    slabs = [(torch.zeros(1, 2, 10, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 12, 8, dtype=torch.bfloat16)[:, :, :10])
+             for _ in range(2)]
+    slabs = [(k, v.contiguous()) for k, v in slabs]
+    kv = native.append_kv(key, value, [2, 3], [4, 0], slabs)
+    assert kv.lengths == [6, 3]
+    for s, (start, first, count) in enumerate([(4, 0, 2), (0, 2, 3)]):
+        for slab, new in zip(slabs[s], (key, value)):
+            assert torch.equal(slab[:, :, start:start + count], new[:, :, first:first + count])
+            assert not slab[:, :, :start].any() and not slab[:, :, start + count:].any()
+    before = [(k.clone(), v.clone()) for k, v in slabs]
+    with pytest.raises(SpecdecError, match="no room"):
+        native.append_kv(key, value, [2, 3], [4, 8], slabs)
+    assert all(torch.equal(a, b) for pair, old in zip(slabs, before) for a, b in zip(pair, old))
+    with pytest.raises(SpecdecError, match="do not fit"):
+        native.append_kv(key.float(), value.float(), [2, 3], [0, 0], slabs)
 
 
 @built

@@ -56,6 +56,20 @@ def test_a_full_slab_doubles_and_a_reserved_one_is_allocated_once():
     assert reserved.capacity == 300
 
 
+def test_a_copied_slab_has_its_own_address():
+    """A forked beam's cache (a deep copy) must be written at its own slabs, not its parent's."""
+    import copy
+
+    from specdec.backends import native
+
+    slab = SlabLayer()
+    slab.update(_keys(10), _keys(10))
+    parent = slab.address
+    twin = copy.deepcopy(slab)
+    assert twin.slabs[0].data_ptr() != slab.slabs[0].data_ptr()
+    assert twin.address == native.address(*twin.slabs) and slab.address == parent
+
+
 def test_compaction_and_crops_act_on_a_slab_cache_of_a_real_model():
     """A tree pass's accepted path moved into place, then a crop, on the model's own slab cache:
     the following pass's logits equal a cache-free pass over the same tokens."""

@@ -117,6 +117,7 @@ def test_the_batched_test_sees_a_sequence_reading_another_ones_keys(monkeypatch)
     """Power check: a routing slip that hands each sequence its neighbour's keys in a layer (what
     a pass without per-sequence masks or caches amounts to) breaks the bit-for-bit equality, or is
     refused where a row's keys would reach past the cache it was handed (our attention kernel)."""
+    from specdec.backends import native
     from specdec.backends.cache import SegmentedCache
 
     model = qwen_like(torch.float32, exact_rows=True, layers=1)
@@ -126,8 +127,8 @@ def test_the_batched_test_sees_a_sequence_reading_another_ones_keys(monkeypatch)
     real_layer = SegmentedCache.layer
 
     def swapped(self, layer_idx):
-        keys, values = real_layer(self, layer_idx)
-        return keys[1:] + keys[:1], values[1:] + values[:1]
+        kv = real_layer(self, layer_idx)
+        return native.KeyValues(kv.slabs[1:] + kv.slabs[:1], kv.lengths[1:] + kv.lengths[:1])
 
     monkeypatch.setattr(SegmentedCache, "layer", swapped)
     try:

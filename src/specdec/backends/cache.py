@@ -88,14 +88,30 @@ class SegmentedCache:
 
     Each layer's new keys and values [1, kv_heads, N, D] are cut by sequence (`lengths`, in order)
     and appended to that sequence's own cache, which grows and rolls back on its own as before;
-    the pass's attention reads each sequence's whole keys back with `layer`.
+    the pass's attention reads each sequence's whole keys back with `layer`. Slab layers
+    (slab.py) take theirs in one kernel call a layer where our kernels are built
+    (`native.append_kv`); other layers through their own `update`.
     """
 
     def __init__(self, caches: Sequence, lengths: Sequence[int]):
+        from . import native
+
         self.caches, self.lengths = list(caches), list(lengths)
-        self._layers: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._layers: dict[int, object] = {}
+        self._append = native.append_kernel() is not None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        from . import native
+        from .slab import SlabLayer
+
+        layers = [cache.layers[layer_idx] for cache in self.caches]
+        if self._append and key.device.type == "cpu" and all(type(layer) is SlabLayer for layer in layers):
+            slabs = [layer.room(length, key, value) for layer, length in zip(layers, self.lengths)]
+            self._layers[layer_idx] = native.append_kv(key, value, self.lengths, [layer.length for layer in layers],
+                                                       slabs, [layer.address for layer in layers])
+            for layer, length in zip(layers, self.lengths):
+                layer.length += length
+            return key, value
         keys, values, start = [], [], 0
         for cache, length in zip(self.caches, self.lengths):
             k, v = cache.update(key[:, :, start:start + length], value[:, :, start:start + length], layer_idx,
@@ -103,9 +119,10 @@ class SegmentedCache:
             keys.append(k)
             values.append(v)
             start += length
-        self._layers[layer_idx] = (keys, values)
+        self._layers[layer_idx] = native.KeyValues.of(keys, values)
         return key, value  # the pass's own keys; its attention reads `layer` instead
 
-    def layer(self, layer_idx: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each sequence's keys and values of this layer after the pass's update (read once)."""
+    def layer(self, layer_idx: int):
+        """Each sequence's keys and values of this layer after the pass's update (a
+        `native.KeyValues`; read once)."""
         return self._layers.pop(layer_idx)

@@ -1,6 +1,8 @@
 """Our compiled kernels, exact by construction: a row's result never depends on what shares its call.
 
 - `attention_rows` (csrc/one_query.c): one-query attention for every row of a pass in one call.
+- `append_kv` (csrc/kv_append.c): a batched pass's new keys and values into each sequence's
+  cache slab, one call per layer.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
@@ -24,6 +26,7 @@ AVX512-BF16 the linears stay oneDNN's. CPU only; attention in bf16 and fp32, lin
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
@@ -43,9 +46,8 @@ from ..errors import SpecdecError
 
 log = logging.getLogger("specdec.backends")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-_I64 = ctypes.POINTER(ctypes.c_int64)
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
 # change of sources, compiler or CPU leaves its build behind, and nothing else would remove it
 STALE_SECONDS = 30 * 24 * 3600
@@ -141,7 +143,7 @@ def one_query_kernel():
     function = lib.specdec_one_query_rows
     function.restype = ctypes.c_int
     function.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                                  ctypes.c_int64] + [_I64] * 8 + [ctypes.c_void_p])
+                                                  ctypes.c_int64] + [ctypes.c_void_p] * 9)
     return function
 
 
@@ -220,8 +222,14 @@ def _traced(name: str):
     return contextlib.nullcontext()
 
 
-def _int64s(values) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
+def _int64s(values) -> array.array:
+    """int64 values for a kernel (an `array.array`: built several times faster than a ctypes array;
+    pass its address, `_at`)."""
+    return array.array("q", values)
+
+
+def _at(values: array.array) -> int:
+    return values.buffer_info()[0]
 
 
 class RowLayout:
@@ -260,32 +268,109 @@ def _readable(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1]) else x.contiguous()
 
 
-def attention_rows(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], layout: RowLayout,
-                   scale: float) -> torch.Tensor:
+class KeyValues:
+    """One layer's keys and values of several sequences, as the kernels read them: sequence s's
+    keys [kv_heads, positions, D] from address k_ptrs[s], heads k_heads[s] elements apart,
+    positions contiguous, `capacities[s]` positions of room, the first `lengths[s]` valid (values
+    likewise).
+
+    slabs[s]: sequence s's (keys, values) [1, kv_heads, capacity, D] (kept here, so that their
+    memory outlives the calls); addresses[s]: `address(*slabs[s])`, where the caller keeps it."""
+
+    def __init__(self, slabs: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int],
+                 addresses: list[tuple[int, int, int, int, int]] | None = None):
+        self.slabs, self.lengths = slabs, lengths
+        self.kv_heads, self.dtype, self.vdim = slabs[0][0].shape[1], slabs[0][0].dtype, slabs[0][1].shape[-1]
+        k_ptrs, v_ptrs, k_heads, v_heads, capacities = zip(*(addresses or [address(k, v) for k, v in slabs]))
+        self.k_ptrs, self.v_ptrs, self.k_heads, self.v_heads = map(_int64s, (k_ptrs, v_ptrs, k_heads, v_heads))
+        self.capacities = _int64s(capacities)
+
+    @classmethod
+    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor]) -> KeyValues:
+        """Caches [1, kv_heads, L_s, D], all valid (copied where the kernel cannot read them in place)."""
+        return cls([(_readable(k), _readable(v)) for k, v in zip(keys, values)], [k.shape[2] for k in keys])
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each sequence's valid keys and values, [1, kv_heads, lengths[s], D]."""
+        return ([k[:, :, :n] for (k, _), n in zip(self.slabs, self.lengths)],
+                [v[:, :, :n] for (_, v), n in zip(self.slabs, self.lengths)])
+
+
+def address(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Where the kernels read (write) a sequence's keys and values [1, kv_heads, capacity, D]:
+    (keys' address, values' address, their head strides, the positions they hold)."""
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] \
+            or values.stride(-2) != values.shape[-1] or keys.shape[-2] != values.shape[-2]:
+        raise SpecdecError("the kernels read a cache's positions contiguous, as many keys as values")
+    return keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), keys.shape[-2]
+
+
+@functools.cache
+def append_kernel():
+    """The compiled `specdec_append_kv`, or None (`library`)."""
+    lib = library()
+    if lib is None:
+        return None
+    function = lib.specdec_append_kv
+    function.restype = ctypes.c_int
+    function.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2
+                         + [ctypes.c_void_p] * 7)
+    return function
+
+
+def append_kv(key: torch.Tensor, value: torch.Tensor, counts: list[int], starts: list[int],
+              slabs: list[tuple[torch.Tensor, torch.Tensor]],
+              addresses: list[tuple[int, int, int, int, int]] | None = None) -> KeyValues:
+    """Write a batched pass's new keys and values into each sequence's slab, in one call.
+
+    key, value: [1, kv_heads, sum(counts), D] (and Dv), sequence s's rows the next counts[s];
+    slabs[s]: its (keys, values) [1, kv_heads, capacity, D], of key's dtype, with room for positions
+    starts[s] .. starts[s] + counts[s] - 1, which receive them; addresses: as `KeyValues` takes them.
+    Returns the slabs as `attention_rows` reads them, valid up to starts[s] + counts[s].
+    """
+    kv = KeyValues(slabs, [a + n for a, n in zip(starts, counts)], addresses)
+    if kv.dtype != key.dtype or kv.kv_heads != key.shape[1] or value.dtype != key.dtype:
+        raise SpecdecError(f"a pass's keys ({key.dtype}, {key.shape[1]} heads) do not fit its caches' slabs "
+                           f"({kv.dtype}, {kv.kv_heads} heads)")
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    size = key.element_size()
+    counts, starts = _int64s(counts), _int64s(starts)  # alive through the call
+    failed = append_kernel()(len(slabs), key.shape[1], size, key.shape[-1] * size, value.shape[-1] * size,
+                             key.data_ptr(), key.stride(1) * size, key.stride(2) * size,
+                             value.data_ptr(), value.stride(1) * size, value.stride(2) * size,
+                             _at(counts), _at(starts), _at(kv.capacities), _at(kv.k_ptrs), _at(kv.v_ptrs),
+                             _at(kv.k_heads), _at(kv.v_heads))
+    if failed:
+        raise SpecdecError("a sequence's slab has no room for its pass's keys")
+    return kv
+
+
+def attention_rows(query: torch.Tensor, kv: KeyValues, layout: RowLayout, scale: float) -> torch.Tensor:
     """Every row of `layout` in one kernel call.
 
-    query [B, heads, T, D]; keys[s], values[s]: sequence s's cache [1, kv_heads, L_s, D] (and Dv),
-    grouped-query head h reading key/value head h // (heads // kv_heads).
+    query [B, heads, T, D]; kv: each sequence's cache (`KeyValues`), grouped-query head h reading
+    key/value head h // (heads // kv_heads).
     Returns [rows, heads, Dv] in query's dtype.
     """
     kernel = one_query_kernel()
-    keys, values = [_readable(k) for k in keys], [_readable(v) for v in values]
     if query.stride(-1) != 1:
         query = query.contiguous()
     for s, end in layout.ends.items():  # a span past its cache would read out of bounds
-        if end > keys[s].shape[2] or end > values[s].shape[2]:
-            raise SpecdecError(f"a row's keys reach position {end} of a cache holding {keys[s].shape[2]}")
+        if end > kv.lengths[s]:
+            raise SpecdecError(f"a row's keys reach position {end} of a cache holding {kv.lengths[s]}")
     heads, dim = query.shape[1], query.shape[-1]
-    kv_heads, vdim = keys[0].shape[1], values[0].shape[-1]
+    vdim = kv.vdim
     out = torch.empty(layout.rows, heads, vdim, dtype=query.dtype)
     length = query.shape[2]
     offsets = _int64s([r // length * query.stride(0) + r % length * query.stride(2) for r in layout.query_rows])
     with _traced("specdec::one_query_rows"):
-        status = kernel(layout.rows, heads, kv_heads, dim, vdim, scale, int(query.dtype == torch.bfloat16),
-                        torch.get_num_threads(), query.data_ptr(), query.stride(1), offsets, layout.sequences,
-                        layout.bounds, layout.runs, _int64s([k.data_ptr() for k in keys]),
-                        _int64s([v.data_ptr() for v in values]), _int64s([k.stride(1) for k in keys]),
-                        _int64s([v.stride(1) for v in values]), out.data_ptr())
+        status = kernel(layout.rows, heads, kv.kv_heads, dim, vdim, scale, int(query.dtype == torch.bfloat16),
+                        torch.get_num_threads(), query.data_ptr(), query.stride(1), _at(offsets),
+                        _at(layout.sequences), _at(layout.bounds), _at(layout.runs), _at(kv.k_ptrs), _at(kv.v_ptrs),
+                        _at(kv.k_heads), _at(kv.v_heads), out.data_ptr())
     if status:
         raise MemoryError("the one-query attention kernel ran out of memory")
     return out

@@ -133,9 +133,10 @@ def _our_attention(base, packs: bool):
         batch = _SEGMENTS.get()
         if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
             cache, parts, layout = batch
-            keys_of, values_of = cache.layer(module.layer_idx)
-            if kernel_takes(query, keys_of[0], kwargs):  # every row in one call
-                return native.attention_rows(query, keys_of, values_of, layout, _scale(query, kwargs)).unsqueeze(0), None
+            kv = cache.layer(module.layer_idx)
+            if kernel_takes(query, kv.slabs[0][0], kwargs):  # every row in one call
+                return native.attention_rows(query, kv, layout, _scale(query, kwargs)).unsqueeze(0), None
+            keys_of, values_of = kv.views()
             return torch.cat([_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs)
                               for i, (start, spans) in enumerate(parts)], dim=1), None
         spans = key_spans(attention_mask, rows, keys)
@@ -143,7 +144,8 @@ def _our_attention(base, packs: bool):
             return one_query(module, query, key, value, **kwargs), None
         if key.shape[0] == 1 and kernel_takes(query, key, kwargs):
             layout = native.RowLayout(list(range(rows)), [0] * rows, spans)
-            return native.attention_rows(query, [key], [value], layout, _scale(query, kwargs)).unsqueeze(0), None
+            return native.attention_rows(query, native.KeyValues.of([key], [value]), layout,
+                                         _scale(query, kwargs)).unsqueeze(0), None
         return _rows(one_query, module, query, key, value, spans, 0, kwargs), None
     return attention
 
@@ -221,7 +223,7 @@ def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         keys, values = [key[b:b + 1] for b in range(batch)], [value[b:b + 1] for b in range(batch)]
         layout = native.RowLayout(list(range(batch)), list(range(batch)), [slice(0, key.shape[2])] * batch)
         scale = dim ** -0.5 if scale is None else float(scale)
-        return native.attention_rows(query, keys, values, layout, scale).unsqueeze(1)
+        return native.attention_rows(query, native.KeyValues.of(keys, values), layout, scale).unsqueeze(1)
     packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, scale=scale)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2)
