@@ -50,6 +50,28 @@ def test_a_bf16_target_runs_q_k_v_and_gate_up_as_one_gemm_each():
 
 
 @stacked_here
+def test_a_merged_swiglu_runs_its_middle_in_one_kernel_with_the_models_own_bits(monkeypatch):
+    """silu(gate) * up in one call over the stacked output: the bits of the model's own forward;
+    a hook on gate or up (an adapter's) sends the layer back to that forward, which it sees."""
+    from specdec.backends import native
+
+    if native.silu_mul_kernel() is None:
+        pytest.skip("no C compiler here: the kernels are not built")
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    mlp = model._decoder.layers[0].mlp
+    calls = []
+    real = native.silu_mul
+    monkeypatch.setattr(native, "silu_mul", lambda x: calls.append(x.shape) or real(x))
+    x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), type(mlp).forward(mlp, x)) and calls == [(10, 3072)]
+        handle = mlp.up_proj.register_forward_hook(lambda module, inputs, output: output * 2)
+        hooked = mlp(x)
+        handle.remove()
+        assert calls == [(10, 3072)] and not torch.equal(hooked, mlp(x))
+
+
+@stacked_here
 def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
     """Logits of one-token, multi-token, prompt and batched passes are equal bit for bit with the
     projections stacked or apart."""

@@ -136,6 +136,18 @@ def test_append_kv_writes_each_sequences_rows_at_its_own_position_and_refuses_wh
 
 
 @built
+@pytest.mark.parametrize("rows,width", [(1, 8960), (7, 37), (300, 64)])
+def test_silu_mul_has_torchs_bits(rows, width):
+    """Every finite input, tiny and huge ones too, rounded as torch's silu and then its product
+    are; a row's result does not depend on the rows beside it (element by element)."""
+    generator = torch.Generator().manual_seed(rows)
+    both = (torch.randn(rows, 2 * width, generator=generator) * torch.logspace(-40, 38, 2 * width).sqrt()).bfloat16()
+    got = native.silu_mul(both)
+    assert torch.equal(got, torch.nn.functional.silu(both[:, :width]) * both[:, width:])
+    assert torch.equal(native.silu_mul(both[-1:]), got[-1:])
+
+
+@built
 @tiled
 @pytest.mark.parametrize("n,k,bias", [(100, 64, True), (2048, 1536, False), (16, 2, True), (77, 1030, False)])
 def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):

@@ -3,6 +3,7 @@
 - `attention_rows` (csrc/one_query.c): one-query attention for every row of a pass in one call.
 - `append_kv` (csrc/kv_append.c): a batched pass's new keys and values into each sequence's
   cache slab, one call per layer.
+- `silu_mul` (csrc/activation.c): a SwiGLU MLP's silu(gate) * up over its merged GEMM's output.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
@@ -46,7 +47,8 @@ from ..errors import SpecdecError
 
 log = logging.getLogger("specdec.backends")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c")]
+HEADERS = [Path(__file__).parent / "csrc" / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
 # change of sources, compiler or CPU leaves its build behind, and nothing else would remove it
@@ -121,7 +123,7 @@ def library() -> ctypes.CDLL | None:
         return None
     from ..models.catalogue import home
 
-    parts = [source.read_bytes() for source in SOURCES] + [" ".join(FLAGS).encode(), _compiler_version(compiler),
+    parts = [source.read_bytes() for source in SOURCES + HEADERS] + [" ".join(FLAGS).encode(), _compiler_version(compiler),
                                                            platform.machine().encode(), _cpu_signature().encode()]
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
@@ -212,6 +214,35 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
             linear_kernel()(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads, scratch.data_ptr())
     return y
+
+
+@functools.cache
+def silu_mul_kernel():
+    """The compiled `specdec_silu_mul_bf16`, or None (`library`)."""
+    lib = library()
+    if lib is None:
+        return None
+    function = lib.specdec_silu_mul_bf16
+    function.restype = None
+    function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int]
+    return function
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2I] bf16 (gate's I columns, then up's) -> silu(gate) * up [M, I] bf16, rounded as
+    torch rounds `silu(gate)` and then the product; each element on its own."""
+    rows, width = gate_up.shape
+    if gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or width % 2:
+        raise SpecdecError(f"silu_mul takes bf16 [rows, 2 * width] on the CPU, not {gate_up.dtype} "
+                           f"{tuple(gate_up.shape)} on {gate_up.device}")
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+    with _traced("specdec::silu_mul"):
+        silu_mul_kernel()(rows, width // 2, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                          torch.get_num_threads())
+    return out
 
 
 def _traced(name: str):

@@ -1,0 +1,71 @@
+/* The gated MLP's middle, silu(gate) * up, in one call over a merged gate/up GEMM's output
+   (specdec, Apache-2.0).
+
+   A SwiGLU MLP (Llama, Qwen, Mistral) computes down(silu(gate(x)) * up(x)). With gate and up one
+   GEMM (backends/merged.py), eager torch copies each half out, runs silu, then the product: three
+   passes over the rows and two copies. Here one pass reads both halves where they lie.
+
+   Arithmetic, element by element (so a row's result never depends on what shares the call): the
+   gate in fp32, silu(g) = g * sigmoid(g) with e^-|g| by the shared polynomial (vec16.h), rounded to
+   bf16 as torch's activation output is; times up in fp32; rounded to bf16 once more. */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "vec16.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* the lanes of x as bf16 bits, rounded to nearest, ties to even (NaN stays NaN) */
+static inline v16 round_bf16(v16 x) {
+    u16w u;
+    memcpy(&u, &x, sizeof u);
+    const u16w nan = (u16w)((u & 0x7fffffffu) > 0x7f800000u);
+    const u16w rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    u = (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* n (<= LANES) lanes of x, rounded to bf16 already, stored as bf16 at dst */
+static inline void store_bf16(uint16_t *dst, v16 x, int64_t n) {
+    u16w u;
+    memcpy(&u, &x, sizeof u);
+    const h16 h = __builtin_convertvector(u >> 16, h16);
+    if (n == LANES) memcpy(dst, &h, sizeof h);  /* a constant size: one store, not a call */
+    else memcpy(dst, &h, (size_t)n * sizeof(uint16_t));
+}
+
+/* rows x width outputs: out[r][i] = bf16(bf16(silu(g)) * u) for g = in[r][i], u = in[r][width + i]
+   (bf16; rows in_stride and out_stride elements apart) */
+void specdec_silu_mul_bf16(int64_t rows, int64_t width, const uint16_t *in, int64_t in_stride, uint16_t *out,
+                           int64_t out_stride, int threads) {
+    const int64_t chunks = (width + LANES - 1) / LANES, tasks = rows * chunks;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 256)
+    {
+#ifdef _OPENMP
+        const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+        const int64_t team = 1, me = 0;
+#endif
+        /* a contiguous share of the (row, chunk) tasks each, walked without dividing */
+        const int64_t first = tasks * me / team, last = tasks * (me + 1) / team;
+        int64_t r = first / chunks, c = first % chunks * LANES;
+        for (int64_t t = first; t < last; t++) {
+            const int64_t n = width - c < LANES ? width - c : LANES;
+            const char *gate = (const char *)(in + r * in_stride + c);
+            const char *up = (const char *)(in + r * in_stride + width + c);
+            const v16 g = n == LANES ? load16(gate, 1) : load_part(gate, n, 1);
+            const v16 u = n == LANES ? load16(up, 1) : load_part(up, n, 1);
+            const v16 e = exp16(-(v16)((i16)g & 0x7fffffff));  /* e^-|g|, in (0, 1] */
+            const i16 negative = g < 0.0f;
+            const v16 numerator = (v16)(((i16)e & negative) | ((i16)((v16){0} + 1.0f) & ~negative));
+            const v16 silu = round_bf16(g * (numerator / (1.0f + e)));
+            store_bf16(out + r * out_stride + c, round_bf16(silu * u), n);
+            c += LANES;
+            if (c >= width) c = 0, r++;
+        }
+    }
+}

@@ -1,0 +1,83 @@
+/* 16-lane fp32 vectors and the helpers our kernels share (specdec, Apache-2.0): GCC/Clang vector
+   extensions, compiled to AVX-512, AVX2 or NEON code as the CPU has. */
+
+#ifndef SPECDEC_VEC16_H
+#define SPECDEC_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* 16 fp32 lanes (GCC/Clang vector extensions: AVX-512, AVX2 or NEON code as the CPU has) */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint32_t u16w __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define LANES 16
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+/* LANES values at src (bf16 when bf16 != 0, else fp32) */
+static inline v16 load16(const char *src, int bf16) {
+    if (bf16) {
+        h16 h;
+        memcpy(&h, src, sizeof h);
+        u16w wide = __builtin_convertvector(h, u16w) << 16;
+        v16 f;
+        memcpy(&f, &wide, sizeof f);
+        return f;
+    }
+    v16 f;
+    memcpy(&f, src, sizeof f);
+    return f;
+}
+
+/* the first n (< LANES) values at src, the other lanes 0 */
+static inline v16 load_part(const char *src, int64_t n, int bf16) {
+    char buffer[64] = {0};
+    memcpy(buffer, src, (size_t)(n * (bf16 ? 2 : 4)));
+    return load16(buffer, bf16);
+}
+
+/* the lanes' sum, halves added pairwise: one fixed order */
+static inline float total16(v16 x) {
+    v8 a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (const char *)&x + sizeof a, sizeof b);
+    a += b;
+    v4 c, d;
+    memcpy(&c, &a, sizeof c);
+    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* e^x for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
+   polynomial (relative error under 2e-7); x below -87 gives 2^-126's neighbourhood, not 0 */
+static inline v16 exp16(v16 x) {
+    const i16 low = x < -87.0f;  /* lanes all ones where true */
+    const v16 floor = (v16){0} - 87.0f;
+    x = (v16)(((i16)x & ~low) | ((i16)floor & low));
+    const v16 shifted = x * 1.44269504f + 12582912.0f;  /* round to nearest by the fp32 ulp at 2^23 */
+    const v16 n = shifted - 12582912.0f;
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.42860677e-6f;
+    v16 p = r * (1.0f / 720) + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i16 exponent = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return p * scale;
+}
+
+#endif
