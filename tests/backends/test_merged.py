@@ -1,6 +1,8 @@
 """Sibling projections stacked into one GEMM (backends/merged.py): the same bits as apart, in
 every pass kind, and the same layer to everything that reads or rewrites a layer."""
 
+import functools
+
 import pytest
 import torch
 
@@ -69,6 +71,29 @@ def test_a_merged_swiglu_runs_its_middle_in_one_kernel_with_the_models_own_bits(
         hooked = mlp(x)
         handle.remove()
         assert calls == [(10, 3072)] and not torch.equal(hooked, mlp(x))
+    calls.clear()
+    trained = x.clone().requires_grad_()
+    with differentiable_linears(model._decoder):  # training: gradients flow through the model's own forward
+        mlp(trained).float().sum().backward()
+    assert not calls and trained.grad is not None and trained.grad.abs().sum() > 0
+
+
+def test_llama_like_norms_run_in_one_kernel_call_with_their_own_bits():
+    """A bf16 target's RMSNorms (two a layer and the final one) run the kernel, inside a pass
+    and with the model's own bits; where gradients flow, their own forward (which passes them)."""
+    from specdec.backends import native
+
+    if native.rms_norm_kernel() is None:
+        pytest.skip("no C compiler here: the kernels are not built")
+    model = qwen_like(torch.bfloat16, exact_rows=True, layers=2)
+    norms = [m for m in model._decoder.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    assert len(norms) == 5 and all(isinstance(n.forward, functools.partial) for n in norms)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(norms[0](x), type(norms[0]).forward(norms[0], x))
+    trained = x.clone().requires_grad_()
+    norms[0](trained).float().sum().backward()
+    assert trained.grad is not None
 
 
 @stacked_here

@@ -148,6 +148,23 @@ def test_silu_mul_has_torchs_bits(rows, width):
 
 
 @built
+@pytest.mark.parametrize("rows,width", [(1, 1536), (9, 896), (300, 40)])
+def test_rms_norm_has_transformers_bits(rows, width):
+    """Rows of very different scales, widths off the 16-lane grid: the bits of transformers' own
+    RMSNorm; a row alone the same as among others."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    generator = torch.Generator().manual_seed(rows)
+    norm = Qwen2RMSNorm(width, 1e-6).bfloat16()
+    norm.weight.data = (torch.randn(width, generator=generator) * 0.3 + 1).bfloat16()
+    x = (torch.randn(rows, width, generator=generator) * torch.logspace(-3, 3, rows)[:, None]).bfloat16()
+    with torch.inference_mode():
+        got = native.rms_norm(x, norm.weight, 1e-6)
+        assert torch.equal(got, type(norm).forward(norm, x))
+        assert torch.equal(native.rms_norm(x[-1:], norm.weight, 1e-6), got[-1:])
+
+
+@built
 @tiled
 @pytest.mark.parametrize("n,k,bias", [(100, 64, True), (2048, 1536, False), (16, 2, True), (77, 1030, False)])
 def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):

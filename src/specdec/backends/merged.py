@@ -104,12 +104,13 @@ class MergedPart(StackedPart):
 def _fused_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A SwiGLU MLP whose gate/up are one `MergedGemm`: down(silu(gate) * up) with the middle in one
     kernel call over the stacked output (`native.silu_mul`: torch's bits, without copying the
-    halves out). Where a hook watches gate or up (an adapter's), the model's own forward."""
+    halves out). Where a hook watches gate or up (an adapter's) or gradients flow (training), the
+    model's own forward."""
     from . import native
 
     gate, up = mlp.gate_proj, mlp.up_proj
     if gate._forward_hooks or gate._forward_pre_hooks or up._forward_hooks or up._forward_pre_hooks \
-            or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
         return type(mlp).forward(mlp, x)
     both = gate.merged.gemm(x)
     return mlp.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))

@@ -3,6 +3,7 @@
 - `attention_rows` (csrc/one_query.c): one-query attention for every row of a pass in one call.
 - `append_kv` (csrc/kv_append.c): a batched pass's new keys and values into each sequence's
   cache slab, one call per layer.
+- `rms_norm` (csrc/norm.c): Llama's RMSNorm over bf16 rows, one call.
 - `silu_mul` (csrc/activation.c): a SwiGLU MLP's silu(gate) * up over its merged GEMM's output.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
@@ -47,7 +48,8 @@ from ..errors import SpecdecError
 
 log = logging.getLogger("specdec.backends")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c",
+                                                                   "norm.c")]
 HEADERS = [Path(__file__).parent / "csrc" / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
@@ -243,6 +245,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         silu_mul_kernel()(rows, width // 2, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
                           torch.get_num_threads())
     return out
+
+
+@functools.cache
+def rms_norm_kernel():
+    """The compiled `specdec_rms_norm_bf16`, or None (`library`)."""
+    lib = library()
+    if lib is None:
+        return None
+    function = lib.specdec_rms_norm_bf16
+    function.restype = None
+    function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return function
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] bf16, weight [H] bf16 -> weight * x / sqrt(mean(x²) + eps) [..., H] bf16, each row
+    on its own, rounded as transformers' RMSNorm rounds (after the division, after the weight)."""
+    width = x.shape[-1]
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" \
+            or weight.shape != (width,):
+        raise SpecdecError(f"rms_norm takes bf16 rows and a bf16 weight of their width on the CPU, not "
+                           f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    flat = x.reshape(-1, width)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(flat.shape, dtype=torch.bfloat16)
+    with _traced("specdec::rms_norm"):
+        rms_norm_kernel()(flat.shape[0], width, flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps,
+                          out.data_ptr(), width, torch.get_num_threads())
+    return out.view(x.shape)
 
 
 def _traced(name: str):

@@ -19,6 +19,7 @@ from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exac
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
 from .merged import merge_projections
+from .norms import fuse_norms
 from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
@@ -101,6 +102,7 @@ class TransformersModel:
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's stay apart)
             self.merged_groups = merge_projections(self._decoder, hf_model.config.model_type)
+            fuse_norms(self._decoder)
             self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + packed_bf16_label()
             if role == "target":
                 self._packed_head = PackedBf16Linear(weight, None, packed_bf16_least_rows())

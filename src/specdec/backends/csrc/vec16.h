@@ -80,4 +80,24 @@ static inline v16 exp16(v16 x) {
     return p * scale;
 }
 
+/* the lanes of x rounded to bf16 (kept as fp32 values), to nearest, ties to even (NaN stays NaN) */
+static inline v16 round_bf16(v16 x) {
+    u16w u;
+    memcpy(&u, &x, sizeof u);
+    const u16w nan = (u16w)((u & 0x7fffffffu) > 0x7f800000u);
+    const u16w rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    u = (rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* n (<= LANES) lanes of x, rounded to bf16 already, stored as bf16 at dst */
+static inline void store_bf16(uint16_t *dst, v16 x, int64_t n) {
+    u16w u;
+    memcpy(&u, &x, sizeof u);
+    const h16 h = __builtin_convertvector(u >> 16, h16);
+    if (n == LANES) memcpy(dst, &h, sizeof h);  /* a constant size: one store, not a call */
+    else memcpy(dst, &h, (size_t)n * sizeof(uint16_t));
+}
+
 #endif
