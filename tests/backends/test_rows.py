@@ -252,6 +252,10 @@ def test_refined_logits_of_a_row_do_not_depend_on_the_other_rows(monkeypatch):
         assert torch.equal(alone[0], together[t])
     monkeypatch.setattr(rows, "REFINED_AT_ONCE", 3)  # more candidates than that: a row at a time
     assert torch.equal(refine_top_logits(logits, hidden, weight, norm), together)
+    for at_once in (3, 4096):  # written into the caller's own tensor, the same values
+        monkeypatch.setattr(rows, "REFINED_AT_ONCE", at_once)
+        mine = logits.clone()
+        assert refine_top_logits(mine, hidden, weight, norm, in_place=True) is mine and torch.equal(mine, together)
 
 
 @cpu_only

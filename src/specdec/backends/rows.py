@@ -267,7 +267,7 @@ def key_spans(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | t
 
 
 def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                      weight_row_norm: float) -> torch.Tensor:
+                      weight_row_norm: float, in_place: bool = False) -> torch.Tensor:
     """Re-score in fp32 every token that may be a row's true maximum, from bf16 head logits.
 
     logits: [T, V] fp32 copies of a bf16 head's output (each entry the fp32 dot product rounded to
@@ -278,8 +278,9 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     fp32 dot product (products of bf16 values are exact in fp32; summed row by row here, the same
     way for a row whatever the pass it came from), and the rest their bf16 value. The greedy choice
     is thus the fp32 head's, at half the bytes an fp32 copy of the head would read.
+    in_place: write into `logits` itself (a caller's temporary: no copy of a [T, V] tensor).
     """
-    out = logits.clone()
+    out = logits if in_place else logits.clone()
     top = logits.max(-1).values  # [T]
     _, exponent = torch.frexp(top.abs().clamp_min(1e-30))
     # 4 bf16 ulps of the maximum (rounding of both values, generously) plus a worst-case bound on

@@ -519,7 +519,7 @@ class TransformersModel:
             head = self._packed_head if self._packed_head is not None else \
                 (lambda rows: row_stable_linear(rows, self._head_weight))
             logits = head(flat).float()
-            logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm)
+            logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm, in_place=True)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and exact:
             logits = row_stable(lambda rows: fp32_matmul(rows, self._head_weight), hidden)
