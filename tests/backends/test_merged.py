@@ -1,15 +1,18 @@
 """Sibling projections stacked into one GEMM (backends/merged.py): the same bits as apart, in
 every pass kind, and the same layer to everything that reads or rewrites a layer."""
 
-import functools
+import gc
+import weakref
 
 import pytest
 import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
 import specdec.backends.merged as merged_module
 from specdec.backends import Segment
 from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
                                      set_dense_weight, tiled_bf16_supported)
+from specdec.backends.layer_ops import FusedNorm, FusedSwiGLU
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
@@ -66,7 +69,7 @@ def test_a_merged_swiglu_runs_its_middle_in_one_kernel_with_the_models_own_bits(
     monkeypatch.setattr(native, "silu_mul", lambda x: calls.append(x.shape) or real(x))
     x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
-        assert torch.equal(mlp(x), type(mlp).forward(mlp, x)) and calls == [(10, 3072)]
+        assert torch.equal(mlp(x), Qwen2MLP.forward(mlp, x)) and calls == [(10, 3072)]
         handle = mlp.up_proj.register_forward_hook(lambda module, inputs, output: output * 2)
         hooked = mlp(x)
         handle.remove()
@@ -79,21 +82,32 @@ def test_a_merged_swiglu_runs_its_middle_in_one_kernel_with_the_models_own_bits(
 
 
 def test_llama_like_norms_run_in_one_kernel_call_with_their_own_bits():
-    """A bf16 target's RMSNorms (two a layer and the final one) run the kernel, inside a pass
-    and with the model's own bits; where gradients flow, their own forward (which passes them)."""
+    """A bf16 target's RMSNorms (two a layer and the final one) run the kernel; where gradients flow,
+    their own forward (which passes them); a dropped model goes at once (no reference cycle)."""
     from specdec.backends import native
 
     if native.rms_norm_kernel() is None:
         pytest.skip("no C compiler here: the kernels are not built")
     model = qwen_like(torch.bfloat16, exact_rows=True, layers=2)
     norms = [m for m in model._decoder.modules() if type(m).__name__ == "Qwen2RMSNorm"]
-    assert len(norms) == 5 and all(isinstance(n.forward, functools.partial) for n in norms)
+    assert len(norms) == 5 and all(isinstance(n, FusedNorm) for n in norms)
+    assert isinstance(model._decoder.layers[0].mlp, FusedSwiGLU)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
     with torch.inference_mode():
-        assert torch.equal(norms[0](x), type(norms[0]).forward(norms[0], x))
+        # the kernel's own rows (within a bf16 step of transformers': tests/backends/test_native.py)
+        assert torch.equal(norms[0](x), native.rms_norm(x, norms[0].weight, norms[0].variance_epsilon))
+        assert torch.allclose(norms[0](x).float(), Qwen2RMSNorm.forward(norms[0], x).float(), rtol=2 ** -7, atol=0)
     trained = x.clone().requires_grad_()
     norms[0](trained).float().sum().backward()
     assert trained.grad is not None
+    # no reference cycle keeps a dropped model's layers (and their weights) alive
+    gone = [weakref.ref(norms[0]), weakref.ref(model._decoder.layers[0].mlp)]
+    del model, norms
+    gc.disable()
+    try:
+        assert all(ref() is None for ref in gone)
+    finally:
+        gc.enable()
 
 
 @stacked_here

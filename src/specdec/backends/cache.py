@@ -104,8 +104,10 @@ class SegmentedCache:
         from . import native
         from .slab import SlabLayer
 
-        layers = [cache.layers[layer_idx] for cache in self.caches]
-        if self._append and key.device.type == "cpu" and all(type(layer) is SlabLayer for layer in layers):
+        # a cache made without a config grows its layers in its own `update`
+        layers = [cache.layers[layer_idx] if layer_idx < len(cache.layers) else None for cache in self.caches] \
+            if self._append and key.device.type == "cpu" else ()
+        if layers and all(type(layer) is SlabLayer for layer in layers):
             slabs = [layer.room(length, key, value) for layer, length in zip(layers, self.lengths)]
             self._layers[layer_idx] = native.append_kv(key, value, self.lengths, [layer.length for layer in layers],
                                                        slabs, [layer.address for layer in layers])

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .kernels import ROW_CHUNK, PackedBf16Linear, StackedPart
+from .layer_ops import fuse_swiglu
 from .prompts import PREFILL_CHUNK
 
 # the model's attribute names of sibling projections that read one input (stacked in this order)
@@ -101,35 +102,6 @@ class MergedPart(StackedPart):
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
 
 
-def _fused_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU MLP whose gate/up are one `MergedGemm`: down(silu(gate) * up) with the middle in one
-    kernel call over the stacked output (`native.silu_mul`: torch's bits, without copying the
-    halves out). Where a hook watches gate or up (an adapter's) or gradients flow (training), the
-    model's own forward."""
-    from . import native
-
-    gate, up = mlp.gate_proj, mlp.up_proj
-    if gate._forward_hooks or gate._forward_pre_hooks or up._forward_hooks or up._forward_pre_hooks \
-            or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-        return type(mlp).forward(mlp, x)
-    both = gate.merged.gemm(x)
-    return mlp.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))
-
-
-def _fuse_activation(mlp: nn.Module, merged: MergedGemm) -> bool:
-    """Give `mlp` (gate_proj and up_proj just merged into `merged`) the fused forward, where its
-    activation is SiLU and our kernels are built."""
-    from transformers.activations import SiLUActivation
-
-    from . import native
-
-    if type(mlp.act_fn) not in (SiLUActivation, nn.SiLU) or len(set(merged.sizes)) != 1 \
-            or native.silu_mul_kernel() is None:
-        return False
-    mlp.forward = functools.partial(_fused_mlp_forward, mlp)
-    return True
-
-
 def merge_projections(module: nn.Module, family: str) -> int:
     """Stack every group of sibling projections (`GROUPS`) inside `module`, a model of transformers'
     model type `family` (one of `FAMILIES`, else nothing is stacked), that are all
@@ -153,7 +125,7 @@ def merge_projections(module: nn.Module, family: str) -> int:
             for index, name in enumerate(names):
                 setattr(child, name, MergedPart(merged, index))
             if names[0] == "gate_proj" and "down_proj" in child._modules and "act_fn" in child._modules:
-                _fuse_activation(child, merged)
+                fuse_swiglu(child, merged.sizes)  # its middle in one kernel call (layer_ops.py)
             count += 1
     return count
 

@@ -364,8 +364,8 @@ class KeyValues:
 def address(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int, int, int]:
     """Where the kernels read (write) a sequence's keys and values [1, kv_heads, capacity, D]:
     (keys' address, values' address, their head strides, the positions they hold)."""
-    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] \
-            or values.stride(-2) != values.shape[-1] or keys.shape[-2] != values.shape[-2]:
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.shape[-2] != values.shape[-2] or \
+            keys.shape[-2] > 1 and (keys.stride(-2) != keys.shape[-1] or values.stride(-2) != values.shape[-1]):
         raise SpecdecError("the kernels read a cache's positions contiguous, as many keys as values")
     return keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1), keys.shape[-2]
 
@@ -394,9 +394,11 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, counts: list[int], starts:
     Returns the slabs as `attention_rows` reads them, valid up to starts[s] + counts[s].
     """
     kv = KeyValues(slabs, [a + n for a, n in zip(starts, counts)], addresses)
-    if kv.dtype != key.dtype or kv.kv_heads != key.shape[1] or value.dtype != key.dtype:
-        raise SpecdecError(f"a pass's keys ({key.dtype}, {key.shape[1]} heads) do not fit its caches' slabs "
-                           f"({kv.dtype}, {kv.kv_heads} heads)")
+    if kv.dtype != key.dtype or value.dtype != key.dtype or key.shape[0] != 1 or value.shape[:3] != key.shape[:3] \
+            or sum(counts) > key.shape[2] or any(k.shape[0] != 1 or k.shape[1:2] + k.shape[3:] != key.shape[1:2] + key.shape[3:]
+                                                 or v.shape[3:] != value.shape[3:] for k, v in slabs):
+        raise SpecdecError(f"a pass's keys {tuple(key.shape)} and values {tuple(value.shape)} ({key.dtype}) do not "
+                           f"fit its caches' slabs or counts")
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:

@@ -19,7 +19,7 @@ from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exac
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
 from .merged import merge_projections
-from .norms import fuse_norms
+from .layer_ops import fuse_norms
 from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention

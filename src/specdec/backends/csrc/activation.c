@@ -6,9 +6,12 @@
    passes over the rows and two copies. Here one pass reads both halves where they lie.
 
    Arithmetic, element by element (so a row's result never depends on what shares the call): the
-   gate in fp32, silu(g) = g * sigmoid(g) with e^-|g| by the shared polynomial (vec16.h), rounded to
-   bf16 as torch's activation output is; times up in fp32; rounded to bf16 once more. */
+   gate in fp32, silu(g) = g * sigmoid(g) with e^-|g| by the shared polynomial (vec16.h; below -80,
+   torch's g / (1 + e^-g) with the C library's exp), rounded to bf16 as torch's activation output
+   is; times up in fp32; rounded to bf16 once more. A different exp than torch's, so an fp32 value
+   near a bf16 rounding boundary may round the other way: about one element in 10^5. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -42,8 +45,14 @@ void specdec_silu_mul_bf16(int64_t rows, int64_t width, const uint16_t *in, int6
             const v16 e = exp16(-(v16)((i16)g & 0x7fffffff));  /* e^-|g|, in (0, 1] */
             const i16 negative = g < 0.0f;
             const v16 numerator = (v16)(((i16)e & negative) | ((i16)((v16){0} + 1.0f) & ~negative));
-            const v16 silu = round_bf16(g * (numerator / (1.0f + e)));
-            store_bf16(out + r * out_stride + c, round_bf16(silu * u), n);
+            v16 silu = g * (numerator / (1.0f + e));
+            const i16 far = g < -80.0f;  /* e^-|g| near or past the polynomial's floor (-87): torch's formula */
+            int any = 0;
+            for (int l = 0; l < LANES; l++) any |= far[l];
+            if (any)
+                for (int l = 0; l < LANES; l++)
+                    if (far[l]) silu[l] = g[l] / (1.0f + expf(-g[l]));
+            store_bf16(out + r * out_stride + c, round_bf16(round_bf16(silu) * u), n);
             c += LANES;
             if (c >= width) c = 0, r++;
         }
