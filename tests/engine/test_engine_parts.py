@@ -174,6 +174,22 @@ def test_prompts_are_fed_about_a_chunk_a_step_first_come_first_served(target, mo
     assert fed == [(8, 0, None), (16, 0, None), (19, 8, [0]), (19, 16, [0])]
 
 
+def test_a_prompt_whose_feed_fails_ends_alone_and_the_step_feeds_the_next(target):
+    """The failed prompt's cache is freed as it ends: the step's count of fed tokens must not read it."""
+    class Broken(_Sequence):
+        def prefill_step(self) -> bool:
+            if self.sequence == [9, 9, 9]:
+                raise RuntimeError("its prompt's own fault")
+            return super().prefill_step()
+
+    scheduler = Scheduler(target, 8, None, None, lambda request: Broken(request, target))
+    scheduler.waiting += [SimpleNamespace(id=0, prompt_ids=[9, 9, 9], max_new_tokens=4),
+                          SimpleNamespace(id=1, prompt_ids=[1, 2, 3], max_new_tokens=4)]
+    out = StepOutput()
+    plan = scheduler.schedule(out)
+    assert list(out.failed) == [0] and "own fault" in str(out.failed[0]) and plan.ids == [1]
+
+
 def _failing_lookup():
     class Failing(LookupDrafter):
         calls = 0

@@ -127,7 +127,8 @@ class Scheduler:
                 fed += max(1, len(decoding.sequence) - 1 - before)
                 continue
             self._prefill_alone(out, request_id)
-            fed += max(1, cache_length(decoding.cache) - before)
+            # a prompt whose feed failed ended alone, its cache freed
+            fed += max(1, cache_length(decoding.cache) - before) if decoding.cache is not None else 1
         if len(shared) > 1:
             self._prefill_together(out, shared)
         elif shared:
