@@ -138,17 +138,22 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
-def one_query_kernel():
-    """The compiled `specdec_one_query_rows`, or None (`library`)."""
+def _function(name: str, restype, argtypes: list):
+    """The compiled function `name` with its C types, or None where the library is not built."""
     lib = library()
     if lib is None:
         return None
-    function = lib.specdec_one_query_rows
-    function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                                  ctypes.c_int64] + [ctypes.c_void_p] * 9)
+    function = lib[name]
+    function.restype, function.argtypes = restype, argtypes
     return function
+
+
+@functools.cache
+def one_query_kernel():
+    """The compiled `specdec_one_query_rows`, or None (`library`)."""
+    return _function("specdec_one_query_rows", ctypes.c_int,
+                     [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                     + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 9)
 
 
 @functools.cache
@@ -221,14 +226,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 @functools.cache
 def silu_mul_kernel():
     """The compiled `specdec_silu_mul_bf16`, or None (`library`)."""
-    lib = library()
-    if lib is None:
-        return None
-    function = lib.specdec_silu_mul_bf16
-    function.restype = None
-    function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_int64, ctypes.c_int]
-    return function
+    return _function("specdec_silu_mul_bf16", None, [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -250,14 +249,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def rms_norm_kernel():
     """The compiled `specdec_rms_norm_bf16`, or None (`library`)."""
-    lib = library()
-    if lib is None:
-        return None
-    function = lib.specdec_rms_norm_bf16
-    function.restype = None
-    function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                         ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return function
+    return _function("specdec_rms_norm_bf16", None, [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                                     ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+                                                     ctypes.c_int])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -373,14 +367,9 @@ def address(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int, int, in
 @functools.cache
 def append_kernel():
     """The compiled `specdec_append_kv`, or None (`library`)."""
-    lib = library()
-    if lib is None:
-        return None
-    function = lib.specdec_append_kv
-    function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2
-                         + [ctypes.c_void_p] * 7)
-    return function
+    return _function("specdec_append_kv", ctypes.c_int,
+                     [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2
+                     + [ctypes.c_void_p] * 7)
 
 
 def append_kv(key: torch.Tensor, value: torch.Tensor, counts: list[int], starts: list[int],
