@@ -21,6 +21,18 @@
 #include <omp.h>
 #endif
 
+/* The lanes of a chunk whose gate is below -80, where e^-|g| nears or passes the polynomial's
+   floor (-87): torch's formula, g / (1 + e^-g), with the C library's exp, written over the chunk's
+   n outputs at dst. Apart and cold, so that the loop calling it keeps its values in registers. */
+static __attribute__((noinline, cold)) void far_lanes(uint16_t *dst, const char *gate, const char *up, int64_t n) {
+    const v16 g = load_part(gate, n, 1), u = load_part(up, n, 1);
+    for (int64_t l = 0; l < n; l++)
+        if (g[l] < -80.0f) {
+            const v16 silu = round_bf16((v16){0} + g[l] / (1.0f + expf(-g[l])));
+            store_bf16(dst + l, round_bf16(silu * u[l]), 1);
+        }
+}
+
 /* rows x width outputs: out[r][i] = bf16(bf16(silu(g)) * u) for g = in[r][i], u = in[r][width + i]
    (bf16; rows in_stride and out_stride elements apart) */
 void specdec_silu_mul_bf16(int64_t rows, int64_t width, const uint16_t *in, int64_t in_stride, uint16_t *out,
@@ -45,14 +57,8 @@ void specdec_silu_mul_bf16(int64_t rows, int64_t width, const uint16_t *in, int6
             const v16 e = exp16(-(v16)((i16)g & 0x7fffffff));  /* e^-|g|, in (0, 1] */
             const i16 negative = g < 0.0f;
             const v16 numerator = (v16)(((i16)e & negative) | ((i16)((v16){0} + 1.0f) & ~negative));
-            v16 silu = g * (numerator / (1.0f + e));
-            const i16 far = g < -80.0f;  /* e^-|g| near or past the polynomial's floor (-87): torch's formula */
-            int any = 0;
-            for (int l = 0; l < LANES; l++) any |= far[l];
-            if (any)
-                for (int l = 0; l < LANES; l++)
-                    if (far[l]) silu[l] = g[l] / (1.0f + expf(-g[l]));
-            store_bf16(out + r * out_stride + c, round_bf16(round_bf16(silu) * u), n);
+            store_bf16(out + r * out_stride + c, round_bf16(round_bf16(g * (numerator / (1.0f + e))) * u), n);
+            if (any16(g < -80.0f)) far_lanes(out + r * out_stride + c, gate, up, n);
             c += LANES;
             if (c >= width) c = 0, r++;
         }

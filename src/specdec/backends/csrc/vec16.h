@@ -46,6 +46,19 @@ static inline v16 load_part(const char *src, int64_t n, int bf16) {
     return load16(buffer, bf16);
 }
 
+/* whether any lane of a comparison's result (each lane all ones or zero) is set: one test, where
+   a loop over the lanes compiles to sixteen extractions */
+static inline int any16(i16 mask) {
+    typedef int32_t i8 __attribute__((vector_size(32)));
+    i8 low, high;
+    memcpy(&low, &mask, sizeof low);
+    memcpy(&high, (const char *)&mask + sizeof low, sizeof high);
+    low |= high;
+    uint64_t words[4];
+    memcpy(words, &low, sizeof words);
+    return (words[0] | words[1] | words[2] | words[3]) != 0;
+}
+
 /* the lanes' sum, halves added pairwise: one fixed order */
 static inline float total16(v16 x) {
     v8 a, b;
