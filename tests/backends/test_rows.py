@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate, speculative_generate
-from specdec.backends.rows import key_spans, refine_top_logits
+from specdec.backends.rows import key_spans, refine_top_logits, widen_and_refine
 
 from conftest import bf16_rows, cpu_only
 from specdec.backends.kernels import bf16_rows_exact, cpu_has_native_bf16
@@ -256,6 +256,40 @@ def test_refined_logits_of_a_row_do_not_depend_on_the_other_rows(monkeypatch):
         monkeypatch.setattr(rows, "REFINED_AT_ONCE", at_once)
         mine = logits.clone()
         assert refine_top_logits(mine, hidden, weight, norm, in_place=True) is mine and torch.equal(mine, together)
+
+
+def test_widening_and_refining_in_one_call_gives_refine_top_logits_bits():
+    """`widen_and_refine` (the head's candidates found by one kernel call where it is built) gives
+    `refine_top_logits` on the widened logits bit for bit: with ties at a row's top, a row alone or
+    among others, a row with more candidates than the kernel keeps and a row holding NaN or inf
+    (both the long way), and where the kernel finds them it finds each row's candidates."""
+    from specdec.backends import native
+
+    torch.manual_seed(2)
+    vocab, size = 3001, 512
+    weight = (torch.randn(vocab, size) / 20).bfloat16()
+    hidden = torch.randn(24, size).bfloat16()
+    weight[7:20] = weight[6]  # rows along weight[6]: 14 tied candidates at their top
+    hidden[[1, 5]] = (weight[6].float() * 20).bfloat16()
+    norm = float(weight.float().norm(dim=-1).max())
+    head_out = torch.nn.functional.linear(hidden, weight)
+    expected = refine_top_logits(head_out.float(), hidden, weight, norm)
+    assert torch.equal(widen_and_refine(head_out, hidden, weight, norm), expected)
+    for t in (0, 1, 23):
+        assert torch.equal(widen_and_refine(head_out[t:t + 1], hidden[t:t + 1], weight, norm)[0], expected[t])
+    if native.candidates_kernel() is not None:
+        found = native.head_candidates(head_out, 2 * size * 2.0 ** -24 * hidden.float().norm(dim=-1) * norm)
+        assert found is not None and torch.equal(found[0], head_out.float())
+        assert int((found[1] == 1).sum()) >= 14  # the tied row's candidates, all found
+    flat = head_out.clone()
+    flat[3] = 1.0  # every token a candidate: past the kernel's room
+    odd = head_out.clone()
+    odd[4, 10], odd[9, 0] = float("nan"), float("inf")
+    for logits in (flat, odd):
+        if native.candidates_kernel() is not None:
+            assert native.head_candidates(logits, torch.zeros(24)) is None
+        torch.testing.assert_close(widen_and_refine(logits, hidden, weight, norm),
+                                   refine_top_logits(logits.float(), hidden, weight, norm), rtol=0, atol=0, equal_nan=True)
 
 
 @cpu_only

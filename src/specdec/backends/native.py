@@ -49,7 +49,7 @@ from ..errors import SpecdecError
 log = logging.getLogger("specdec.backends")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c",
-                                                                   "norm.c")]
+                                                                   "norm.c", "candidates.c")]
 HEADERS = [Path(__file__).parent / "csrc" / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
@@ -271,6 +271,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rms_norm_kernel()(flat.shape[0], width, flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps,
                           out.data_ptr(), width, torch.get_num_threads())
     return out.view(x.shape)
+
+
+@functools.cache
+def candidates_kernel():
+    """The compiled `specdec_head_candidates`, or None (`library`)."""
+    return _function("specdec_head_candidates", ctypes.c_int,
+                     [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+
+
+def head_candidates(logits: torch.Tensor, sum_error: torch.Tensor,
+                    room: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A bf16 head's output widened to fp32, and each row's near-top candidates, in one call.
+
+    logits [T, V] bf16 on the CPU; sum_error [T] fp32: each row's bound on its fp32 summation error.
+    Returns (logits [T, V] fp32, rows [n], ids [n]): the tokens whose logit is at least
+    top - (2^(e - 6) + sum_error) for its row's maximum top of binary exponent e, rows ascending,
+    ids ascending within a row; the arithmetic of `rows.refine_top_logits`, which takes over
+    (None) where the kernel is not built, a row's maximum is not finite, or a row has more than
+    `room` candidates.
+    """
+    kernel = candidates_kernel()
+    if kernel is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2 \
+            or logits.stride(-1) != 1:
+        return None
+    rows, vocab = logits.shape
+    sum_error = sum_error.to(torch.float32).contiguous()
+    wide = torch.empty(rows, vocab, dtype=torch.float32)
+    counts = torch.empty(rows, dtype=torch.int64)
+    ids = torch.empty(rows, room, dtype=torch.int64)
+    with _traced("specdec::head_candidates"):
+        failed = kernel(rows, vocab, logits.data_ptr(), logits.stride(0), wide.data_ptr(), sum_error.data_ptr(), room,
+                        counts.data_ptr(), ids.data_ptr(), torch.get_num_threads())
+    if failed:
+        return None
+    kept = torch.arange(room) < counts[:, None]  # [T, room]: each row's first counts[t] slots
+    return wide, torch.arange(rows).repeat_interleave(counts), ids[kept]
 
 
 def _traced(name: str):

@@ -20,7 +20,7 @@ from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exac
                        row_stable, row_stable_linear)
 from .merged import merge_projections
 from .layer_ops import fuse_norms
-from .rows import PREFIX, install_attention, key_spans, refine_top_logits, row_exact, segmented
+from .rows import PREFIX, install_attention, key_spans, row_exact, segmented, widen_and_refine
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
 from . import Features, Segment
@@ -518,8 +518,7 @@ class TransformersModel:
             flat = hidden.reshape(-1, hidden.shape[-1])
             head = self._packed_head if self._packed_head is not None else \
                 (lambda rows: row_stable_linear(rows, self._head_weight))
-            logits = head(flat).float()
-            logits = refine_top_logits(logits, flat, self._head_weight, self._head_row_norm, in_place=True)
+            logits = widen_and_refine(head(flat), flat, self._head_weight, self._head_row_norm)
             logits = logits.view(*hidden.shape[:-1], -1)
         elif self.dtype != torch.float32 and exact:
             logits = row_stable(lambda rows: fp32_matmul(rows, self._head_weight), hidden)
