@@ -294,7 +294,7 @@ def head_candidates(logits: torch.Tensor, sum_error: torch.Tensor,
     """
     kernel = candidates_kernel()
     if kernel is None or logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or logits.dim() != 2 \
-            or logits.stride(-1) != 1:
+            or logits.stride(-1) != 1 or sum_error.shape != logits.shape[:1] or sum_error.device.type != "cpu":
         return None
     rows, vocab = logits.shape
     sum_error = sum_error.to(torch.float32).contiguous()

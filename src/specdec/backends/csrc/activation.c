@@ -21,15 +21,16 @@
 #include <omp.h>
 #endif
 
-/* The lanes of a chunk whose gate is below -80, where e^-|g| nears or passes the polynomial's
-   floor (-87): torch's formula, g / (1 + e^-g), with the C library's exp, written over the chunk's
-   n outputs at dst. Apart and cold, so that the loop calling it keeps its values in registers. */
-static __attribute__((noinline, cold)) void far_lanes(uint16_t *dst, const char *gate, const char *up, int64_t n) {
-    const v16 g = load_part(gate, n, 1), u = load_part(up, n, 1);
+/* The lanes of a chunk whose gate g is below -80, where e^-|g| nears or passes the polynomial's
+   floor (-87): torch's formula, g / (1 + e^-g), with the C library's exp (-0 past exp's range, as
+   torch gives), times up u, written over the chunk's n outputs at dst. Apart and cold, so that the
+   loop calling it keeps its values in registers; it takes the values that loop read (the output
+   may have been written over the input since). */
+static __attribute__((noinline, cold)) void far_lanes(uint16_t *dst, const v16 *g, const v16 *u, int64_t n) {
     for (int64_t l = 0; l < n; l++)
-        if (g[l] < -80.0f) {
-            const v16 silu = round_bf16((v16){0} + g[l] / (1.0f + expf(-g[l])));
-            store_bf16(dst + l, round_bf16(silu * u[l]), 1);
+        if ((*g)[l] < -80.0f) {
+            const v16 silu = round_bf16((v16){(*g)[l] / (1.0f + expf(-(*g)[l]))});  /* lane 0; no +0 added to a -0 */
+            store_bf16(dst + l, round_bf16(silu * (*u)[l]), 1);
         }
 }
 
@@ -58,7 +59,7 @@ void specdec_silu_mul_bf16(int64_t rows, int64_t width, const uint16_t *in, int6
             const i16 negative = g < 0.0f;
             const v16 numerator = (v16)(((i16)e & negative) | ((i16)((v16){0} + 1.0f) & ~negative));
             store_bf16(out + r * out_stride + c, round_bf16(round_bf16(g * (numerator / (1.0f + e))) * u), n);
-            if (any16(g < -80.0f)) far_lanes(out + r * out_stride + c, gate, up, n);
+            if (any16(g < -80.0f)) far_lanes(out + r * out_stride + c, &g, &u, n);
             c += LANES;
             if (c >= width) c = 0, r++;
         }
