@@ -11,7 +11,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 import specdec.backends.merged as merged_module
 from specdec.backends import Segment
 from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
-                                     set_dense_weight, tiled_bf16_supported)
+                                     set_dense_weight, tiled_bf16_supported, vnni_int8_supported)
 from specdec.backends.layer_ops import FusedNorm, FusedSwiGLU
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
@@ -217,3 +217,44 @@ def test_groups_of_unlike_layers_stay_apart(monkeypatch, names):
     flipped = None if first.bias is not None else torch.zeros(first.out_features, dtype=torch.bfloat16)
     owner._modules[names[0]] = PackedBf16Linear(dense_weight(first), flipped, first.least_rows)
     assert merge_projections(owner, "qwen2") == 0
+
+
+@pytest.mark.skipif(not vnni_int8_supported() or not tiled_bf16_supported(),
+                    reason="an int8 drafter's layers stack where our int8 kernel runs them, in front of tiled bf16")
+def test_an_int8_drafter_stacks_its_projections_with_each_parts_own_result(monkeypatch):
+    """Our int8 kernel rounds an input row once whatever the outputs: the stacked call gives each
+    part what its own layer gives, in a few-row call and in a long one (the bf16 stack behind)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specdec.backends.kernels import Int8Linear
+    from specdec.backends.transformers import TransformersModel
+
+    def drafter(merge: bool) -> TransformersModel:
+        import specdec.backends.transformers
+
+        if not merge:
+            monkeypatch.setattr(specdec.backends.transformers, "merge_projections", lambda module, family: 0)
+        config = Qwen2Config(vocab_size=256, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = TransformersModel(Qwen2ForCausalLM(config).bfloat16(), None, "int8-drafter", role="drafter", int8=True)
+        monkeypatch.undo()
+        return model
+
+    stacked, apart = drafter(True), drafter(False)
+    assert stacked.merged_groups == 2 and apart.merged_groups == 0 and stacked.kernels.startswith("int8/vnni")
+    attention = stacked._decoder.layers[0].self_attn
+    assert isinstance(attention.q_proj, MergedPart) and isinstance(attention.q_proj.merged.gemm, Int8Linear)
+    separate = apart._decoder.layers[0].self_attn
+    for rows in (1, 3, 8, 20):  # 20: past the int8 rows, the stacked bf16 layer
+        x = torch.randn(rows, 512).bfloat16()
+        with torch.inference_mode():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                assert torch.equal(getattr(attention, name)(x), getattr(separate, name)(x)), (rows, name)
+    assert torch.equal(dense_weight(attention.v_proj), dense_weight(separate.v_proj))
+    new = (dense_weight(attention.v_proj).float() * 0.5).bfloat16()
+    set_dense_weight(attention.v_proj, new)  # an adapter's merge: rounded to int8 again, in the stack
+    set_dense_weight(separate.v_proj, new)
+    x = torch.randn(2, 512).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(attention.v_proj(x), separate.v_proj(x))

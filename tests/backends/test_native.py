@@ -11,6 +11,7 @@ import torch
 
 from specdec.backends import native, rows
 from specdec.backends.kernels import tiled_bf16_supported
+from specdec.errors import SpecdecError
 
 built = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the kernels are not built")
 tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512-BF16 (no AMX)")
@@ -219,6 +220,74 @@ def test_a_tiled_layer_unpacks_rewrites_and_copies_its_weight():
     set_dense_weight(layer, weight * 2)
     assert torch.equal(layer.dense(), weight * 2)
     assert torch.allclose(layer(x).float(), (x.float() @ (weight * 2).float().T + layer.bias.float()), atol=0.1, rtol=0.02)
+
+
+vnni = pytest.mark.skipif(native.linear_i8_kernel() is None, reason="the int8 kernel needs AVX512-VNNI")
+
+
+def _i8_reference(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The int8 kernel's arithmetic in float64 but for its last sums: each row rounded to int8 in
+    groups of I8_GROUP as the kernel rounds it (fp32, half to even), group sums exact -> [M, N]."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // native.I8_GROUP, native.I8_GROUP)
+    most = groups.abs().amax(-1, keepdim=True)
+    # a tensor over a tensor: torch's scalar-over-tensor division is not correctly rounded, C's is
+    inverse = torch.where(most > 0, torch.full_like(most, 127.0) / most, torch.zeros_like(most))
+    q = torch.round(groups * inverse)
+    assert float(q.abs().max()) <= 127
+    sums = torch.einsum("mgi,ngi->mng", q.double(), int8.double().view(len(int8), -1, native.I8_GROUP))
+    y = (sums * (most / 127).double().squeeze(-1)[:, None, :]).sum(-1) * scales.double()
+    return y + (bias.double() if bias is not None else 0)
+
+
+@built
+@vnni
+@pytest.mark.parametrize("n,k,bias", [(100, 64, True), (1152, 896, True), (16, 32, False), (77, 4864, False)])
+def test_int8_linear_matches_its_rounding_in_float64_and_a_row_alone(n, k, bias):
+    """Outputs off the 16-wide tiles, with and without bias, a zero row, a row with one outlier:
+    within bf16 rounding of its arithmetic in float64, and each row bit for bit what it is in a
+    call of 1..20 rows, on 1 thread or 2, and read from a longer row."""
+    from specdec.backends.kernels import quantize_int8
+
+    generator = torch.Generator().manual_seed(n + k)
+    int8, scales = quantize_int8(torch.randn(n, k, generator=generator) * 0.05)
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    packed = native.pack_i8(int8)
+    assert packed.shape == (-(-n // 16), k // 4, 16, 4) and packed.dtype == torch.uint8
+    assert int(packed[0, 1, 2, 3]) == int(int8[2, 7]) + 128  # tile 0, quad 1: output 2, input 4 + 3
+    x = torch.randn(20, k, generator=generator).bfloat16()
+    x[3] = 0
+    x[5, 7] = 300.0  # flattens its own group only
+    full = native.linear_i8(x, packed, scales, n, b)
+    expected = _i8_reference(x, int8, scales, b)
+    assert torch.allclose(full.double(), expected, rtol=2 ** -8, atol=1e-5)  # bf16 rounding of the result
+    assert torch.equal(full[3], b if bias else torch.zeros(n, dtype=torch.bfloat16))
+    for count in (1, 2, 3, 4, 5, 8, 20):
+        assert torch.equal(native.linear_i8(x[-count:].clone(), packed, scales, n, b), full[-count:]), count
+    wide = torch.cat([x, torch.randn(20, 32, generator=generator).bfloat16()], dim=1)
+    assert torch.equal(native.linear_i8(wide[:, :k], packed, scales, n, b), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(native.linear_i8(x, packed, scales, n, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@built
+@vnni
+def test_the_int8_kernel_refuses_what_it_cannot_read():
+    int8 = torch.zeros(16, 64, dtype=torch.int8)
+    packed, scales = native.pack_i8(int8), torch.ones(16)
+    with pytest.raises(SpecdecError, match="divisible by 32"):
+        native.linear_i8(torch.zeros(1, 48).bfloat16(), native.pack_i8(torch.zeros(16, 48, dtype=torch.int8)), scales, 16, None)
+    with pytest.raises(SpecdecError, match="bf16 inputs"):
+        native.linear_i8(torch.zeros(1, 64), packed, scales, 16, None)
+    with pytest.raises(SpecdecError, match="packed by pack_i8"):
+        native.linear_i8(torch.zeros(1, 64).bfloat16(), packed, scales.double(), 16, None)
+    with pytest.raises(SpecdecError, match="bias"):
+        native.linear_i8(torch.zeros(1, 64).bfloat16(), packed, scales, 16, torch.zeros(16))
+    assert native.linear_i8(torch.zeros(0, 64).bfloat16(), packed, scales, 16, None).shape == (0, 16)
 
 
 def test_without_a_compiler_the_kernels_are_off_with_a_warning(monkeypatch, tmp_path, caplog):

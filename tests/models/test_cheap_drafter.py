@@ -10,9 +10,10 @@ from torch import nn
 from specdec import TransformersModel, Sampler, autoregressive_generate, load, speculative_generate
 from specdec.drafters import ModelDrafter
 from specdec.errors import SpecdecError
+from specdec.backends import native
 from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_label, int8_supported,
                                      pack_bf16_linears, pack_linears, packed_bf16_label, packed_bf16_supported, quantize_int8,
-                                     quantize_linears)
+                                     quantize_linears, vnni_int8_supported)
 from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
@@ -53,7 +54,7 @@ def test_int8_linear_follows_the_dense_layer_for_short_inputs_and_hands_long_one
 def test_dynamic_int8_linear_follows_the_dense_layer_and_hands_long_inputs_on(dtype):
     torch.manual_seed(0)
     dense = nn.Linear(896, 40, bias=True).to(dtype).requires_grad_(False)
-    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2, dynamic=True)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2, dynamic=True, vnni=False)
     assert layer.dynamic and layer.int8_weight is None  # fbgemm's packed copy only
     for rows in (1, 2):
         x = torch.randn(rows, 896, dtype=dtype)
@@ -92,6 +93,7 @@ def test_only_layers_fed_by_a_norm_round_their_inputs_and_only_over_packed_bf16(
             self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
 
     monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)  # an AVX512-BF16 CPU, the kind measured
+    monkeypatch.setattr(kernels, "vnni_int8_supported", lambda: False)  # where our int8 kernel is not built
     block = Block().bfloat16()
     assert pack_bf16_linears(block, int8_rows=2) == 5
     kinds = {name: layer.dynamic for name, layer in block.named_children()}
@@ -277,14 +279,18 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
 
     monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(specdec.backends.kernels, "cpu_has_amx", lambda: amx)
-    short = 2 if amx else (4 if dynamic_int8_supported() else 2) if packed_bf16_supported() else 8
+    vnni = vnni_int8_supported()
+    tiled = native.linear_kernel() is not None and not amx
+    short = 2 if amx else 8 if vnni and tiled else (4 if dynamic_int8_supported() else 2) if packed_bf16_supported() else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     # its long path: bf16 packed (in tiles for our kernel, else for oneDNN) where this build and CPU run it
     long_path = packed_bf16_label() if packed_bf16_supported() else "bfloat16"
     # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs over packed bf16 without AMX
-    int8 = "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packed_bf16_supported() else "int8"
+    # (every int8 layer runs our kernel where it is built: "int8/vnni")
+    int8 = "int8/vnni" if vnni else \
+        "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packed_bf16_supported() else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)
@@ -308,8 +314,9 @@ def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
         assert specdec.backends.kernels.cpu_has_amx() is expected
-        # without AMX: 4 rows where the bf16 path is packed for oneDNN and fbgemm runs (else 2), 8 over plain bf16
-        packed = 4 if dynamic_int8_supported() else 2
+        # without AMX: 8 rows where our int8 kernel runs in front of tiled bf16; 4 where the bf16 path is
+        # packed for oneDNN and fbgemm runs (else 2), 8 over plain bf16
+        packed = 8 if vnni_int8_supported() and native.linear_kernel() is not None else 4 if dynamic_int8_supported() else 2
         assert specdec.backends.kernels.int8_short_rows() == (2 if expected else packed if packed_bf16_supported() else 8)
         monkeypatch.setattr(specdec.backends.kernels, "packed_bf16_supported", lambda: False)
         assert specdec.backends.kernels.int8_short_rows() == (2 if expected else 8)

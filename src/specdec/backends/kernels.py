@@ -93,11 +93,15 @@ def cpu_has_amx() -> bool:
 
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
-    native: 2 on AMX; where the bf16 path is packed for oneDNN (`PackedBf16Linear`), 4 if the layers
+    native: 2 on AMX; 8 where our int8 kernel runs them (`vnni_int8_supported`) in front of tiled
+    bf16 (the 0.5B drafter's pass cost the same at 16 rows either way); where the bf16 path is
+    packed for oneDNN (`PackedBf16Linear`), 4 if the layers
     fed by a norm run fbgemm's int8 GEMM (`dynamic_int8_supported`), else 2; else 8 (plain bf16):
     the break-evens probed (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)."""
     if cpu_has_amx():
         return 2
+    if vnni_int8_supported() and tiled_bf16_supported():
+        return 8
     if packed_bf16_supported():
         return 4 if dynamic_int8_supported() else 2
     return 8
@@ -229,24 +233,35 @@ class Int8Linear(nn.Module):
     fbgemm's int8 GEMM, which streams the weight about twice as fast as the weight-only op
     (`dynamic_int8_supported`). Only for layers whose input an RMSNorm has just scaled
     (`NORMED_INPUTS`): where the input has outlier channels one scale would flatten the rest.
+
+    vnni: the short path runs our kernel (`native.linear_i8`, AVX512-VNNI), which rounds each input
+    row in groups of `native.I8_GROUP` (an outlier flattens only its group, so every layer can take
+    it) and streams the int8 weight at the memory's speed; it replaces both paths above. None: where
+    the kernel is built and the input width fits its groups (`vnni_int8_supported`).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, long: nn.Module, short_rows: int,
-                 dynamic: bool = False):
+                 dynamic: bool = False, vnni: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if self.in_features % INT8_K_MULTIPLE:
             raise ValueError(f"Int8Linear needs in_features divisible by {INT8_K_MULTIPLE}, got {self.in_features}")
         self.short_rows = short_rows
         self.long = long
-        self.dynamic = bool(dynamic)
+        self.vnni = (vnni_int8_supported() if vnni is None else bool(vnni)) and self.in_features % native.I8_GROUP == 0 \
+            and weight.device.type == "cpu"
+        self.dynamic = bool(dynamic) and not self.vnni
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
                              persistent=False)
         self._set_weight(weight.detach())
 
     def _set_weight(self, weight: torch.Tensor) -> None:
         int8, scales = quantize_int8(weight)
-        if self.dynamic:
+        if self.vnni:
+            self.register_buffer("packed_i8", native.pack_i8(int8), persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            self.int8_weight = self.dynamic_weight = None
+        elif self.dynamic:
             # fbgemm's own packed layout; the int8 values and scales are quantize_int8's
             bias = None if self.bias is None else self.bias.float()
             self.dynamic_weight = torch.ops.quantized.linear_prepack(_per_channel(int8, scales), bias)
@@ -260,6 +275,10 @@ class Int8Linear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > self.short_rows:
             return self.long(x)
+        if self.vnni:
+            y = native.linear_i8(x.reshape(rows, self.in_features).to(torch.bfloat16), self.packed_i8, self.scales,
+                                 self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.dynamic:
             flat = x.reshape(rows, self.in_features).float()
             y = torch.ops.quantized.linear_dynamic(flat, self.dynamic_weight, _reduce_range())
@@ -274,7 +293,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, short_rows={self.short_rows}, "
-                f"dynamic={self.dynamic}")
+                f"dynamic={self.dynamic}, vnni={self.vnni}")
 
 
 # The Llama family's linears whose input is an RMSNorm's output: one int8 scale for a row's
@@ -305,6 +324,12 @@ def dynamic_int8_supported() -> bool:
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return bool(torch.allclose(y, torch.full((1, 8), 32.0), rtol=0.05))
+
+
+def vnni_int8_supported() -> bool:
+    """Whether a drafter's int8 layers run our kernel (`native.linear_i8`): where it is built, on
+    CPUs with AVX512-VNNI."""
+    return native.linear_i8_kernel() is not None
 
 
 @functools.cache
@@ -552,8 +577,12 @@ def quantize_linears(module: nn.Module, short_rows: int) -> int:
 
 def int8_label(module: nn.Module) -> str:
     """What the int8 layers inside `module` run, for its `kernels` name (and the pass-cost cache's
-    key): "int8", or "int8/fbgemm" where some of them round their inputs too."""
-    return "int8/fbgemm" if any(isinstance(m, Int8Linear) and m.dynamic for m in module.modules()) else "int8"
+    key): "int8/vnni" where they run our kernel, "int8/fbgemm" where some of them round their inputs
+    through fbgemm, else "int8" (weight-only)."""
+    layers = [m for m in module.modules() if isinstance(m, Int8Linear)]
+    if any(m.vnni for m in layers):
+        return "int8/vnni"
+    return "int8/fbgemm" if any(m.dynamic for m in layers) else "int8"
 
 
 def _dynamic(name: str) -> bool:

@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import nn
 
-from .kernels import ROW_CHUNK, PackedBf16Linear, StackedPart
+from .kernels import ROW_CHUNK, Int8Linear, PackedBf16Linear, StackedPart, dense_weight, set_dense_weight
 from .layer_ops import fuse_swiglu
 from .prompts import PREFILL_CHUNK
 
@@ -38,12 +38,15 @@ class MergedGemm(nn.Module):
     """One packed GEMM over sibling layers' weights stacked [sum of outs, in], run once per input
     and split into the parts' outputs."""
 
-    def __init__(self, layers: list[PackedBf16Linear]):
+    def __init__(self, layers: list[PackedBf16Linear | Int8Linear]):
         super().__init__()
         self.sizes = [layer.out_features for layer in layers]
-        weight = torch.cat([layer.dense() for layer in layers])
+        weight = torch.cat([dense_weight(layer) for layer in layers])
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        self.gemm = PackedBf16Linear(weight, bias, layers[0].least_rows, layers[0].tiled)
+        packed = _packed(layers[0])
+        self.gemm = PackedBf16Linear(weight, bias, packed.least_rows, packed.tiled)
+        if isinstance(layers[0], Int8Linear):  # a drafter's: one int8 call in front of the stacked long path
+            self.gemm = Int8Linear(weight, bias, self.gemm, layers[0].short_rows, vnni=True)
         # (the input, its parts' outputs, the parts served), until every part took its own
         self._memo: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
 
@@ -88,38 +91,52 @@ class MergedPart(StackedPart):
 
     def dense_weight(self) -> torch.Tensor:
         """[out_features, in_features]: this part's rows of the stacked weight."""
-        return self.merged.gemm.dense()[self.rows]
+        return dense_weight(self.merged.gemm)[self.rows]
 
     @torch.no_grad()
     def set_dense_weight(self, weight: torch.Tensor) -> None:
         """Compute with `weight` [out_features, in_features] from now on (the stack packed anew)."""
-        stacked = self.merged.gemm.dense()
+        stacked = dense_weight(self.merged.gemm)
         stacked[self.rows] = weight.to(stacked.dtype)
-        self.merged.gemm.set_weight(stacked)
+        set_dense_weight(self.merged.gemm, stacked)
         self.merged._memo = None  # outputs of the old weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
 
 
+def _packed(layer: nn.Module) -> PackedBf16Linear | None:
+    """The packed bf16 layer that computes `layer`'s long calls: itself, or the one behind a
+    drafter's int8 layer that runs our kernel (`Int8Linear.vnni`; no other int8 layer stacks)."""
+    if type(layer) is PackedBf16Linear:
+        return layer
+    if type(layer) is Int8Linear and layer.vnni and type(layer.long) is PackedBf16Linear:
+        return layer.long
+    return None
+
+
 def merge_projections(module: nn.Module, family: str) -> int:
     """Stack every group of sibling projections (`GROUPS`) inside `module`, a model of transformers'
     model type `family` (one of `FAMILIES`, else nothing is stacked), that are all
-    `PackedBf16Linear` of one input width, with or without bias alike, and whose stacked GEMM gives
-    their own bits (`stacks_exactly`); return how many groups were merged."""
+    `PackedBf16Linear` (or all a drafter's int8 layers in front of them, `_packed`) of one input
+    width, with or without bias alike, and whose stacked GEMM gives their own bits
+    (`stacks_exactly`; the int8 kernel rounds an input row once whatever the outputs, so its stack
+    gives each part's own result too); return how many groups were merged."""
     if family not in FAMILIES:
         return 0
     count = 0
     for child in list(module.modules()):
         for names in GROUPS:
             layers = [child._modules.get(name) for name in names]  # a registered layer, or None
-            if not all(type(layer) is PackedBf16Linear for layer in layers):
+            packed = [_packed(layer) for layer in layers]
+            if None in packed or len({type(layer) for layer in layers}) != 1:
                 continue
-            if len({(layer.in_features, layer.bias is None, layer.least_rows, layer.tiled) for layer in layers}) != 1:
+            if len({(layer.in_features, layer.bias is None, p.least_rows, p.tiled,
+                     layer.short_rows if isinstance(layer, Int8Linear) else 0) for layer, p in zip(layers, packed)}) != 1:
                 continue
             if not stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
-                                  layers[0].bias is not None, layers[0].least_rows, torch.get_num_threads(),
-                                  layers[0].tiled):
+                                  layers[0].bias is not None, packed[0].least_rows, torch.get_num_threads(),
+                                  packed[0].tiled):
                 continue
             merged = MergedGemm(layers)
             for index, name in enumerate(names):

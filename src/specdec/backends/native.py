@@ -5,6 +5,10 @@
   cache slab, one call per layer.
 - `rms_norm` (csrc/norm.c): Llama's RMSNorm over bf16 rows, one call.
 - `silu_mul` (csrc/activation.c): a SwiGLU MLP's silu(gate) * up over its merged GEMM's output.
+- `linear_i8` (csrc/linear_i8.c): a drafter's int8 linear layers (`pack_i8`): each call rounds
+  its input rows to int8 in groups of `I8_GROUP` and sums with the CPU's int8 dot-product
+  instruction (AVX512-VNNI), streaming half of bf16's bytes at the memory's speed. Not exact (only
+  drafts go through it), but a row's result depends on that row alone.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
@@ -49,7 +53,7 @@ from ..errors import SpecdecError
 log = logging.getLogger("specdec.backends")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c",
-                                                                   "norm.c", "candidates.c")]
+                                                                   "norm.c", "candidates.c", "linear_i8.c")]
 HEADERS = [Path(__file__).parent / "csrc" / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
@@ -220,6 +224,67 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         with _traced("specdec::linear_bf16"):
             linear_kernel()(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,
                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads, scratch.data_ptr())
+    return y
+
+
+@functools.cache
+def linear_i8_kernel():
+    """The compiled `specdec_linear_i8`, or None where the library is not built or the CPU has no
+    AVX512-VNNI (the library was built without it)."""
+    lib = library()
+    if lib is None or not lib.specdec_linear_i8_available():
+        return None
+    lib.specdec_linear_i8_scratch.restype = ctypes.c_int64
+    lib.specdec_linear_i8_scratch.argtypes = [ctypes.c_int64] * 3
+    return _function("specdec_linear_i8", ctypes.c_int,
+                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                      ctypes.c_void_p])
+
+
+# inputs a call of `linear_i8` rounds with one scale (per row): an outlier channel flattens only its
+# own group, as in llama.cpp's Q8_0 blocks; 32 and 64 stream alike (docs/kernels.md)
+I8_GROUP = 32
+
+
+def pack_i8(int8: torch.Tensor) -> torch.Tensor:
+    """int8 weight [N, K] (K a multiple of 4) -> uint8 [ceil(N / 16), K / 4, 16, 4]: tile t, input
+    quad p holds W[16t + i, 4p + j] + 128 at [t, p, i, j] (rows past N: 128, a zero weight), the
+    layout `linear_i8` reads."""
+    n, k = int8.shape
+    padded = -(-n // TILE) * TILE
+    offset = (int8.to(torch.int16) + 128).to(torch.uint8)
+    if padded != n:
+        offset = torch.cat([offset, offset.new_full((padded - n, k), 128)])
+    return offset.reshape(padded // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def linear_i8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 @ (W * scales[:, None])^T (+ bias [n] bf16) -> [M, n] bf16, W int8 packed by
+    `pack_i8`, scales [n] fp32; each row of x rounded to int8 in groups of I8_GROUP inputs, one
+    scale a group (K a multiple of I8_GROUP)."""
+    rows, k = x.shape
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or k % I8_GROUP:
+        raise SpecdecError(f"the int8 linear takes bf16 inputs of a width divisible by {I8_GROUP} on the CPU, "
+                           f"not {x.dtype} [{rows}, {k}] on {x.device}")
+    if (packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.shape[1:] != (k // 4, TILE, 4)
+            or packed.shape[0] * TILE < n or scales.dtype != torch.float32 or scales.shape != (n,)
+            or not scales.is_contiguous()):
+        raise SpecdecError(f"an int8 weight [{n}, {k}] must be packed by pack_i8 with fp32 scales [{n}], not "
+                           f"{tuple(packed.shape)} {packed.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)):
+        raise SpecdecError(f"an int8 layer's bias must be bf16 [{n}], contiguous")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows:
+        kernel = linear_i8_kernel()
+        scratch = torch.empty(library().specdec_linear_i8_scratch(rows, k, I8_GROUP), dtype=torch.uint8)
+        with _traced("specdec::linear_i8"):
+            kernel(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), scales.data_ptr(), n, k, I8_GROUP,
+                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
+                   scratch.data_ptr())
     return y
 
 

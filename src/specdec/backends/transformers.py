@@ -100,7 +100,7 @@ class TransformersModel:
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
-            # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's stay apart)
+            # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's where our kernel runs them)
             self.merged_groups = merge_projections(self._decoder, hf_model.config.model_type)
             fuse_norms(self._decoder)
             self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + packed_bf16_label()
