@@ -12,7 +12,7 @@ import specdec.backends.merged as merged_module
 from specdec.backends import Segment
 from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
                                      set_dense_weight, tiled_bf16_supported, vnni_int8_supported)
-from specdec.backends.layer_ops import FusedNorm, FusedSwiGLU
+from specdec.backends.layer_ops import FusedNorm, FusedRotary, FusedSwiGLU
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
@@ -117,16 +117,20 @@ def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
     apart = _apart(monkeypatch, exact_rows=True, layers=3)
     stacked = qwen_like(torch.bfloat16, exact_rows=True, layers=3)
     assert apart.merged_groups == 0 and stacked.merged_groups == 6
+    # where the kernels are built, q and k are rotated out of the stack (layer_ops.FusedRotary)
+    from specdec.backends import native
+    assert isinstance(stacked._decoder.layers[0].self_attn, FusedRotary) == (native.rotary_kernel() is not None)
     prompt = _ids(300, 4096, 0)  # over one 256-id prompt chunk
     for model in (apart, stacked):
         cache = model.new_cache()
         first = model.forward(model.prefill(prompt, cache), cache, 1)
         wide = model.forward(_ids(7, 4096, 1), cache, 7)
+        tree = model.forward(_ids(5, 4096, 2), cache, 5, parents=[-1, 0, 0, 1, 1])
         caches = [model.new_cache() for _ in range(3)]
         for i, c in enumerate(caches):
             model.forward(model.prefill(_ids(20 + i, 4096, 10 + i), c), c, 1)
         batch = model.forward_batch([Segment(_ids(n, 4096, 20 + n), c, n) for n, c in zip((1, 4, 2), caches)])
-        model.outputs = [first, wide, *batch]
+        model.outputs = [first, wide, tree, *batch]
     for a, b in zip(apart.outputs, stacked.outputs):
         assert torch.equal(a, b)
     for width in (1, 2, 5, 12, 20, 40):  # 40: a 32-row call and the rest

@@ -222,6 +222,33 @@ def test_a_tiled_layer_unpacks_rewrites_and_copies_its_weight():
     assert torch.allclose(layer(x).float(), (x.float() @ (weight * 2).float().T + layer.bias.float()), atol=0.1, rtol=0.02)
 
 
+@built
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 12, 2, 128), (40, 14, 2, 64), (3, 2, 1, 24)])
+def test_rotary_has_transformers_bits(rows, heads, kv_heads, dim):
+    """q and k rotated out of a stacked q/k/v output: transformers' apply_rotary_pos_emb's bits (its
+    eager bf16 ops), zeros of either sign too; a row's bits whatever else the call holds. 24 wide:
+    the element-by-element path past the 16-wide chunks."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(rows + dim)
+    width = (heads + 2 * kv_heads) * dim
+    stacked = torch.randn(1, rows, width, generator=generator).bfloat16()
+    stacked[0, 0, :dim // 2] = 0.0
+    stacked[0, 0, dim // 2:dim] = -0.0
+    angles = torch.randn(1, rows, dim, generator=generator) * 3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    q, k = native.rotary(stacked, cos, sin, heads, kv_heads, dim)
+    view = lambda x: x.view(1, rows, -1, dim).transpose(1, 2)  # noqa: E731
+    want_q, want_k = apply_rotary_pos_emb(view(stacked[..., :heads * dim].clone()),
+                                          view(stacked[..., heads * dim:(heads + kv_heads) * dim].clone()), cos, sin)
+    assert torch.equal(q.view(torch.int16), want_q.contiguous().view(torch.int16))
+    assert torch.equal(k.view(torch.int16), want_k.contiguous().view(torch.int16))
+    last_q, _ = native.rotary(stacked[:, -1:].clone(), cos[:, -1:].clone(), sin[:, -1:].clone(), heads, kv_heads, dim)
+    assert torch.equal(last_q[:, :, 0], q[:, :, -1])
+    with pytest.raises(SpecdecError, match="rotary takes"):
+        native.rotary(stacked.float(), cos, sin, heads, kv_heads, dim)
+
+
 vnni = pytest.mark.skipif(native.linear_i8_kernel() is None, reason="the int8 kernel needs AVX512-VNNI")
 
 
@@ -358,3 +385,20 @@ def test_a_new_build_removes_builds_no_process_loaded_for_a_month(monkeypatch, t
     with pytest.raises(OSError, match="bad ELF"):  # a build that is there but will not load: said once, not rebuilt
         native._load(target, "cc")
     assert builds == [target, target]
+
+
+def test_packed_weights_are_copied_onto_huge_pages_where_linux_grants_them():
+    """`huge_pages`: the same values and shape, 2 MB aligned on Linux; a small tensor, or one on
+    another OS, stays itself; the copy lives on after the mapping's other references go."""
+    import platform
+
+    big = torch.randn(3000, 1000)
+    copy = native.huge_pages(big)
+    assert torch.equal(copy, big) and copy.shape == big.shape and copy.dtype == big.dtype
+    if platform.system() == "Linux":
+        assert copy.data_ptr() % native.HUGE_PAGE == 0 and copy.data_ptr() != big.data_ptr()
+    small = torch.randn(16, 16)
+    assert native.huge_pages(small) is small
+    expected = big.clone()
+    del big
+    assert torch.equal(copy * 1, expected)

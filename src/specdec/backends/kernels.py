@@ -178,7 +178,9 @@ class PackedBf16Linear(nn.Module):
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.detach().to(torch.bfloat16).contiguous()
-        return native.pack_tiles(weight) if self.tiled else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if self.tiled:
+            return native.huge_pages(native.pack_tiles(weight))
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] bf16, unpacked."""
@@ -258,7 +260,7 @@ class Int8Linear(nn.Module):
     def _set_weight(self, weight: torch.Tensor) -> None:
         int8, scales = quantize_int8(weight)
         if self.vnni:
-            self.register_buffer("packed_i8", native.pack_i8(int8), persistent=False)
+            self.register_buffer("packed_i8", native.huge_pages(native.pack_i8(int8)), persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.int8_weight = self.dynamic_weight = None
         elif self.dynamic:

@@ -1,6 +1,7 @@
 """A layer's small ops in our kernels, for Llama-like models' bf16 layers on the CPU: RMSNorm
-(`native.rms_norm`, csrc/norm.c) and a SwiGLU MLP's silu(gate) * up over its stacked gate/up GEMM
-(`native.silu_mul`, csrc/activation.c; backends/merged.py stacks them). Eager torch makes seven
+(`native.rms_norm`, csrc/norm.c), a SwiGLU MLP's silu(gate) * up over its stacked gate/up GEMM
+(`native.silu_mul`, csrc/activation.c; backends/merged.py stacks them) and the rotary embedding of
+q and k over their stacked q/k/v GEMM (`native.rotary`, csrc/rotary.c). Eager torch makes seven
 ops of each of a pass's 57 norms (the 1.5B target) and two copies, a silu and a product of each
 MLP's middle, each paying its dispatch (docs/kernels.md#merged-projections).
 
@@ -63,6 +64,44 @@ class FusedSwiGLU:
         return self.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))
 
 
+# transformers' attention classes whose forward is just: q, k and v projections of one input,
+# each viewed [B, T, heads, D] and transposed, `apply_rotary_pos_emb` on q and k, the cache's
+# update, the attention function (with the layer's sliding window, where True), o_proj on its
+# output (read in transformers 5.23's modeling files)
+ROTARY_ATTENTIONS = {"LlamaAttention": False, "Qwen2Attention": True}
+
+
+class FusedRotary:
+    """Mixin over a `ROTARY_ATTENTIONS` class whose q/k/v projections are parts of one stacked GEMM
+    (`merged.MergedPart`): q and k rotated out of the stacked output in one kernel call each
+    (`native.rotary`, transformers' rounding), v a view of it. The parts' copies and views and
+    transformers' rotary ops (five a tensor) are not made; the values are the same."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
+        """hidden_states [1, T, H] -> (attention output [1, T, H], its weights or None)."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        implementation = self.config._attn_implementation
+        if (hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or position_embeddings is None
+                or not _on_cpu_bf16(hidden_states, *position_embeddings) or implementation not in ALL_ATTENTION_FUNCTIONS
+                or _hooked(self.q_proj, self.k_proj, self.v_proj) or _trains(hidden_states)):
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        parts = self.q_proj.merged.sizes
+        dim, rows = self.head_dim, hidden_states.shape[1]
+        stacked = self.q_proj.merged.gemm(hidden_states)
+        cos, sin = position_embeddings
+        query, key = native.rotary(stacked, cos, sin, parts[0] // dim, parts[1] // dim, dim)
+        value = stacked[..., parts[0] + parts[1]:].view(1, rows, -1, dim).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        window = {"sliding_window": self.sliding_window} if ROTARY_ATTENTIONS[type(self).__name__] else {}
+        output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
+            self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **window, **kwargs)
+        return self.o_proj(output.reshape(1, rows, -1).contiguous()), weights
+
+
 @functools.cache
 def _subclass(base: type, mixin: type) -> type:
     """`base` with `mixin`'s forward in front, under base's own name (reprs and type names as before)."""
@@ -82,6 +121,17 @@ def fuse_norms(module: nn.Module) -> int:
             child.__class__ = _subclass(type(child), FusedNorm)
             count += 1
     return count
+
+
+def fuse_rotary(attention: nn.Module) -> bool:
+    """`attention`, whose q_proj, k_proj and v_proj were just stacked into one GEMM, rotates its q and
+    k in one kernel call each, where its class is one of `ROTARY_ATTENTIONS` and our kernels are
+    built -> whether."""
+    if type(attention).__name__ not in ROTARY_ATTENTIONS or isinstance(attention, FusedRotary) \
+            or native.rotary_kernel() is None:
+        return False
+    attention.__class__ = _subclass(type(attention), FusedRotary)
+    return True
 
 
 def fuse_swiglu(mlp: nn.Module, sizes: list[int]) -> bool:

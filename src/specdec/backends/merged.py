@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .kernels import ROW_CHUNK, Int8Linear, PackedBf16Linear, StackedPart, dense_weight, set_dense_weight
-from .layer_ops import fuse_swiglu
+from .layer_ops import fuse_rotary, fuse_swiglu
 from .prompts import PREFILL_CHUNK
 
 # the model's attribute names of sibling projections that read one input (stacked in this order)
@@ -143,6 +143,8 @@ def merge_projections(module: nn.Module, family: str) -> int:
                 setattr(child, name, MergedPart(merged, index))
             if names[0] == "gate_proj" and "down_proj" in child._modules and "act_fn" in child._modules:
                 fuse_swiglu(child, merged.sizes)  # its middle in one kernel call (layer_ops.py)
+            elif names[0] == "q_proj":
+                fuse_rotary(child)  # q and k rotated out of the stack in a kernel call each (layer_ops.py)
             count += 1
     return count
 
