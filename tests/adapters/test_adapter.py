@@ -230,16 +230,19 @@ def test_gradients_pass_through_every_kind_of_drafter_linear():
     from torch import nn
 
     from specdec.backends.kernels import (Int8Linear, PackedBf16Linear, differentiable_linears, dynamic_int8_supported,
-                                         int8_supported, packed_bf16_supported)
+                                         int8_supported, packed_bf16_supported, vnni_int8_supported)
 
     if not int8_supported(torch.device("cpu")):
         pytest.skip("no CPU int8 kernel in this torch")
     torch.manual_seed(0)
     dense = nn.Linear(64, 32).bfloat16().requires_grad_(False)
     long = PackedBf16Linear(dense.weight, dense.bias) if packed_bf16_supported() else dense
-    layers = [Int8Linear(dense.weight, dense.bias, long, short_rows=8)]
+    # torch's weight-only op, fbgemm's, and our kernel (where each runs)
+    layers = [Int8Linear(dense.weight, dense.bias, long, short_rows=8, vnni=False)]
     if dynamic_int8_supported():
-        layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, dynamic=True))
+        layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, dynamic=True, vnni=False))
+    if vnni_int8_supported():
+        layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, vnni=True))
     for layer in layers:
         model = nn.Sequential(layer)
         x = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)  # 2 rows: the short path outside
@@ -253,7 +256,7 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     from torch import nn
 
     from specdec.backends.kernels import (Int8Linear, PackedLinear, dense_weight, dynamic_int8_supported, int8_supported,
-                                         set_dense_weight)
+                                         set_dense_weight, vnni_int8_supported)
 
     torch.manual_seed(0)
     old, new, x = torch.randn(32, 64), torch.randn(32, 64), torch.randn(3, 64)
@@ -265,11 +268,15 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
 
     kinds = [linear, lambda w: PackedLinear(w), lambda w: PackedLinear(w.bfloat16(), dense_rows=4)]
     if int8_supported(torch.device("cpu")):
-        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8))
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, vnni=False))
     if dynamic_int8_supported():
-        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, dynamic=True))
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, dynamic=True,
+                                          vnni=False))
         bias = torch.full((32,), 5.0)  # fbgemm packs the bias with the weight: packed anew, it must stay
-        kinds.append(lambda w: Int8Linear(w.bfloat16(), bias, linear(w.bfloat16()), short_rows=8, dynamic=True))
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), bias, linear(w.bfloat16()), short_rows=8, dynamic=True,
+                                          vnni=False))
+    if vnni_int8_supported():  # our kernel: weights packed anew in its tiles
+        kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, vnni=True))
     for made in kinds:
         layer = made(old)
         set_dense_weight(layer, new.to(dense_weight(layer).dtype))

@@ -223,11 +223,11 @@ def test_a_tiled_layer_unpacks_rewrites_and_copies_its_weight():
 
 
 @built
-@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 12, 2, 128), (40, 14, 2, 64), (3, 2, 1, 24)])
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 12, 2, 128), (40, 14, 2, 64), (3, 2, 1, 24), (2, 3, 1, 80)])
 def test_rotary_has_transformers_bits(rows, heads, kv_heads, dim):
     """q and k rotated out of a stacked q/k/v output: transformers' apply_rotary_pos_emb's bits (its
-    eager bf16 ops), zeros of either sign too; a row's bits whatever else the call holds. 24 wide:
-    the element-by-element path past the 16-wide chunks."""
+    eager bf16 ops), zeros of either sign and subnormal products too; a row's bits whatever else the
+    call holds. 24 wide: the element-by-element path alone; 80: 16-wide chunks and that path."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     generator = torch.Generator().manual_seed(rows + dim)
@@ -235,6 +235,7 @@ def test_rotary_has_transformers_bits(rows, heads, kv_heads, dim):
     stacked = torch.randn(1, rows, width, generator=generator).bfloat16()
     stacked[0, 0, :dim // 2] = 0.0
     stacked[0, 0, dim // 2:dim] = -0.0
+    stacked[0, -1, :dim] = 1e-38  # products below 2^-126: torch keeps them subnormal
     angles = torch.randn(1, rows, dim, generator=generator) * 3
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     q, k = native.rotary(stacked, cos, sin, heads, kv_heads, dim)

@@ -21,6 +21,8 @@ from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
 
 needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")) or TEST_DEVICE != "cpu",
                                 reason="no CPU int8 kernel in this torch, or models on CUDA")
+needs_vnni = pytest.mark.skipif(not vnni_int8_supported() or TEST_DEVICE != "cpu",
+                                reason="our int8 kernel needs AVX512-VNNI and a C compiler, and models on the CPU")
 needs_dynamic = pytest.mark.skipif(not dynamic_int8_supported() or TEST_DEVICE != "cpu",
                                    reason="no fbgemm int8 GEMM here (not x86), or models on CUDA")
 
@@ -35,11 +37,14 @@ def test_int8_rounding_is_within_half_a_step_per_row():
 
 
 @needs_int8
-@pytest.mark.parametrize("in_features", [16, 48, 896])
-def test_int8_linear_follows_the_dense_layer_for_short_inputs_and_hands_long_ones_on(in_features):
+@pytest.mark.parametrize("in_features,vnni", [(16, False), (48, False), (896, False),
+                                              pytest.param(896, True, marks=needs_vnni)])
+def test_int8_linear_follows_the_dense_layer_for_short_inputs_and_hands_long_ones_on(in_features, vnni):
+    """torch's weight-only op, or our kernel (inputs rounded too, in groups of 32)."""
     torch.manual_seed(0)
     dense = nn.Linear(in_features, 24, bias=True)
-    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=3)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=3, vnni=vnni)
+    assert layer.vnni is vnni
     for rows in (1, 2, 3):
         x = torch.randn(rows, in_features)
         reference = dense(x).detach()
@@ -116,7 +121,7 @@ def test_int8_linear_takes_a_view_into_a_longer_tensor():
     # torch's op reads misaligned inputs out of bounds (a crash, seen for offsets of 2-16 bytes)
     torch.manual_seed(0)
     dense = nn.Linear(896, 64).to(torch.bfloat16).requires_grad_(False)
-    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2)
+    layer = Int8Linear(dense.weight, dense.bias, dense, short_rows=2, vnni=False)
     storage = torch.randn(3 * 896 + 8, dtype=torch.bfloat16)
     for offset in (1, 2, 4, 8):
         x = storage[offset:offset + 2 * 896].view(2, 896)

@@ -84,6 +84,7 @@ class FusedRotary:
 
         implementation = self.config._attn_implementation
         if (hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or position_embeddings is None
+                or any(t.shape != (1, hidden_states.shape[1], self.head_dim) for t in position_embeddings)
                 or not _on_cpu_bf16(hidden_states, *position_embeddings) or implementation not in ALL_ATTENTION_FUNCTIONS
                 or _hooked(self.q_proj, self.k_proj, self.v_proj) or _trains(hidden_states)):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)

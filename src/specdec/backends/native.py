@@ -306,11 +306,13 @@ def linear_i8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
                            f"{tuple(packed.shape)} {packed.dtype} and {tuple(scales.shape)} {scales.dtype}")
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.shape != (n,)):
         raise SpecdecError(f"an int8 layer's bias must be bf16 [{n}], contiguous")
+    kernel = linear_i8_kernel()
+    if kernel is None:
+        raise SpecdecError("the int8 kernel is not built here (no C compiler, SPECDEC_NATIVE=0, or no AVX512-VNNI)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     if rows:
-        kernel = linear_i8_kernel()
         scratch = torch.empty(library().specdec_linear_i8_scratch(rows, k, I8_GROUP), dtype=torch.uint8)
         with _traced("specdec::linear_i8"):
             kernel(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), scales.data_ptr(), n, k, I8_GROUP,

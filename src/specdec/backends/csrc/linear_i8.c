@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec16.h"
+
 #define TILE 16   /* outputs per tile: one register's int32 lanes */
 #define TILES 4   /* tiles a thread works on at once */
 #define ROWS 4    /* rows whose sums stay in registers at once (2-8 rows by 2-4 tiles streamed alike) */
@@ -47,7 +49,8 @@ static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q,
         const float inverse = most > 0.0f ? 127.0f / most : 0.0f;
         int32_t sum = 0;
         for (int64_t i = 0; i < group; i++) {
-            const int32_t v = (int32_t)nearbyintf(bf16_float(xg[i]) * inverse);
+            const float r = bf16_float(xg[i]) * inverse;  /* NaN where the group holds an inf or NaN */
+            const int32_t v = r == r ? (int32_t)nearbyintf(fminf(fmaxf(r, -127.0f), 127.0f)) : 0;
             q[g * group + i] = (int8_t)v;
             sum += v;
         }
@@ -96,9 +99,8 @@ static inline __attribute__((always_inline)) void block(const int8_t *q, const f
         __m512 b = _mm512_setzero_ps();
         if (bias)
             b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + column)), 16));
-        for (int64_t m = 0; m < height; m++)
-            _mm256_mask_storeu_epi16(y + (m0 + m) * y_stride + column, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(sums[m][t], w_scale, b)));
+        for (int64_t m = 0; m < height; m++)  /* rounded by integer ops: no AVX512-BF16 needed */
+            store_bf16(y + (m0 + m) * y_stride + column, round_bf16((v16)_mm512_fmadd_ps(sums[m][t], w_scale, b)), width);
     }
 }
 
