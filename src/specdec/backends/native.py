@@ -208,8 +208,8 @@ def huge_pages(tensor: torch.Tensor) -> torch.Tensor:
 
     A pass streams every packed weight once; on 4 KB pages each 4 KB of it costs a TLB miss. The
     1.5B target's 28 layers and head in our tiled GEMMs took 0.98x the time at 1 row, 0.95x at 4
-    and 0.94x at 16 on 2 MB pages (docs/kernels.md#tiled-bf16-linears). The mapping's slack beyond
-    the tensor is never touched, so it costs address space only."""
+    and 0.94x at 16 on 2 MB pages (docs/kernels.md#tiled-bf16-linears). The mapping's 2 MB of slack
+    costs address space, and at most the rest of the last huge page in memory."""
     size = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or size < HUGE_PAGE or platform.system() != "Linux":
         return tensor
