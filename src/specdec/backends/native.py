@@ -163,19 +163,21 @@ def one_query_kernel():
                      + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 9)
 
 
+def _built_with(flag: str) -> bool:
+    """Whether the library is built and its instruction-set `flag` function says its kernel is in."""
+    lib = library()
+    return lib is not None and bool(lib[flag]())
+
+
 @functools.cache
 def linear_kernel():
     """The compiled `specdec_linear_bf16`, or None where the library is not built or the CPU has no
     AVX512-BF16 (the library was built without it)."""
-    lib = library()
-    if lib is None or not lib.specdec_linear_available():
+    if not _built_with("specdec_linear_available"):
         return None
-    function = lib.specdec_linear_bf16
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                         ctypes.c_void_p]
-    return function
+    return _function("specdec_linear_bf16", ctypes.c_int,
+                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p])
 
 
 TILE = 16  # outputs per tile of a packed weight (csrc/linear.c)
@@ -262,11 +264,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 def linear_i8_kernel():
     """The compiled `specdec_linear_i8`, or None where the library is not built or the CPU has no
     AVX512-VNNI (the library was built without it)."""
-    lib = library()
-    if lib is None or not lib.specdec_linear_i8_available():
+    if not _built_with("specdec_linear_i8_available"):
         return None
-    lib.specdec_linear_i8_scratch.restype = ctypes.c_int64
-    lib.specdec_linear_i8_scratch.argtypes = [ctypes.c_int64] * 3
+    _function("specdec_linear_i8_scratch", ctypes.c_int64, [ctypes.c_int64] * 3)  # typed for `linear_i8`
     return _function("specdec_linear_i8", ctypes.c_int,
                      [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
