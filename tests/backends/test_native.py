@@ -71,6 +71,22 @@ def test_attention_rows_match_float64_and_a_row_alone(dtype, heads, kv_heads, di
 
 
 @built
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [128, 72])
+def test_keys_scored_sixteen_at_once_have_the_bits_of_keys_scored_one_by_one(dtype, dim):
+    """A run's keys are scored 16 at a time (their sums reduced together), the rest of it one by
+    one: the same keys split into runs too short for that (the same positions, in order) give the
+    same bits, so the blocking changes no row."""
+    generator = torch.Generator().manual_seed(dim)
+    keys, values = _cache(2, 70, dim, dtype, generator=generator)
+    query = torch.randn(1, 12, 1, dim, generator=generator).to(dtype) * 3
+    kv = native.KeyValues.of([keys], [values])
+    whole = native.attention_rows(query, kv, native.RowLayout([0], [0], [slice(0, 70)]), dim ** -0.5)
+    pieces = tuple(slice(a, min(a + 7, 70)) for a in range(0, 70, 7))
+    assert torch.equal(native.attention_rows(query, kv, native.RowLayout([0], [0], [pieces]), dim ** -0.5), whole)
+
+
+@built
 def test_one_query_attention_is_the_kernels_row_and_sdpas_within_rounding():
     """A decode step's attention (`rows.one_query_attention`, batch rows of their own caches) is the
     kernel's, and within bf16 rounding of what sdpa computes."""

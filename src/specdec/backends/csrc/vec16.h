@@ -72,6 +72,30 @@ static inline float total16(v16 x) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* two vectors' lanes picked by index (0-15: a's, 16-31: b's) */
+#if defined(__clang__)
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+/* total16 of sixteen vectors at once: lane j of the result is total16(x[j]), bit for bit (the same
+   additions of the same pairs, arranged across vectors: 45 vector operations, not 16 reductions) */
+static inline v16 totals16(const v16 x[16]) {
+    v16 y[8], z[4], s[2];
+    for (int p = 0; p < 8; p++)  /* halves: lanes i and i + 8 of each vector */
+        y[p] = SHUFFLE16(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE16(x[2 * p], x[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int r = 0; r < 4; r++)  /* quarters: lanes i and i + 4 of each half */
+        z[r] = SHUFFLE16(y[2 * r], y[2 * r + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUFFLE16(y[2 * r], y[2 * r + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int t = 0; t < 2; t++)  /* c0 + c2 and c1 + c3 of each quarter */
+        s[t] = SHUFFLE16(z[2 * t], z[2 * t + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUFFLE16(z[2 * t], z[2 * t + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE16(s[0], s[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUFFLE16(s[0], s[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* e^x for x <= 0, lane by lane: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
    polynomial (relative error under 2e-7); x below -87 gives 2^-126's neighbourhood, not 0 */
 static inline v16 exp16(v16 x) {
