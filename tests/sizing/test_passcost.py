@@ -68,6 +68,23 @@ def test_profiles_are_measured_once_and_cached_per_pair(tmp_path, monkeypatch):
     assert len(said) == 4
 
 
+def test_another_build_of_our_kernels_measures_its_profiles_anew(tmp_path, monkeypatch):
+    """Costs measured with one build of the kernels (sources, flags, compiler, CPU) are not read
+    back for another: a faster kernel would be scheduled with its predecessor's costs."""
+    from specdec.backends import native
+
+    monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    target = tiny_model(0, vocab=32)
+    said = []
+    monkeypatch.setattr(native, "build_stamp", lambda: "one")
+    pass_costs(target, None, say=_measuring(said))
+    pass_costs(target, None, say=_measuring(said))
+    assert len(said) == 1
+    monkeypatch.setattr(native, "build_stamp", lambda: "another")
+    pass_costs(target, None, say=_measuring(said))
+    assert len(said) == 2
+
+
 def test_a_cost_schedule_told_that_drafting_cannot_pay_drafts_nothing():
     target, drafter = TableModel(6, 0), TableModel(6, 1)
 

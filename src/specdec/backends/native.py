@@ -121,6 +121,15 @@ def _load(target: Path, compiler: str) -> ctypes.CDLL:
             # another process pruned it between our look and our load (its last use was a month ago)
 
 
+_built: list[str] = []  # the loaded build's stamp (`library`)
+
+
+def build_stamp() -> str:
+    """Which build of the kernels runs (a hash of their sources, flags, compiler and CPU), or
+    "off": what measured pass costs depend on besides the model (`pass_costs`)."""
+    return _built[0] if library() is not None and _built else "off"
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they are off or cannot be built (the reason logged once)."""
@@ -137,7 +146,9 @@ def library() -> ctypes.CDLL | None:
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
     try:
-        return _load(target, compiler)
+        library = _load(target, compiler)
+        _built.append(stamp)
+        return library
     except (OSError, subprocess.SubprocessError) as error:
         detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
         log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "

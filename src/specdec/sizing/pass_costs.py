@@ -206,6 +206,10 @@ def _key(model) -> str:
 
         # a patched build feeds more rows a call: other costs for the same version
         versions.append(f"{llama_cpp.__version__} rows/call={model.rows_per_call}")
+    if model.device.type == "cpu":  # a faster build of our kernels: other costs
+        from ..backends import native
+
+        versions.append(f"native={native.build_stamp()}")
     return "|".join([model.name, model.weights, model.kernels, f"exact_rows={model.exact_rows}",
                      f"vocab={vocabulary or 'all'}", str(model.device), machine(model),
                      f"threads={torch.get_num_threads()}", *versions])
