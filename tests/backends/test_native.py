@@ -72,18 +72,36 @@ def test_attention_rows_match_float64_and_a_row_alone(dtype, heads, kv_heads, di
 
 @built
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("dim", [128, 72])
-def test_keys_scored_sixteen_at_once_have_the_bits_of_keys_scored_one_by_one(dtype, dim):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (12, 2, 72), (2, 2, 64), (32, 2, 64)])
+@pytest.mark.parametrize("length", [70, 32])
+def test_keys_scored_sixteen_at_once_have_the_bits_of_keys_scored_one_by_one(dtype, heads, kv_heads, dim, length):
     """A run's keys are scored 16 at a time (their sums reduced together), the rest of it one by
     one: the same keys split into runs too short for that (the same positions, in order) give the
-    same bits, so the blocking changes no row."""
-    generator = torch.Generator().manual_seed(dim)
-    keys, values = _cache(2, 70, dim, dtype, generator=generator)
-    query = torch.randn(1, 12, 1, dim, generator=generator).to(dtype) * 3
+    same bits, so the blocking changes no row (1, 6 and 16 query heads a key/value head; runs with
+    and without keys left over)."""
+    generator = torch.Generator().manual_seed(dim + heads + length)
+    keys, values = _cache(kv_heads, length, dim, dtype, generator=generator)
+    query = torch.randn(1, heads, 1, dim, generator=generator).to(dtype) * 3
     kv = native.KeyValues.of([keys], [values])
-    whole = native.attention_rows(query, kv, native.RowLayout([0], [0], [slice(0, 70)]), dim ** -0.5)
-    pieces = tuple(slice(a, min(a + 7, 70)) for a in range(0, 70, 7))
+    whole = native.attention_rows(query, kv, native.RowLayout([0], [0], [slice(0, length)]), dim ** -0.5)
+    pieces = tuple(slice(a, min(a + 7, length)) for a in range(0, length, 7))
     assert torch.equal(native.attention_rows(query, kv, native.RowLayout([0], [0], [pieces]), dim ** -0.5), whole)
+
+
+def test_the_build_stamp_names_the_loaded_build_or_off(monkeypatch):
+    """What pass costs are keyed by (`build_stamp`): the loaded library's stamp, "off" where the
+    kernels are off."""
+    try:
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        native.library.cache_clear()
+        assert native.build_stamp() == "off"
+        monkeypatch.delenv("SPECDEC_NATIVE")
+        native.library.cache_clear()
+        lib = native.library()
+        if lib is not None:
+            assert os.path.basename(lib._name) == f"specdec-{native.build_stamp()}.so"
+    finally:
+        native.library.cache_clear()
 
 
 @built

@@ -121,13 +121,13 @@ def _load(target: Path, compiler: str) -> ctypes.CDLL:
             # another process pruned it between our look and our load (its last use was a month ago)
 
 
-_built: list[str] = []  # the loaded build's stamp (`library`)
+_built: list[str] = []  # the stamp of the build `library` loaded last
 
 
 def build_stamp() -> str:
     """Which build of the kernels runs (a hash of their sources, flags, compiler and CPU), or
     "off": what measured pass costs depend on besides the model (`pass_costs`)."""
-    return _built[0] if library() is not None and _built else "off"
+    return _built[-1] if library() is not None and _built else "off"
 
 
 @functools.cache
@@ -146,9 +146,9 @@ def library() -> ctypes.CDLL | None:
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
     try:
-        library = _load(target, compiler)
-        _built.append(stamp)
-        return library
+        lib = _load(target, compiler)
+        _built[:] = [stamp]
+        return lib
     except (OSError, subprocess.SubprocessError) as error:
         detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
         log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "

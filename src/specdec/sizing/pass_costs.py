@@ -206,7 +206,7 @@ def _key(model) -> str:
 
         # a patched build feeds more rows a call: other costs for the same version
         versions.append(f"{llama_cpp.__version__} rows/call={model.rows_per_call}")
-    if model.device.type == "cpu":  # a faster build of our kernels: other costs
+    if isinstance(model, TransformersModel) and model.device.type == "cpu":  # another build of our kernels: other costs
         from ..backends import native
 
         versions.append(f"native={native.build_stamp()}")

@@ -8,9 +8,9 @@
 
    Arithmetic: fp32 throughout (products of bf16 values are exact in fp32), each dot product summed
    in 16 interleaved partial sums, then those pairwise (16 keys' sums reduced together with the
-   same additions, `totals16`: 1.5x the kernel's speed, the bits unchanged); softmax with the row's
-   maximum subtracted (e^x by a polynomial, vectorised); the weighted sum of values in key order;
-   one rounding to the output's dtype. Needs heads / kv_heads <= 16. */
+   same additions, `totals16`: 1.5x the kernel's speed, the bits unchanged but NaNs' payloads);
+   softmax with the row's maximum subtracted (e^x by a polynomial, vectorised); the weighted sum
+   of values in key order; one rounding to the output's dtype. Needs heads / kv_heads <= 16. */
 
 #include <math.h>
 #include <stdint.h>

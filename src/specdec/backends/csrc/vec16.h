@@ -79,8 +79,9 @@ static inline float total16(v16 x) {
 #define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
 #endif
 
-/* total16 of sixteen vectors at once: lane j of the result is total16(x[j]), bit for bit (the same
-   additions of the same pairs, arranged across vectors: 45 vector operations, not 16 reductions) */
+/* total16 of sixteen vectors at once: lane j of the result is total16(x[j]), bit for bit but a
+   NaN's payload (the same additions of the same pairs, arranged across vectors: 45 vector
+   operations, not 16 reductions, where the CPU has 512-bit vectors) */
 static inline v16 totals16(const v16 x[16]) {
     v16 y[8], z[4], s[2];
     for (int p = 0; p < 8; p++)  /* halves: lanes i and i + 8 of each vector */
