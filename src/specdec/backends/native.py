@@ -121,13 +121,12 @@ def _load(target: Path, compiler: str) -> ctypes.CDLL:
             # another process pruned it between our look and our load (its last use was a month ago)
 
 
-_built: list[str] = []  # the stamp of the build `library` loaded last
-
-
 def build_stamp() -> str:
-    """Which build of the kernels runs (a hash of their sources, flags, compiler and CPU), or
-    "off": what measured pass costs depend on besides the model (`pass_costs`)."""
-    return _built[-1] if library() is not None and _built else "off"
+    """Which build of the kernels runs (a hash of their sources, flags, compiler and CPU: its file
+    is specdec-<stamp>.so), or "off": what measured pass costs depend on besides the model
+    (`pass_costs`)."""
+    lib = library()
+    return Path(lib._name).stem.removeprefix("specdec-") if lib is not None else "off"
 
 
 @functools.cache
@@ -146,9 +145,7 @@ def library() -> ctypes.CDLL | None:
     stamp = hashlib.sha256(bytes(1).join(parts)).hexdigest()[:16]
     target = home() / "kernels" / f"specdec-{stamp}.so"
     try:
-        lib = _load(target, compiler)
-        _built[:] = [stamp]
-        return lib
+        return _load(target, compiler)
     except (OSError, subprocess.SubprocessError) as error:
         detail = ((error.stderr if isinstance(error, subprocess.CalledProcessError) else None) or str(error)).strip()
         log.warning("specdec's kernels could not be built (%s): attention runs through sdpa a row at a time, "
