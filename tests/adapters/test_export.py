@@ -140,9 +140,9 @@ def test_a_distilled_drafter_exports_as_a_plain_folder_that_computes_what_ours_d
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([[2, 7, 1, 30, 4, 4, 9]])
     with torch.no_grad():
-        plain = drafter.hf(ids).logits
+        plain = drafter.hf(ids.to(drafter.device)).logits.cpu()
         attach(drafter, lora)
-        ours = drafter.hf(ids).logits
+        ours = drafter.hf(ids.to(drafter.device)).logits.cpu()
         theirs = exported(ids).logits
     assert torch.allclose(theirs, ours, atol=1e-5) and not torch.allclose(theirs, plain, atol=1e-3)
 
@@ -169,10 +169,10 @@ def test_a_parallel_drafter_exports_with_its_mask_id_and_embedding_where_vllm_re
     exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     embeddings = exported.get_input_embeddings().weight
     assert torch.equal(embeddings[31], adapter.mask)
-    assert torch.equal(embeddings[:31], drafter.hf.get_input_embeddings().weight[:31])
+    assert torch.equal(embeddings[:31], drafter.hf.get_input_embeddings().weight[:31].cpu())
     q_proj = "model.layers.1.self_attn.q_proj.weight"
-    assert torch.allclose(exported.state_dict()[q_proj], merged_state(drafter, lora)[q_proj])
-    assert not torch.allclose(exported.state_dict()[q_proj], drafter.hf.state_dict()[q_proj], atol=1e-3)
+    assert torch.allclose(exported.state_dict()[q_proj], merged_state(drafter, lora)[q_proj].cpu())
+    assert not torch.allclose(exported.state_dict()[q_proj], drafter.hf.state_dict()[q_proj].cpu(), atol=1e-3)
 
 
 def test_export_refuses_eagle_quoting_vllms_layer_and_an_unknown_kind_in_one_line(tmp_path):

@@ -15,6 +15,7 @@ from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differenti
 from specdec.backends.layer_ops import FusedNorm, FusedRotary, FusedSwiGLU
 from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
 
+from conftest import cpu_only
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
 
 pytestmark = packed_bf16
@@ -81,6 +82,7 @@ def test_a_merged_swiglu_runs_its_middle_in_one_kernel_with_the_models_own_bits(
     assert not calls and trained.grad is not None and trained.grad.abs().sum() > 0
 
 
+@cpu_only
 def test_llama_like_norms_run_in_one_kernel_call_with_their_own_bits():
     """A bf16 target's RMSNorms (two a layer and the final one) run the kernel; where gradients flow,
     their own forward (which passes them); a dropped model goes at once (no reference cycle)."""
@@ -211,6 +213,7 @@ def test_the_stacking_check_sees_a_changed_bit(monkeypatch):
     stacks_exactly.cache_clear()
 
 
+@cpu_only
 @pytest.mark.parametrize("names", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")])
 def test_groups_of_unlike_layers_stay_apart(monkeypatch, names):
     """Parts of a group must share their input width and whether they add a bias."""

@@ -38,17 +38,17 @@ def test_early_exit_drafts_with_the_targets_first_layers_and_greedy_equals_ar():
     target = tiny_model(3, vocab=32, layers=4)
     drafter = early_exit_drafter(target, 2)
     assert list(drafter.model.kept) == list(target._decoder.layers[:2])  # the same modules: no second model
-    ids = torch.tensor(PROMPT)
+    ids = torch.tensor(PROMPT, device=target.device)
     # what a plain forward through the first two layers, the final norm and the LM head gives
     hidden = target._decoder.embed_tokens(ids.view(1, -1))
-    positions = torch.arange(len(PROMPT)).view(1, -1)
+    positions = torch.arange(len(PROMPT), device=target.device).view(1, -1)
     rotary = target._decoder.rotary_emb(hidden, positions)
-    mask = torch.full((len(PROMPT), len(PROMPT)), float("-inf")).triu(1).view(1, 1, len(PROMPT), -1)
+    mask = torch.full((len(PROMPT), len(PROMPT)), float("-inf"), device=target.device).triu(1).view(1, 1, len(PROMPT), -1)
     for layer in target._decoder.layers[:2]:
         out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         hidden = out[0] if isinstance(out, tuple) else out
     expected = target.hf.lm_head(target._decoder.norm(hidden))[0].float()
-    assert torch.allclose(drafter.model.forward(PROMPT, None, len(PROMPT)), expected, atol=1e-4)
+    assert torch.allclose(drafter.model.forward(PROMPT, None, len(PROMPT)).to(expected.device), expected, atol=1e-4)
     assert _greedy(PROMPT, target, drafter, gamma=4) == _ar(PROMPT, target)
 
 
@@ -146,7 +146,8 @@ def _noisy_copy(seed: int, scale: float):
     model = tiny_model(seed, vocab=32, layers=2, name="noisy")
     with torch.no_grad():
         weight = model.hf.model.embed_tokens.weight
-        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * scale * weight.std())
+        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)).to(weight.device)
+        weight.add_(noise * scale * weight.std())
     return model
 
 

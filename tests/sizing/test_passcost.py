@@ -10,7 +10,7 @@ from specdec.sizing import pass_costs as passcost
 from specdec.sizing.pass_costs import LoadCosts, PassCosts, load_costs, pass_costs
 from specdec.sizing.schedules import CostAware
 
-from conftest import TableModel, tiny_model
+from conftest import TableModel, cpu_only, tiny_model
 
 # seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/kernels.md)
 GGUF = {1: 0.0326, 2: 0.0567, 3: 0.0746, 4: 0.109, 6: 0.158, 8: 0.218}
@@ -68,6 +68,7 @@ def test_profiles_are_measured_once_and_cached_per_pair(tmp_path, monkeypatch):
     assert len(said) == 4
 
 
+@cpu_only  # the kernels' build keys the costs of CPU models alone
 def test_another_build_of_our_kernels_measures_its_profiles_anew(tmp_path, monkeypatch):
     """Costs measured with one build of the kernels (sources, flags, compiler, CPU) are not read
     back for another: a faster kernel would be scheduled with its predecessor's costs."""

@@ -96,7 +96,7 @@ def _ordinary(generator: torch.Generator) -> torch.Generator:
     if not isinstance(generator, CoupledGenerator):
         return generator
     plain = torch.Generator(device=generator.device)
-    plain.manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator)))
+    plain.manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator, device=generator.device)))
     return plain
 
 

@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) int one_task(
                 for (int64_t i = 0; i < LANES; i++) part[i] = (v16){0};
                 for (int64_t c = 0; c < chunks; c++) {
                     const v16 qc = q[g * chunks + c];
-                    for (int64_t i = 0; i < LANES; i++) part[i] += qc * block[i * chunks + c];
+                    for (int64_t i = 0; i < LANES; i++) part[i] = fma16(qc, block[i * chunks + c], part[i]);
                 }
                 const v16 total = totals16(part) * scale;
                 memcpy(scores + g * padded + n, &total, sizeof total);
@@ -84,7 +84,7 @@ static inline __attribute__((always_inline)) int one_task(
             for (int64_t c = 0; c < chunks; c++) {
                 const v16 kc = c + 1 < chunks || tail == LANES ? load16(k + c * LANES * size, bf16)
                                                                : load_part(k + c * LANES * size, tail, bf16);
-                for (int64_t g = 0; g < groups; g++) part[g] += q[g * chunks + c] * kc;
+                for (int64_t g = 0; g < groups; g++) part[g] = fma16(q[g * chunks + c], kc, part[g]);
             }
             for (int64_t g = 0; g < groups; g++) scores[g * padded + n] = total16(part[g]) * scale;
         }

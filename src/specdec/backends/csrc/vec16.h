@@ -72,6 +72,35 @@ static inline float total16(v16 x) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* a * b + c rounded once, lane by lane, whatever the compiler would contract: code that must give
+   the same bits along two paths (a key scored with 15 others or alone) says so here, where
+   -ffp-contract=fast leaves each `a * b + c` to the compiler's choice, site by site */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__FMA__)
+#include <immintrin.h>
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    v8 x[2], y[2], z[2];
+    memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y), memcpy(z, &c, sizeof z);
+    for (int h = 0; h < 2; h++) z[h] = (v8)_mm256_fmadd_ps((__m256)x[h], (__m256)y[h], (__m256)z[h]);
+    memcpy(&c, z, sizeof c);
+    return c;
+}
+#elif defined(__ARM_FEATURE_FMA) && defined(__ARM_NEON)
+#include <arm_neon.h>
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    float32x4_t x[4], y[4], z[4];
+    memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y), memcpy(z, &c, sizeof z);
+    for (int h = 0; h < 4; h++) z[h] = vfmaq_f32(z[h], x[h], y[h]);
+    memcpy(&c, z, sizeof c);
+    return c;
+}
+#else
+/* no fused multiply-add on this CPU: nothing to contract to, each product rounded */
+static inline v16 fma16(v16 a, v16 b, v16 c) { return a * b + c; }
+#endif
+
 /* two vectors' lanes picked by index (0-15: a's, 16-31: b's) */
 #if defined(__clang__)
 #define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
