@@ -24,7 +24,7 @@ from .rows import PREFIX, install_attention, key_spans, row_exact, segmented, wi
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
 from . import Features, Segment
-from . import native
+from . import lean, native
 from .cache import SegmentedCache, cache_length
 from .prompts import SHARED_PREFILL
 
@@ -379,9 +379,15 @@ class TransformersModel:
         cache = SegmentedCache([s.cache for s in segments], [len(s.input_ids) for s in segments])
         # a prepared 4D mask is passed through as it is; attention reads each row's keys from `parts`
         unused_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        ids, positions = torch.cat(ids).view(1, -1), torch.cat(positions).view(1, -1)
         with segmented(cache, parts):
-            hidden = self._decoder(input_ids=torch.cat(ids).view(1, -1), position_ids=torch.cat(positions).view(1, -1),
-                                   past_key_values=cache, use_cache=True, attention_mask=unused_mask).last_hidden_state[0]
+            # our layer loop where every module would take its fused path: the same bits, without
+            # the modules' machinery (lean.py); else the decoder's own forward
+            hidden = lean.forward(self._decoder, ids, positions, cache, unused_mask)
+            if hidden is None:
+                hidden = self._decoder(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                                       attention_mask=unused_mask).last_hidden_state
+            hidden = hidden[0]
         self.last_hidden = self.pass_hidden = None  # per-sequence hidden states are not kept for a batch
         return list(hidden.split([len(s.input_ids) for s in segments]))
 
