@@ -71,6 +71,9 @@ def test_the_adapter_changes_the_mask_rows_alone():
     assert not torch.allclose(untrained, got[4:])
     assert model._parallel_hooks == ()  # removed again
     assert mask_id(model) == embedding.num_embeddings  # an id past the table: only the hooks give it meaning
+    if model.device.type == "cpu":  # (on CUDA an index past the table is a device-side assert)
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([[mask_id(model)]]))
 
 
 def test_a_proposal_keeps_only_the_context_in_the_drafters_cache():

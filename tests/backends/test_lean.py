@@ -70,13 +70,21 @@ def test_the_loop_gives_a_batched_pass_the_modules_own_bits(monkeypatch, family)
     assert all(torch.equal(a, b) for pair, other in zip(our_cache, their_cache) for a, b in zip(pair, other))
 
 
-def test_a_hooked_module_sends_the_pass_through_the_modules(monkeypatch):
-    """A hook on a module the loop would skip (a norm here; an adapter hooks projections) is run:
-    the pass takes the modules' forwards, and the hook's effect shows."""
+def _doubled_output(module, inputs, output):
+    if isinstance(output, torch.Tensor):
+        return output * 2
+    output.last_hidden_state = output.last_hidden_state * 2  # the decoder's own output
+    return output
+
+
+@pytest.mark.parametrize("where", ["norm", "decoder"])
+def test_a_hooked_module_sends_the_pass_through_the_modules(monkeypatch, where):
+    """A hook on a module whose call the loop would skip (a norm; the decoder itself; an adapter
+    hooks projections) is run: the pass takes the modules' forwards, and the hook's effect shows."""
     model = qwen_like(torch.bfloat16, exact_rows=True)
     plain, _, _ = _pass(model, monkeypatch, loop=True)
-    norm = model._decoder.layers[1].input_layernorm
-    handle = norm.register_forward_hook(lambda module, inputs, output: output * 2)
+    module = model._decoder.layers[1].input_layernorm if where == "norm" else model._decoder
+    handle = module.register_forward_hook(_doubled_output)
     try:
         hooked, _, used = _pass(model, monkeypatch, loop=True)
         theirs, _, _ = _pass(model, monkeypatch, loop=False)
@@ -87,19 +95,36 @@ def test_a_hooked_module_sends_the_pass_through_the_modules(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(hooked, plain))
 
 
-def test_the_loop_declines_where_gradients_flow_or_a_layer_is_not_fused():
-    """Training (gradients on) and a layer whose attention kept transformers' own forward leave the
-    pass to the modules, before anything is computed."""
+def test_the_loop_declines_what_the_modules_would_compute_otherwise(monkeypatch):
+    """Gradients on, a training decoder, a layer whose attention kept transformers' own forward, a
+    norm's weight in fp32, a layer with a forward of its own: each leaves the pass to the modules
+    before the cache is touched."""
     model = qwen_like(torch.bfloat16, exact_rows=True)
     decoder = model._decoder
-    ids, positions = torch.tensor([[5, 6]]), torch.tensor([[0, 1]])
-    with torch.enable_grad():
-        assert lean.forward(decoder, ids, positions, None, None) is None
-    attention = decoder.layers[0].self_attn
-    fused = type(attention)
-    attention.__class__ = fused.__mro__[2]  # the transformers class under the fused subclass
-    try:
+    ids, positions, cache = torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), model.new_cache()
+
+    def declines() -> bool:
         with torch.inference_mode():
-            assert lean.forward(decoder, ids, positions, None, None) is None
+            return lean.forward(decoder, ids, positions, cache, None) is None and cache_length(cache) == 0
+
+    with torch.enable_grad():
+        assert lean.forward(decoder, ids, positions, cache, None) is None
+    decoder.train()
+    assert declines()
+    decoder.eval()
+    attention = decoder.layers[0].self_attn
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "__class__", type(attention).__mro__[2])  # transformers' class under the fused one
+        assert declines()
+    norm = decoder.layers[1].post_attention_layernorm
+    weight = norm.weight
+    norm.weight = torch.nn.Parameter(weight.float(), requires_grad=False)
+    try:
+        assert declines()
     finally:
-        attention.__class__ = fused
+        norm.weight = weight
+    layer = decoder.layers[1]
+    with monkeypatch.context() as patch:
+        patch.setattr(layer, "__class__", type("OwnLayer", (type(layer),), {"forward": lambda self, *a, **k: None}))
+        assert declines()
+    assert not declines()  # and with all of it undone, the loop runs

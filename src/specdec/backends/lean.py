@@ -15,6 +15,8 @@ and the caller runs the decoder's own forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -28,55 +30,71 @@ from .layer_ops import ROTARY_ATTENTIONS, FusedNorm, FusedRotary, FusedSwiGLU, _
 DECODERS = frozenset({"Qwen2Model", "LlamaModel"})
 
 
-def _bypassed(decoder: nn.Module) -> list[nn.Module] | None:
-    """The modules whose `__call__` the loop skips (each layer, its norms, attention and MLP, and
-    the projections and activation the fused forwards read), or None where a layer's norms,
-    attention or MLP lack their fused forward. Read afresh each pass: a module swapped in or a hook
-    added is seen at once."""
-    modules = [decoder.norm]
+@functools.cache
+def _mirrored() -> dict[str, tuple]:
+    """Decoder class name -> (its transformers forward, its layer class's forward): a class of that
+    name whose forward is another (a subclass's, remote code's) is not mirrored."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    return {"Qwen2Model": (modeling_qwen2.Qwen2Model.forward, modeling_qwen2.Qwen2DecoderLayer.forward),
+            "LlamaModel": (modeling_llama.LlamaModel.forward, modeling_llama.LlamaDecoderLayer.forward)}
+
+
+def _plain_call(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else: no hook of its own, no
+    forward set on the instance (accelerate's hooks do that), not compiled."""
+    return not (module._forward_hooks or module._forward_pre_hooks) and "forward" not in module.__dict__ \
+        and module._compiled_call_impl is None
+
+
+def _skippable(decoder: nn.Module) -> bool:
+    """Whether every module whose call the loop skips (the decoder, each layer, its norms, attention
+    and MLP, the projections and activation the fused forwards read) would run its fused forward
+    and nothing else: the decoder and layer forwards transformers' own, the norms, attention and MLP
+    fused (norms with bf16 weights on the CPU), no hook on any (nor a global one: an adapter's, a
+    profiler's). Read afresh each pass: a module swapped in or a hook added is seen at once."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    name = type(decoder).__name__
+    decoder_forward, layer_forward = _mirrored()[name]
+    if type(decoder).forward is not decoder_forward or not isinstance(decoder.norm, FusedNorm) \
+            or not _on_cpu_bf16(decoder.norm.weight):
+        return False
+    modules = [decoder, decoder.norm]
     for layer in decoder.layers:
         children = layer._modules
-        attention, mlp = children["self_attn"], children["mlp"]
-        first, second = children["input_layernorm"], children["post_attention_layernorm"]
-        if not (isinstance(first, FusedNorm) and isinstance(second, FusedNorm) and isinstance(attention, FusedRotary)
-                and isinstance(mlp, FusedSwiGLU)):
-            return None
+        attention, mlp = children.get("self_attn"), children.get("mlp")
+        first, second = children.get("input_layernorm"), children.get("post_attention_layernorm")
+        if type(layer).forward is not layer_forward or not (
+                isinstance(first, FusedNorm) and isinstance(second, FusedNorm) and isinstance(attention, FusedRotary)
+                and isinstance(mlp, FusedSwiGLU) and _on_cpu_bf16(first.weight, second.weight)):
+            return False
         inner, parts = attention._modules, mlp._modules
         modules += [layer, first, second, attention, inner["q_proj"], inner["k_proj"], inner["v_proj"], mlp,
                     parts["gate_proj"], parts["up_proj"], parts["act_fn"]]
-    return modules if isinstance(decoder.norm, FusedNorm) else None
-
-
-def _hooked(modules: list[nn.Module]) -> bool:
-    """Whether a forward hook would run on one of `modules` (theirs, or a global one: an adapter's, a
-    profiler's) in the decoder's own pass, which the loop would skip."""
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return all(_plain_call(m) for m in modules)
 
 
 def forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
             attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """The decoder's final hidden states for input_ids [1, T] at position_ids [1, T], `cache`
     growing by the pass's keys and values -> [1, T, H], the bits `decoder(...)`'s
-    last_hidden_state has; None (nothing computed, the cache untouched) where a module of it would
-    not take its fused path."""
+    last_hidden_state has; None (the cache untouched) where a module of it would not take its fused
+    path, or the decoder is training (the modules' forwards then drop the cache)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = decoder.config._attn_implementation
-    if type(decoder).__name__ not in DECODERS or torch.is_grad_enabled() or implementation not in ALL_ATTENTION_FUNCTIONS:
-        return None
-    modules = _bypassed(decoder)
-    if modules is None or _hooked(modules):
+    if type(decoder).__name__ not in DECODERS or cache is None or torch.is_grad_enabled() or decoder.training \
+            or implementation not in ALL_ATTENTION_FUNCTIONS or not _skippable(decoder):
         return None
     layers = decoder.layers[: decoder.config.num_hidden_layers]
     hidden = decoder.embed_tokens(input_ids)
     rows = hidden.shape[1]
     cos, sin = decoder.rotary_emb(hidden, position_ids)
     head_dim = layers[0].self_attn.head_dim if len(layers) else 0
-    # the fused forwards' own conditions, for the pass's tensors (a norm's weight of another dtype
-    # than the model's is refused by its kernel, in one line)
-    if hidden.dim() != 3 or hidden.shape[0] != 1 or not _on_cpu_bf16(hidden, cos, sin, decoder.norm.weight) \
+    # the fused attention's own conditions, for the pass's tensors
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or not _on_cpu_bf16(hidden, cos, sin) \
             or any(t.shape != (1, rows, head_dim) for t in (cos, sin)):
         return None
     attend = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -91,8 +109,7 @@ def forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
         value = stacked[..., parts[0] + parts[1]:].view(1, rows, -1, dim).transpose(1, 2)
         key, value = cache.update(key, value, attention.layer_idx)
         window = {"sliding_window": attention.sliding_window} if ROTARY_ATTENTIONS[type(attention).__name__] else {}
-        dropout = 0.0 if not attention.training else attention.attention_dropout
-        output, _ = attend(attention, query, key, value, attention_mask, dropout=dropout, scaling=attention.scaling,
+        output, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                            **window, position_ids=position_ids, use_cache=True)
         hidden = hidden + attention.o_proj(output.reshape(1, rows, -1).contiguous())
         norm = layer.post_attention_layernorm

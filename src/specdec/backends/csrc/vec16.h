@@ -96,6 +96,12 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
     memcpy(&c, z, sizeof c);
     return c;
 }
+#elif defined(__FP_FAST_FMAF)
+/* another CPU with a fused multiply-add (ppc64le, s390x, riscv64): lane by lane, each one fused */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    for (int l = 0; l < LANES; l++) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return c;
+}
 #else
 /* no fused multiply-add on this CPU: nothing to contract to, each product rounded */
 static inline v16 fma16(v16 a, v16 b, v16 c) { return a * b + c; }
