@@ -60,8 +60,13 @@ class FusedSwiGLU:
         """x [..., H] -> [..., H]."""
         if not _on_cpu_bf16(x) or _hooked(self.gate_proj, self.up_proj, self.act_fn) or _trains(x):
             return super().forward(x)
-        both = self.gate_proj.merged.gemm(x)
-        return self.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))
+        return swiglu(self, x)
+
+
+def swiglu(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`FusedSwiGLU`'s computation, its conditions checked by the caller: x [..., H] -> [..., H]."""
+    both = mlp.gate_proj.merged.gemm(x)
+    return mlp.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))
 
 
 # transformers' attention classes whose forward is just: q, k and v projections of one input,
@@ -88,19 +93,27 @@ class FusedRotary:
                 or not _on_cpu_bf16(hidden_states, *position_embeddings) or implementation not in ALL_ATTENTION_FUNCTIONS
                 or _hooked(self.q_proj, self.k_proj, self.v_proj) or _trains(hidden_states)):
             return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        parts = self.q_proj.merged.sizes
-        dim, rows = self.head_dim, hidden_states.shape[1]
-        stacked = self.q_proj.merged.gemm(hidden_states)
-        cos, sin = position_embeddings
-        query, key = native.rotary(stacked, cos, sin, parts[0] // dim, parts[1] // dim, dim)
-        value = stacked[..., parts[0] + parts[1]:].view(1, rows, -1, dim).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        window = {"sliding_window": self.sliding_window} if ROTARY_ATTENTIONS[type(self).__name__] else {}
-        output, weights = ALL_ATTENTION_FUNCTIONS[implementation](
-            self, query, key, value, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, **window, **kwargs)
-        return self.o_proj(output.reshape(1, rows, -1).contiguous()), weights
+        dropout = 0.0 if not self.training else self.attention_dropout
+        return rotary_attention(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                ALL_ATTENTION_FUNCTIONS[implementation], dropout=dropout, **kwargs)
+
+
+def rotary_attention(attention: nn.Module, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+                     past_key_values, attend, **kwargs):
+    """`FusedRotary`'s computation, its conditions checked by the caller: hidden_states [1, T, H]
+    -> (attention output [1, T, H], its weights or None), `attend` the attention function."""
+    parts = attention.q_proj.merged.sizes
+    dim, rows = attention.head_dim, hidden_states.shape[1]
+    stacked = attention.q_proj.merged.gemm(hidden_states)
+    cos, sin = position_embeddings
+    query, key = native.rotary(stacked, cos, sin, parts[0] // dim, parts[1] // dim, dim)
+    value = stacked[..., parts[0] + parts[1]:].view(1, rows, -1, dim).transpose(1, 2)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, attention.layer_idx)
+    window = {"sliding_window": attention.sliding_window} if ROTARY_ATTENTIONS[type(attention).__name__] else {}
+    output, weights = attend(attention, query, key, value, attention_mask, scaling=attention.scaling, **window,
+                             **kwargs)
+    return attention.o_proj(output.reshape(1, rows, -1).contiguous()), weights
 
 
 @functools.cache

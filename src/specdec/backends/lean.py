@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from . import native
-from .layer_ops import ROTARY_ATTENTIONS, FusedNorm, FusedRotary, FusedSwiGLU, _on_cpu_bf16
+from .layer_ops import FusedNorm, FusedRotary, FusedSwiGLU, _on_cpu_bf16, rotary_attention, swiglu
 
 # decoder classes whose forward (and whose layers' forward) the loop mirrors: embed, rotary
 # embedding, per layer x + attention(norm(x)) then x + mlp(norm(x)), a final norm (read in
@@ -99,22 +99,11 @@ def forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
         return None
     attend = ALL_ATTENTION_FUNCTIONS[implementation]
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
         x = native.rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        # FusedRotary.forward's body
-        parts, dim = attention.q_proj.merged.sizes, attention.head_dim
-        stacked = attention.q_proj.merged.gemm(x)
-        query, key = native.rotary(stacked, cos, sin, parts[0] // dim, parts[1] // dim, dim)
-        value = stacked[..., parts[0] + parts[1]:].view(1, rows, -1, dim).transpose(1, 2)
-        key, value = cache.update(key, value, attention.layer_idx)
-        window = {"sliding_window": attention.sliding_window} if ROTARY_ATTENTIONS[type(attention).__name__] else {}
-        output, _ = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                           **window, position_ids=position_ids, use_cache=True)
-        hidden = hidden + attention.o_proj(output.reshape(1, rows, -1).contiguous())
+        output, _ = rotary_attention(layer.self_attn, x, (cos, sin), attention_mask, cache, attend, dropout=0.0,
+                                     position_ids=position_ids, use_cache=True)
+        hidden = hidden + output
         norm = layer.post_attention_layernorm
-        x = native.rms_norm(hidden, norm.weight, norm.variance_epsilon)
-        # FusedSwiGLU.forward's body
-        both = mlp.gate_proj.merged.gemm(x)
-        hidden = hidden + mlp.down_proj(native.silu_mul(both.reshape(-1, both.shape[-1])).view(*x.shape[:-1], -1))
+        hidden = hidden + swiglu(layer.mlp, native.rms_norm(hidden, norm.weight, norm.variance_epsilon))
     return native.rms_norm(hidden, decoder.norm.weight, decoder.norm.variance_epsilon)
