@@ -8,13 +8,12 @@ from specdec.backends.cache import cache_length
 from specdec.backends.transformers import TransformersModel
 
 from conftest import cpu_only
-from test_merged import stacked_here
 from test_rows import _ids, packed_bf16, qwen_like
 
 # the loop runs where the layers are fused: our kernels built (norm, rotation, SwiGLU middle)
 fused_here = pytest.mark.skipif(None in (native.rms_norm_kernel(), native.rotary_kernel(), native.silu_mul_kernel()),
                                 reason="our kernels are not built here: no layer is fused, the loop never runs")
-pytestmark = [packed_bf16, cpu_only, stacked_here, fused_here]
+pytestmark = [packed_bf16, cpu_only, fused_here]
 
 
 def _llama_like(seed: int = 0) -> TransformersModel:

@@ -13,7 +13,7 @@ from specdec.backends import Segment
 from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
                                      set_dense_weight, tiled_bf16_supported, vnni_int8_supported)
 from specdec.backends.layer_ops import FusedNorm, FusedRotary, FusedSwiGLU
-from specdec.backends.merged import MergedPart, merge_projections, stacks_exactly
+from specdec.backends.merged import ApartGemm, MergedGemm, MergedPart, merge_projections, stacks_exactly
 
 from conftest import cpu_only
 from test_rows import _ids, packed_bf16, qwen_like, row_gap
@@ -112,12 +112,27 @@ def test_llama_like_norms_run_in_one_kernel_call_with_their_own_bits():
         gc.enable()
 
 
-@stacked_here
-def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
+def _merged(monkeypatch, stack: bool, **kwargs):
+    """qwen_like in bf16, its groups stacked (`stack`: where this CPU stacks exactly, else the test
+    skips) or held apart behind their parts as where a stack would change a bit (`ApartGemm`)."""
+    if stack and not _stacks():
+        pytest.skip("oneDNN rounds a stacked GEMM otherwise on this CPU")
+    if not stack:
+        monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
+    model = qwen_like(torch.bfloat16, **kwargs)
+    assert all(m.stacked == stack for m in model.hf.modules() if isinstance(m, MergedGemm))
+    return model
+
+
+modes = pytest.mark.parametrize("stack", [True, False], ids=["stacked", "apart-gemm"])
+
+
+@modes
+def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch, stack):
     """Logits of one-token, multi-token, prompt and batched passes are equal bit for bit with the
-    projections stacked or apart."""
+    projections merged (stacked, or apart behind their parts) or left as they were."""
     apart = _apart(monkeypatch, exact_rows=True, layers=3)
-    stacked = qwen_like(torch.bfloat16, exact_rows=True, layers=3)
+    stacked = _merged(monkeypatch, stack, exact_rows=True, layers=3)
     assert apart.merged_groups == 0 and stacked.merged_groups == 6
     # where the kernels are built, q and k are rotated out of the stack (layer_ops.FusedRotary)
     from specdec.backends import native
@@ -139,12 +154,12 @@ def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch):
         assert row_gap(stacked, _ids(37, 4096, width), _ids(width, 4096, 100 + width)) == 0.0
 
 
-@stacked_here
+@modes
 @pytest.mark.parametrize("shape", [(2, 3, 512), (1, 1, 512)], ids=["rows", "one-row"])
-def test_a_part_called_on_its_own_input_computes_its_own_rows(shape):
+def test_a_part_called_on_its_own_input_computes_its_own_rows(monkeypatch, shape, stack):
     """A part asked for an input its siblings have not seen runs the stacked GEMM for it; every
     part's output is a tensor of its own (a hook may change it in place), one row's too."""
-    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    model = _merged(monkeypatch, stack, exact_rows=True, layers=1)
     attention = model._decoder.layers[0].self_attn
     x, y = torch.randn(*shape).bfloat16(), torch.randn(*shape).bfloat16()
     with torch.inference_mode():
@@ -159,11 +174,11 @@ def test_a_part_called_on_its_own_input_computes_its_own_rows(shape):
             q.untyped_storage().data_ptr()
 
 
-@stacked_here
-def test_a_part_takes_a_new_weight_and_passes_gradients():
+@modes
+def test_a_part_takes_a_new_weight_and_passes_gradients(monkeypatch, stack):
     """What an adapter does to a layer (adapters/lora.py): read its weight, write a new one in its
     layout, and train through it."""
-    model = qwen_like(torch.bfloat16, exact_rows=True, layers=1)
+    model = _merged(monkeypatch, stack, exact_rows=True, layers=1)
     attention = model._decoder.layers[0].self_attn
     v = attention.v_proj
     before_q = dense_weight(attention.q_proj).clone()
@@ -181,11 +196,20 @@ def test_a_part_takes_a_new_weight_and_passes_gradients():
 
 
 def test_a_stack_that_would_change_bits_is_not_made(monkeypatch):
+    """The group's layers then stay as they are, each called on its own, behind its parts: every
+    linear still packed once, the fused rotary and SwiGLU taking the parts' outputs side by side."""
     model = _apart(monkeypatch, exact_rows=True, layers=1)
     monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
     module = model._decoder
-    assert merge_projections(module, "qwen2") == 0
-    assert not any(isinstance(m, MergedPart) for m in module.modules())
+    assert merge_projections(module, "qwen2") == 2
+    groups = [m for m in module.modules() if isinstance(m, MergedGemm)]
+    assert len(groups) == 2 and not any(m.stacked for m in groups)
+    assert all(isinstance(m.gemm, ApartGemm) for m in groups)
+    assert sum(isinstance(m, PackedBf16Linear) for m in module.modules()) == 7
+    from specdec.backends import native
+    layer = module.layers[0]
+    assert isinstance(layer.self_attn, FusedRotary) == (native.rotary_kernel() is not None)
+    assert isinstance(layer.mlp, FusedSwiGLU) == (native.silu_mul_kernel() is not None)
 
 
 def test_families_not_read_for_one_input_stay_apart(monkeypatch):

@@ -7,12 +7,16 @@ The model's own code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one after
 each becomes a `MergedPart`: the first call on an input runs the stacked GEMM, and each part hands
 out its own columns as a tensor of its own, laid out as the separate layer's output was.
 
-A merge is made only where it changes no bit: a column of the stacked GEMM must come out as the
-separate GEMM computes it, at every row count a row-exact call takes (so the stack is as
-row-invariant as the layers apart) and at a prompt chunk's. In oneDNN's layout that depends on how
-it blocks the call on this CPU and its threads (in tiles every output column is summed alone), so
-each shape is checked once, on random rows, before any layer of it is merged. Only model families whose code calls a group's projections on one tensor in one
-forward are merged (`FAMILIES`); a cross-attention's q reads another input than its k and v.
+Stacking changes no bit: a column of the stacked GEMM must come out as the separate GEMM computes
+it, at every row count a row-exact call takes (so the stack is as row-invariant as the layers
+apart) and at a prompt chunk's. In oneDNN's layout that depends on how it blocks the call on this
+CPU and its threads (in tiles every output column is summed alone), so each shape is checked once,
+on random rows, before any layer of it is stacked. Where the check fails (on AMX a 256-wide k or v
+rounds otherwise than its columns of the stack in a prompt chunk), the group's layers stay apart
+behind the same parts (`ApartGemm`): their own calls, their outputs side by side, so that the
+fused rotary and SwiGLU ops that read one stacked output run there too. Only model families whose
+code calls a group's projections on one tensor in one forward are merged (`FAMILIES`); a
+cross-attention's q reads another input than its k and v.
 """
 
 from __future__ import annotations
@@ -34,13 +38,34 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
-class MergedGemm(nn.Module):
-    """One packed GEMM over sibling layers' weights stacked [sum of outs, in], run once per input
-    and split into the parts' outputs."""
+class ApartGemm(nn.Module):
+    """Sibling layers each called on its own, their outputs side by side [..., sum of outs]: a
+    stacked GEMM's output with each part's own bits, where stacking their weights would change
+    some (`stacks_exactly`)."""
 
-    def __init__(self, layers: list[PackedBf16Linear | Int8Linear]):
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.in_features = layers[0].in_features
+        self.out_features = sum(layer.out_features for layer in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
+class MergedGemm(nn.Module):
+    """Sibling layers run once per input, their outputs split into the parts': one packed GEMM over
+    their weights stacked [sum of outs, in] (`stacked`), else the layers apart (`ApartGemm`)."""
+
+    def __init__(self, layers: list[PackedBf16Linear | Int8Linear], stacked: bool = True):
         super().__init__()
         self.sizes = [layer.out_features for layer in layers]
+        self.stacked = stacked
+        if not stacked:
+            self.gemm = ApartGemm(layers)
+            self._memo = None
+            return
         weight = torch.cat([dense_weight(layer) for layer in layers])
         bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
         packed = _packed(layers[0])
@@ -64,6 +89,34 @@ class MergedGemm(nn.Module):
     def offset(self, index: int) -> int:
         return sum(self.sizes[:index])
 
+    def rows(self, index: int) -> slice:
+        """Part `index`'s rows of the stacked weight."""
+        start = self.offset(index)
+        return slice(start, start + self.sizes[index])
+
+    def bias(self, index: int) -> torch.Tensor | None:
+        """Part `index`'s bias [sizes[index]], or None."""
+        if not self.stacked:
+            return self.gemm.layers[index].bias
+        return None if self.gemm.bias is None else self.gemm.bias[self.rows(index)]
+
+    def weight(self, index: int) -> torch.Tensor:
+        """Part `index`'s weight [sizes[index], in] as it computes with it."""
+        if not self.stacked:
+            return dense_weight(self.gemm.layers[index])
+        return dense_weight(self.gemm)[self.rows(index)]
+
+    @torch.no_grad()
+    def set_weight(self, index: int, weight: torch.Tensor) -> None:
+        """Part `index` computes with `weight` [sizes[index], in] from now on (a stack packed anew)."""
+        if not self.stacked:
+            set_dense_weight(self.gemm.layers[index], weight)
+        else:
+            stacked = dense_weight(self.gemm)
+            stacked[self.rows(index)] = weight.to(stacked.dtype)
+            set_dense_weight(self.gemm, stacked)
+        self._memo = None  # outputs of the old weight
+
 
 class MergedPart(StackedPart):
     """One of the layers a `MergedGemm` stands in for: same call, same output, same attributes."""
@@ -79,27 +132,16 @@ class MergedPart(StackedPart):
         return self.merged.part(x, self.index)
 
     @property
-    def rows(self) -> slice:
-        """This part's rows of the stacked weight."""
-        start = self.merged.offset(self.index)
-        return slice(start, start + self.out_features)
-
-    @property
     def bias(self) -> torch.Tensor | None:
-        bias = self.merged.gemm.bias
-        return None if bias is None else bias[self.rows]
+        return self.merged.bias(self.index)
 
     def dense_weight(self) -> torch.Tensor:
-        """[out_features, in_features]: this part's rows of the stacked weight."""
-        return dense_weight(self.merged.gemm)[self.rows]
+        """[out_features, in_features]: the weight this part computes with."""
+        return self.merged.weight(self.index)
 
-    @torch.no_grad()
     def set_dense_weight(self, weight: torch.Tensor) -> None:
-        """Compute with `weight` [out_features, in_features] from now on (the stack packed anew)."""
-        stacked = dense_weight(self.merged.gemm)
-        stacked[self.rows] = weight.to(stacked.dtype)
-        set_dense_weight(self.merged.gemm, stacked)
-        self.merged._memo = None  # outputs of the old weight
+        """Compute with `weight` [out_features, in_features] from now on (a stack packed anew)."""
+        self.merged.set_weight(self.index, weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
@@ -119,9 +161,9 @@ def merge_projections(module: nn.Module, family: str) -> int:
     """Stack every group of sibling projections (`GROUPS`) inside `module`, a model of transformers'
     model type `family` (one of `FAMILIES`, else nothing is stacked), that are all
     `PackedBf16Linear` (or all a drafter's int8 layers in front of them, `_packed`) of one input
-    width, with or without bias alike, and whose stacked GEMM gives their own bits
+    width, with or without bias alike: stacked where the stacked GEMM gives their own bits
     (`stacks_exactly`; the int8 kernel rounds an input row once whatever the outputs, so its stack
-    gives each part's own result too); return how many groups were merged."""
+    gives each part's own result too), else apart (`ApartGemm`); return how many groups were merged."""
     if family not in FAMILIES:
         return 0
     count = 0
@@ -134,11 +176,10 @@ def merge_projections(module: nn.Module, family: str) -> int:
             if len({(layer.in_features, layer.bias is None, p.least_rows, p.tiled,
                      layer.short_rows if isinstance(layer, Int8Linear) else 0) for layer, p in zip(layers, packed)}) != 1:
                 continue
-            if not stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
-                                  layers[0].bias is not None, packed[0].least_rows, torch.get_num_threads(),
-                                  packed[0].tiled):
-                continue
-            merged = MergedGemm(layers)
+            stacks = stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
+                                    layers[0].bias is not None, packed[0].least_rows, torch.get_num_threads(),
+                                    packed[0].tiled)
+            merged = MergedGemm(layers, stacked=stacks)
             for index, name in enumerate(names):
                 setattr(child, name, MergedPart(merged, index))
             if names[0] == "gate_proj" and "down_proj" in child._modules and "act_fn" in child._modules:
