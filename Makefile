@@ -154,15 +154,18 @@ CORES := $(shell nproc)
 VLLM_ENV := VLLM_CPU_OMP_THREADS_BIND=0-$$(($(CORES) - 1)) OMP_NUM_THREADS=$(CORES) \
 	LD_PRELOAD=$(CURDIR)/.peers/vllm/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
 VLLM_OUT := docs/benchmarks/vllm/serve
+# every request names the ids ours stops at (the converted config names <|im_end|> alone, and vLLM
+# ran on past an <|endoftext|> until max_tokens, counting those tokens as output)
+HF_STOPS := import json; from specdec.models import catalogue as r; print(json.dumps({"stop_token_ids": r.end_ids(r.DEFAULT_TARGET)}))
 bench-serve-vllm: setup vllm
-	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); \
+	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); stops=$$($(BIN)/python -c '$(HF_STOPS)'); \
 	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache 2>/dev/null & ours=$$!; \
 	$(VLLM_ENV) .peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model $$hf --dtype bfloat16 \
 		--host 127.0.0.1 --port 8771 --max-num-seqs 16 --max-model-len 4096 --no-enable-prefix-caching \
 		--served-model-name vllm >/dev/null 2>&1 & \
 	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
-	$(BIN)/specdec bench-serve $(SPEC_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
-		--fields 'ours-ar={"speculative": false}' --url vllm=http://127.0.0.1:8771 --model vllm=vllm \
+	$(BIN)/specdec bench-serve $(SPEC_LOAD) --extra "$$stops" --url ours=http://127.0.0.1:8765 \
+		--url ours-ar=http://127.0.0.1:8765 --fields 'ours-ar={"speculative": false}' --url vllm=http://127.0.0.1:8771 --model vllm=vllm \
 		--json $(VLLM_OUT).json --markdown $(VLLM_OUT).md
 
 # our drafters inside vLLM (specdec.vllm, docs/scaling.md) beside vLLM plain and its own n-gram

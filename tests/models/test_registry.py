@@ -280,3 +280,18 @@ def test_gemma3_converts_into_a_working_model():
     assert prompt[0] == model.tokenizer.bos_token_id == 2
     result = autoregressive_generate(prompt, model, max_new_tokens=8)
     assert model.decode(result.tokens).startswith("\n    return a + b")
+
+
+def test_end_ids_name_a_missing_model(fake):
+    with pytest.raises(SpecdecError, match="fake-model is not installed"):
+        registry.end_ids("fake-model")
+
+
+@pytest.mark.real
+def test_end_ids_of_the_default_target_are_both_of_its_end_tokens():
+    # what bench-serve-vllm tells every server to stop at: the converted config names <|im_end|> alone
+    from transformers import AutoTokenizer
+
+    ids = registry.end_ids(registry.DEFAULT_TARGET)
+    vocab = AutoTokenizer.from_pretrained(registry.converted_dir(registry.DEFAULT_TARGET))
+    assert sorted(vocab.convert_ids_to_tokens(ids)) == ["<|endoftext|>", "<|im_end|>"]

@@ -114,6 +114,22 @@ def converted_dir(name: str) -> Path:
     return model_root(name) / "hf"
 
 
+def end_ids(name: str) -> list[int]:
+    """The token ids a generation of installed registry model `name` stops at (its configs' EOS and
+    its vocabulary's end-of-text and end-of-turn tokens, `text.eos_ids`), read without its weights:
+    what another server on the converted directory must be told to stop at, as its config names
+    one of them only."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from ..backends.text import eos_ids
+
+    folder = converted_dir(name)
+    if not folder.is_dir():
+        raise SpecdecError(f"{name} is not installed (run `specdec install {name}`)")
+    generation = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").exists() else None
+    return eos_ids([generation, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)])
+
+
 def _marker(name: str) -> Path:
     return model_root(name) / "installed.json"
 
