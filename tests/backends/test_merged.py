@@ -115,8 +115,12 @@ def test_llama_like_norms_run_in_one_kernel_call_with_their_own_bits():
 def _merged(monkeypatch, stack: bool, **kwargs):
     """qwen_like in bf16, its groups stacked (`stack`: where this CPU stacks exactly, else the test
     skips) or held apart behind their parts as where a stack would change a bit (`ApartGemm`)."""
+    from specdec.backends import native
+
     if stack and not _stacks():
         pytest.skip("oneDNN rounds a stacked GEMM otherwise on this CPU")
+    if not stack and None in (native.rotary_kernel(), native.silu_mul_kernel()):
+        pytest.skip("our kernels are not built here: nothing fuses over parts held apart, so none are")
     if not stack:
         monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
     model = qwen_like(torch.bfloat16, **kwargs)
@@ -201,12 +205,13 @@ def test_a_stack_that_would_change_bits_is_not_made(monkeypatch):
     model = _apart(monkeypatch, exact_rows=True, layers=1)
     monkeypatch.setattr(merged_module, "stacks_exactly", lambda *args: False)
     module = model._decoder
-    assert merge_projections(module, "qwen2") == 2
+    from specdec.backends import native
+    fusing = (native.rotary_kernel() is not None) + (native.silu_mul_kernel() is not None)
+    assert merge_projections(module, "qwen2") == fusing  # nothing held apart where nothing would fuse
     groups = [m for m in module.modules() if isinstance(m, MergedGemm)]
-    assert len(groups) == 2 and not any(m.stacked for m in groups)
+    assert len(groups) == fusing and not any(m.stacked for m in groups)
     assert all(isinstance(m.gemm, ApartGemm) for m in groups)
     assert sum(isinstance(m, PackedBf16Linear) for m in module.modules()) == 7
-    from specdec.backends import native
     layer = module.layers[0]
     assert isinstance(layer.self_attn, FusedRotary) == (native.rotary_kernel() is not None)
     assert isinstance(layer.mlp, FusedSwiGLU) == (native.silu_mul_kernel() is not None)

@@ -1,7 +1,7 @@
 """A layer's small ops in our kernels, for Llama-like models' bf16 layers on the CPU: RMSNorm
-(`native.rms_norm`, csrc/norm.c), a SwiGLU MLP's silu(gate) * up over its stacked gate/up GEMM
+(`native.rms_norm`, csrc/norm.c), a SwiGLU MLP's silu(gate) * up over its merged gate/up output
 (`native.silu_mul`, csrc/activation.c; backends/merged.py stacks them) and the rotary embedding of
-q and k over their stacked q/k/v GEMM (`native.rotary`, csrc/rotary.c). Eager torch makes seven
+q and k over their merged q/k/v output (`native.rotary`, csrc/rotary.c). Eager torch makes seven
 ops of each of a pass's 57 norms (the 1.5B target) and two copies, a silu and a product of each
 MLP's middle, each paying its dispatch (docs/kernels.md#merged-projections).
 
@@ -52,9 +52,9 @@ class FusedNorm:
 
 
 class FusedSwiGLU:
-    """Mixin over a SwiGLU MLP class whose gate_proj and up_proj are parts of one stacked GEMM
-    (`merged.MergedPart`): down(silu(gate) * up) with the middle in one kernel call over the stacked
-    output, the halves never copied out."""
+    """Mixin over a SwiGLU MLP class whose gate_proj and up_proj are parts of one merged output
+    (`merged.MergedPart`: a stacked GEMM's, or the layers' apart): down(silu(gate) * up) with the
+    middle in one kernel call over that output, the halves never copied out."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H]."""
@@ -77,9 +77,9 @@ ROTARY_ATTENTIONS = {"LlamaAttention": False, "Qwen2Attention": True}
 
 
 class FusedRotary:
-    """Mixin over a `ROTARY_ATTENTIONS` class whose q/k/v projections are parts of one stacked GEMM
-    (`merged.MergedPart`): q and k rotated out of the stacked output in one kernel call each
-    (`native.rotary`, transformers' rounding), v a view of it. The parts' copies and views and
+    """Mixin over a `ROTARY_ATTENTIONS` class whose q/k/v projections are parts of one merged output
+    (`merged.MergedPart`: a stacked GEMM's, or the layers' apart): q and k rotated out of it in one
+    kernel call each (`native.rotary`, transformers' rounding), v a view of it. The parts' copies and views and
     transformers' rotary ops (five a tensor) are not made; the values are the same."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -137,24 +137,35 @@ def fuse_norms(module: nn.Module) -> int:
     return count
 
 
+def rotary_fuses(attention: nn.Module) -> bool:
+    """Whether `attention` can rotate q and k out of one stacked q/k/v output (`fuse_rotary`): its
+    class is one of `ROTARY_ATTENTIONS` and our kernels are built."""
+    return type(attention).__name__ in ROTARY_ATTENTIONS and native.rotary_kernel() is not None
+
+
 def fuse_rotary(attention: nn.Module) -> bool:
-    """`attention`, whose q_proj, k_proj and v_proj were just stacked into one GEMM, rotates its q and
-    k in one kernel call each, where its class is one of `ROTARY_ATTENTIONS` and our kernels are
-    built -> whether."""
-    if type(attention).__name__ not in ROTARY_ATTENTIONS or isinstance(attention, FusedRotary) \
-            or native.rotary_kernel() is None:
+    """`attention`, whose q_proj, k_proj and v_proj were just merged into one output, rotates its q
+    and k in one kernel call each, where it can (`rotary_fuses`) -> whether."""
+    if not rotary_fuses(attention) or isinstance(attention, FusedRotary):
         return False
     attention.__class__ = _subclass(type(attention), FusedRotary)
     return True
 
 
-def fuse_swiglu(mlp: nn.Module, sizes: list[int]) -> bool:
-    """`mlp`, whose gate_proj and up_proj were just stacked into one GEMM of output `sizes`, runs its
-    middle in one kernel call, where its activation is SiLU and our kernels are built -> whether."""
+def swiglu_fuses(mlp: nn.Module, sizes: list[int]) -> bool:
+    """Whether `mlp` can run its middle over one stacked gate/up output of `sizes` (`fuse_swiglu`): a
+    SwiGLU MLP (its activation SiLU, gate and up alike) and our kernels built."""
     from transformers.activations import SiLUActivation
 
-    if type(mlp.act_fn) not in (SiLUActivation, nn.SiLU) or len(set(sizes)) != 1 or isinstance(mlp, FusedSwiGLU) \
-            or native.silu_mul_kernel() is None:
+    act = mlp._modules.get("act_fn")
+    return act is not None and "down_proj" in mlp._modules and type(act) in (SiLUActivation, nn.SiLU) \
+        and len(set(sizes)) == 1 and native.silu_mul_kernel() is not None
+
+
+def fuse_swiglu(mlp: nn.Module, sizes: list[int]) -> bool:
+    """`mlp`, whose gate_proj and up_proj were just merged into one output of `sizes`, runs its
+    middle in one kernel call, where it can (`swiglu_fuses`) -> whether."""
+    if not swiglu_fuses(mlp, sizes) or isinstance(mlp, FusedSwiGLU):
         return False
     mlp.__class__ = _subclass(type(mlp), FusedSwiGLU)
     return True

@@ -1,6 +1,6 @@
 """A batched pass of a Llama-like decoder as one loop over its layers: the calls its fused modules
 make (layer_ops.py: a kernel call for each norm, for q's and k's rotation and for the SwiGLU
-middle; merged.py: q/k/v and gate/up as one GEMM each), in the same order on the same tensors, so
+middle; merged.py: q/k/v and gate/up each one merged output), in the same order on the same tensors, so
 the same bits, without the module machinery around them: each layer's, norm's, attention's and
 MLP's `__call__`, the checks each fused forward repeats, and the decoder's mask and output
 plumbing. Between GEMMs that stream the weights, that Python runs with cold caches, and a pass

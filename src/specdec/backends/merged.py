@@ -1,7 +1,9 @@
 """Sibling projections as one GEMM: an attention's q/k/v and an MLP's gate/up read the same input,
 so their packed bf16 weights are stacked and multiplied once (vLLM's CPU models hold them merged
 too). Four GEMM calls a layer instead of seven, and wider ones: 2-3% less GEMM time at 6-16 rows
-on the EPYC measured (docs/kernels.md#merged-projections).
+on the EPYC measured (docs/kernels.md#merged-projections). Where a stack would change a bit, the
+group's layers are held apart behind the same parts (`ApartGemm`) so that what reads one merged
+output (the fused rotation, the SwiGLU middle) still runs.
 
 The model's own code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one after the other, so
 each becomes a `MergedPart`: the first call on an input runs the stacked GEMM, and each part hands
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from .kernels import ROW_CHUNK, Int8Linear, PackedBf16Linear, StackedPart, dense_weight, set_dense_weight
-from .layer_ops import fuse_rotary, fuse_swiglu
+from .layer_ops import fuse_rotary, fuse_swiglu, rotary_fuses, swiglu_fuses
 from .prompts import PREFILL_CHUNK
 
 # the model's attribute names of sibling projections that read one input (stacked in this order)
@@ -163,7 +165,8 @@ def merge_projections(module: nn.Module, family: str) -> int:
     `PackedBf16Linear` (or all a drafter's int8 layers in front of them, `_packed`) of one input
     width, with or without bias alike: stacked where the stacked GEMM gives their own bits
     (`stacks_exactly`; the int8 kernel rounds an input row once whatever the outputs, so its stack
-    gives each part's own result too), else apart (`ApartGemm`); return how many groups were merged."""
+    gives each part's own result too), else apart (`ApartGemm`) where the fused rotation or SwiGLU
+    middle then runs over their outputs (else left as they are); return how many groups were merged."""
     if family not in FAMILIES:
         return 0
     count = 0
@@ -176,16 +179,19 @@ def merge_projections(module: nn.Module, family: str) -> int:
             if len({(layer.in_features, layer.bias is None, p.least_rows, p.tiled,
                      layer.short_rows if isinstance(layer, Int8Linear) else 0) for layer, p in zip(layers, packed)}) != 1:
                 continue
-            stacks = stacks_exactly(layers[0].in_features, tuple(layer.out_features for layer in layers),
-                                    layers[0].bias is not None, packed[0].least_rows, torch.get_num_threads(),
-                                    packed[0].tiled)
+            sizes = [layer.out_features for layer in layers]
+            mlp = names[0] == "gate_proj"
+            stacks = stacks_exactly(layers[0].in_features, tuple(sizes), layers[0].bias is not None,
+                                    packed[0].least_rows, torch.get_num_threads(), packed[0].tiled)
+            if not stacks and not (swiglu_fuses(child, sizes) if mlp else rotary_fuses(child)):
+                continue  # apart behind parts, with nothing fused over their outputs: a copy for nothing
             merged = MergedGemm(layers, stacked=stacks)
             for index, name in enumerate(names):
                 setattr(child, name, MergedPart(merged, index))
-            if names[0] == "gate_proj" and "down_proj" in child._modules and "act_fn" in child._modules:
+            if mlp:
                 fuse_swiglu(child, merged.sizes)  # its middle in one kernel call (layer_ops.py)
-            elif names[0] == "q_proj":
-                fuse_rotary(child)  # q and k rotated out of the stack in a kernel call each (layer_ops.py)
+            else:
+                fuse_rotary(child)  # q and k rotated out of the merged output in a kernel call each (layer_ops.py)
             count += 1
     return count
 

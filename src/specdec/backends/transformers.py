@@ -79,7 +79,7 @@ class TransformersModel:
         self._packed_head: PackedBf16Linear | None = None  # a bf16 target's head, packed (`_logits`)
         self._head_row_norm = None
         self.kernels = "stock"
-        self.merged_groups = 0  # sibling projections stacked into one GEMM (backends/merged.py)
+        self.merged_groups = 0  # sibling projections run as one (stacked, or apart behind parts: backends/merged.py)
         on_cpu = self._device.type == "cpu" and has_onednn() and kernels == "auto"
         if on_cpu and self._dtype == torch.float32 and not int8:
             pack_linears(self._decoder)
@@ -100,7 +100,8 @@ class TransformersModel:
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
-            # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's where our kernel runs them)
+            # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's where our kernel runs them),
+            # else apart behind one merged output where the fused rotation or SwiGLU middle reads it
             self.merged_groups = merge_projections(self._decoder, hf_model.config.model_type)
             fuse_norms(self._decoder)
             self.kernels = (f"{int8_label(self._decoder)}+" if int8 else "") + packed_bf16_label()

@@ -123,9 +123,7 @@ def end_ids(name: str) -> list[int]:
 
     from ..backends.text import eos_ids
 
-    folder = converted_dir(name)
-    if not folder.is_dir():
-        raise SpecdecError(f"{name} is not installed (run `specdec install {name}`)")
+    folder = require_installed(name)
     generation = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").exists() else None
     return eos_ids([generation, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)])
 
