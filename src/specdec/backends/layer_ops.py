@@ -79,8 +79,8 @@ ROTARY_ATTENTIONS = {"LlamaAttention": False, "Qwen2Attention": True}
 class FusedRotary:
     """Mixin over a `ROTARY_ATTENTIONS` class whose q/k/v projections are parts of one merged output
     (`merged.MergedPart`: a stacked GEMM's, or the layers' apart): q and k rotated out of it in one
-    kernel call each (`native.rotary`, transformers' rounding), v a view of it. The parts' copies and views and
-    transformers' rotary ops (five a tensor) are not made; the values are the same."""
+    kernel call each (`native.rotary`, transformers' rounding), v a view of it. The parts' copies
+    and views and transformers' rotary ops (five a tensor) are not made; the values are the same."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
@@ -138,7 +138,7 @@ def fuse_norms(module: nn.Module) -> int:
 
 
 def rotary_fuses(attention: nn.Module) -> bool:
-    """Whether `attention` can rotate q and k out of one stacked q/k/v output (`fuse_rotary`): its
+    """Whether `attention` can rotate q and k out of one merged q/k/v output (`fuse_rotary`): its
     class is one of `ROTARY_ATTENTIONS` and our kernels are built."""
     return type(attention).__name__ in ROTARY_ATTENTIONS and native.rotary_kernel() is not None
 
@@ -153,7 +153,7 @@ def fuse_rotary(attention: nn.Module) -> bool:
 
 
 def swiglu_fuses(mlp: nn.Module, sizes: list[int]) -> bool:
-    """Whether `mlp` can run its middle over one stacked gate/up output of `sizes` (`fuse_swiglu`): a
+    """Whether `mlp` can run its middle over one merged gate/up output of `sizes` (`fuse_swiglu`): a
     SwiGLU MLP (its activation SiLU, gate and up alike) and our kernels built."""
     from transformers.activations import SiLUActivation
 
