@@ -63,19 +63,14 @@ class MergedGemm(nn.Module):
     def __init__(self, layers: list[PackedBf16Linear | Int8Linear], stacked: bool = True):
         super().__init__()
         self.sizes = [layer.out_features for layer in layers]
-        self.stacked = stacked
-        if not stacked:
-            self.gemm = ApartGemm(layers)
-            self._memo = None
-            return
-        weight = torch.cat([dense_weight(layer) for layer in layers])
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        packed = _packed(layers[0])
-        self.gemm = PackedBf16Linear(weight, bias, packed.least_rows, packed.tiled)
-        if isinstance(layers[0], Int8Linear):  # a drafter's: one int8 call in front of the stacked long path
-            self.gemm = Int8Linear(weight, bias, self.gemm, layers[0].short_rows, vnni=True)
+        self.gemm = _stack(layers) if stacked else ApartGemm(layers)
         # (the input, its parts' outputs, the parts served), until every part took its own
         self._memo: tuple[torch.Tensor, tuple[torch.Tensor, ...], set[int]] | None = None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the parts' weights are stacked into one GEMM (else held apart, `ApartGemm`)."""
+        return not isinstance(self.gemm, ApartGemm)
 
     def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Part `index`'s output for x [..., in] -> [..., sizes[index]] (contiguous)."""
@@ -147,6 +142,18 @@ class MergedPart(StackedPart):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of {self.merged.sizes}"
+
+
+def _stack(layers: list[PackedBf16Linear | Int8Linear]) -> nn.Module:
+    """One packed GEMM over `layers`' weights stacked [sum of outs, in] (a drafter's int8 layers: one
+    int8 call in front of the stacked long path)."""
+    weight = torch.cat([dense_weight(layer) for layer in layers])
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    packed = _packed(layers[0])
+    gemm = PackedBf16Linear(weight, bias, packed.least_rows, packed.tiled)
+    if isinstance(layers[0], Int8Linear):
+        gemm = Int8Linear(weight, bias, gemm, layers[0].short_rows, vnni=True)
+    return gemm
 
 
 def _packed(layer: nn.Module) -> PackedBf16Linear | None:
