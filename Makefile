@@ -122,11 +122,16 @@ bench-serve-gguf: peers $(LLAMA_SERVER)
 # ~25 min on 2 cores). transformers serve's /v1/models fails without a hub cache folder, and lists
 # no local folder, hence --model. PROMPT_CACHE=on leaves our prompt cache on and writes hf-cached.*
 # transformers serve sizes its paged KV cache to the free memory (~14 GB of 23 here): run nothing beside it.
+# Ours takes its pass costs first (--costs-first) and the other server starts once ours is ready:
+# timed while vLLM's compiled beside it, ours once cached costs that had it draft at 16 in flight,
+# where drafting lost (docs/server.md#limits-and-errors).
+WAIT_OURS := until curl -sf http://127.0.0.1:8765/health >/dev/null; do kill -0 $$ours || exit 1; sleep 2; done
 HF_TARGET := from specdec.models import catalogue as r; print(r.converted_dir(r.DEFAULT_TARGET))
 HF_OUT := docs/benchmarks/server/hf$(if $(filter on,$(PROMPT_CACHE)),-cached)
 bench-serve-hf: setup
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); mkdir -p $${HF_HOME:-$$HOME/.cache/huggingface}/hub; \
-	$(BIN)/specdec serve --max-batch 16 --port 8765 $(OURS_CACHE) 2>/dev/null & ours=$$!; \
+	$(BIN)/specdec serve --max-batch 16 --port 8765 $(OURS_CACHE) --costs-first 2>/dev/null & ours=$$!; \
+	trap "kill $$ours 2>/dev/null || true" EXIT; $(WAIT_OURS); \
 	$(BIN)/transformers serve $$hf --continuous-batching --dtype bfloat16 --device cpu --port 8766 >/dev/null 2>&1 & \
 	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \
 	$(BIN)/specdec bench-serve $(SERVE_LOAD) --url ours=http://127.0.0.1:8765 --url ours-ar=http://127.0.0.1:8765 \
@@ -159,7 +164,8 @@ VLLM_OUT := docs/benchmarks/vllm/serve
 HF_STOPS := import json; from specdec.models import catalogue as r; print(json.dumps({"stop_token_ids": r.end_ids(r.DEFAULT_TARGET)}))
 bench-serve-vllm: setup vllm
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); stops=$$($(BIN)/python -c '$(HF_STOPS)'); \
-	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache 2>/dev/null & ours=$$!; \
+	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache --costs-first 2>/dev/null & ours=$$!; \
+	trap "kill $$ours 2>/dev/null || true" EXIT; $(WAIT_OURS); \
 	$(VLLM_ENV) .peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model $$hf --dtype bfloat16 \
 		--host 127.0.0.1 --port 8771 --max-num-seqs 16 --max-model-len 4096 --no-enable-prefix-caching \
 		--served-model-name vllm >/dev/null 2>&1 & \

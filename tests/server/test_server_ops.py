@@ -200,22 +200,30 @@ def test_health_says_how_far_the_first_starts_cost_measuring_has_come(tiny):
             time.sleep(0.05)
 
 
-def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_where_they_are_cached(
-        tmp_path, monkeypatch, capsys):
+class _Phases(dict):
+    """A loader's progress that keeps every phase the load went through, in order ("seen")."""
+
+    def __setitem__(self, key, value):
+        self.setdefault("seen", []).append(value)
+        super().__setitem__(key, value)
+
+
+def _tiny_loader(tmp_path, monkeypatch, progress, costs_first=False):
+    """serve's loader of a tiny target "t" and drafter "d" at max batch 2, costs cached under tmp_path."""
     import specdec.models.loading
     from specdec.cli.serve import _service_loader
-
-    class Phases(dict):  # every phase the load went through, in order
-        def __setitem__(self, key, value):
-            self.setdefault("seen", []).append(value)
-            super().__setitem__(key, value)
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     models = {"t": tiny_model(0, exact_rows=True, name=NAME), "d": tiny_model(1, layers=1, exact_rows=True, name="d")}
     monkeypatch.setattr(specdec.models.loading, "load", lambda name, **options: models[name])
-    progress = Phases()
-    load = _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
-                           "http://127.0.0.1:1/v1", progress)
+    return _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
+                           "http://127.0.0.1:1/v1", progress, costs_first)
+
+
+def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_where_they_are_cached(
+        tmp_path, monkeypatch, capsys):
+    progress = _Phases()
+    load = _tiny_loader(tmp_path, monkeypatch, progress)
     service = load()
     assert progress["seen"] == ["loading the models", None]  # it serves before any cost is taken
     assert service.costs is None and service.load_costs is None and service.measuring() == "pass costs (1 of 4)"
@@ -232,6 +240,19 @@ def test_the_loader_leaves_its_costs_to_take_between_requests_and_says_each_and_
     while service.measure_next():  # a second start reads them back: nothing timed, nothing said of sizes
         pass
     assert service.load_costs is not None and " ms a pass" not in capsys.readouterr().err
+
+
+def test_with_costs_first_the_loader_takes_every_cost_before_it_serves(tmp_path, monkeypatch, capsys):
+    """--costs-first: a server that will share the cores once it serves (a benchmark starting
+    another server beside it) times its costs while they are its own: each taken during the load,
+    /health's phase saying which, none left for between requests."""
+    progress = _Phases()
+    service = _tiny_loader(tmp_path, monkeypatch, progress, costs_first=True)()
+    assert progress["seen"] == ["loading the models"] + [f"taking pass costs ({k} of 4)" for k in (1, 2, 3, 4)] + [None]
+    assert not service.pending_costs and service.measuring() is None
+    assert service.costs is not None and service.lookup_costs is not None and service.load_costs is not None
+    said = capsys.readouterr().err
+    assert "pass costs (1 of 4), before serving" in said and "cached in" in said and ", taken)" in said
 
 
 def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):

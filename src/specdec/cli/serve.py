@@ -79,6 +79,11 @@ def serve(
     prompt_cache_memory: str = typer.Option("256MiB", "--prompt-cache-memory", help="On transformers' weights: the "
                                             "most memory kept prompts take in the target, and again in a drafter model; "
                                             "the least recently used dropped first."),
+    costs_first: bool = typer.Option(False, "--costs-first", help="Take the pass costs that size drafts (from "
+                                     "the cache, or timed: minutes on a first start on a CPU) before serving, "
+                                     "/health answering 503 meanwhile, instead of between the first requests: "
+                                     "where other work will share the cores once it serves, so that it times them "
+                                     "alone."),
 ):
     """An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the batched engine."""
@@ -110,7 +115,7 @@ def serve(
     progress = {"phase": None}  # what the load is doing, for /health meanwhile
     load = _service_loader(target, None if no_drafter else drafter, method, dtype, drafter_dtype, device, max_batch,
                            prompt_cache, online, gamma_max, tree_nodes, limits, suffix_cache_tokens, datastore,
-                           f"http://{host}:{port}/v1", progress)
+                           f"http://{host}:{port}/v1", progress, costs_first)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]listening on {host}: reachable beyond this machine"
                   f"{'' if api_key else ' and without --api-key'}[/]")
@@ -187,10 +192,12 @@ def _served_method(method: str, drafter: str, datastore_dir: str | None, dtype: 
 
 def _service_loader(target: str, drafter: str | None, method: str, dtype: str, drafter_dtype: str, device: str,
                     max_batch: int, prompt_cache, online: bool, gamma_max: int, tree_nodes: int, limits,
-                    suffix_cache_tokens: int, datastore, url: str, progress: dict | None = None):
+                    suffix_cache_tokens: int, datastore, url: str, progress: dict | None = None,
+                    costs_first: bool = False):
     """What the server's worker calls to load the models (after the port is open: /health says
     loading meanwhile) -> the `Service`, its pass costs pending (`Service.pending_costs`: taken
-    from the cache or timed between requests). progress["phase"]: what it is doing, for /health."""
+    from the cache or timed between requests), or with `costs_first` already taken.
+    progress["phase"]: what it is doing, for /health."""
     progress = {} if progress is None else progress
 
     def load():
@@ -216,12 +223,16 @@ def _service_loader(target: str, drafter: str | None, method: str, dtype: str, d
         # the costs, each from the cache or timed (on a first start, minutes on a CPU), are taken by
         # the engine's thread between requests: it serves at once, sized conservatively meanwhile
         steps = _cost_steps(target_model, drafter_model, method, max_batch, say)
-        service.pending_costs = {name: _announced(measure, say, f"pass costs ({k} of {len(steps)}), between requests")
+        when = "before serving" if costs_first else "between requests"
+        service.pending_costs = {name: _announced(measure, say, f"pass costs ({k} of {len(steps)}), {when}")
                                  for k, (name, measure) in enumerate(steps.items(), 1)}
+        while costs_first and service.pending_costs:
+            progress["phase"] = f"taking {service.measuring()}"
+            service.measure_next()
         progress["phase"] = None
         err.print(f"serving {service.name} on {url} (speculation: {method}, max batch {max_batch}; pass costs "
-                  f"cached in {cache_path()}, measured between requests where not yet)", highlight=False,
-                  soft_wrap=True)
+                  f"cached in {cache_path()}, {'taken' if costs_first else 'measured between requests where not yet'})",
+                  highlight=False, soft_wrap=True)
         return service
 
     return load
