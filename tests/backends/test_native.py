@@ -14,7 +14,9 @@ from specdec.backends.kernels import tiled_bf16_supported
 from specdec.errors import SpecdecError
 
 built = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the kernels are not built")
-tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512-BF16 (no AMX)")
+tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512-BF16")
+amx = pytest.mark.skipif(native.library() is None or native.linear_amx_kernel() is None,
+                         reason="the AMX linear kernel needs a CPU with AMX")
 
 
 def _reference(query, keys, values, spans, scale):
@@ -239,6 +241,67 @@ def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):
         assert torch.equal(native.linear(x, packed, n, b), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def _amx_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T summed in float32 as AMX's TDPBF16PS sums (csrc/linear_amx.c): per
+    block of 16 input pairs an even and an odd lane from zero, pair after pair, then their sum added
+    to the accumulator; the bias added and the result rounded to bf16 -> [M, N] bf16."""
+    xs, ws = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for start in range(0, x.shape[1], 32):
+        even, odd = torch.zeros_like(acc), torch.zeros_like(acc)
+        for i in range(start, min(start + 32, x.shape[1]), 2):
+            even = even + xs[:, i, None] * ws[None, :, i]  # a bf16 product is exact in float32
+            odd = odd + xs[:, i + 1, None] * ws[None, :, i + 1]
+        acc = acc + (even + odd)
+    return (acc if bias is None else acc + bias.float()).bfloat16()
+
+
+@amx
+@pytest.mark.parametrize("n,k,bias", [(20, 64, True), (40, 96, False), (17, 70, True)])
+def test_on_amx_a_row_has_amx_s_rounding_on_the_tiles_and_on_fmas(n, k, bias):
+    """On an AMX CPU every tiled call rounds as AMX does, whether its rows run on the tiles or on
+    FMAs (`specdec_linear_amx_least_rows` moves the switch; 70 inputs are no whole block of 16
+    pairs, which only the FMAs take): the same bits as a float32 model of AMX's order, for calls of
+    1, 3, 16, 17 and 40 rows."""
+    import ctypes
+
+    generator = torch.Generator().manual_seed(n * k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    x = torch.randn(40, k, generator=generator).bfloat16()
+    # rows whose sum is 1 in AMX's order and 0 in others: pair after pair (2^24 + 1 rounds to 2^24),
+    # or the odd lane added to the accumulator after the even one
+    weight[:, [0, 1, 2, 32, 33]] = 1
+    crafted = torch.zeros(k)
+    crafted[[0, 1, 2, 32, 33]] = torch.tensor([2.0 ** 24, 1, -2.0 ** 24, 2.0 ** 24, -2.0 ** 24])
+    x[[5, 20]] = crafted.bfloat16()
+    expected = _amx_order(x, weight, b)
+    assert torch.equal(expected[[5, 20]].float(), (1 + (b.float() if bias else torch.zeros(n))).bfloat16().float().expand(2, n))
+    packed = native.pack_tiles(weight)
+    least = native.library().specdec_linear_amx_least_rows
+    least.restype, least.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    before = least(0)
+    try:
+        for switch in (1, 10 ** 6):  # every call on the tiles, then every call on FMAs
+            least(switch)
+            for count in (1, 3, 16, 17, 40):
+                assert torch.equal(native.linear(x[:count].clone(), packed, n, b), expected[:count]), (switch, count)
+    finally:
+        least(before)
+
+
+@amx
+def test_on_amx_a_prompt_chunk_s_rows_are_a_decode_step_s():
+    """The 1.5B target's widths: a row of a 256-row call (a prompt chunk) has the bits it has alone."""
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(256, 1536, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(256, 1536, generator=generator).bfloat16()
+    packed = native.pack_tiles(weight)
+    full = native.linear(x, packed, 256, None)
+    for row in (0, 100, 255):
+        assert torch.equal(native.linear(x[row:row + 1].clone(), packed, 256, None), full[row:row + 1])
 
 
 @tiled

@@ -509,17 +509,26 @@ def packed_bf16_supported() -> bool:
     return bool((out == 32).all())
 
 
+# what `packed_bf16_label` may say: a model's kernels name where its linears are `PackedBf16Linear`s
+PACKED_BF16_LABELS = ("onednn-packed-bf16", "tiled-bf16", "tiled-bf16-amx")
+
+
 def packed_bf16_label() -> str:
     """What `PackedBf16Linear` runs here, for a model's `kernels` name (and the pass-cost cache's
-    key): "tiled-bf16" (our kernel, `native.linear`) or "onednn-packed-bf16"."""
-    return "tiled-bf16" if tiled_bf16_supported() else "onednn-packed-bf16"
+    key): "tiled-bf16" (our kernel, `native.linear`), "tiled-bf16-amx" (the same layout rounded as
+    AMX rounds, on an AMX CPU) or "onednn-packed-bf16"."""
+    if not tiled_bf16_supported():
+        return "onednn-packed-bf16"
+    return "tiled-bf16-amx" if native.linear_amx_kernel() is not None else "tiled-bf16"
 
 
 def tiled_bf16_supported() -> bool:
     """Whether `PackedBf16Linear` packs its weight in tiles for our kernel (`native.linear`): where
-    it is built (AVX512-BF16) and the CPU has no AMX, whose tiles oneDNN uses (a prompt's GEMMs run
-    several times faster there than on the dot-product instruction; ours is unmeasured on AMX)."""
-    return native.linear_kernel() is not None and not cpu_has_amx()
+    it is built (AVX512-BF16), and on a CPU with AMX where its AMX kernel runs too (a prompt's GEMMs
+    run several times faster on AMX's tiles than on the dot-product instruction)."""
+    if native.linear_kernel() is None:
+        return False
+    return not cpu_has_amx() or native.linear_amx_kernel() is not None
 
 
 def packed_bf16_least_rows() -> int:

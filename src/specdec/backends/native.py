@@ -16,7 +16,9 @@
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
   rows meet without padding or cutting (backends/rows.py), and a 1..4-row call streams the
   weights at the memory's speed, where oneDNN's blocked kernel reached about two thirds of it
-  (docs/kernels.md#tiled-bf16-linears).
+  (docs/kernels.md#tiled-bf16-linears). On a CPU with AMX, `linear` runs the same packed tiles
+  on AMX's tiles instead (csrc/linear_amx.c, `linear_amx_kernel`), every call summed in AMX's order
+  (docs/kernels.md#tiled-bf16-linears-on-amx).
 
 Attention: a row-exact pass runs attention a query row at a time, each row over exactly the keys it may see
 (backends/rows.py); through sdpa that is a call per row per layer, and at 16 sequences in flight
@@ -56,7 +58,8 @@ from ..errors import SpecdecError
 log = logging.getLogger("specdec.backends")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("one_query.c", "linear.c", "kv_append.c", "activation.c",
-                                                                   "norm.c", "candidates.c", "linear_i8.c", "rotary.c")]
+                                                                   "norm.c", "candidates.c", "linear_i8.c", "rotary.c",
+                                                                   "linear_amx.c")]
 HEADERS = [Path(__file__).parent / "csrc" / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # a build that no process loaded for this long (each load touches it) goes at the next build: each
@@ -188,6 +191,18 @@ def linear_kernel():
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p])
 
 
+@functools.cache
+def linear_amx_kernel():
+    """The compiled `specdec_linear_amx_bf16` (csrc/linear_amx.c: the tiled layout's sums rounded as
+    AMX rounds them, on AMX tiles for many rows and on FMAs for a few), or None where the CPU has
+    no AMX or Linux did not lend this process its tiles."""
+    if not _built_with("specdec_linear_amx_available"):
+        return None
+    return _function("specdec_linear_amx_bf16", ctypes.c_int,
+                     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p])
+
+
 TILE = 16  # outputs per tile of a packed weight (csrc/linear.c)
 
 
@@ -260,12 +275,26 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         x = x.contiguous()
     threads = torch.get_num_threads()
     y = torch.empty(rows, n, dtype=torch.bfloat16)
-    scratch = torch.empty(max(rows, 1) * threads * _scratch_per_row(), dtype=torch.float32)
+    amx = linear_amx_kernel()  # on an AMX CPU every call rounds as AMX does, whatever its rows
+    if amx is not None:
+        scratch = torch.empty(_amx_scratch(rows, k, threads), dtype=torch.float32)
+    else:
+        scratch = torch.empty(max(rows, 1) * threads * _scratch_per_row(), dtype=torch.float32)
     if rows:
         with _traced("specdec::linear_bf16"):
-            linear_kernel()(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads, scratch.data_ptr())
+            done = (amx or linear_kernel())(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,
+                                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, threads,
+                                            scratch.data_ptr())
+        if done != 0:
+            raise SpecdecError("the AMX linear kernel could not use AMX's tiles in this process")
     return y
+
+
+def _amx_scratch(rows: int, k: int, threads: int) -> int:
+    """Floats of scratch space `specdec_linear_amx_bf16` needs."""
+    lib = library()
+    lib.specdec_linear_amx_scratch.restype = ctypes.c_int64
+    return lib.specdec_linear_amx_scratch(ctypes.c_int64(rows), ctypes.c_int64(k), ctypes.c_int(threads))
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
-from .kernels import (Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
+from .kernels import (PACKED_BF16_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
                        fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
@@ -182,7 +182,7 @@ class TransformersModel:
             return
         # the head's long path: packed as the layers are (int8 beats it up to `int8_short_rows`
         # rows), else plain bf16 (int8 beats that up to 8 rows: docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)
-        if self.kernels.endswith(("onednn-packed-bf16", "tiled-bf16")):
+        if self.kernels.endswith(PACKED_BF16_LABELS):
             long = PackedBf16Linear(weight, bias, packed_bf16_least_rows())
         else:
             long = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=self.device,
@@ -225,7 +225,7 @@ class TransformersModel:
         """Whether every row of a pass, batched ones included, is bit for bit the row a one-token pass
         computes: row-exact attention and no layer that switches kernels by row count (the int8
         short path, a bf16 short path over packed fp32, a frequent-token head)."""
-        return self.exact_rows and self.kernels in ("stock", "onednn-packed", "onednn-packed-bf16", "tiled-bf16") and \
+        return self.exact_rows and self.kernels in ("stock", "onednn-packed", *PACKED_BF16_LABELS) and \
             self._draft_head is None
 
     def features(self) -> Features:
