@@ -214,23 +214,30 @@ def test_a_batched_profile_where_more_work_timed_faster_is_timed_again(tmp_path,
     assert not LoadCosts(profile.target).may_pay(16, 0.5)  # what the contended timing had said it would
 
 
-def test_disagreement_left_after_retiming_is_evened_out_and_a_doubtful_cached_profile_is_retimed(
+def test_disagreement_left_after_retiming_is_not_cached_nor_read_as_free_rows_and_a_doubtful_cache_is_retimed(
         tmp_path, monkeypatch):
-    """Where timing again does not settle it (the cores stay busy), no size is kept faster than
-    one it contains; and a profile cached before this rule, where one is, is timed anew."""
+    """Where timing again does not settle it (the cores stay busy), the profile is used for this
+    run only, drafting ruled out at the batch sizes that disagreed; and a profile cached before
+    this rule, where one disagrees, is timed anew."""
     monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
     busy = {**LOADED, (16, 4): 0.70, (16, 1): 0.66}
     time_it = _timings({}, busy)
     monkeypatch.setattr(passcost, "batch_pass_seconds", time_it)
     target = tiny_model(0, vocab=32, exact_rows=True)
-    profile = load_costs(target, None)
-    assert time_it.timed.count((16, 1)) == 1 + passcost.RETIMES
-    assert profile.target[(16, 1)] == 0.66 and profile.target[(16, 2)] == 0.66 and profile.target[(16, 4)] == 0.70
-    assert all(profile.target[(b, r)] >= profile.target[(1, 1)] for b, r in profile.target)
+    said = []
+    profile = load_costs(target, None, say=said.append)
+    assert time_it.timed.count((16, 1)) == 1 + passcost.RETIMES and any("not cached" in line for line in said)
+    assert not passcost.cache_path().exists()
+    assert not LoadCosts(profile.target).may_pay(16, 0.85)  # the busy timing alone would say it pays
+    assert not LoadCosts({k: busy[k] for k in profile.target}).best_speedup(16, 0.85) < passcost.WORTH
+    assert profile.target[(8, 2)] == LOADED[(8, 2)]  # the sizes that agreed are as timed
+    monkeypatch.setattr(passcost, "batch_pass_seconds", _timings({}, LOADED | {(16, 4): 0.70}))
+    settled = load_costs(target, None)
+    assert settled.target[(16, 1)] == LOADED[(16, 1)] and passcost.cache_path().exists()
     cache = json.loads(passcost.cache_path().read_text())
     key = next(k for k in cache if "batched rows" in k)
-    cache[key]["seconds"]["16,2"] = 0.4717  # as cached before: faster than 16 x 1
+    cache[key]["seconds"]["16,1"] = 0.66  # as cached before this rule: 16 x 2 faster than 16 x 1
     passcost.cache_path().write_text(json.dumps(cache))
-    time_it.timed.clear()
-    monkeypatch.setattr(passcost, "batch_pass_seconds", _timings({}, LOADED | {(16, 4): 0.70}))
-    assert load_costs(target, None).target[(16, 1)] == LOADED[(16, 1)]
+    again = _timings({}, LOADED | {(16, 4): 0.70})
+    monkeypatch.setattr(passcost, "batch_pass_seconds", again)
+    assert load_costs(target, None).target[(16, 1)] == LOADED[(16, 1)] and again.timed

@@ -2,8 +2,8 @@
 (every row as a one-token pass computes it) on the CPU and CUDA.
 
 On CPUs with native bf16, bf16 weights get `PackedBf16Linear`, packed once at load: in tiles for
-our kernel where it is built and the CPU has no AMX (`native.linear`: rows exact in calls of any
-size, a few-row call at the memory's speed; docs/kernels.md#tiled-bf16-linears), else into
+our kernel where it is built (`native.linear`: rows exact in calls of any size, a few-row call at
+the memory's speed, on AMX's tiles where the CPU has them; docs/kernels.md#tiled-bf16-linears), else into
 oneDNN's blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which
 reorders them on every call, and faster (docs/kernels.md#packed-bf16-linears); a drafter's int8
 short path (`Int8Linear`) stays in front.

@@ -292,9 +292,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def _amx_scratch(rows: int, k: int, threads: int) -> int:
     """Floats of scratch space `specdec_linear_amx_bf16` needs."""
-    lib = library()
-    lib.specdec_linear_amx_scratch.restype = ctypes.c_int64
-    return lib.specdec_linear_amx_scratch(ctypes.c_int64(rows), ctypes.c_int64(k), ctypes.c_int(threads))
+    return _amx_scratch_function()(rows, k, threads)
+
+
+@functools.cache
+def _amx_scratch_function():
+    return _function("specdec_linear_amx_scratch", ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
 
 @functools.cache

@@ -48,7 +48,8 @@ CATCH_UP = 64  # tokens of the drafter pass timed for its catch-up cost a token
 # markedly faster than a pass it contains (`_doubtful`), another process held the cores during
 # the smaller one (a server started beside another one timed 16 sequences x 2 rows 23% under x 1,
 # and then drafted at 16 in flight where drafting lost). Those sizes are timed again, the faster
-# time kept, up to RETIMES rounds.
+# time kept, up to RETIMES rounds; what still disagrees is not cached, and drafting is not
+# assumed to pay at those batch sizes (`_cautious`).
 SLACK = 0.15
 RETIMES = 2
 
@@ -342,19 +343,26 @@ def _batched(model, rows: Sequence[int], say, should_stop=None) -> dict[tuple[in
                     seconds[size] = min(seconds[size], batch_pass_seconds(model, b, r, repeats=3))
                     _said(say, f"{b} sequences x {r} rows (timed again: it disagreed with another size)",
                           seconds[size])
-            return _monotone(_PARTIAL.pop(key))
+            seconds = _PARTIAL.pop(key)
+            if _doubtful(seconds):
+                settled[0] = False
+                say("  some sizes still disagree (is another process busy?): not cached, and drafting is not "
+                    "assumed to pay at those batch sizes; timed again at the next start")
+                return _cautious(seconds)
+            return seconds
         alone = {}
         for r in rows:
             alone[r] = pass_seconds(model, r, repeats=3)
             _said(say, f"{r} rows", alone[r])
         return {f"{b},{r}": b * alone[r] for b in batches for r in rows}
 
+    settled = [True]  # whether what `measure` returns may be cached
     seconds = _remembered(
         key,
         lambda v: isinstance(v, dict) and set(v) == wanted and all(isinstance(t, (int, float)) and t > 0
                                                                    for t in v.values()) and not _doubtful(v),
-        measure, f"{model.name}'s batched passes", say)
-    return {tuple(map(int, k.split(","))): float(v) for k, v in seconds.items()}
+        measure, f"{model.name}'s batched passes", say, keep=lambda: settled[0])
+    return {tuple(map(int, k.split(","))): float(v) for k, v in _monotone(seconds).items()}
 
 
 def _contains(size: str, other: str) -> bool:
@@ -371,9 +379,21 @@ def _doubtful(seconds: dict[str, float]) -> set[str]:
 
 
 def _monotone(seconds: dict[str, float]) -> dict[str, float]:
-    """The profile with each size at least as slow as every size it contains: what noise within
-    SLACK (or disagreement left after RETIMES) would otherwise let the policy read as free rows."""
+    """The profile with each size at least as slow as every size it contains (noise within SLACK,
+    read as more work costing less)."""
     return {size: max([t] + [seconds[o] for o in seconds if _contains(size, o)]) for size, t in seconds.items()}
+
+
+def _cautious(seconds: dict[str, float]) -> dict[str, float]:
+    """A profile whose sizes still disagree, made safe to draft by: at a batch size where a size
+    disagreed, each row a sequence costs a one-row pass (no draft pays there)."""
+    batches = {size.split(",")[0] for size in _doubtful(seconds)}
+    safe = dict(seconds)
+    for size, t in seconds.items():
+        batch, rows = size.split(",")
+        if batch in batches and f"{batch},1" in seconds:
+            safe[size] = max(t, int(rows) * seconds[f"{batch},1"])
+    return safe
 
 
 def _said(say, size: str, seconds: float) -> None:
@@ -381,13 +401,16 @@ def _said(say, size: str, seconds: float) -> None:
     say(f"  {size}: {1e3 * seconds:.1f} ms a pass")
 
 
-def _remembered(key: str, valid, measure, what: str, say):
-    """The cached seconds under `key` where `valid` takes them, else `measure()`d now and cached."""
+def _remembered(key: str, valid, measure, what: str, say, keep=lambda: True):
+    """The cached seconds under `key` where `valid` takes them, else `measure()`d now and cached
+    (unless `keep()` then says otherwise)."""
     entry = _read_cache().get(key)
     if isinstance(entry, dict) and valid(entry.get("seconds")):
         return entry["seconds"]
     say(f"measuring {what} once for this machine (cached in {cache_path()})")
     seconds = measure()
+    if not keep():
+        return seconds
     entries = _read_cache()  # re-read: another process may have written meanwhile
     entries[key] = {"seconds": seconds}
     _write_cache(entries)

@@ -24,7 +24,8 @@
 #define FEW 2       /* tiles the FMA path keeps at once */
 #define FEW_ROWS 4  /* rows the FMA path keeps in registers at once */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
