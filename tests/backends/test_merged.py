@@ -10,9 +10,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
 import specdec.backends.merged as merged_module
 from specdec.backends import Segment
-from specdec.backends.kernels import (PackedBf16Linear, cpu_has_amx, dense_weight, differentiable_linears,
-                                     packed_bf16_least_rows, set_dense_weight, tiled_bf16_supported,
-                                     vnni_int8_supported)
+from specdec.backends.kernels import (PackedBf16Linear, dense_weight, differentiable_linears, packed_bf16_least_rows,
+                                     set_dense_weight, tiled_bf16_supported, vnni_int8_supported)
 from specdec.backends.layer_ops import FusedNorm, FusedRotary, FusedSwiGLU
 from specdec.backends.merged import ApartGemm, MergedGemm, MergedPart, merge_projections, stacks_exactly
 
@@ -229,12 +228,13 @@ def test_the_stacking_check_sees_a_changed_bit(monkeypatch):
     layout, whose calls the test can reach; tiles stack exactly by construction)."""
     import specdec.backends.kernels
 
+    stacks_exactly.cache_clear()
+    if tiled_bf16_supported():  # tiles stack exactly by construction: a check that says otherwise is broken
+        assert stacks_exactly(512, (512, 128, 128), True, 6, torch.get_num_threads(), tiled=True)
     monkeypatch.setattr(specdec.backends.kernels, "tiled_bf16_supported", lambda: False)
     stacks_exactly.cache_clear()
-    stacks = stacks_exactly(512, (512, 128, 128), True, 6, torch.get_num_threads())
-    if not stacks and cpu_has_amx():
-        pytest.skip("oneDNN's layout rounds this stack otherwise on AMX: no bit left to change")
-    assert stacks
+    if not stacks_exactly(512, (512, 128, 128), True, 6, torch.get_num_threads()):
+        pytest.skip("oneDNN's layout rounds this stack otherwise on this CPU (as on AMX): no bit left to change")
     real = PackedBf16Linear._packed
 
     def off(self, flat):

@@ -14,8 +14,8 @@ import torch
 
 from ..errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
-from .kernels import (PACKED_BF16_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact, cpu_has_native_bf16, fix_norm_rows,
-                       fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
+from .kernels import (PACKED_BF16_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact,
+                       cpu_has_native_bf16, fix_norm_rows, fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
 from .merged import merge_projections
