@@ -57,6 +57,18 @@ def tiny_model(seed: int, vocab: int = 16, layers: int = 2, max_positions: int =
     return TransformersModel(model, None, name or f"tiny-{seed}", kernels=kernels, exact_rows=exact_rows, role=role)
 
 
+def steady_batch_timings(timed: list | None = None):
+    """A stand-in for `pass_costs.batch_pass_seconds` whose sizes agree with each other (more work,
+    more time): a tiny model's real timings are noise, and on a busy machine a size that timed faster
+    than one it contains is timed again or left uncached, which a test of caching must not depend on.
+    Each size timed is appended to `timed` when given."""
+    def time_it(model, b: int, r: int, **options) -> float:
+        if timed is not None:
+            timed.append((b, r))
+        return 0.1 + 0.01 * b * r
+    return time_it
+
+
 
 
 # Fixtures that load real pretrained weights: a test that uses one (directly or through another

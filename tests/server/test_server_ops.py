@@ -20,7 +20,7 @@ from specdec.server.app import create_app
 from specdec.server.service import Limits, Service
 
 from test_server import live, serving, NAME, _metric, _metrics
-from conftest import tiny_model
+from conftest import steady_batch_timings, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +212,12 @@ def _tiny_loader(tmp_path, monkeypatch, progress, costs_first=False):
     """serve's loader of a tiny target "t" and drafter "d" at max batch 2, costs cached under tmp_path."""
     import specdec.models.loading
     from specdec.cli.serve import _service_loader
+    from specdec.sizing import pass_costs as passcost
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     models = {"t": tiny_model(0, exact_rows=True, name=NAME), "d": tiny_model(1, layers=1, exact_rows=True, name="d")}
     monkeypatch.setattr(specdec.models.loading, "load", lambda name, **options: models[name])
+    monkeypatch.setattr(passcost, "batch_pass_seconds", steady_batch_timings())
     return _service_loader("t", "d", "default", "auto", "auto", "cpu", 2, False, False, 8, 16, Limits(), 0, None,
                            "http://127.0.0.1:1/v1", progress, costs_first)
 

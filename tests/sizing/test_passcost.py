@@ -10,7 +10,7 @@ from specdec.sizing import pass_costs as passcost
 from specdec.sizing.pass_costs import LoadCosts, PassCosts, load_costs, pass_costs
 from specdec.sizing.schedules import CostAware
 
-from conftest import TableModel, cpu_only, tiny_model
+from conftest import TableModel, cpu_only, steady_batch_timings, tiny_model
 
 # seconds by width measured on the 2-core AVX512-BF16 EPYC (docs/kernels.md)
 GGUF = {1: 0.0326, 2: 0.0567, 3: 0.0746, 4: 0.109, 6: 0.158, 8: 0.218}
@@ -141,6 +141,7 @@ def test_the_batched_profile_rules_out_the_batch_sizes_where_no_draft_can_pay():
 
 def test_the_batched_profile_is_measured_once_per_model_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
+    monkeypatch.setattr(passcost, "batch_pass_seconds", steady_batch_timings())
     target, drafter = tiny_model(0, vocab=32, exact_rows=True), tiny_model(1, vocab=32, layers=1, name="tiny-drafter",
                                                                            exact_rows=True)
     said = []
@@ -174,9 +175,7 @@ def test_a_batched_profile_yields_between_sizes_and_goes_on_where_it_stopped(tmp
     monkeypatch.setattr(passcost.registry, "home", lambda: tmp_path)
     target = tiny_model(0, vocab=32, exact_rows=True)
     timed = []
-    # timings that agree with each other (a tiny model's real ones may not, and would be timed again)
-    monkeypatch.setattr(passcost, "batch_pass_seconds",
-                        lambda model, b, r, **kw: timed.append((b, r)) or LOADED.get((b, r), 0.1 * b * r))
+    monkeypatch.setattr(passcost, "batch_pass_seconds", steady_batch_timings(timed))
     with pytest.raises(passcost.Interrupted):
         load_costs(target, None, should_stop=lambda: len(timed) >= 4)
     assert len(timed) == 4 and not (tmp_path / "pass-costs.json").exists()
