@@ -164,11 +164,12 @@ def test_bench_serve_counterbalances_which_variant_loads_a_level_first(monkeypat
 
     calls = []
 
-    def measure(server, prompts, level, requests, variant, extra, api_key, timeout, say):
-        calls.append((level, variant))
-        return {"concurrency": level, "variant": variant}
+    async def run_level(url, prompts, concurrency, requests, settings, api_key=None, timeout=600.0):
+        calls.append((concurrency, "ar" if "speculative" in settings else "default"))
+        return [], 1.0
 
-    monkeypatch.setattr(serve, "_measure", measure)
+    monkeypatch.setattr(serve, "run_level", run_level)
+    monkeypatch.setattr(serve, "_metrics", lambda url, api_key: None)
     levels = [1, 2, 4, 8, 16, 32]
     summaries = serve.bench_servers([serve.Server(None, "http://127.0.0.1:9", {})], [("x", False)], levels, 1,
                                     variants={"default": {}, "ar": {"speculative": False}})

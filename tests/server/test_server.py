@@ -932,8 +932,40 @@ def test_bench_serve_reports_every_request_and_the_speculation_metrics_counted(s
     assert [(s["concurrency"], s["server"]) for s in side_by_side] == [(1, "spec"), (1, "plain"), (2, "spec"), (2, "plain")]
     assert side_by_side[0]["speculation"]["draft_tokens"] > 0 == side_by_side[1]["speculation"]["draft_tokens"]
     assert "| 2 | plain |" in render(side_by_side)
+    twice = bench_servers([Server("spec", url, settings)], prompts, [2], 4, repeats=2)[0]
+    assert twice["completed"] == 8 and len(twice["repeat_output_throughput"]) == 2 and twice["output_tokens"] == 64
     failing = bench_serve(url, prompts, [2], 4, {"model": NAME, "max_tokens": 1000, "temperature": 0})[0]
     assert failing["completed"] == 0 and failing["failed"] == 4 and "HTTP 400" in failing["first_error"]
+
+
+def test_bench_serve_repeats_pool_each_servers_rounds_taken_in_turn(monkeypatch):
+    """--repeats: every server's rounds at a level pooled (requests, seconds and speculation counters
+    summed), each round's throughput listed and its range shown, the servers' order counterbalanced."""
+    from specdec.bench import serving
+
+    ran, counters = [], {"a": 0.0, "b": 0.0}
+
+    async def level(url, prompts, concurrency, requests, settings, api_key=None, timeout=600.0):
+        ran.append(url)
+        tokens = 10 if url == "a" else 20 + 10 * sum(u == "b" for u in ran)  # b: 30 tokens, then 40
+        counters[url] += 4  # four draft tokens a round, three accepted
+        return [serving.Record(True, 0.0, 1.0, 0.5, [0.5, 1.0], tokens)], 2.0
+
+    def metrics(url, api_key):
+        return (f"specdec:spec_decode_num_draft_tokens_total {counters[url]}\n"
+                f"specdec:spec_decode_num_accepted_tokens_total {counters[url] * 0.75}\n")
+
+    monkeypatch.setattr(serving, "run_level", level)
+    monkeypatch.setattr(serving, "_metrics", metrics)
+    a, b = serving.bench_servers([serving.Server("a", "a", {}), serving.Server("b", "b", {})], [("x", False)], [2], 1,
+                                 repeats=2)
+    assert sorted(ran[:2]) == ["a", "b"] and ran[2:] == ran[1::-1]  # the second round in the other order
+    assert a["completed"] == 2 and a["duration_s"] == 4.0 and a["output_throughput"] == 5.0
+    assert b["output_tokens"] == 70 and b["repeat_output_throughput"] == [15.0, 20.0]
+    assert b["speculation"]["draft_tokens"] == 8 and b["speculation"]["acceptance_rate"] == 0.75
+    assert "| 17.50 (15.00–20.00) |" in serving.render([a, b])
+    with pytest.raises(SpecdecError, match="repeats"):
+        serving.bench_servers([serving.Server("a", "a", {})], [("x", False)], [1], 1, repeats=0)
 
 
 def test_bench_serve_results_name_the_home_directory_tilde(monkeypatch):
@@ -950,7 +982,8 @@ def test_bench_serve_results_name_the_home_directory_tilde(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--concurrency", "0"], "integers >= 1"), (["--requests", "0"], "--requests and --max-tokens"),
+    (["--concurrency", "0"], "integers >= 1"), (["--requests", "0"], "--requests, --max-tokens and --repeats"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--extra", "{bad"], "--extra is not JSON"), (["--url", "http://127.0.0.1:9"], "no server answers"),
     (["--variants", "[1]"], "--variants must be a JSON object"),
     (["--url", "http://127.0.0.1:9", "--url", "http://127.0.0.1:10"], "name each of several servers"),

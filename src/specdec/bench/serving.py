@@ -154,21 +154,25 @@ class Server:
 
 def bench_serve(base_url: str, prompts: list[tuple[str, bool]], levels: list[int], requests: int, settings: dict,
                 api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
-                variants: dict[str, dict] | None = None) -> list[dict]:
+                variants: dict[str, dict] | None = None, repeats: int = 1) -> list[dict]:
     """One server: `bench_servers` with it alone."""
     return bench_servers([Server(None, base_url, settings)], prompts, levels, requests, api_key, timeout, say,
-                         variants)
+                         variants, repeats=repeats)
 
 
 def bench_servers(servers: list[Server], prompts: list[tuple[str, bool]], levels: list[int], requests: int,
                   api_key: str | None = None, timeout: float = 600.0, say=lambda message: None,
-                  variants: dict[str, dict] | None = None, warmups: int = 0) -> list[dict]:
+                  variants: dict[str, dict] | None = None, warmups: int = 0, repeats: int = 1) -> list[dict]:
     """Every level in turn; at each level every server with every variant (a name -> fields merged
     into the request bodies, e.g. {"ar": {"speculative": False}}; None: the settings alone), one
     after another in a counterbalanced order (`run.method_orders`: over the levels each runs first
     and after each other equally often; on one server the first to run at a level also pays its
     batch policy's learning of the new batch sizes). Servers that run side by side are thus
     measured interleaved, each level of each under the same machine load, as ratios need.
+    repeats: rounds of every server and variant at each level, each round in the next order; a
+    summary pools a server's rounds (their requests, their seconds summed) and lists each round's
+    output throughput (`repeat_output_throughput`): on a machine whose pace drifts within minutes,
+    a level run once is one draw of that drift.
     warmups: requests sent to each server first, one at a time, not measured (a server's first
     requests page in its weights). -> one summary per level, server and variant (in the order
     given), with the speculation its /metrics counted meanwhile."""
@@ -176,6 +180,8 @@ def bench_servers(servers: list[Server], prompts: list[tuple[str, bool]], levels
 
     if not prompts:
         raise SpecdecError("bench-serve needs at least one prompt")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise SpecdecError(f"repeats must be an integer >= 1, got {repeats!r}")
     for server in servers if warmups > 0 else ():
         records, _ = asyncio.run(run_level(server.url, prompts, 1, warmups, server.settings, api_key, timeout))
         say(f"warm-up {server.name or server.url}: {sum(r.ok for r in records)} of {warmups} completed")
@@ -183,30 +189,58 @@ def bench_servers(servers: list[Server], prompts: list[tuple[str, bool]], levels
     orders = method_orders(list(range(len(runs))))
     summaries = []
     for level in levels:
-        measured = {i: _measure(runs[i][0], prompts, level, requests, runs[i][1], runs[i][2], api_key, timeout, say)
-                    for i in next(orders)}
-        summaries += [measured[i] for i in range(len(runs))]
+        rounds: dict[int, list[_Round]] = {i: [] for i in range(len(runs))}
+        for repeat in range(repeats):
+            for i in next(orders):
+                server, variant, extra = runs[i]
+                done = _measure(server, prompts, level, requests, extra, api_key, timeout)
+                rounds[i].append(done)
+                label = " ".join(x for x in (server.name, variant) if x)
+                again = f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""
+                alone = summarize(done.records, done.seconds)
+                say(f"concurrency {level}{f' {label}' if label else ''}{again}: {alone['completed']} completed, "
+                    f"{alone['failed']} failed, {alone['output_throughput']:.2f} output tok/s" +
+                    (f" (first error: {alone['first_error']})" if alone.get("first_error") else ""))
+        summaries += [_pooled(level, runs[i][0], runs[i][1], rounds[i]) for i in range(len(runs))]
     return summaries
 
 
-def _measure(server: Server, prompts, level: int, requests: int, variant: str | None, extra: dict,
-             api_key: str | None, timeout: float, say) -> dict:
-    """One level of one server and variant -> its summary."""
+@dataclass
+class _Round:
+    """One level of one server and variant, once: its requests, its seconds, and the growth of the
+    server's speculation counters meanwhile (None without /metrics)."""
+
+    records: list[Record]
+    seconds: float
+    speculation: dict[str, float] | None
+
+
+def _measure(server: Server, prompts, level: int, requests: int, extra: dict, api_key: str | None,
+             timeout: float) -> _Round:
+    """One level of one server and variant, once."""
     before = _metrics(server.url, api_key)
     records, seconds = asyncio.run(run_level(server.url, prompts, level, requests, {**server.settings, **extra},
                                              api_key, timeout))
     after = _metrics(server.url, api_key)
-    summary = {"concurrency": level, **({"server": server.name} if server.name is not None else {}),
-               **({"variant": variant} if variant is not None else {}), **summarize(records, seconds)}
+    grown = None
     if before is not None and after is not None:
         start, end = spec_counters(before), spec_counters(after)
         grown = {k: end[k] - start[k] for k in end}
+    return _Round(records, seconds, grown)
+
+
+def _pooled(level: int, server: Server, variant: str | None, rounds: list[_Round]) -> dict:
+    """A level's summary for one server and variant over its rounds."""
+    summary = {"concurrency": level, **({"server": server.name} if server.name is not None else {}),
+               **({"variant": variant} if variant is not None else {}),
+               **summarize([r for one in rounds for r in one.records], sum(one.seconds for one in rounds))}
+    if all(one.speculation is not None for one in rounds):
+        grown = {k: sum(one.speculation[k] for one in rounds) for k in rounds[0].speculation}
         summary["speculation"] = {**grown, "acceptance_rate": grown["accepted_tokens"] / grown["draft_tokens"]
                                   if grown["draft_tokens"] else None}
-    label = " ".join(x for x in (server.name, variant) if x)
-    say(f"concurrency {level}{f' {label}' if label else ''}: {summary['completed']} completed, "
-        f"{summary['failed']} failed, {summary['output_throughput']:.2f} output tok/s" +
-        (f" (first error: {summary['first_error']})" if summary.get("first_error") else ""))
+    if len(rounds) > 1:
+        summary["repeat_output_throughput"] = [summarize(one.records, one.seconds)["output_throughput"]
+                                               for one in rounds]
     return summary
 
 
@@ -227,8 +261,15 @@ def render(summaries: list[dict]) -> str:
         named = "".join(f"{s.get(key) or ''} | " for key in labels)
         lines.append(
             f"| {s['concurrency']} | {named}{s['completed']} | {s['failed']} | {s['request_throughput']:.2f} | "
-            f"{s['output_throughput']:.2f} | {ms(s['ttft_ms'], 'p50')} / {ms(s['ttft_ms'], 'p90')} / "
+            f"{s['output_throughput']:.2f}{_spread(s)} | {ms(s['ttft_ms'], 'p50')} / {ms(s['ttft_ms'], 'p90')} / "
             f"{ms(s['ttft_ms'], 'p99')} | {ms(s['tpot_ms'], 'p50')} / {ms(s['tpot_ms'], 'p99')} | "
             f"{ms(s['itl_ms'], 'p50')} / {ms(s['itl_ms'], 'p99')} | {ms(s['e2e_ms'], 'p50')} / "
             f"{ms(s['e2e_ms'], 'p99')} | {'–' if rate is None else f'{rate:.2f}'} |")
     return "\n".join(lines)
+
+
+def _spread(summary: dict) -> str:
+    """The repeats' lowest and highest output throughput, " (low–high)", after a pooled one; "" for one round."""
+    each = summary.get("repeat_output_throughput")
+    return f" ({min(each):.2f}–{max(each):.2f})" if each else ""
+

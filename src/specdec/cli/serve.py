@@ -326,6 +326,9 @@ def bench_serve_command(
     wait: float = typer.Option(0.0, help="Seconds to wait for each server to be ready (/health 200, as a "
                                "server still loading answers 503) before the run; 0: it must be up now."),
     warmups: int = typer.Option(1, help="Requests sent to each server before the run, not measured."),
+    repeats: int = typer.Option(1, help="Rounds of every server at each level, each round in the next "
+                                "counterbalanced order: the figures pool them, output tok/s with the rounds' "
+                                "range (a machine whose pace drifts gives each round another draw)."),
     extra: Optional[str] = typer.Option(None, help="A JSON object merged into every request body, e.g. "
                                         '\'{"speculative": false}\'.'),
     variants: Optional[str] = typer.Option(None, help="A JSON object: name -> fields merged into the requests; "
@@ -347,9 +350,10 @@ def bench_serve_command(
         except ValueError:
             raise SpecdecError(f"--concurrency takes comma-separated integers >= 1, got {concurrency!r}") from None
         check_levels(levels)
-        if requests < 1 or max_tokens < 1 or timeout <= 0 or temperature < 0 or wait < 0 or warmups < 0:
-            raise SpecdecError("--requests and --max-tokens must be >= 1, --timeout > 0, --temperature, --wait and "
-                               "--warmups >= 0")
+        if requests < 1 or max_tokens < 1 or repeats < 1 or timeout <= 0 or temperature < 0 or wait < 0 \
+                or warmups < 0:
+            raise SpecdecError("--requests, --max-tokens and --repeats must be >= 1, --timeout > 0, --temperature, "
+                               "--wait and --warmups >= 0")
         more = _json_object(extra, "--extra") if extra else {}
         named = _json_object(variants, "--variants") if variants else None
         if named is not None and (not named or not all(isinstance(v, dict) for v in named.values())):
@@ -369,11 +373,11 @@ def bench_serve_command(
     except SpecdecError as exc:
         _fail(str(exc))
     summaries = bench_servers(servers, prompts, levels, requests, api_key, timeout,
-                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named, warmups=warmups)
+                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named, warmups=warmups, repeats=repeats)
     table = render(summaries)
     Console().print(table, highlight=False)
-    _write_reports(servers, summaries, table, levels, requests, dataset, len(prompts), named, warmups, markdown,
-                   json_path)
+    _write_reports(servers, summaries, table, levels, requests, dataset, len(prompts), named, warmups, repeats,
+                   markdown, json_path)
 
 
 def _per_server(entries: list[str] | None, urls: dict, parse=None) -> dict:
@@ -393,8 +397,8 @@ def _per_server(entries: list[str] | None, urls: dict, parse=None) -> dict:
     return found
 
 
-def _write_reports(servers, summaries, table, levels, requests, dataset, prompts: int, variants, warmups, markdown,
-                   json_path) -> None:
+def _write_reports(servers, summaries, table, levels, requests, dataset, prompts: int, variants, warmups, repeats,
+                   markdown, json_path) -> None:
     """bench-serve's markdown and JSON reports, with the command, machine and date."""
     import datetime
 
@@ -405,7 +409,7 @@ def _write_reports(servers, summaries, table, levels, requests, dataset, prompts
             "model": servers[0].settings["model"] if one else {s.name: s.settings["model"] for s in servers},
             "levels": levels, "requests": requests, "dataset": dataset, "prompts": prompts,
             "settings": servers[0].settings if one else {s.name: s.settings for s in servers},
-            "variants": variants, "warmups": warmups, "machine": machine_description(),
+            "variants": variants, "warmups": warmups, "repeats": repeats, "machine": machine_description(),
             "date": datetime.date.today().isoformat(), "command": "specdec " + " ".join(sys.argv[1:])}
     if markdown:
         served = ", ".join(f"{s.name + ': ' if s.name else ''}model {s.settings['model']}" for s in servers)
