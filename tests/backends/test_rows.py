@@ -454,29 +454,40 @@ def test_importing_specdec_sets_a_short_openmp_spin_unless_the_user_set_one(env,
 
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_short_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
-    """`prefill_batch` feeds short prompts in one pass, each cache (and the first token's logits)
-    bit for bit what its own `prefill` gives it; a prompt cache's partial entries are extended; a
-    prompt past `shared_prefill` ids is refused."""
+def test_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
+    """`prefill_batch` feeds prompts in one pass, each cache (and the first token's logits) bit for
+    bit what its own `prefill` gives it: short ones row-exactly, longer ones (past `shared_prefill`
+    ids) and a long prompt's chunks, first over an empty cache and then over its first chunk's,
+    attending causally as alone; a prompt cache's partial entries are extended."""
     from specdec.backends import native
-    from specdec.backends.prompts import SHARED_PREFILL
+    from specdec.backends.prompts import PREFILL_CHUNK, SHARED_PREFILL
     from specdec.errors import SpecdecError
 
     model = qwen_like(dtype, exact_rows=True, vocab=512)
     if native.one_query_kernel() is None:
         assert model.shared_prefill == 0
+        with pytest.raises(SpecdecError, match="cannot share a prompt pass"):
+            model.prefill_batch([(_ids(3, 512, 0), model.new_cache())])
         pytest.skip("our attention kernel is not built here: prompts are fed alone")
     assert model.shared_prefill == SHARED_PREFILL and model.features().shared_prefill == SHARED_PREFILL
-    prompts = [_ids(n, 512, n) for n in (1, 6, 30, SHARED_PREFILL)]
+    prompts = [_ids(n, 512, n) for n in (1, 6, 30, SHARED_PREFILL, SHARED_PREFILL + 1, 100)]
+    long, other = _ids(PREFILL_CHUNK + 60, 512, 7), _ids(120, 512, 8)
     alone, together = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
     for prompt, cache in zip(prompts, alone):
         model.prefill(prompt, cache)
     model.prefill(prompts[2][:11], together[2])  # 10 entries in already (a chunk, a kept prompt)
-    model.prefill_batch(list(zip(prompts, together)))
-    for prompt, one, shared in zip(prompts, alone, together):
+    long_alone, long_together, other_alone, other_together = (model.new_cache() for _ in range(4))
+    model.prefill(long[:PREFILL_CHUNK + 1], long_alone)  # the long prompt's two chunks, as `prefill_step` feeds them
+    model.prefill(long, long_alone)
+    model.prefill(other, other_alone)
+    model.prefill_batch(list(zip(prompts + [long[:PREFILL_CHUNK + 1]], together + [long_together])))
+    assert long_together.get_seq_length() == PREFILL_CHUNK
+    model.prefill_batch([(other, other_together), (long, long_together)])  # its second chunk over its first
+    for prompt, one, shared in zip(prompts + [long, other], alone + [long_alone, other_alone],
+                                   together + [long_together, other_together]):
         assert one.get_seq_length() == shared.get_seq_length() == len(prompt) - 1
         for a, b in zip(one.layers, shared.layers):
             assert (a.keys is None and b.keys is None) or (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
         assert torch.equal(model.forward(prompt[-1:], one, 1), model.forward(prompt[-1:], shared, 1))
-    with pytest.raises(SpecdecError, match=f"prompts of 1..{SHARED_PREFILL} ids"):
-        model.prefill_batch([(_ids(SHARED_PREFILL + 1, 512, 0), model.new_cache())])
+    with pytest.raises(SpecdecError, match="at least one id"):
+        model.prefill_batch([([], model.new_cache())])

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from specdec import Engine, Request, autoregressive_generate
+from specdec.backends.prompts import PREFILL_TOKENS
 from specdec.decoding import sequence
 from specdec.drafters import LookupDrafter
 from specdec.engine import StepFailed, StepOutput
@@ -55,6 +56,10 @@ class _Sequence:
 
     def begin(self) -> None:
         self.cache = _Cache()
+
+    @property
+    def prefill_chunk(self) -> list[int]:
+        return self.sequence[:min(len(self.sequence) - 1, self.cache.length + sequence.PREFILL_CHUNK) + 1]
 
     def prefill_step(self) -> bool:
         self.cache.length = min(len(self.sequence) - 1, self.cache.length + sequence.PREFILL_CHUNK)
@@ -116,8 +121,17 @@ class _Short(_Sequence):
     def shares_prefill(self) -> bool:
         return len(self.sequence) <= 8 and self.cache.length < len(self.sequence) - 1
 
-    def prefilled_together(self, seconds: float) -> None:
+    def prefilled_together(self, seconds: float) -> bool:
         self.together = seconds
+        return self.cache.length == len(self.sequence) - 1
+
+
+class _Chunked(_Short):
+    """A sequence whose every prompt chunk may share a prompt pass (a target with `shared_prefill`)."""
+
+    @property
+    def shares_prefill(self) -> bool:
+        return self.cache.length < len(self.sequence) - 1
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["shared", "fails"])
@@ -137,6 +151,24 @@ def test_short_prompts_are_fed_in_one_shared_pass_and_alone_where_it_fails(targe
     else:
         assert all(scheduler.running[i].together > 0 for i in (0, 1, 2))
     assert plan.ids == [0, 1, 2] and scheduler.prefilling[3].cache.length == sequence.PREFILL_CHUNK
+
+
+def test_a_long_prompts_chunks_share_the_pass_of_short_prompts_and_it_runs_once_in(target):
+    """Where every chunk may share a pass, a step's chunks (first come first served, about
+    `prefill_tokens` of them) go in one `prefill_batch` call: a short prompt whole, a long one's
+    next chunk (one a step); the long one runs once its last chunk is in."""
+    prompts = [[1] * 5, [1] * 300, [1] * 9]
+    for budget, calls, first in ((sequence.PREFILL_CHUNK, [[5, sequence.PREFILL_CHUNK + 1], [300, 9]], [0]),
+                                 (PREFILL_TOKENS, [[5, sequence.PREFILL_CHUNK + 1, 9]], [0, 2])):
+        shared = _SharedTarget(False)
+        scheduler = Scheduler(shared, 8, None, None, lambda request: _Chunked(request, shared), budget)
+        for i, prompt in enumerate(prompts):
+            scheduler.waiting.append(SimpleNamespace(id=i, prompt_ids=prompt, max_new_tokens=4))
+        plan = scheduler.schedule(StepOutput())
+        assert shared.calls[:1] == calls[:1] and plan.ids == first
+        assert scheduler.prefilling[1].cache.length == sequence.PREFILL_CHUNK and scheduler.prefilling[1].together > 0
+        plan = scheduler.schedule(StepOutput())  # the long prompt's last chunk: with others, or alone
+        assert shared.calls == calls and sorted(plan.ids) == [0, 1, 2] and not scheduler.prefilling
 
 
 def test_the_kv_budget_holds_a_request_that_does_not_fit_and_those_behind_it(target):
@@ -159,7 +191,9 @@ def test_the_kv_budget_holds_a_request_that_does_not_fit_and_those_behind_it(tar
     assert scheduler.cancel(2) and 2 not in scheduler.reserved and not scheduler.cancel(2)
 
 
-def test_prompts_are_fed_about_a_chunk_a_step_first_come_first_served(target, monkeypatch):
+def test_prompts_fed_alone_are_fed_about_a_chunk_a_step_first_come_first_served(target, monkeypatch):
+    """A prompt fed in a pass of its own streams the weights again: about a chunk's worth a step,
+    whatever `prefill_tokens` a shared pass would take."""
     monkeypatch.setattr(sequence, "PREFILL_CHUNK", 8)
     scheduler = _scheduler(target)
     for i in range(2):

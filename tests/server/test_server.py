@@ -885,6 +885,7 @@ def test_a_chunked_body_past_the_limit_is_413_before_it_ends_and_deep_nesting_is
     (["--dtype", "gguf", "--method", "tree"], "token trees, which need transformers' weights"),
     (["--dtype", "gguf", "--method", "lookahead"], "--method lookahead scores token trees"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--prefill-tokens", "0"], "--prefill-tokens must be >= 1"),
     (["--kv-memory", "lots"], "--kv-memory"),
     (["--max-body", "-1"], "--max-body"),
     (["--suffix-cache-tokens", "-5"], "--suffix-cache-tokens must be >= 0"),

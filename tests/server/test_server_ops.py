@@ -280,7 +280,7 @@ def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
                                  "load_costs": slow(profile)}
         return service
 
-    with serving(load) as (url, app):  # ready (200) while the first measurement waits
+    with serving(load, prefill_tokens=300) as (url, app):  # ready (200) while the first measurement waits
         health = httpx.get(url + "/health").json()
         assert health["status"] == "ok" and health["measuring"] == "pass costs (1 of 2)"
         release.set()
@@ -293,3 +293,4 @@ def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
             time.sleep(0.05)
         service, worker = app.state.specdec["service"], app.state.specdec["worker"]
         assert timed == [1, 1] and service.load_costs is profile and worker.engine.costs.prior is profile
+        assert worker.engine.scheduler.prefill_tokens == 300  # --prefill-tokens

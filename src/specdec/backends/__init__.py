@@ -93,8 +93,9 @@ class Features:
         `OnlineDistiller`, `--online`), which the loop tells of each rejection; None: none.
     embedded: the ids its input embeddings cover (a drafter feeds a stand-in for a target id past
         them); None: every id the target gives.
-    shared_prefill: prompts of at most this many ids are fed row-exactly, so several can share
-        one pass (`prefill_batch`), each cache getting the bits its own `prefill` gives; 0: none.
+    shared_prefill: > 0 where several prompts' chunks can share one pass (`prefill_batch`), each
+        cache getting the bits its own `prefill` gives: prompts of at most this many ids are fed
+        row-exactly, longer ones' chunks attending causally as alone; 0: none.
     """
 
     batched: bool = False
@@ -146,5 +147,5 @@ class BatchedBackend(Backend, Protocol):
         segment logits [num_logits, V] fp32, bit for bit what `forward` returns for it alone."""
 
     def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], Cache]]) -> None:
-        """`prefill` for several short prompts (`Features.shared_prefill`) in one pass, each cache
-        getting the bits its own `prefill` gives it; only where `shared_prefill` > 0."""
+        """`prefill` for several prompts (or prompts up to their next chunk's end) in one pass, each
+        cache getting the bits its own `prefill` gives it; only where `Features.shared_prefill` > 0."""

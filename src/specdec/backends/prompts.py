@@ -16,10 +16,14 @@ import torch
 
 PREFILL_CHUNK = 256  # prompt ids fed per call (`Decoding.prefill_step`, a drafter model's `_catch_up`)
 # A prompt of at most this many ids is fed row-exactly where attention runs in our kernel
-# (`TransformersModel.prefill`): bound by reading the weights, a few prompts cost what one does
-# in a shared pass (`prefill_batch`); past this its rows' compute dominates and sharing buys little,
-# while attention a row at a time grows with the square of its length.
+# (`TransformersModel.prefill`), alone as in a shared pass (`prefill_batch`); a longer one's
+# attention runs causally over its chunk in one call, in a shared pass too, as attention a row at
+# a time grows with the square of its length.
 SHARED_PREFILL = 65
+# prompt tokens the engine feeds a step, about (`Engine(prefill_tokens=...)`): chunks of several
+# prompts share one pass (`prefill_batch`), so four chunks' worth streams the weights once where one
+# chunk a step streamed them four times; the running sequences wait for that pass (docs/engine.md)
+PREFILL_TOKENS = 1024
 
 
 class Held:

@@ -45,6 +45,7 @@ import contextvars
 import functools
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -134,6 +135,9 @@ def _our_attention(base, packs: bool):
         if batch is not None:  # several sequences' rows, each over its own cache (`segmented`)
             cache, parts, layout = batch
             kv = cache.layer(module.layer_idx)
+            if any(isinstance(spans, Causal) for _, spans in parts):
+                return _with_causal(base, one_query, module, query, kv, parts, layout, kwargs,
+                                    layout is not None and kernel_takes(query, kv.slabs[0][0], kwargs)), None
             if kernel_takes(query, kv.slabs[0][0], kwargs):  # every row in one call
                 return native.attention_rows(query, kv, layout, _scale(query, kwargs)).unsqueeze(0), None
             keys_of, values_of = kv.views()
@@ -156,11 +160,48 @@ def _scale(query: torch.Tensor, kwargs) -> float:
     return query.shape[-1] ** -0.5 if scaling is None else float(scaling)
 
 
+@dataclass(frozen=True)
+class Causal:
+    """A segment of a batched pass fed as `prefill` feeds a long prompt's chunk alone, not
+    row-exactly: its `rows` queries attend causally over its cache (`cached` keys before them) in
+    one call of the model's own attention function, the very call that chunk's pass alone makes."""
+
+    rows: int
+    cached: int
+
+
+def _with_causal(base, one_query, module, query, kv, parts, layout, kwargs, kernel: bool) -> torch.Tensor:
+    """A batched pass's attention where some segments are `Causal`: each of those in its own call of
+    `base` as that chunk's pass alone calls it (its queries [1, heads, rows, D] contiguous, its
+    cache's keys and values, transformers' causal mask: none over an empty cache, else every key up
+    to the row's position), the other rows row-exactly (`layout`: theirs alone) -> [1, T, heads, D]."""
+    keys_of, values_of = kv.views()
+    exact = native.attention_rows(query, kv, layout, _scale(query, kwargs)) if kernel and layout.rows else None
+    pieces, taken = [], 0
+    for i, (start, spans) in enumerate(parts):
+        if isinstance(spans, Causal):
+            rows = query[:, :, start:start + spans.rows].contiguous()
+            mask = None
+            if spans.cached:
+                keys = torch.arange(spans.cached + spans.rows, device=query.device)
+                mask = (keys[None, :] <= spans.cached + torch.arange(spans.rows, device=query.device)[:, None])
+                mask = mask[None, None]
+            pieces.append(base(module, rows, keys_of[i], values_of[i], mask, **kwargs)[0])
+        elif exact is not None:
+            pieces.append(exact[taken:taken + len(spans)].unsqueeze(0))
+            taken += len(spans)
+        else:
+            pieces.append(_rows(one_query, module, query, keys_of[i], values_of[i], spans, start, kwargs))
+    return torch.cat(pieces, dim=1)
+
+
 def _segments_layout(parts: list[tuple[int, list]]) -> native.RowLayout:
     """The kernel's rows for a batched pass (`segmented`): sequence i's rows start, start + 1, ...
-    of the pass's query, each over its spans in sequence i's own cache."""
+    of the pass's query, each over its spans in sequence i's own cache (`Causal` segments: none)."""
     query_rows, sequences, spans = [], [], []
     for i, (start, row_spans) in enumerate(parts):
+        if isinstance(row_spans, Causal):
+            continue
         query_rows += range(start, start + len(row_spans))
         sequences += [i] * len(row_spans)
         spans += row_spans

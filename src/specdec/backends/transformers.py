@@ -20,7 +20,7 @@ from .kernels import (PACKED_BF16_LABELS, Int8Linear, PackedBf16Linear, PackedLi
                        row_stable, row_stable_linear)
 from .merged import merge_projections
 from .layer_ops import fuse_norms
-from .rows import PREFIX, install_attention, key_spans, row_exact, segmented, widen_and_refine
+from .rows import PREFIX, Causal, install_attention, key_spans, row_exact, segmented, widen_and_refine
 from .text import decode_ids, encode_text, eos_ids
 from ..core.trees import tree_attention
 from . import Features, Segment
@@ -358,17 +358,19 @@ class TransformersModel:
             logits = self._logits(rows)
         return list(logits.split([s.num_logits for s in segments]))
 
-    def _segmented_pass(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
-        """One row-exact pass over several sequences' new ids, each cache growing by its own ->
-        each segment's final hidden states [T_i, H] (`forward_batch`, `prefill_batch`)."""
+    def _segmented_pass(self, segments: Sequence[Segment], causal: Sequence[int] = ()) -> list[torch.Tensor]:
+        """One pass over several sequences' new ids, each cache growing by its own -> each
+        segment's final hidden states [T_i, H] (`forward_batch`, `prefill_batch`). Every row is
+        row-exact but those of the segments at indices `causal`: a long prompt's chunk each, fed
+        as `prefill` feeds it alone (`rows.Causal`)."""
         self._check_no_sliding_window("batched passes", "run its sequences one at a time")
         ids, positions, parts, start = [], [], [], 0
-        for segment in segments:
+        for index, segment in enumerate(segments):
             new = len(segment.input_ids)
             cached = cache_length(segment.cache)
             if segment.parents is None:
                 position = torch.arange(cached, cached + new, device=self.device).view(1, -1)
-                spans = [slice(0, cached + t + 1) for t in range(new)]
+                spans = Causal(new, cached) if index in causal else [slice(0, cached + t + 1) for t in range(new)]
             else:
                 tree = self._tree_inputs(segment.parents, segment.cache, new, segment.tree_start)
                 position, mask = tree["position_ids"], tree["attention_mask"]
@@ -472,21 +474,28 @@ class TransformersModel:
 
     @torch.inference_mode()
     def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], object]]) -> None:
-        """`prefill` for several short prompts (each of at most `shared_prefill` ids) in one pass:
-        each (prompt, cache) gets all of its prompt but the last token, the bits its own `prefill`
-        gives it (row-exact rows; attention over its own cache, `forward_batch`'s). Bound by reading
-        the weights, the pass costs about what one prompt's does. Hidden states are not kept."""
-        limit, segments, fed = self.shared_prefill, [], []
+        """`prefill` for several prompts in one pass (where `shared_prefill` > 0): each (prompt,
+        cache) gets all of its prompt but the last token, the bits its own `prefill` gives it: a
+        short prompt (at most `shared_prefill` ids) row-exactly, a longer one's rows attending
+        causally over its cache in one call as its pass alone does (`rows.Causal`), every linear
+        and norm rounding each row alike in a pass of any size. A pass streams the weights once for
+        all of them. Hidden states are not kept."""
+        if not self.shared_prefill:
+            raise SpecdecError(f"{self.name} cannot share a prompt pass between sequences (its rows would round "
+                               "otherwise, or attention does not run in our kernel); feed each with prefill")
+        limit, segments, fed, causal = self.shared_prefill, [], [], []
         for prompt, cache in prompts:
             prompt = list(prompt)
-            if not 1 <= len(prompt) <= limit:
-                raise SpecdecError(f"a shared prompt pass takes prompts of 1..{limit} ids, not {len(prompt)}")
+            if not prompt:
+                raise SpecdecError("a shared prompt pass takes prompts of at least one id")
             start = cache_length(cache)
             if len(prompt) - 1 > start:
+                if len(prompt) > limit:
+                    causal.append(len(segments))
                 segments.append(Segment(prompt[start:-1], cache, 0))
                 fed.append((prompt, start))
         if segments:
-            self._segmented_pass(segments)
+            self._segmented_pass(segments, causal)
             for segment, (prompt, start) in zip(segments, fed):
                 _record_fed(segment.cache, prompt, start)
         self.last_hidden = self.pass_hidden = None

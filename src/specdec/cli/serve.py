@@ -46,6 +46,10 @@ def serve(
                                   "(e.g. 2GiB; requests beyond it wait, one that can never fit is a 400): auto "
                                   "(80% of the memory free once the models are in, less the prompt caches), "
                                   "or none."),
+    prefill_tokens: Optional[int] = typer.Option(None, "--prefill-tokens", help="About how many prompt tokens a "
+                                                 "step feeds, in one pass shared by the arriving prompts (default "
+                                                 "1024): more takes a burst of requests in fewer passes, while the "
+                                                 "running ones wait longer for that step's token."),
     max_waiting: int = typer.Option(64, "--max-waiting", help="Most requests queued; beyond it, 429."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Output bound of a chat request that sets none."),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Longest prompt taken "
@@ -96,7 +100,7 @@ def serve(
         method, no_drafter, datastore_dir = _served_method(method, drafter, datastore_dir, dtype)
         _check_bounds(gamma_max=gamma_max, tree_nodes=tree_nodes, max_batch=max_batch, max_waiting=max_waiting,
                       max_tokens=max_tokens, port=port, max_prompt_tokens=max_prompt_tokens,
-                      suffix_cache_tokens=suffix_cache_tokens, max_connections=max_connections,
+                      suffix_cache_tokens=suffix_cache_tokens, max_connections=max_connections, prefill_tokens=prefill_tokens,
                       request_timeout=request_timeout, grace=grace, stall_timeout=stall_timeout,
                       body_timeout=body_timeout, write_timeout=write_timeout)
         datastore = Datastore(datastore_dir) if datastore_dir is not None else None  # before minutes of loading
@@ -122,9 +126,10 @@ def serve(
     if budget == "auto":  # once the models are in, less what the prompt caches may fill
         budget = partial(_auto_budget, reserved=prompt_cache * (1 if no_drafter else 2)
                          if type(prompt_cache) is int else 0)
+    prefill = {} if prefill_tokens is None else {"prefill_tokens": prefill_tokens}
     _run_until_stopped(lambda stop: create_app(load, max_batch, budget, api_key, on_load_error=stop,
                                                cors_origins=cors_origin, host=host, metrics_public=metrics_public,
-                                               stall_timeout=stall_timeout, loading=lambda: progress["phase"]),
+                                               stall_timeout=stall_timeout, loading=lambda: progress["phase"], **prefill),
                        host, port, grace, max_connections)
 
 
@@ -133,7 +138,7 @@ def _check_bounds(**values) -> None:
     from ..decoding.sequence import DRAFT_ROOM
 
     lows = {"gamma_max": 1, "tree_nodes": 1, "max_batch": 1, "max_waiting": 1, "max_tokens": 1, "port": 0,
-            "max_prompt_tokens": 1, "suffix_cache_tokens": 0, "max_connections": 1}
+            "max_prompt_tokens": 1, "suffix_cache_tokens": 0, "max_connections": 1, "prefill_tokens": 1}
     for name, low in lows.items():
         if values[name] is not None and values[name] < low:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= {low}, got {values[name]}")
@@ -373,7 +378,8 @@ def bench_serve_command(
     except SpecdecError as exc:
         _fail(str(exc))
     summaries = bench_servers(servers, prompts, levels, requests, api_key, timeout,
-                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named, warmups=warmups, repeats=repeats)
+                              say=lambda m: err.print(f"[dim]{m}[/]", highlight=False), variants=named, warmups=warmups,
+                              repeats=repeats)
     table = render(summaries)
     Console().print(table, highlight=False)
     _write_reports(servers, summaries, table, levels, requests, dataset, len(prompts), named, warmups, repeats,

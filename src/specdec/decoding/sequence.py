@@ -177,9 +177,9 @@ class Decoding:
         prompt position's hidden state from one call: its prompt goes whole."""
         with _timed(self.stats, "target_seconds"):
             if self._chunked:
-                end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
-                self.target.prefill(self.sequence[:end + 1], self.cache)
-                self.prefilled = end >= len(self.sequence) - 1
+                chunk = self.prefill_chunk
+                self.target.prefill(chunk, self.cache)
+                self.prefilled = len(chunk) == len(self.sequence)
                 if self.prefilled and self.features.keeps_prompts:
                     self.target.keep_prompt(self.cache)  # transformers' prompt cache copies it now
             else:
@@ -191,19 +191,27 @@ class Decoding:
         return self.prefilled
 
     @property
-    def shares_prefill(self) -> bool:
-        """Whether the prompt may be fed in one pass with other sequences' (`prefilled_together`):
-        a short prompt on a target that feeds such prompts row-exactly (`shared_prefill`), its
-        cache then holding what this sequence's own `prefill_step` would give it."""
-        return self._chunked and not self.prefilled and len(self.sequence) <= self.features.shared_prefill
+    def prefill_chunk(self) -> list[int]:
+        """The prompt up to the end of its next chunk (`prefill_step` feeds it but its last id):
+        PREFILL_CHUNK ids past what the cache holds, or the whole prompt."""
+        end = min(len(self.sequence) - 1, cache_length(self.cache) + PREFILL_CHUNK)
+        return self.sequence[:end + 1]
 
-    def prefilled_together(self, seconds: float) -> None:
-        """The prompt was fed by a pass shared with other sequences' (`Backend.prefill_batch`), at
-        `seconds` of its time: the prompt is in."""
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether the prompt's next chunk may be fed in one pass with other sequences' chunks
+        (`prefilled_together`): on a target that shares prompt passes (`shared_prefill`), its cache
+        then holding what this sequence's own `prefill_step` would give it."""
+        return self._chunked and not self.prefilled and self.features.shared_prefill > 0
+
+    def prefilled_together(self, seconds: float) -> bool:
+        """The prompt's next chunk (`prefill_chunk`) was fed by a pass shared with other sequences'
+        (`Backend.prefill_batch`), at `seconds` of its time -> whether the prompt is in."""
         self.stats.add_seconds("target_seconds", seconds)
-        self.prefilled = True
-        if self.features.keeps_prompts:
+        self.prefilled = cache_length(self.cache) >= len(self.sequence) - 1
+        if self.prefilled and self.features.keeps_prompts:
             self.target.keep_prompt(self.cache)
+        return self.prefilled
 
     @property
     def _chunked(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 from ..backends import Backend, features
+from ..backends.prompts import PREFILL_TOKENS
 from ..errors import SpecdecError
 from ..decoding.sequence import Decoding
 from ..decoding.results import GenerationResult
@@ -30,15 +31,21 @@ class Engine:
     steer: size the drafts of cost-aware requests from the batch's measured costs (`BatchCosts`).
     load_costs: the machine's batched pass costs (`pass_costs.load_costs`): batch sizes where drafting
         cannot pay decode plainly from the first step. None: learned from the steps alone.
+    prefill_tokens: about how many prompt tokens a step feeds in one pass shared by the waiting
+        prompts (each at most one chunk of `PREFILL_CHUNK` a step; a target that cannot share prompt
+        passes feeds a chunk's worth a step): more feeds them in fewer passes, each streaming the
+        weights once, while the running sequences wait longer for that step's token.
     """
 
     def __init__(self, target: Backend, max_batch: int = 8, kv_memory: int | None = None, steer: bool = True,
-                 load_costs: LoadCosts | None = None):
+                 load_costs: LoadCosts | None = None, prefill_tokens: int = PREFILL_TOKENS):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecdecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise SpecdecError(f"prefill_tokens must be an integer >= 1, got {prefill_tokens!r}")
         self.runner = Runner(target, max_batch)
         self.costs = BatchCosts(prior=load_costs) if steer else None
-        self.scheduler = Scheduler(target, max_batch, kv_memory, self.costs, self._decoding)
+        self.scheduler = Scheduler(target, max_batch, kv_memory, self.costs, self._decoding, prefill_tokens)
         self.target, self.max_batch, self.kv_memory, self._batched = target, max_batch, kv_memory, self.runner.batched
         self.waiting = self.scheduler.waiting  # the queue `add` appends to
         self._ids = itertools.count()

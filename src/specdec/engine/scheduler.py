@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..backends import Backend, Segment, features
 from ..backends.cache import cache_length, crop_layers
+from ..backends.prompts import PREFILL_TOKENS
 from ..backends.slab import slab_capacity
 from ..decoding import sequence
 from ..decoding.sequence import Decoding
@@ -51,10 +52,11 @@ class Scheduler:
 
     make: a request's `Decoding` (`Engine._decoding`), made when it is admitted.
     costs: the batch policy steering cost-aware drafts (None: each sequence's own schedule).
+    prefill_tokens: about how many prompt tokens a step feeds in a shared pass (`prefill`).
     """
 
     def __init__(self, target: Backend, max_batch: int, kv_memory: int | None, costs: BatchCosts | None,
-                 make: Callable[[object], Decoding]):
+                 make: Callable[[object], Decoding], prefill_tokens: int = PREFILL_TOKENS):
         if kv_memory is not None:
             if not isinstance(kv_memory, int) or kv_memory < 1:
                 raise SpecdecError(f"kv_memory must be a number of bytes >= 1, got {kv_memory!r}")
@@ -66,6 +68,7 @@ class Scheduler:
         self.prefilling: dict[int, Decoding] = {}  # admitted, their prompts fed a chunk a step
         self.running: dict[int, Decoding] = {}
         self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
+        self.prefill_tokens = prefill_tokens
 
     @property
     def busy(self) -> bool:
@@ -112,23 +115,26 @@ class Scheduler:
             self.reserved[request.id] = need
 
     def prefill(self, out: StepOutput) -> None:
-        """Prompt chunks (`Decoding.prefill_step`), first come first served, until a chunk's worth
-        of tokens (PREFILL_CHUNK) is fed this step: a long prompt delays the running sequences by
-        about one chunk's pass a step, not by its whole length. Short prompts go together in one
-        pass (`shared`), which costs about what one of them alone does. A prompt that is in joins
-        this step's pass."""
-        fed, shared = 0, []
+        """Prompt chunks (`Decoding.prefill_step`, PREFILL_CHUNK tokens at most of each prompt),
+        first come first served: a long prompt delays the running sequences by about one step's
+        prompt pass, not by its whole length. Where the target shares prompt passes, the chunks go
+        together in one pass (`shared`) that streams the weights once for all of them, about
+        `prefill_tokens` of them a step; prompts fed in passes of their own, about a chunk's worth a
+        step (each more pass would stream the weights again). A prompt that is in joins this step's
+        pass."""
+        fed, alone, shared = 0, 0, []
         for request_id, decoding in list(self.prefilling.items()):
-            if fed >= sequence.PREFILL_CHUNK:
+            if fed >= self.prefill_tokens or alone >= sequence.PREFILL_CHUNK:
                 break
             before = cache_length(decoding.cache)
             if decoding.shares_prefill:
                 shared.append(request_id)
-                fed += max(1, len(decoding.sequence) - 1 - before)
+                fed += max(1, len(decoding.prefill_chunk) - 1 - before)
                 continue
             self._prefill_alone(out, request_id)
             # a prompt whose feed failed ended alone, its cache freed
-            fed += max(1, cache_length(decoding.cache) - before) if decoding.cache is not None else 1
+            tokens = max(1, cache_length(decoding.cache) - before) if decoding.cache is not None else 1
+            fed, alone = fed + tokens, alone + tokens
         if len(shared) > 1:
             self._prefill_together(out, shared)
         elif shared:
@@ -144,14 +150,14 @@ class Scheduler:
             self.fail(out, request_id, error, "feeding its prompt")
 
     def _prefill_together(self, out: StepOutput, request_ids: list[int]) -> None:
-        """Short prompts fed in one shared pass (`prefill_batch`), each cache getting the bits its
-        own pass would give it; where the shared pass fails, each is fed alone, its cache first
-        put back as it was."""
+        """Prompts' next chunks fed in one shared pass (`prefill_batch`), each cache getting the
+        bits its own pass would give it; where the shared pass fails, each is fed alone, its cache
+        first put back as it was."""
         decodings = [self.prefilling[i] for i in request_ids]
         before = [cache_length(d.cache) for d in decodings]
         began = time.perf_counter()
         try:
-            self.target.prefill_batch([(d.sequence, d.cache) for d in decodings])
+            self.target.prefill_batch([(d.prefill_chunk, d.cache) for d in decodings])
         except Exception:
             log.exception("a shared prompt pass failed; its prompts are fed one by one")
             for request_id, decoding, length in zip(request_ids, decodings, before):
@@ -165,8 +171,8 @@ class Scheduler:
         seconds = (time.perf_counter() - began) / len(decodings)
         for request_id, decoding in zip(request_ids, decodings):
             try:
-                decoding.prefilled_together(seconds)
-                self.running[request_id] = self.prefilling.pop(request_id)
+                if decoding.prefilled_together(seconds):
+                    self.running[request_id] = self.prefilling.pop(request_id)
             except Exception as error:  # its prompt cache's copy: this request alone ends
                 self.fail(out, request_id, error, "feeding its prompt")
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from ..backends import features
+from ..backends.prompts import PREFILL_TOKENS
 from ..errors import ModelFault, SpecdecError
 from ..decoding.results import GenerationResult
 from .metrics import Metrics, speculation_usage
@@ -298,7 +299,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
                api_key: str | list[str] | None = None, on_load_error: Callable[[Exception], None] | None = None,
                steer: bool = True, cors_origins: list[str] | None = None, host: str | None = None,
                stall_timeout: float = STALL_TIMEOUT, metrics_public: bool = False,
-               loading: Callable[[], str | None] | None = None) -> FastAPI:
+               loading: Callable[[], str | None] | None = None, prefill_tokens: int = PREFILL_TOKENS) -> FastAPI:
     """The ASGI app. `load` runs on a thread at startup (`/health` answers 503 until it returns)
     and gives the service; the engine's worker starts then and stops at shutdown. kv_memory: the
     running sequences' KV budget in bytes, or a function of the loaded service giving it (None: no
@@ -326,7 +327,7 @@ def create_app(load: Callable[[], Service], max_batch: int = 8, kv_memory: int |
 
             service = load()
             budget = kv_memory(service) if callable(kv_memory) else kv_memory
-            engine = Engine(service.target, max_batch, budget, steer, service.load_costs)
+            engine = Engine(service.target, max_batch, budget, steer, service.load_costs, prefill_tokens)
             worker = Worker(engine, service.limits.max_waiting, between=_between_requests(service, engine, state),
                             stall_timeout=stall_timeout)
             worker.start()
