@@ -456,10 +456,13 @@ def test_importing_specdec_sets_a_short_openmp_spin_unless_the_user_set_one(env,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
     """`prefill_batch` feeds prompts in one pass, each cache (and the first token's logits) bit for
-    bit what its own `prefill` gives it: short ones row-exactly, longer ones (past `shared_prefill`
+    bit what its own `prefill` gives it: short ones row-exactly; where the linears round a row alike
+    in calls of any size (our tiled kernels: `shared_chunks`), longer ones (past `shared_prefill`
     ids) and a long prompt's chunks, first over an empty cache and then over its first chunk's,
-    attending causally as alone; a prompt cache's partial entries are extended."""
+    attending causally as alone, a last chunk of one row by the one-query kernel as alone; a prompt
+    cache's partial entries are extended. Elsewhere a longer prompt is refused."""
     from specdec.backends import native
+    from specdec.backends.kernels import TILED_LABELS
     from specdec.backends.prompts import PREFILL_CHUNK, SHARED_PREFILL
     from specdec.errors import SpecdecError
 
@@ -470,24 +473,39 @@ def test_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
             model.prefill_batch([(_ids(3, 512, 0), model.new_cache())])
         pytest.skip("our attention kernel is not built here: prompts are fed alone")
     assert model.shared_prefill == SHARED_PREFILL and model.features().shared_prefill == SHARED_PREFILL
-    prompts = [_ids(n, 512, n) for n in (1, 6, 30, SHARED_PREFILL, SHARED_PREFILL + 1, 100)]
-    long, other = _ids(PREFILL_CHUNK + 60, 512, 7), _ids(120, 512, 8)
+    chunks = model.kernels in TILED_LABELS
+    assert model.shared_chunks == chunks == model.features().shared_chunks
+    short = [_ids(n, 512, n) for n in (1, 6, 30, SHARED_PREFILL)]
+    longer = [_ids(n, 512, n) for n in (SHARED_PREFILL + 1, 100)]
+    long, other, last_row = _ids(PREFILL_CHUNK + 60, 512, 7), _ids(120, 512, 8), _ids(PREFILL_CHUNK + 2, 512, 9)
+    if not chunks:
+        with pytest.raises(SpecdecError, match=f"prompts of 1..{SHARED_PREFILL} ids"):
+            model.prefill_batch([(longer[0], model.new_cache())])
+    prompts = short + longer if chunks else short
     alone, together = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
     for prompt, cache in zip(prompts, alone):
         model.prefill(prompt, cache)
     model.prefill(prompts[2][:11], together[2])  # 10 entries in already (a chunk, a kept prompt)
-    long_alone, long_together, other_alone, other_together = (model.new_cache() for _ in range(4))
-    model.prefill(long[:PREFILL_CHUNK + 1], long_alone)  # the long prompt's two chunks, as `prefill_step` feeds them
-    model.prefill(long, long_alone)
-    model.prefill(other, other_alone)
-    model.prefill_batch(list(zip(prompts + [long[:PREFILL_CHUNK + 1]], together + [long_together])))
-    assert long_together.get_seq_length() == PREFILL_CHUNK
-    model.prefill_batch([(other, other_together), (long, long_together)])  # its second chunk over its first
-    for prompt, one, shared in zip(prompts + [long, other], alone + [long_alone, other_alone],
-                                   together + [long_together, other_together]):
-        assert one.get_seq_length() == shared.get_seq_length() == len(prompt) - 1
-        for a, b in zip(one.layers, shared.layers):
-            assert (a.keys is None and b.keys is None) or (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
-        assert torch.equal(model.forward(prompt[-1:], one, 1), model.forward(prompt[-1:], shared, 1))
+    fed = [(prompts, alone, together)]
+    if chunks:
+        extra_alone, extra_together = [model.new_cache() for _ in range(3)], [model.new_cache() for _ in range(3)]
+        for prompt, cache in zip((long, other, last_row), extra_alone):  # in the chunks `prefill_step` feeds
+            model.prefill(prompt[:PREFILL_CHUNK + 1], cache)
+            model.prefill(prompt, cache)
+        firsts = [long[:PREFILL_CHUNK + 1], last_row[:PREFILL_CHUNK + 1]]
+        model.prefill_batch(list(zip(prompts + firsts, together + extra_together[::2])))
+        assert extra_together[0].get_seq_length() == extra_together[2].get_seq_length() == PREFILL_CHUNK
+        # second chunks over the first: 59 rows, and a single row
+        model.prefill_batch([(other, extra_together[1]), (long, extra_together[0]), (last_row, extra_together[2])])
+        fed.append(([long, other, last_row], extra_alone, extra_together))
+    else:
+        model.prefill_batch(list(zip(prompts, together)))
+    for group, ones, shareds in fed:
+        for prompt, one, shared in zip(group, ones, shareds):
+            assert one.get_seq_length() == shared.get_seq_length() == len(prompt) - 1
+            for a, b in zip(one.layers, shared.layers):
+                assert (a.keys is None and b.keys is None) or (torch.equal(a.keys, b.keys) and
+                                                               torch.equal(a.values, b.values))
+            assert torch.equal(model.forward(prompt[-1:], one, 1), model.forward(prompt[-1:], shared, 1))
     with pytest.raises(SpecdecError, match="at least one id"):
         model.prefill_batch([([], model.new_cache())])

@@ -293,4 +293,4 @@ def test_the_server_serves_while_its_costs_are_measured_between_requests(tiny):
             time.sleep(0.05)
         service, worker = app.state.specdec["service"], app.state.specdec["worker"]
         assert timed == [1, 1] and service.load_costs is profile and worker.engine.costs.prior is profile
-        assert worker.engine.scheduler.prefill_tokens == 300  # --prefill-tokens
+        assert worker.engine.scheduler.prefill_tokens == 300  # what `serve --prefill-tokens` passes

@@ -93,9 +93,10 @@ class Features:
         `OnlineDistiller`, `--online`), which the loop tells of each rejection; None: none.
     embedded: the ids its input embeddings cover (a drafter feeds a stand-in for a target id past
         them); None: every id the target gives.
-    shared_prefill: > 0 where several prompts' chunks can share one pass (`prefill_batch`), each
-        cache getting the bits its own `prefill` gives: prompts of at most this many ids are fed
-        row-exactly, longer ones' chunks attending causally as alone; 0: none.
+    shared_prefill: > 0 where several prompts can share one pass (`prefill_batch`), each cache
+        getting the bits its own `prefill` gives: prompts of at most this many ids, fed row-exactly;
+        0: none.
+    shared_chunks: longer prompts' chunks may share that pass too, attending causally as alone.
     """
 
     batched: bool = False
@@ -110,6 +111,7 @@ class Features:
     online: object | None = None
     embedded: int | None = None
     shared_prefill: int = 0
+    shared_chunks: bool = False
 
 
 def declares_features(model) -> bool:

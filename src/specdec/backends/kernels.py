@@ -511,6 +511,7 @@ def packed_bf16_supported() -> bool:
 
 # what `packed_bf16_label` may say: a model's kernels name where its linears are `PackedBf16Linear`s
 PACKED_BF16_LABELS = ("onednn-packed-bf16", "tiled-bf16", "tiled-bf16-amx")
+TILED_LABELS = ("tiled-bf16", "tiled-bf16-amx")  # our kernels: a row rounds alike in calls of any size
 
 
 def packed_bf16_label() -> str:

@@ -23,9 +23,12 @@ docs/kernels.md#row-exact-passes; in short:
 - the output head: see `TransformersModel._logits` (fp32 packed head, or bf16 head with the top
   candidates re-scored in fp32, both row-invariant).
 
-The prompt's prefill is not row-exact (attention one row at a time would cost a call per prompt
-token per layer): both decoding loops prefill `prompt[:-1]` by the same batched call and score
-the prompt's last token in a row-exact pass (`TransformersModel.prefill`).
+The prefill of a prompt past `SHARED_PREFILL` ids is not row-exact (attention one row at a time
+would cost a call per prompt token per layer): both decoding loops prefill `prompt[:-1]` by the
+same calls, chunk by chunk, and score the prompt's last token in a row-exact pass
+(`TransformersModel.prefill`). In a pass shared with other prompts such a chunk attends causally
+in the very call its pass alone makes (`Causal`), on linears that round a row alike in calls of
+any size (`TransformersModel.shared_chunks`).
 
 On CUDA, cuBLAS may pick a GEMM's kernel by the call's row count, and torch's reductions lay out
 their threads by it, so there a row-exact pass also makes every GEMM and norm call with a fixed

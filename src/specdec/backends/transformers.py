@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
-from .kernels import (PACKED_BF16_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact,
+from .kernels import (PACKED_BF16_LABELS, TILED_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact,
                        cpu_has_native_bf16, fix_norm_rows, fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
@@ -234,7 +234,8 @@ class TransformersModel:
         return Features(batched=True, exact_rows=bool(self.exact_rows), rows_invariant=self.rows_invariant,
                         tree_masks=self.tree_masks, prompt_cache=self.prompt_cache, keeps_prompts=True,
                         kv_bytes_per_token=self.kv_bytes_per_token, parallel_k=self.parallel_k, online=self.online,
-                        embedded=self.hf.get_input_embeddings().num_embeddings, shared_prefill=self.shared_prefill)
+                        embedded=self.hf.get_input_embeddings().num_embeddings, shared_prefill=self.shared_prefill,
+                        shared_chunks=self.shared_chunks)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -412,6 +413,16 @@ class TransformersModel:
             return 0
         return SHARED_PREFILL
 
+    @property
+    def shared_chunks(self) -> bool:
+        """Whether prompts longer than `shared_prefill` may share a pass too (`prefill_batch`, their
+        chunks attending causally as alone): where every linear rounds a row alike in calls of any
+        size (our tiled bf16 kernels; oneDNN's and torch's agree only within 2..32 rows, where a
+        chunk alone is one call of up to 256) and the decoder's layers run our fused norms and
+        rotation (`lean.DECODERS`), so that a chunk's queries, keys and values are its pass alone's."""
+        return bool(self.shared_prefill) and self.kernels in TILED_LABELS and \
+            type(self._decoder).__name__ in lean.DECODERS
+
     def _sliding_window(self) -> bool:
         """Whether the model has sliding-window layers."""
         config = self.hf.config
@@ -476,10 +487,11 @@ class TransformersModel:
     def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], object]]) -> None:
         """`prefill` for several prompts in one pass (where `shared_prefill` > 0): each (prompt,
         cache) gets all of its prompt but the last token, the bits its own `prefill` gives it: a
-        short prompt (at most `shared_prefill` ids) row-exactly, a longer one's rows attending
-        causally over its cache in one call as its pass alone does (`rows.Causal`), every linear
-        and norm rounding each row alike in a pass of any size. A pass streams the weights once for
-        all of them. Hidden states are not kept."""
+        short prompt (at most `shared_prefill` ids) row-exactly; a longer one (where
+        `shared_chunks`) with its rows attending causally over its cache in one call as its pass
+        alone does (`rows.Causal`; one row alone: the one-query kernel, as alone), every linear and
+        norm rounding each row alike in a pass of any size. A pass streams the weights once for all
+        of them. Hidden states are not kept."""
         if not self.shared_prefill:
             raise SpecdecError(f"{self.name} cannot share a prompt pass between sequences (its rows would round "
                                "otherwise, or attention does not run in our kernel); feed each with prefill")
@@ -488,9 +500,12 @@ class TransformersModel:
             prompt = list(prompt)
             if not prompt:
                 raise SpecdecError("a shared prompt pass takes prompts of at least one id")
+            if len(prompt) > limit and not self.shared_chunks:  # its rows would round otherwise than alone
+                raise SpecdecError(f"a shared prompt pass on {self.kernels} kernels takes prompts of 1..{limit} ids, "
+                                   f"not {len(prompt)}")
             start = cache_length(cache)
             if len(prompt) - 1 > start:
-                if len(prompt) > limit:
+                if len(prompt) > limit and len(prompt) - 1 - start > 1:
                     causal.append(len(segments))
                 segments.append(Segment(prompt[start:-1], cache, 0))
                 fed.append((prompt, start))

@@ -200,9 +200,12 @@ class Decoding:
     @property
     def shares_prefill(self) -> bool:
         """Whether the prompt's next chunk may be fed in one pass with other sequences' chunks
-        (`prefilled_together`): on a target that shares prompt passes (`shared_prefill`), its cache
-        then holding what this sequence's own `prefill_step` would give it."""
-        return self._chunked and not self.prefilled and self.features.shared_prefill > 0
+        (`prefilled_together`): a short prompt on a target that shares prompt passes
+        (`shared_prefill`), a longer one's chunk where it shares those too (`shared_chunks`), its
+        cache then holding what this sequence's own `prefill_step` would give it."""
+        can = self.features
+        return self._chunked and not self.prefilled and can.shared_prefill > 0 and \
+            (len(self.sequence) <= can.shared_prefill or can.shared_chunks)
 
     def prefilled_together(self, seconds: float) -> bool:
         """The prompt's next chunk (`prefill_chunk`) was fed by a pass shared with other sequences'

@@ -1,7 +1,8 @@
 """The engine's scheduler: which sequences run a step, and whether they draft.
 
 It holds the queue and the admitted sequences: admits waiting requests in order while the batch
-(`max_batch`) and the KV budget have room, feeds about a chunk's worth of their prompts a step,
+(`max_batch`) and the KV budget have room, feeds their prompts' chunks (in one shared pass where
+the target shares prompt passes, about `prefill_tokens` a step; else about a chunk's worth),
 and asks the batch policy (`BatchCosts`) whether the running sequences draft -> a `StepPlan` for
 the runner. It records each step's costs for that policy, and lets ended sequences go.
 """
