@@ -150,4 +150,5 @@ class BatchedBackend(Backend, Protocol):
 
     def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], Cache]]) -> None:
         """`prefill` for several prompts (or prompts up to their next chunk's end) in one pass, each
-        cache getting the bits its own `prefill` gives it; only where `Features.shared_prefill` > 0."""
+        cache getting the bits its own `prefill` gives it; only where `Features.shared_prefill` > 0,
+        and prompts past that many ids only where `Features.shared_chunks`."""

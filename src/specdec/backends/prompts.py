@@ -17,8 +17,9 @@ import torch
 PREFILL_CHUNK = 256  # prompt ids fed per call (`Decoding.prefill_step`, a drafter model's `_catch_up`)
 # A prompt of at most this many ids is fed row-exactly where attention runs in our kernel
 # (`TransformersModel.prefill`), alone as in a shared pass (`prefill_batch`); a longer one's
-# attention runs causally over its chunk in one call, in a shared pass too, as attention a row at
-# a time grows with the square of its length.
+# attention runs causally over its chunk in one call (attention a row at a time grows with the
+# square of its length), in a shared pass too where the linears round a row alike in calls of any
+# size (`TransformersModel.shared_chunks`).
 SHARED_PREFILL = 65
 # prompt tokens the engine feeds a step, about (`Engine(prefill_tokens=...)`): chunks of several
 # prompts share one pass (`prefill_batch`), so four chunks' worth streams the weights once where one
