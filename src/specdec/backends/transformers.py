@@ -421,7 +421,13 @@ class TransformersModel:
         chunk alone is one call of up to 256) and the decoder's layers run our fused norms and
         rotation (`lean.DECODERS`), so that a chunk's queries, keys and values are its pass alone's."""
         return bool(self.shared_prefill) and self.kernels in TILED_LABELS and \
-            type(self._decoder).__name__ in lean.DECODERS
+            type(self._decoder).__name__ in lean.DECODERS and self._linears_tiled()
+
+    def _linears_tiled(self) -> bool:
+        """Whether every linear layer of the decoder runs on our tiles: under a tiled label, a layer
+        of odd input width stays on oneDNN, and one an adapter wraps is the adapter's."""
+        kinds = (torch.nn.Linear, PackedLinear, PackedBf16Linear, Int8Linear)
+        return all(type(m) is PackedBf16Linear and m.tiled for m in self._decoder.modules() if isinstance(m, kinds))
 
     def _sliding_window(self) -> bool:
         """Whether the model has sliding-window layers."""
