@@ -516,3 +516,42 @@ def test_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
             assert torch.equal(model.forward(prompt[-1:], one, 1), model.forward(prompt[-1:], shared, 1))
     with pytest.raises(SpecdecError, match="at least one id"):
         model.prefill_batch([([], model.new_cache())])
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prompts_ride_in_the_pass_that_scores_other_sequences_and_each_gets_its_own_bits(dtype):
+    """`prefill_batch(prompts, segments)`: prompt chunks (a short one, and where `shared_chunks` a
+    long one's first chunk) and running sequences' new tokens (one token, a draft chain, a token
+    tree) in one pass -> each sequence's logits bit for bit what `forward_batch` gives it without
+    the prompts (and `forward` alone), each prompt's cache what its own `prefill` gives it."""
+    from specdec.backends import Segment, native
+    from specdec.backends.prompts import PREFILL_CHUNK
+
+    model = qwen_like(dtype, exact_rows=True, vocab=512)
+    if native.one_query_kernel() is None:
+        pytest.skip("our attention kernel is not built here: prompts are fed alone")
+    contexts = [_ids(n, 512, 20 + n) for n in (9, 40, 17)]
+    news = [(_ids(1, 512, 1), None), (_ids(5, 512, 2), None), (_ids(4, 512, 3), [-1, 0, 0, 1])]
+
+    def running():
+        caches = [model.new_cache() for _ in contexts]
+        for context, cache in zip(contexts, caches):
+            model.prefill(context + [0], cache)
+        return [Segment(ids, cache, len(ids), parents) for (ids, parents), cache in zip(news, caches)]
+
+    plain = model.forward_batch(running())
+    prompts = [_ids(30, 512, 5)] + ([_ids(PREFILL_CHUNK + 60, 512, 6)[:PREFILL_CHUNK + 1]] if model.shared_chunks else [])
+    alone, riding = [model.new_cache() for _ in prompts], [model.new_cache() for _ in prompts]
+    for prompt, cache in zip(prompts, alone):
+        model.prefill(prompt, cache)
+    segments = running()
+    scored = model.prefill_batch(list(zip(prompts, riding)), segments)
+    assert len(scored) == len(segments)
+    for a, b, segment in zip(plain, scored, segments):
+        assert b.shape == (segment.num_logits, model.vocab_size) and torch.equal(a, b)
+    for prompt, one, rode in zip(prompts, alone, riding):
+        assert one.get_seq_length() == rode.get_seq_length() == len(prompt) - 1
+        for a, b in zip(one.layers, rode.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert model.prefill_batch([], []) == []

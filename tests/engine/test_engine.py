@@ -375,6 +375,49 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_while_the_others_decode(pair, monke
     assert [results[first].tokens, results[second].tokens] == reference
 
 
+def test_prompts_ride_in_the_running_sequences_pass_one_target_pass_a_step(pair):
+    """Prompts that come while others run are fed in the pass that scores the running sequences
+    (`prefill_batch` with segments): one target pass a step, none of the prompts' own, and every
+    output the same as alone: greedy ones AR's, a seeded sampled one the same seed's alone. A long
+    prompt rides too where its chunks may share a pass (`shared_chunks`), else it is fed alone."""
+    target, same, _ = pair
+    sampler = Sampler(temperature=1.0, top_k=50)
+    first, short, drafted, sampled = (_ids(n, VOCAB, 50 + n) for n in (5, 9, 30, 17))
+    long = _ids(130, VOCAB, 60)
+    reference = [autoregressive_generate(p, target, max_new_tokens=10, eos_token_ids=[]).tokens
+                 for p in (first, short, drafted, long)]
+    seeded = autoregressive_generate(sampled, target, sampler, max_new_tokens=10, eos_token_ids=[], seed=7).tokens
+    passes, prefill_batch, forward_batch, prefill = [], target.prefill_batch, target.forward_batch, target.prefill
+
+    def spy(name, call):
+        def counted(*args, **kwargs):
+            passes.append((name, len(args[1]) if name == "prefill_batch" and len(args) > 1 else None))
+            return call(*args, **kwargs)
+        return counted
+
+    target.prefill_batch, target.forward_batch = spy("prefill_batch", prefill_batch), spy("forward_batch", forward_batch)
+    target.prefill = spy("prefill", prefill)
+    try:
+        engine = Engine(target, max_batch=8)
+        ids = [engine.add(Request(first, None, max_new_tokens=10, eos_token_ids=[]))]
+        engine.step()
+        ids += [engine.add(Request(short, None, max_new_tokens=10, eos_token_ids=[])),
+                engine.add(Request(drafted, same, max_new_tokens=10, eos_token_ids=[])),
+                engine.add(Request(long, None, max_new_tokens=10, eos_token_ids=[])),
+                engine.add(Request(sampled, None, sampler, max_new_tokens=10, eos_token_ids=[], seed=7))]
+        finished = {}
+        while engine.busy:
+            passes.clear()
+            out = engine.step()
+            finished.update(out.finished)
+            alone = [p for p in passes if p[0] == "prefill"]
+            assert len(passes) - len(alone) == 1, passes  # the prompts rode in the scoring pass
+            assert len(alone) <= (0 if target.shared_chunks else 1), passes  # a long prompt's own chunk
+    finally:
+        target.prefill_batch, target.forward_batch, target.prefill = prefill_batch, forward_batch, prefill
+    assert [finished[i].tokens for i in ids[:4]] == reference and finished[ids[4]].tokens == seeded
+
+
 def test_admission_waits_at_the_kv_memory_budget(pair):
     target, same, _ = pair
     prompts = _prompts()
@@ -443,6 +486,33 @@ def test_a_failed_batched_pass_is_retried_one_sequence_at_a_time_and_only_a_repe
     assert calls[0] >= 3  # the fault fired
     assert [seen.finished[i].tokens for i in ids[:3]] == expected[:3]
     assert ids[3] not in seen.finished and "its own fault" in str(seen.failed[ids[3]])
+
+
+def test_prompts_riding_in_a_pass_that_fails_are_fed_alone_and_every_output_stays_exact():
+    """Where the pass the prompts ride in fails part way (their caches grown in some layers), the
+    running sequences are scored again alone and each prompt fed alone from its cache as it was."""
+    target = tiny_model(0, vocab=32, exact_rows=True)
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13]]
+    expected = [autoregressive_generate(p, target, max_new_tokens=8, eos_token_ids=[]).tokens for p in prompts]
+    prefill_batch, faults = target.prefill_batch, []
+
+    def failing(riding, segments=()):
+        if segments and not faults:  # the first pass with prompts riding: rows written (not theirs), then it breaks
+            faults.append(len(riding))
+            prefill_batch([([1] * len(prompt), cache) for prompt, cache in riding])
+            raise RuntimeError("injected pass fault")
+        return prefill_batch(riding, segments)
+
+    target.prefill_batch = failing
+    engine = Engine(target, max_batch=4)
+    ids = [engine.add(Request(prompts[0], None, max_new_tokens=8, eos_token_ids=[]))]
+    seen = _recorded(engine)
+    engine.step()
+    ids += [engine.add(Request(p, None, max_new_tokens=8, eos_token_ids=[])) for p in prompts[1:]]
+    while engine.busy:
+        engine.step()
+    assert faults == [2] and not seen.failed
+    assert [seen.finished[i].tokens for i in ids] == expected
 
 
 def test_generate_many_takes_the_machines_batched_pass_costs(pair):

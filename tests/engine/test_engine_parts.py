@@ -156,10 +156,11 @@ def test_short_prompts_are_fed_in_one_shared_pass_and_alone_where_it_fails(targe
 def test_a_long_prompts_chunks_share_the_pass_of_short_prompts_and_it_runs_once_in(target):
     """Where every chunk may share a pass, a step's chunks (first come first served, about
     `prefill_tokens` of them) go in one `prefill_batch` call: a short prompt whole, a long one's
-    next chunk (one a step); the long one runs once its last chunk is in."""
+    next chunk (one a step); the long one runs once its last chunk is in, which rides in the running
+    sequences' pass."""
     prompts = [[1] * 5, [1] * 300, [1] * 9]
     for budget, calls, first in ((sequence.PREFILL_CHUNK, [[5, sequence.PREFILL_CHUNK + 1], [300, 9]], [0]),
-                                 (PREFILL_TOKENS, [[5, sequence.PREFILL_CHUNK + 1, 9]], [0, 2])):
+                                 (PREFILL_TOKENS, [[5, sequence.PREFILL_CHUNK + 1, 9], [300]], [0, 2])):
         shared = _SharedTarget(False)
         scheduler = Scheduler(shared, 8, None, None, lambda request: _Chunked(request, shared), budget)
         for i, prompt in enumerate(prompts):
@@ -167,8 +168,49 @@ def test_a_long_prompts_chunks_share_the_pass_of_short_prompts_and_it_runs_once_
         plan = scheduler.schedule(StepOutput())
         assert shared.calls[:1] == calls[:1] and plan.ids == first
         assert scheduler.prefilling[1].cache.length == sequence.PREFILL_CHUNK and scheduler.prefilling[1].together > 0
-        plan = scheduler.schedule(StepOutput())  # the long prompt's last chunk: with others, or alone
-        assert shared.calls == calls and sorted(plan.ids) == [0, 1, 2] and not scheduler.prefilling
+        # the long prompt's last chunk (and what else is left) rides in the running sequences' pass
+        plan = scheduler.schedule(StepOutput())
+        assert shared.calls == calls[:1] and plan.ids == first
+        assert [i for i, _, _ in plan.feeding] == [i for i in (1, 2) if i not in first]
+        _ride(shared, scheduler, plan)
+        assert shared.calls == calls and sorted(scheduler.running) == [0, 1, 2] and not scheduler.prefilling
+
+
+def _ride(shared, scheduler, plan, fed=True):
+    """What the runner's pass does with the prompts riding in it: feeds them (`prefill_batch`), or
+    fails part way (`fed=False`: their caches grown by a few positions), or never runs (None)."""
+    if fed:
+        shared.prefill_batch([(d.prefill_chunk, d.cache) for _, d, _ in plan.feeding])
+    elif fed is False:
+        for _, d, _ in plan.feeding:
+            d.cache.length += 2
+    plan.fed, plan.pass_seconds = fed, 0.3
+    scheduler.fed(plan, StepOutput())
+
+
+@pytest.mark.parametrize("fed", [True, False, None], ids=["fed", "failed", "no-pass"])
+def test_prompts_that_come_while_others_run_ride_in_their_pass(target, fed):
+    """While sequences run, the scheduler feeds no shared prompt chunk itself: they ride in the step's
+    scoring pass (`StepPlan.feeding`) and run from the next step; where that pass failed each is fed
+    alone from its cache as it was; where no pass ran (every running sequence's drafting failed)
+    they wait, untouched, for the next step's."""
+    shared = _SharedTarget()
+    scheduler = Scheduler(shared, 8, None, None, lambda request: _Short(request, shared))
+    scheduler.waiting.append(SimpleNamespace(id=0, prompt_ids=[1] * 5, max_new_tokens=4))
+    assert scheduler.schedule(StepOutput()).ids == [0] and not shared.calls  # alone: nothing runs yet
+    scheduler.waiting += [SimpleNamespace(id=i, prompt_ids=[1] * (3 + i), max_new_tokens=4) for i in (1, 2)]
+    plan = scheduler.schedule(StepOutput())
+    assert plan.ids == [0] and [(i, length) for i, _, length in plan.feeding] == [(1, 0), (2, 0)]
+    assert not shared.calls and all(scheduler.prefilling[i].cache.length == 0 for i in (1, 2))
+    _ride(shared, scheduler, plan, fed)
+    if fed is None:
+        assert sorted(scheduler.prefilling) == [1, 2] and all(d.cache.length == 0 for d in scheduler.prefilling.values())
+        assert [i for i, _, _ in scheduler.schedule(StepOutput()).feeding] == [1, 2]
+        return
+    assert sorted(scheduler.running) == [0, 1, 2] and not scheduler.prefilling
+    assert [scheduler.running[i].cache.length for i in (1, 2)] == [3, 4]
+    assert [scheduler.running[i].together for i in (1, 2)] == ([pytest.approx(0.1)] * 2 if fed else [None, None])
+    assert shared.calls == ([[4, 5]] if fed else [])
 
 
 def test_the_kv_budget_holds_a_request_that_does_not_fit_and_those_behind_it(target):

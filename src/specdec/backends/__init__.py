@@ -148,7 +148,9 @@ class BatchedBackend(Backend, Protocol):
         """One pass over every segment's tokens, each seeing only its own cache and tree -> per
         segment logits [num_logits, V] fp32, bit for bit what `forward` returns for it alone."""
 
-    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], Cache]]) -> None:
+    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], Cache]],
+                      segments: Sequence[Segment] = ()) -> list[torch.Tensor]:
         """`prefill` for several prompts (or prompts up to their next chunk's end) in one pass, each
         cache getting the bits its own `prefill` gives it; only where `Features.shared_prefill` > 0,
-        and prompts past that many ids only where `Features.shared_chunks`."""
+        and prompts past that many ids only where `Features.shared_chunks`. Other sequences'
+        `segments` are scored in the same pass -> their logits, as `forward_batch` returns them."""

@@ -343,17 +343,24 @@ class TransformersModel:
         (an int8 drafter) each sequence's rows are its own but rounded as the batch has them: by its
         width, and where an int8 layer rounds its input with one scale a call, by the other rows too.
         """
+        self._check_segments(segments)
+        if not segments:
+            return []
+        return self._scores(segments, self._segmented_pass(segments))
+
+    def _check_segments(self, segments: Sequence[Segment]) -> None:
+        """SpecdecError where a batched pass cannot score `segments` as `forward` would alone."""
         if not self.exact_rows:
             raise SpecdecError(f"batched passes are row-exact passes; {self.name} runs without them "
                                "(load it with exact_rows=True)")
-        if not segments:
-            return []
         for segment in segments:
             new = len(segment.input_ids)
             if new < 1 or not 1 <= segment.num_logits <= new:
                 raise SpecdecError(f"a segment needs >= 1 new token and 1..{new} logits, got {new} and "
                                    f"{segment.num_logits}")
-        hidden = self._segmented_pass(segments)
+
+    def _scores(self, segments: Sequence[Segment], hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each segment's logits [num_logits_i, V] fp32 from its final hidden states [T_i, H]."""
         with row_exact(True):
             rows = torch.cat([part[len(part) - s.num_logits:] for part, s in zip(hidden, segments)])
             logits = self._logits(rows)
@@ -490,18 +497,23 @@ class TransformersModel:
         return prompt[-1:]
 
     @torch.inference_mode()
-    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], object]]) -> None:
+    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], object]],
+                      segments: Sequence[Segment] = ()) -> list[torch.Tensor]:
         """`prefill` for several prompts in one pass (where `shared_prefill` > 0): each (prompt,
         cache) gets all of its prompt but the last token, the bits its own `prefill` gives it: a
         short prompt (at most `shared_prefill` ids) row-exactly; a longer one (where
         `shared_chunks`) with its rows attending causally over its cache in one call as its pass
         alone does (`rows.Causal`; one row alone: the one-query kernel, as alone), every linear and
         norm rounding each row alike in a pass of any size. A pass streams the weights once for all
-        of them. Hidden states are not kept."""
+        of them, and for `segments` too: other sequences' new tokens scored in the same pass, each
+        one's logits bit for bit what `forward_batch` (and `forward` alone) returns for it.
+        Returns: per segment, logits [num_logits_i, V] fp32 (none without segments). Hidden states
+        are not kept."""
         if not self.shared_prefill:
             raise SpecdecError(f"{self.name} cannot share a prompt pass between sequences (its rows would round "
                                "otherwise, or attention does not run in our kernel); feed each with prefill")
-        limit, segments, fed, causal = self.shared_prefill, [], [], []
+        self._check_segments(segments)
+        limit, feeds, fed, causal = self.shared_prefill, [], [], []
         for prompt, cache in prompts:
             prompt = list(prompt)
             if not prompt:
@@ -512,14 +524,17 @@ class TransformersModel:
             start = cache_length(cache)
             if len(prompt) - 1 > start:
                 if len(prompt) > limit and len(prompt) - 1 - start > 1:
-                    causal.append(len(segments))
-                segments.append(Segment(prompt[start:-1], cache, 0))
+                    causal.append(len(feeds))
+                feeds.append(Segment(prompt[start:-1], cache, 0))
                 fed.append((prompt, start))
-        if segments:
-            self._segmented_pass(segments, causal)
-            for segment, (prompt, start) in zip(segments, fed):
+        logits = []
+        if feeds or segments:
+            hidden = self._segmented_pass([*feeds, *segments], causal)
+            for segment, (prompt, start) in zip(feeds, fed):
                 _record_fed(segment.cache, prompt, start)
+            logits = self._scores(segments, hidden[len(feeds):]) if segments else []
         self.last_hidden = self.pass_hidden = None
+        return logits
 
     @torch.inference_mode()
     def forward_rows(self, input_ids: torch.Tensor, cache) -> torch.Tensor:

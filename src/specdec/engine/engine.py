@@ -97,8 +97,8 @@ class Engine:
         return self.runner.passes
 
     def step(self) -> StepOutput:
-        """Schedule, draft, one target pass, verify and roll back -> what the step emitted, finished
-        and failed. Failing outside every request's own guard: `StepFailed`, with what it had."""
+        """Schedule, draft, one target pass (prompt chunks riding in it), verify and roll back -> what
+        the step emitted, finished and failed. Failing outside every request's own guard: `StepFailed`, with what it had."""
         out = StepOutput()
         try:
             plan = self.scheduler.schedule(out)
@@ -107,6 +107,8 @@ class Engine:
                 logits = self.runner.score(plan, segments, out)
                 self.runner.verify(plan, logits, out)
                 self.scheduler.record(plan, segments, out.emitted)
+            if plan is not None:
+                self.scheduler.fed(plan, out)
         except Exception as error:
             raise StepFailed(error, out) from error
         finally:

@@ -57,17 +57,22 @@ class Runner:
         return segments
 
     def score(self, plan: StepPlan, segments: list[Segment], out: StepOutput) -> list:
-        """The one target pass over every sequence's segment -> each one's logits. Where the pass
-        itself fails (not one sequence's own error), each sequence is scored again alone, its
-        cache first put back as it was; one that fails again ends alone, its logits None."""
+        """The one target pass over every sequence's segment, and the prompt chunks riding in it
+        (`StepPlan.feeding`) -> each sequence's logits. Where the pass itself fails (not one
+        sequence's own error), each sequence is scored again alone, its cache first put back as it
+        was; one that fails again ends alone, its logits None."""
         before = [cache_length(s.cache) for s in segments]
         try:
-            if self.batched:
+            if plan.feeding:  # prompts' next chunks ride in the same pass (`Scheduler.prefill`)
+                logits = self.target.prefill_batch([(d.prefill_chunk, d.cache) for _, d, _ in plan.feeding], segments)
+            elif self.batched:
                 logits = self.target.forward_batch(segments)
             else:
                 logits = [self.target.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents) for s in segments]
+            plan.fed = True
         except Exception:  # llama.cpp's failed decode (a ModelFault) too: one sequence may be the cause
             log.exception("a batched target pass failed; its sequences are scored again one by one")
+            plan.fed = False  # the prompts that rode in it are fed alone (`Scheduler.fed`)
             logits = [self._score_alone(request_id, decoding, segment, length, out)
                       for request_id, decoding, segment, length in zip(plan.ids, plan.decodings, segments, before)]
         plan.pass_seconds = time.perf_counter() - plan.drafted

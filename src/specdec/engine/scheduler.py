@@ -4,7 +4,9 @@ It holds the queue and the admitted sequences: admits waiting requests in order 
 (`max_batch`) and the KV budget have room, feeds their prompts' chunks (in one shared pass where
 the target shares prompt passes, about `prefill_tokens` a step; else about a chunk's worth),
 and asks the batch policy (`BatchCosts`) whether the running sequences draft -> a `StepPlan` for
-the runner. It records each step's costs for that policy, and lets ended sequences go.
+the runner; where sequences run, the shared prompt chunks ride in their scoring pass
+(`StepPlan.feeding`): one pass a step streams the weights, not two. It records each step's costs
+for that policy, and lets ended sequences go.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class StepPlan:
     passes: int  # drafter passes so far, summed over the sequences
     caught_up: tuple[int, float] | None  # drafter catch-up tokens and seconds so far
     fresh: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (context, tokens left): drafters yet to see their prompts
+    # prompts whose next chunks ride in the step's pass (`Scheduler.prefill`): (request id, its
+    # sequence, its cache's length before), and whether that pass fed them (None: no pass ran)
+    feeding: list[tuple[int, Decoding, int]] = field(default_factory=list)
+    fed: bool | None = None
     began: float = 0.0
     drafted: float = 0.0
     rounds: int = 0  # lock-step rounds of drafter passes
@@ -70,6 +76,7 @@ class Scheduler:
         self.running: dict[int, Decoding] = {}
         self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
         self.prefill_tokens = prefill_tokens
+        self._riding: list[tuple[int, Decoding, int]] = []  # prompts `prefill` left to ride in this step's pass
 
     @property
     def busy(self) -> bool:
@@ -80,8 +87,9 @@ class Scheduler:
         this step drafts (`steer`) -> the plan, or None when nothing runs."""
         self.admit(out)
         self.prefill(out)
+        riding, self._riding = self._riding, []
         lags = self.lags(out)
-        if not self.running:
+        if not self.running:  # prompts left to ride wait in `prefilling`, their caches untouched
             return None
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
@@ -89,7 +97,7 @@ class Scheduler:
         fresh = {i: (len(d.sequence), d.remaining) for i, d in enumerate(decodings)
                  if speculate and id(d) in lags and lags[id(d)] >= len(d.sequence)}
         return StepPlan(ids, decodings, speculate, sum(d.drafter_passes for d in decodings),
-                        _caught_up(decodings) if speculate is not None else None, fresh)
+                        _caught_up(decodings) if speculate is not None else None, fresh, riding)
 
     def admit(self, out: StepOutput) -> None:
         """Waiting requests in order, while the batch and the memory budget have room: each one's
@@ -121,8 +129,10 @@ class Scheduler:
         prompt pass, not by its whole length. Where the target shares prompt passes, the chunks go
         together in one pass (`shared`) that streams the weights once for all of them, about
         `prefill_tokens` of them a step; prompts fed in passes of their own, about a chunk's worth a
-        step (each more pass would stream the weights again). A prompt that is in joins this step's
-        pass."""
+        step (each more pass would stream the weights again). Where sequences run, the shared chunks
+        ride in their scoring pass (`StepPlan.feeding`, then `fed`): one pass streams the weights for
+        both, and a prompt that is in joins the next step's. Otherwise a prompt that is in joins
+        this step's pass."""
         fed, alone, shared = 0, 0, []
         for request_id, decoding in list(self.prefilling.items()):
             if fed >= self.prefill_tokens or alone >= sequence.PREFILL_CHUNK:
@@ -136,10 +146,31 @@ class Scheduler:
             # a prompt whose feed failed ended alone, its cache freed
             tokens = max(1, cache_length(decoding.cache) - before) if decoding.cache is not None else 1
             fed, alone = fed + tokens, alone + tokens
-        if len(shared) > 1:
+        if shared and self.running:
+            self._riding = [(i, self.prefilling[i], cache_length(self.prefilling[i].cache)) for i in shared]
+        elif len(shared) > 1:
             self._prefill_together(out, shared)
         elif shared:
             self._prefill_alone(out, shared[0])
+
+    def fed(self, plan: StepPlan, out: StepOutput) -> None:
+        """The prompts that rode in the step's pass (`StepPlan.feeding`): each one that is in runs
+        from the next step; where the pass failed, each is fed alone, its cache first put back as
+        it was; where no pass ran, they wait for the next step's, untouched."""
+        if plan.fed is None:
+            return
+        seconds = plan.pass_seconds / (len(plan.ids) + len(plan.feeding))
+        for request_id, decoding, length in plan.feeding:
+            if request_id not in self.prefilling:  # cancelled in between
+                continue
+            try:
+                if not plan.fed:  # a pass that failed part way grew some layers only
+                    crop_layers(decoding.cache, length)
+                    self._prefill_alone(out, request_id)
+                elif decoding.prefilled_together(seconds):
+                    self.running[request_id] = self.prefilling.pop(request_id)
+            except Exception as error:  # its prompt cache's copy, its cache: this request alone ends
+                self.fail(out, request_id, error, "feeding its prompt")
 
     def _prefill_alone(self, out: StepOutput, request_id: int) -> None:
         """Feed one prompt's next chunk in a pass of its own; it runs once it is in."""
@@ -220,7 +251,8 @@ class Scheduler:
     def record(self, plan: StepPlan, segments: list[Segment], emitted: dict[int, list[int]]) -> None:
         """The step's costs, for the batch policy (`BatchCosts.record`); a failure here is the
         policy's, not the requests': logged, and the step's tokens stand."""
-        if self.costs is None or plan.speculate is None:
+        # a pass with prompts' rows in it does not cost what a decode step does
+        if self.costs is None or plan.speculate is None or plan.feeding:
             return
         try:
             self._record_costs(plan, segments, emitted)
