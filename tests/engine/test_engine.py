@@ -488,6 +488,26 @@ def test_a_failed_batched_pass_is_retried_one_sequence_at_a_time_and_only_a_repe
     assert ids[3] not in seen.finished and "its own fault" in str(seen.failed[ids[3]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_shares_prompt_passes_by_its_length_where_the_target_lets_it(dtype):
+    """`Decoding.shares_prefill`: a prompt of at most `shared_prefill` ids until it is in; a longer
+    one only where its chunks may share (`shared_chunks`); none on a target without row-exact passes."""
+    from specdec.decoding.sequence import Decoding
+
+    model = qwen_like(dtype, exact_rows=True, vocab=512)
+    limit = model.shared_prefill
+    if not limit:
+        pytest.skip("our attention kernel is not built here: prompts are fed alone")
+    short, long = Decoding(_ids(limit, 512, 1), model), Decoding(_ids(limit + 1, 512, 2), model)
+    for decoding in (short, long):
+        decoding.begin()
+    assert short.shares_prefill and long.shares_prefill == model.shared_chunks
+    assert short.prefill_step() and not short.shares_prefill  # in: nothing left to share
+    plain = Decoding(_ids(5, 512, 3), qwen_like(dtype, exact_rows=False, vocab=512))
+    plain.begin()
+    assert not plain.shares_prefill
+
+
 def test_prompts_riding_in_a_pass_that_fails_are_fed_alone_and_every_output_stays_exact():
     """Where the pass the prompts ride in fails part way (their caches grown in some layers), the
     running sequences are scored again alone and each prompt fed alone from its cache as it was."""
