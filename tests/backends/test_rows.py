@@ -524,7 +524,7 @@ def test_prompts_ride_in_the_pass_that_scores_other_sequences_and_each_gets_its_
     """`prefill_batch(prompts, segments)`: prompt chunks (a short one, and where `shared_chunks` a
     long one's first chunk) and running sequences' new tokens (one token, a draft chain, a token
     tree) in one pass -> each sequence's logits bit for bit what `forward_batch` gives it without
-    the prompts (and `forward` alone), each prompt's cache what its own `prefill` gives it."""
+    the prompts (which test_batch.py holds to `forward` alone), each prompt's cache what its own `prefill` gives it."""
     from specdec.backends import Segment, native
     from specdec.backends.prompts import PREFILL_CHUNK
 

@@ -231,9 +231,9 @@ def test_every_sequence_of_an_engine_step_is_verified_by_its_verifier_the_batcha
         monkeypatch.setattr(cls, name, counted)
     real_commit = sequence_module.Decoding.apply
 
-    def commit(self, logits, pass_seconds, decided=None):
+    def commit(self, logits, pass_seconds, decided=None, timed=True):
         before = len(through_verifier)
-        emitted = real_commit(self, logits, pass_seconds, decided)
+        emitted = real_commit(self, logits, pass_seconds, decided, timed)
         commits.append((self.verifier, decided is not None, len(through_verifier) > before))
         return emitted
 

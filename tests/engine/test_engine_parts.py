@@ -62,6 +62,7 @@ class _Sequence:
         return self.sequence[:min(len(self.sequence) - 1, self.cache.length + sequence.PREFILL_CHUNK) + 1]
 
     def prefill_step(self) -> bool:
+        self.fed_from = self.cache.length  # where its own feed began (a rolled-back cache: where it was)
         self.cache.length = min(len(self.sequence) - 1, self.cache.length + sequence.PREFILL_CHUNK)
         return self.cache.length >= len(self.sequence) - 1
 
@@ -210,6 +211,8 @@ def test_prompts_that_come_while_others_run_ride_in_their_pass(target, fed):
     assert sorted(scheduler.running) == [0, 1, 2] and not scheduler.prefilling
     assert [scheduler.running[i].cache.length for i in (1, 2)] == [3, 4]
     assert [scheduler.running[i].together for i in (1, 2)] == ([pytest.approx(0.1)] * 2 if fed else [None, None])
+    if not fed:  # each fed alone from its cache as it was before the pass grew it
+        assert [scheduler.running[i].fed_from for i in (1, 2)] == [0, 0]
     assert shared.calls == ([[4, 5]] if fed else [])
 
 

@@ -578,10 +578,10 @@ def test_one_requests_own_error_ends_it_alone(server, monkeypatch):
     url, _ = server
     commit = Decoding.apply
 
-    def failing(self, logits, seconds, decided=None):
+    def failing(self, logits, seconds, decided=None, timed=True):
         if self.sequence[:2] == [13, 14]:  # what broken weights give: the sampler finds it
-            return commit(self, logits * float("nan"), seconds)
-        return commit(self, logits, seconds, decided)
+            return commit(self, logits * float("nan"), seconds, timed=timed)
+        return commit(self, logits, seconds, decided, timed)
 
     monkeypatch.setattr(Decoding, "apply", failing)
     client = _client(url)

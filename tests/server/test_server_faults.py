@@ -287,7 +287,7 @@ def test_a_request_that_fails_to_start_lets_go_of_its_caches_and_a_failed_crop_e
     # a cache that cannot be put back after a failed batched pass ends that sequence alone
     import specdec.engine.runner as engine_module
 
-    crop = engine_module.crop_cache
+    crop = engine_module.crop_layers  # a batched pass's caches go back layer by layer
 
     def batch(segments):
         raise RuntimeError("the batched pass failed")
@@ -301,6 +301,6 @@ def test_a_request_that_fails_to_start_lets_go_of_its_caches_and_a_failed_crop_e
     engine.step()  # admits the other one
     doomed_cache = engine.scheduler.running[good].cache
     monkeypatch.setattr(target, "forward_batch", batch)
-    monkeypatch.setattr(engine_module, "crop_cache", failing_crop)
+    monkeypatch.setattr(engine_module, "crop_layers", failing_crop)
     out = engine.step()
     assert good in out.failed and (other in engine.scheduler.running or other in out.finished)

@@ -284,12 +284,15 @@ class Decoding:
         parents = None if draft.parents is None else input_parents(len(pending), draft.parents)
         return Segment(pending + draft.tokens, self.cache, len(draft.tokens) + 1, parents)
 
-    def apply(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None) -> list[int]:
+    def apply(self, logits: torch.Tensor, pass_seconds: float, decided: tuple[int, int] | None = None,
+              timed: bool = True) -> list[int]:
         """Verify the planned draft against the pass's logits [γ+1, V] (the acceptance rule lives in
         core/verify.py alone, reached through this sequence's `verifier`), roll back what was
         rejected, emit -> the tokens emitted. decided: the draft's (num_accepted, next_token) where
         the caller verified it already, with other sequences' in one call (`verifies_by_tokens`,
-        `verifier.decide_batch`: a batched step's)."""
+        `verifier.decide_batch`: a batched step's). timed: whether the step's wall time is this
+        sequence's step cost, for its schedule to learn from (not where other prompts' rows rode in
+        the pass)."""
         stats, drafter, draft = self.stats, self.drafter, self._draft
         raw = logits  # the model's own: what logprobs report
         rows = 1 if draft is None else len(draft.tokens) + 1
@@ -348,7 +351,7 @@ class Decoding:
         self.schedule.update(len(draft.tokens) - len(forced), sum(j not in forced for j in range(num_accepted)))
         # greedy and coupled output are the same whatever the draft lengths, so timings may steer
         # them; under a lossy rule a seed pins the output, and draft lengths decide which draws are used
-        if not self.pinned:
+        if not self.pinned and timed:
             timings = (self._drafted_at - self._step_start, drafter.passes - self._passes,
                        time.perf_counter() - self._drafted_at, self._pending + len(draft.tokens), num_accepted + 1)
             (drafter if self.trees else self.schedule).timing(*timings)

@@ -15,7 +15,7 @@ import logging
 import time
 
 from ..backends import Backend, Segment, features
-from ..backends.cache import cache_length, crop_cache
+from ..backends.cache import cache_length, crop_cache, crop_layers
 from ..decoding.verifier import decide_batch
 from ..decoding.sequence import Decoding
 from ..errors import SpecdecError
@@ -83,7 +83,8 @@ class Runner:
         """One sequence's segment scored alone after a failed pass (row-exact passes give its rows
         the same bits either way) -> its logits, or None where it fails again (it then ends)."""
         try:
-            crop_cache(segment.cache, length)
+            # a batched pass that failed part way grew some layers only: each goes back on its own
+            (crop_layers if self.batched else crop_cache)(segment.cache, length)
             return self.target.forward(segment.input_ids, segment.cache, segment.num_logits, parents=segment.parents,
                                        tree_start=segment.tree_start)
         except Exception as error:  # this sequence's own trouble: it alone ends
@@ -102,7 +103,8 @@ class Runner:
             try:
                 if isinstance(decided.get(i), Exception):
                     raise decided[i]
-                emitted = decoding.apply(rows, plan.pass_seconds, decided.get(i))
+                # a pass with prompts' rows in it is no step's cost for the sequence's schedule
+                emitted = decoding.apply(rows, plan.pass_seconds, decided.get(i), timed=not plan.feeding)
                 out.emitted[request_id] = emitted
                 logprobs = decoding.emitted_logprobs(len(emitted))
                 if logprobs is not None:
@@ -138,8 +140,8 @@ class Runner:
             batched pass failed)."""
             s = current[i]
             try:
-                if length is not None:
-                    crop_cache(s.cache, length)
+                if length is not None:  # after a batched pass that failed, perhaps part way
+                    crop_layers(s.cache, length)
                 logits = model.forward(s.input_ids, s.cache, s.num_logits, parents=s.parents, tree_start=s.tree_start)
             except Exception as error:
                 _fail(out, ids[i], decodings[i], error, "a drafter pass")

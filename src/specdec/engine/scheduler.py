@@ -251,8 +251,7 @@ class Scheduler:
     def record(self, plan: StepPlan, segments: list[Segment], emitted: dict[int, list[int]]) -> None:
         """The step's costs, for the batch policy (`BatchCosts.record`); a failure here is the
         policy's, not the requests': logged, and the step's tokens stand."""
-        # a pass with prompts' rows in it does not cost what a decode step does
-        if self.costs is None or plan.speculate is None or plan.feeding:
+        if self.costs is None or plan.speculate is None:
             return
         try:
             self._record_costs(plan, segments, emitted)
@@ -264,6 +263,8 @@ class Scheduler:
         for i, (context, remaining) in plan.fresh.items():  # drafters that first caught up this step
             if plan.decodings[i].lag() < context:
                 self.costs.joined(context, remaining)
+        if plan.feeding:  # a pass with prompts' rows in it does not cost what a decode step does
+            return
         self.costs.record(len(plan.ids), plan.speculate, sum(map(len, emitted.values())), plan.drafted - plan.began,
                           sum(d.drafter_passes for d in plan.decodings) - plan.passes, plan.pass_seconds,
                           sum(len(s.input_ids) for s in segments), fed, catch_up_seconds, plan.rounds)
