@@ -1028,6 +1028,8 @@ def _faulty_sites(target, drafter_counts: dict) -> list[tuple[object, str, objec
 
     return [(Decoding, "begin", faulty("begin", Decoding.begin)),
             (Decoding, "prefill_step", faulty("prefill", Decoding.prefill_step)),
+            # a prompt fed in a shared pass, or riding in the running sequences' pass, is in here
+            (Decoding, "prefilled_together", faulty("prefill", Decoding.prefilled_together)),
             (ModelDrafter, "lag", faulty("lag", ModelDrafter.lag)),
             (ModelDrafter, "accept", faulty("accept", Drafter.accept)),
             (SuffixDrafter, "finish", faulty("finish", SuffixDrafter.finish)),
