@@ -76,7 +76,6 @@ class Scheduler:
         self.running: dict[int, Decoding] = {}
         self.reserved: dict[int, int] = {}  # KV bytes held by each admitted request
         self.prefill_tokens = prefill_tokens
-        self._riding: list[tuple[int, Decoding, int]] = []  # prompts `prefill` left to ride in this step's pass
 
     @property
     def busy(self) -> bool:
@@ -86,8 +85,7 @@ class Scheduler:
         """Admit waiting requests, feed prompt chunks, and decide for the running ones whether
         this step drafts (`steer`) -> the plan, or None when nothing runs."""
         self.admit(out)
-        self.prefill(out)
-        riding, self._riding = self._riding, []
+        riding = self.prefill(out)
         lags = self.lags(out)
         if not self.running:  # prompts left to ride wait in `prefilling`, their caches untouched
             return None
@@ -123,7 +121,7 @@ class Scheduler:
             self.prefilling[request.id] = decoding
             self.reserved[request.id] = need
 
-    def prefill(self, out: StepOutput) -> None:
+    def prefill(self, out: StepOutput) -> list[tuple[int, Decoding, int]]:
         """Prompt chunks (`Decoding.prefill_step`, PREFILL_CHUNK tokens at most of each prompt),
         first come first served: a long prompt delays the running sequences by about one step's
         prompt pass, not by its whole length. Where the target shares prompt passes, the chunks go
@@ -132,7 +130,7 @@ class Scheduler:
         step (each more pass would stream the weights again). Where sequences run, the shared chunks
         ride in their scoring pass (`StepPlan.feeding`, then `fed`): one pass streams the weights for
         both, and a prompt that is in joins the next step's. Otherwise a prompt that is in joins
-        this step's pass."""
+        this step's pass. -> the prompts left to ride (`StepPlan.feeding`)."""
         fed, alone, shared = 0, 0, []
         for request_id, decoding in list(self.prefilling.items()):
             if fed >= self.prefill_tokens or alone >= sequence.PREFILL_CHUNK:
@@ -147,11 +145,12 @@ class Scheduler:
             tokens = max(1, cache_length(decoding.cache) - before) if decoding.cache is not None else 1
             fed, alone = fed + tokens, alone + tokens
         if shared and self.running:
-            self._riding = [(i, self.prefilling[i], cache_length(self.prefilling[i].cache)) for i in shared]
-        elif len(shared) > 1:
+            return [(i, self.prefilling[i], cache_length(self.prefilling[i].cache)) for i in shared]
+        if len(shared) > 1:
             self._prefill_together(out, shared)
         elif shared:
             self._prefill_alone(out, shared[0])
+        return []
 
     def fed(self, plan: StepPlan, out: StepOutput) -> None:
         """The prompts that rode in the step's pass (`StepPlan.feeding`): each one that is in runs
