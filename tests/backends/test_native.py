@@ -14,7 +14,7 @@ from specdec.backends.kernels import tiled_bf16_supported
 from specdec.errors import SpecdecError
 
 built = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the kernels are not built")
-tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512-BF16")
+tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512")
 amx = pytest.mark.skipif(native.library() is None or native.linear_amx_kernel() is None,
                          reason="the AMX linear kernel needs a CPU with AMX")
 
@@ -241,6 +241,27 @@ def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):
         assert torch.equal(native.linear(x, packed, n, b), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@built
+@pytest.mark.skipif(not native.linear_widens(), reason="the fused multiply-add path runs on AVX512 without BF16")
+@pytest.mark.parametrize("n,k,bias", [(20, 64, True), (40, 2050, False), (17, 70, True)])
+def test_without_bf16_dot_products_a_row_is_its_products_summed_in_order(n, k, bias):
+    """On AVX512 without BF16 each output is its k products (exact in float32: bf16 times bf16)
+    added one by one in input order from zero, the bias added and the sum rounded to bf16, bit for
+    bit, past a block of pairs too; NaN and infinity pass through the rounding as they should."""
+    generator = torch.Generator().manual_seed(n * k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    x = torch.randn(9, k, generator=generator).bfloat16()
+    x[7, 3], x[8, 5] = float("nan"), float("inf")
+    acc = torch.zeros(x.shape[0], n)
+    for i in range(k):
+        acc = acc + x[:, i, None].float() * weight[None, :, i].float()
+    expected = (acc if b is None else acc + b.float()).bfloat16()
+    got = native.linear(x, native.pack_tiles(weight), n, b)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
 
 
 def _amx_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

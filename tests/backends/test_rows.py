@@ -12,7 +12,7 @@ from specdec import GREEDY, TransformersModel, Sampler, autoregressive_generate,
 from specdec.backends.rows import key_spans, refine_top_logits, widen_and_refine
 
 from conftest import bf16_rows, cpu_only
-from specdec.backends.kernels import bf16_rows_exact, cpu_has_native_bf16
+from specdec.backends.kernels import TILED_LABELS, bf16_rows_exact, cpu_has_native_bf16, fast_bf16
 
 
 def qwen_like(dtype: torch.dtype, exact_rows: bool | None = None, vocab: int = 4096, seed: int = 0,
@@ -45,8 +45,8 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 
 # the bf16 linear paths: transformers' layers through F.linear (TwoRowLinear), and weights packed
 # for oneDNN (PackedBf16Linear), which `auto` picks on CPUs with native bf16
-packed_bf16 = pytest.mark.skipif(not cpu_has_native_bf16() or not torch.backends.mkldnn.is_available(),
-                                 reason="packed bf16 linears are picked on CPUs with native bf16 only")
+packed_bf16 = pytest.mark.skipif(not fast_bf16() or not torch.backends.mkldnn.is_available(),
+                                 reason="packed bf16 linears are picked where bf16 is fast only (native, or our tiled kernel)")
 BF16_KERNELS = ["stock", pytest.param("auto", marks=packed_bf16)]
 
 
@@ -103,6 +103,7 @@ def test_the_one_row_gemm_test_has_power(monkeypatch, kernels):
 
 @cpu_only
 @packed_bf16
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="oneDNN emulates bf16 without native bf16, rounding rows by the call's size")
 def test_packed_bf16_linears_compute_what_f_linear_computes(monkeypatch):
     """A bf16 target on a native-bf16 CPU without our tiled kernel runs every linear, its head too,
     on weights packed once for oneDNN; each row comes out as `F.linear`'s over the same rows, in
@@ -299,9 +300,11 @@ def test_exact_rows_default_on_for_bf16_cpu_targets_only(monkeypatch):
     monkeypatch.setattr(specdec.backends.transformers, "bf16_rows_exact", lambda: True)
     assert qwen_like(torch.bfloat16, vocab=256).exact_rows
     assert not qwen_like(torch.float32, vocab=256).exact_rows  # 1-token passes would pay for it
-    # AVX512's bf16 emulation rounds rows of 4-row GEMMs otherwise: not by default there
+    # AVX512's bf16 emulation rounds rows of 4-row GEMMs otherwise: not by default there, unless
+    # the linears run our tiled kernel, whose rows are exact by construction
     monkeypatch.setattr(specdec.backends.transformers, "bf16_rows_exact", lambda: False)
-    assert not qwen_like(torch.bfloat16, vocab=256).exact_rows
+    model = qwen_like(torch.bfloat16, vocab=256)
+    assert model.exact_rows == (model.kernels in TILED_LABELS)
 
 
 def test_native_bf16_is_read_from_the_cpu_flags_on_x86(monkeypatch):
@@ -462,7 +465,6 @@ def test_prompts_fed_together_get_the_bits_each_gets_alone(dtype):
     attending causally as alone, a last chunk of one row by the one-query kernel as alone; a prompt
     cache's partial entries are extended. Elsewhere a longer prompt is refused."""
     from specdec.backends import native
-    from specdec.backends.kernels import TILED_LABELS
     from specdec.backends.prompts import PREFILL_CHUNK, SHARED_PREFILL
     from specdec.errors import SpecdecError
 

@@ -282,7 +282,7 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     import specdec.backends.transformers
     import specdec.backends.kernels
 
-    monkeypatch.setattr(specdec.backends.transformers, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(specdec.backends.transformers, "fast_bf16", lambda: native_bf16)
     monkeypatch.setattr(specdec.backends.kernels, "cpu_has_amx", lambda: amx)
     vnni = vnni_int8_supported()
     tiled = native.linear_kernel() is not None and not amx

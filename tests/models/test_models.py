@@ -9,7 +9,8 @@ import torch
 from specdec import TransformersModel, SpecdecError, autoregressive_generate, load, speculative_generate
 from specdec.models import catalogue as registry
 from specdec.backends.kernels import PackedLinear
-from specdec.models.loading import cpu_has_native_bf16, resolve_dtype
+from specdec.backends.kernels import fast_bf16
+from specdec.models.loading import resolve_dtype
 
 from conftest import TEST_DEVICE, tiny_model
 from specdec.backends.cache import cache_length, crop_cache
@@ -57,6 +58,8 @@ def test_auto_dtype_and_kernels_follow_the_role():
     cpu = torch.device("cpu")
     assert resolve_dtype("fp32", cpu) == torch.float32
     assert resolve_dtype("auto", cpu, role="drafter") == torch.bfloat16
+    # a target in bf16 where bf16 weights run at their memory speed (native, or our kernel's fused multiply-adds)
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if fast_bf16() else torch.float32)
     with pytest.raises(SpecdecError, match="unknown dtype"):
         resolve_dtype("int3", cpu)
     # fp32 on the CPU: packed linears everywhere, the head included, and the same logits as stock
@@ -68,8 +71,8 @@ def test_auto_dtype_and_kernels_follow_the_role():
     assert any(isinstance(m, torch.nn.Linear) for m in stock_wrapped.hf.modules())
     ids = [3, 4, 5, 6]
     assert torch.allclose(packed.forward(ids, None, 4), stock_wrapped.forward(ids, None, 4), atol=1e-4)
-    # a bf16 drafter on a CPU without native bf16 keeps bf16 weights for short passes
-    if not cpu_has_native_bf16():
+    # a bf16 drafter on a CPU where bf16 is slow keeps bf16 weights for short passes
+    if not fast_bf16():
         bf16 = tiny_model(1, vocab=64, kernels="stock").hf.to(torch.bfloat16)
         drafter = TransformersModel(bf16, None, "d", role="drafter")
         assert drafter.forward([3, 4, 5], None, 3).dtype == torch.float32

@@ -60,6 +60,13 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def fast_bf16() -> bool:
+    """Whether bf16 weights run at bf16's memory speed here: on CPUs with native bf16, and where our
+    tiled kernel sums them with fused multiply-adds (AVX512 without BF16: `tiled_bf16_supported`).
+    There bf16 beats fp32, whose weights take twice the bytes (docs/kernels.md#what---dtype-auto-picks)."""
+    return cpu_has_native_bf16() or tiled_bf16_supported()
+
+
 def bf16_rows_exact() -> bool:
     """Whether this CPU's bf16 GEMMs compute a row the same in calls of 2..ROW_CHUNK rows, which
     row-exact bf16 passes rely on: yes with native bf16 and with AVX2's emulation, no with AVX512's
@@ -510,22 +517,25 @@ def packed_bf16_supported() -> bool:
 
 
 # what `packed_bf16_label` may say: a model's kernels name where its linears are `PackedBf16Linear`s
-PACKED_BF16_LABELS = ("onednn-packed-bf16", "tiled-bf16", "tiled-bf16-amx")
-TILED_LABELS = ("tiled-bf16", "tiled-bf16-amx")  # our kernels: a row rounds alike in calls of any size
+PACKED_BF16_LABELS = ("onednn-packed-bf16", "tiled-bf16", "tiled-bf16-amx", "tiled-bf16-fma")
+TILED_LABELS = ("tiled-bf16", "tiled-bf16-amx", "tiled-bf16-fma")  # our kernels: a row rounds alike in calls of any size
 
 
 def packed_bf16_label() -> str:
     """What `PackedBf16Linear` runs here, for a model's `kernels` name (and the pass-cost cache's
     key): "tiled-bf16" (our kernel, `native.linear`), "tiled-bf16-amx" (the same layout rounded as
-    AMX rounds, on an AMX CPU) or "onednn-packed-bf16"."""
+    AMX rounds, on an AMX CPU), "tiled-bf16-fma" (the same layout summed by fused multiply-adds, on
+    AVX512 without BF16) or "onednn-packed-bf16"."""
     if not tiled_bf16_supported():
         return "onednn-packed-bf16"
-    return "tiled-bf16-amx" if native.linear_amx_kernel() is not None else "tiled-bf16"
+    if native.linear_amx_kernel() is not None:
+        return "tiled-bf16-amx"
+    return "tiled-bf16-fma" if native.linear_widens() else "tiled-bf16"
 
 
 def tiled_bf16_supported() -> bool:
     """Whether `PackedBf16Linear` packs its weight in tiles for our kernel (`native.linear`): where
-    it is built (AVX512-BF16), and on a CPU with AMX where its AMX kernel runs too (a prompt's GEMMs
+    it is built (AVX512, with or without its BF16 extension), and on a CPU with AMX where its AMX kernel runs too (a prompt's GEMMs
     run several times faster on AMX's tiles than on the dot-product instruction)."""
     if native.linear_kernel() is None:
         return False

@@ -183,12 +183,21 @@ def _built_with(flag: str) -> bool:
 @functools.cache
 def linear_kernel():
     """The compiled `specdec_linear_bf16`, or None where the library is not built or the CPU has no
-    AVX512-BF16 (the library was built without it)."""
+    AVX512 (the library was built without it): on AVX512-BF16 its dot-product instruction, else
+    fused multiply-adds on pairs widened to fp32 (`linear_widens`)."""
     if not _built_with("specdec_linear_available"):
         return None
     return _function("specdec_linear_bf16", ctypes.c_int,
                      [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p])
+
+
+@functools.cache
+def linear_widens() -> bool:
+    """Whether `linear` sums with fused multiply-adds on bf16 pairs widened to fp32 (AVX512 without
+    its BF16 extension), not the CPU's bf16 dot-product instruction."""
+    lib = library()
+    return lib is not None and lib["specdec_linear_available"]() == 2
 
 
 @functools.cache

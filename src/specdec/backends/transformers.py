@@ -15,7 +15,7 @@ import torch
 from ..errors import SpecdecError
 from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (PACKED_BF16_LABELS, TILED_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact,
-                       cpu_has_native_bf16, fix_norm_rows, fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
+                       fast_bf16, fix_norm_rows, fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
                        row_stable, row_stable_linear)
 from .merged import merge_projections
@@ -91,14 +91,15 @@ class TransformersModel:
                 hf_model.set_output_embeddings(self._head)
                 if role == "target":  # a drafter keeps it for a head of its own (`restrict_vocabulary`)
                     self._head_weight = None  # let the dense copy go
-        elif on_cpu and role == "drafter" and not cpu_has_native_bf16() and (int8 or self._dtype == torch.bfloat16):
+        elif on_cpu and role == "drafter" and not fast_bf16() and (int8 or self._dtype == torch.bfloat16):
             # int8 beat packed fp32 up to 16 rows (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head);
             # emulated bf16 beats packed fp32 only up to 2
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
             self.kernels = f"{int8_label(self._decoder)}+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
-        elif on_cpu and self._dtype == torch.bfloat16 and cpu_has_native_bf16() and packed_bf16_supported():
+        elif on_cpu and self._dtype == torch.bfloat16 and fast_bf16() and packed_bf16_supported():
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
-            # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front
+            # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front.
+            # In tiles for our kernel wherever it runs, AVX512 without BF16 too (docs/kernels.md#tiled-bf16-linears)
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's where our kernel runs them),
             # else apart behind one merged output where the fused rotation or SwiGLU middle reads it
@@ -122,7 +123,8 @@ class TransformersModel:
             # so only attention changes. Packed fp32 needs 1-row passes computed as 2-row ones,
             # which slows the 1-token pass (docs/kernels.md#row-exact-passes).
             exact_rows = role == "target" and self._device.type == "cpu" and self._dtype == torch.bfloat16 and \
-                bf16_rows_exact() and hf_model.config._attn_implementation in ("sdpa", "eager")
+                (bf16_rows_exact() or self.kernels in TILED_LABELS) and \
+                hf_model.config._attn_implementation in ("sdpa", "eager")
         if exact_rows or hf_model.config._attn_implementation in ("sdpa", "eager"):
             install_attention(hf_model)  # row-exact passes, and cheaper one-query ones either way
         if exact_rows and self.kernels == "stock":
@@ -190,7 +192,7 @@ class TransformersModel:
             long.weight = torch.nn.Parameter(weight, requires_grad=False)
             if bias is not None:
                 long.bias = torch.nn.Parameter(bias, requires_grad=False)
-        short_rows = int8_short_rows() if cpu_has_native_bf16() else 8
+        short_rows = int8_short_rows() if fast_bf16() else 8
         self._draft_head = Int8Linear(weight, bias, long, short_rows) if self.int8 and int8_fits(long) else long
 
     @property

@@ -15,7 +15,7 @@ import torch
 from . import catalogue as registry
 from ..backends.transformers import TransformersModel
 from ..errors import SpecdecError
-from ..backends.kernels import CUDA_ROWS, cpu_has_native_bf16, int8_supported
+from ..backends.kernels import CUDA_ROWS, fast_bf16, int8_supported
 from ..backends.text import eos_ids
 from .vocab import check_vocab_options, restrict_drafter_vocabulary
 
@@ -29,9 +29,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return device
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> torch.dtype:
-    """The working dtype. "auto": bf16 on CUDA and on CPUs with native bf16; on other CPUs fp32
-    for a target (multi-token passes, see backends/kernels.py) and bf16 for a drafter (1-token passes,
-    where half the weight traffic wins and its rounding can only cost acceptance, never exactness).
+    """The working dtype. "auto": bf16 on CUDA, on CPUs with native bf16 and where our tiled kernel
+    runs bf16 weights (AVX512 without BF16: `kernels.fast_bf16`); on other CPUs fp32 for a target
+    (multi-token passes, see backends/kernels.py) and bf16 for a drafter (1-token passes, where half
+    the weight traffic wins and its rounding can only cost acceptance, never exactness).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -47,7 +48,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, role: str = "t
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if role == "drafter":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if fast_bf16() else torch.float32
 
 
 def use_int8(dtype: str | torch.dtype, device: torch.device, role: str = "target") -> bool:

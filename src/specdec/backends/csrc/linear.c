@@ -27,13 +27,41 @@
 /* the floats of scratch space specdec_linear_bf16 needs for `rows` rows on `threads` threads */
 int64_t specdec_linear_scratch(int64_t rows, int threads) { return (rows > 0 ? rows : 1) * GROUP * TILE * threads; }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#ifdef __AVX512BF16__
+/* 1: the dot-product instruction */
 int specdec_linear_available(void) { return 1; }
+
+/* acc + x's pair . w's pair, lane by lane */
+static inline __m512 dot_pair(__m512 acc, __m512i xs, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)xs, (__m512bh)w); }
+
+/* 16 sums rounded to bf16, nearest even */
+static inline __m256i round_bf16(__m512 sums) { return (__m256i)_mm512_cvtneps_pbh(sums); }
+#else
+/* 2: the pairs widened to fp32 (exact) and summed by fused multiply-adds, the even input first */
+int specdec_linear_available(void) { return 2; }
+
+static inline __m512 dot_pair(__m512 acc, __m512i xs, __m512i w) {
+    const __mmask32 high = 0xaaaaaaaau;  /* the odd input of each pair: its word kept, the even one zeroed */
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(xs, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_mov_epi16(high, xs)), _mm512_castsi512_ps(_mm512_maskz_mov_epi16(high, w)), acc);
+}
+
+/* 16 sums rounded to bf16, nearest even (a NaN stays a NaN), as vec16.h's to_bf16 */
+static inline __m256i round_bf16(__m512 sums) {
+    const __m512i u = _mm512_castps_si512(sums);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
 
 /* Where the block after this one lies, to be fetched into L2 while this one is computed: as many
    tiles as this block's (pairs * TILE * 2 values apart), of `pairs` input pairs from `at`; NULL:
@@ -61,7 +89,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, int64
             int32_t pair;
             memcpy(&pair, x + (m0 + m) * x_stride + 2 * p, sizeof pair);
             const __m512i xs = _mm512_set1_epi32(pair);
-            for (int64_t g = 0; g < count; g++) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], (__m512bh)xs, (__m512bh)w[g]);
+            for (int64_t g = 0; g < count; g++) acc[m][g] = dot_pair(acc[m][g], xs, w[g]);
         }
     }
     for (int64_t m = 0; m < height; m++)
@@ -134,7 +162,7 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
                     const __m256i b = _mm256_maskz_loadu_epi16(mask, bias + column);
                     out = _mm512_add_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
                 }
-                _mm256_mask_storeu_epi16(y + m * y_stride + column, mask, (__m256i)_mm512_cvtneps_pbh(out));
+                _mm256_mask_storeu_epi16(y + m * y_stride + column, mask, round_bf16(out));
             }
     }
     return 0;
