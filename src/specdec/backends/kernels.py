@@ -1,14 +1,15 @@
 """Linear layers for scoring several tokens at once: faster ones on the CPU, and row-exact ones
 (every row as a one-token pass computes it) on the CPU and CUDA.
 
-On CPUs with native bf16, bf16 weights get `PackedBf16Linear`, packed once at load: in tiles for
+On CPUs with native bf16, and on AVX512 ones without it where our kernel sums bf16 pairs widened to
+fp32 (`fast_bf16`), bf16 weights get `PackedBf16Linear`, packed once at load: in tiles for
 our kernel where it is built (`native.linear`: rows exact in calls of any size, a few-row call at
 the memory's speed, on AMX's tiles where the CPU has them; docs/kernels.md#tiled-bf16-linears), else into
 oneDNN's blocked layout (as vLLM's CPU backend does), the same results as `F.linear`, which
 reorders them on every call, and faster (docs/kernels.md#packed-bf16-linears); a drafter's int8
 short path (`Int8Linear`) stays in front.
 
-On CPUs without native bf16 (AVX2-only machines), PyTorch's default GEMM for a handful of rows
+On CPUs without either (AVX2-only machines), PyTorch's default GEMM for a handful of rows
 costs about as much per row as a matrix-vector product, which leaves speculative decoding nothing
 to gain; oneDNN with the weight prepacked into its blocked layout makes the extra rows cheap
 (docs/kernels.md#what---dtype-auto-picks). oneDNN has no bf16 path on such CPUs, so:

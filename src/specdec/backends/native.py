@@ -12,7 +12,8 @@
   instruction (AVX512-VNNI), streaming half of bf16's bytes at the memory's speed. Not exact (only
   drafts go through it), but a row's result depends on that row alone.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
-  read by the CPU's bf16 dot-product instruction (AVX512-BF16). Every output sums over its inputs
+  read by the CPU's bf16 dot-product instruction (AVX512-BF16; on AVX512 without it, each pair
+  widened to fp32 and summed by fused multiply-adds: `linear_widens`). Every output sums over its inputs
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
   rows meet without padding or cutting (backends/rows.py), and a 1..4-row call streams the
   weights at the memory's speed, where oneDNN's blocked kernel reached about two thirds of it
