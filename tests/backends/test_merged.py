@@ -131,6 +131,14 @@ def _merged(monkeypatch, stack: bool, **kwargs):
 modes = pytest.mark.parametrize("stack", [True, False], ids=["stacked", "apart-gemm"])
 
 
+def _alone(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear of `weight` alone on this CPU's packed bf16 path: our tiles where they run (a row's
+    bits do not depend on its neighbours or the outputs beside it), else oneDNN's, `F.linear`'s bits."""
+    if not tiled_bf16_supported():
+        return torch.nn.functional.linear(x, weight, bias)
+    return PackedBf16Linear(weight, bias, tiled=True)(x)
+
+
 @modes
 def test_merged_passes_give_the_bits_of_separate_ones(monkeypatch, stack):
     """Logits of one-token, multi-token, prompt and batched passes are equal bit for bit with the
@@ -170,10 +178,10 @@ def test_a_part_called_on_its_own_input_computes_its_own_rows(monkeypatch, shape
         k_alone = attention.k_proj(y)
         q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
         assert attention.q_proj.merged._memo is None  # nothing held once every part took its share
-        reference = [torch.nn.functional.linear(x, dense_weight(p), p.bias) for p in
+        reference = [_alone(x, dense_weight(p), p.bias) for p in
                      (attention.q_proj, attention.k_proj, attention.v_proj)]
         assert all(torch.equal(a, b) for a, b in zip((q, k, v), reference))
-        assert torch.equal(k_alone, torch.nn.functional.linear(y, dense_weight(attention.k_proj), attention.k_proj.bias))
+        assert torch.equal(k_alone, _alone(y, dense_weight(attention.k_proj), attention.k_proj.bias))
         assert q.is_contiguous() and k.shape == (*shape[:-1], 128) and k.untyped_storage().data_ptr() != \
             q.untyped_storage().data_ptr()
 
@@ -191,7 +199,7 @@ def test_a_part_takes_a_new_weight_and_passes_gradients(monkeypatch, stack):
     with torch.inference_mode():
         attention.q_proj(x)  # a pass under way, its v not taken yet, computed with the old weight
         set_dense_weight(v, new)
-        assert torch.equal(v(x), torch.nn.functional.linear(x, new, v.bias))
+        assert torch.equal(v(x), _alone(x, new, v.bias))
     assert torch.equal(dense_weight(v), new) and torch.equal(dense_weight(attention.q_proj), before_q)
     x = torch.randn(4, 512, dtype=torch.bfloat16, requires_grad=True)
     with differentiable_linears(model._decoder):

@@ -261,12 +261,14 @@ def huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     return copy.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
+def _scratch(rows: int, k: int, threads: int) -> int:
+    """Floats of scratch space `specdec_linear_bf16` needs for `rows` rows of `k` inputs."""
+    return _scratch_function()(rows, k, threads)
+
+
 @functools.cache
-def _scratch_per_row() -> int:
-    """Floats of scratch space `specdec_linear_bf16` needs per row and thread."""
-    lib = library()
-    lib.specdec_linear_scratch.restype = ctypes.c_int64
-    return lib.specdec_linear_scratch(ctypes.c_int64(1), ctypes.c_int(1))
+def _scratch_function():
+    return _function("specdec_linear_scratch", ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -289,7 +291,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     if amx is not None:
         scratch = torch.empty(_amx_scratch(rows, k, threads), dtype=torch.float32)
     else:
-        scratch = torch.empty(max(rows, 1) * threads * _scratch_per_row(), dtype=torch.float32)
+        scratch = torch.empty(_scratch(rows, k, threads), dtype=torch.float32)
     if rows:
         with _traced("specdec::linear_bf16"):
             done = (amx or linear_kernel())(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,

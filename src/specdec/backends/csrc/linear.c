@@ -24,8 +24,17 @@
    rows, 1.03x at 128, the same at 1-4, EPYC-BF16) */
 #define PAIRS 1024
 
-/* the floats of scratch space specdec_linear_bf16 needs for `rows` rows on `threads` threads */
-int64_t specdec_linear_scratch(int64_t rows, int threads) { return (rows > 0 ? rows : 1) * GROUP * TILE * threads; }
+/* the floats of scratch space specdec_linear_bf16 needs for `rows` rows of `k` inputs on `threads`
+   threads: each thread's sums, and the rows widened to fp32 where the CPU has no bf16 dot product */
+int64_t specdec_linear_scratch(int64_t rows, int64_t k, int threads) {
+    rows = rows > 0 ? rows : 1;
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+    return rows * GROUP * TILE * threads + rows * k;
+#else
+    (void)k;
+    return rows * GROUP * TILE * threads;
+#endif
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -37,8 +46,19 @@ int64_t specdec_linear_scratch(int64_t rows, int threads) { return (rows > 0 ? r
 /* 1: the dot-product instruction */
 int specdec_linear_available(void) { return 1; }
 
+/* the kernel's inputs: bf16 rows as given */
+typedef uint16_t x_t;
+typedef __m512i xs_t;  /* an input pair, broadcast */
+typedef __m512i ws_t;  /* a tile's 16 weight pairs */
+static inline xs_t pair_x(const x_t *at) {
+    int32_t pair;
+    memcpy(&pair, at, sizeof pair);
+    return _mm512_set1_epi32(pair);
+}
+static inline ws_t pair_w(const uint16_t *at) { return _mm512_loadu_si512(at); }
+
 /* acc + x's pair . w's pair, lane by lane */
-static inline __m512 dot_pair(__m512 acc, __m512i xs, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)xs, (__m512bh)w); }
+static inline __m512 dot_pair(__m512 acc, xs_t xs, ws_t w) { return _mm512_dpbf16_ps(acc, (__m512bh)xs, (__m512bh)w); }
 
 /* 16 sums rounded to bf16, nearest even */
 static inline __m256i round_bf16(__m512 sums) { return (__m256i)_mm512_cvtneps_pbh(sums); }
@@ -46,10 +66,29 @@ static inline __m256i round_bf16(__m512 sums) { return (__m256i)_mm512_cvtneps_p
 /* 2: the pairs widened to fp32 (exact) and summed by fused multiply-adds, the even input first */
 int specdec_linear_available(void) { return 2; }
 
-static inline __m512 dot_pair(__m512 acc, __m512i xs, __m512i w) {
-    const __mmask32 high = 0xaaaaaaaau;  /* the odd input of each pair: its word kept, the even one zeroed */
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(xs, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_maskz_mov_epi16(high, xs)), _mm512_castsi512_ps(_mm512_maskz_mov_epi16(high, w)), acc);
+/* the kernel's inputs: the rows widened to fp32 once a call (`widen`), read a value at a time */
+typedef float x_t;
+typedef struct { __m512 even, odd; } xs_t;
+typedef struct { __m512 even, odd; } ws_t;
+static inline xs_t pair_x(const x_t *at) { return (xs_t){_mm512_set1_ps(at[0]), _mm512_set1_ps(at[1])}; }
+/* a tile's pairs as two fp32 vectors: the even inputs shifted up, the odd ones with the low word
+   zeroed by a masked move (its mask in a mask register, leaving the vector registers to the sums) */
+static inline ws_t pair_w(const uint16_t *at) {
+    const __m512i w = _mm512_loadu_si512(at);
+    return (ws_t){_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_castsi512_ps(_mm512_maskz_mov_epi16(0xaaaaaaaau, w))};
+}
+
+static inline __m512 dot_pair(__m512 acc, xs_t xs, ws_t w) {
+    return _mm512_fmadd_ps(xs.odd, w.odd, _mm512_fmadd_ps(xs.even, w.even, acc));
+}
+
+/* rows [rows, k] bf16 (x_stride apart) -> out [rows, k] fp32, exactly */
+static void widen(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k, float *out) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = 0; i < k; i++) {
+            const uint32_t bits = (uint32_t)x[m * x_stride + i] << 16;
+            memcpy(out + m * k + i, &bits, sizeof bits);
+        }
 }
 
 /* 16 sums rounded to bf16, nearest even (a NaN stays a NaN), as vec16.h's to_bf16 */
@@ -71,7 +110,7 @@ typedef struct { const uint16_t *at; int64_t pairs; } ahead_t;
 /* Rows m0..m0+height-1 of tiles first..first+count-1 over input pairs start..end-1, the partial
    sums carried in `sums` [rows][GROUP][16] between blocks, fetching `ahead` into L2 on the way.
    Inlined with height and count constants (`group` picks a `block_H`), the sums stay in registers. */
-static inline __attribute__((always_inline)) void block(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+static inline __attribute__((always_inline)) void block(const x_t *x, int64_t x_stride, const uint16_t *packed,
                                                         int64_t pairs, int64_t first, int64_t start, int64_t end,
                                                         int64_t m0, float *sums, ahead_t ahead,
                                                         const int64_t height, const int64_t count) {
@@ -80,15 +119,13 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, int64
         for (int64_t g = 0; g < count; g++)
             acc[m][g] = start ? _mm512_loadu_ps(sums + ((m0 + m) * GROUP + g) * TILE) : _mm512_setzero_ps();
     for (int64_t p = start; p < end; p++) {
-        __m512i w[GROUP];
-        for (int64_t g = 0; g < count; g++) w[g] = _mm512_loadu_si512(packed + (((first + g) * pairs + p) * TILE) * 2);
+        ws_t w[GROUP];
+        for (int64_t g = 0; g < count; g++) w[g] = pair_w(packed + (((first + g) * pairs + p) * TILE) * 2);
         if (ahead.at && p - start < ahead.pairs)  /* a cache line of each of its tiles a step */
             for (int64_t g = 0; g < count; g++)
                 _mm_prefetch((const char *)(ahead.at + ((g * pairs + p - start) * TILE) * 2), _MM_HINT_T1);
         for (int64_t m = 0; m < height; m++) {
-            int32_t pair;
-            memcpy(&pair, x + (m0 + m) * x_stride + 2 * p, sizeof pair);
-            const __m512i xs = _mm512_set1_epi32(pair);
+            const xs_t xs = pair_x(x + (m0 + m) * x_stride + 2 * p);
             for (int64_t g = 0; g < count; g++) acc[m][g] = dot_pair(acc[m][g], xs, w[g]);
         }
     }
@@ -96,7 +133,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, int64
         for (int64_t g = 0; g < count; g++) _mm512_storeu_ps(sums + ((m0 + m) * GROUP + g) * TILE, acc[m][g]);
 }
 
-#define BLOCK_ARGS const uint16_t *x, int64_t x_stride, const uint16_t *packed, int64_t pairs, int64_t first, \
+#define BLOCK_ARGS const x_t *x, int64_t x_stride, const uint16_t *packed, int64_t pairs, int64_t first, \
     int64_t start, int64_t end, int64_t m0, float *sums, ahead_t ahead, int64_t height, int64_t count
 #define BLOCK(H) static void block_##H(BLOCK_ARGS) { (void)height; (void)count; \
     block(x, x_stride, packed, pairs, first, start, end, m0, sums, ahead, H, GROUP); }
@@ -114,7 +151,7 @@ typedef void (*block_fn)(BLOCK_ARGS);
    its later rows read them from L2, the next block's (the next group's first, past the last)
    are fetched, so that its first rows do not wait on memory: up to 24 rows (0.93x and 0.95x the
    1.5B target's GEMMs at 12 and 16 rows, EPYC-BF16; 1.06x at 64, so not there). */
-static void group(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t pairs,
+static void group(const x_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t pairs,
                   int64_t tiles, int64_t first, int64_t count, int64_t size, float *sums) {
     static const block_fn full[] = {block_any, block_1, block_2, block_3, block_4, block_5, block_6};
     const int64_t most = size == GROUP8 ? ROWS8 : ROWS;
@@ -138,12 +175,20 @@ static void group(const uint16_t *x, int64_t rows, int64_t x_stride, const uint1
 }
 
 /* y [rows, n] (y_stride elements between rows) = x [rows, k] (x_stride) @ W^T + bias (bf16 [n],
-   or NULL), W packed in tiles; k even. scratch: specdec_linear_scratch(rows, threads) floats.
+   or NULL), W packed in tiles; k even. scratch: specdec_linear_scratch(rows, k, threads) floats.
    Returns 0. */
 int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t n,
                         int64_t k, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads, float *scratch) {
     const int64_t size = rows == 7 || rows == 8 ? GROUP8 : GROUP;
     const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE, groups = (tiles + size - 1) / size;
+#ifdef __AVX512BF16__
+    const x_t *in = x;
+    const int64_t in_stride = x_stride;
+#else
+    float *in = scratch + (int64_t)threads * rows * GROUP * TILE;
+    widen(x, rows, x_stride, k, in);
+    const int64_t in_stride = k;
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups > 1)
     for (int64_t gi = 0; gi < groups; gi++) {
         int thread = 0;
@@ -152,7 +197,7 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
 #endif
         float *sums = scratch + (int64_t)thread * rows * GROUP * TILE;
         const int64_t first = gi * size, count = first + size <= tiles ? size : tiles - first;
-        group(x, rows, x_stride, packed, pairs, tiles, first, count, size, sums);
+        group(in, rows, in_stride, packed, pairs, tiles, first, count, size, sums);
         for (int64_t m = 0; m < rows; m++)
             for (int64_t g = 0; g < count; g++) {
                 __m512 out = _mm512_loadu_ps(sums + (m * GROUP + g) * TILE);
