@@ -82,8 +82,10 @@ demo: setup
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128
 	$(BIN)/specdec generate "def quicksort(arr):" --max-new-tokens 128 --method ar
 
+# two workers, each test file whole on one (its module's models loaded once): on a 2-core Xeon
+# without AMX the suite was on course for over 80 minutes in one process (CI allows 90)
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # the fast tier: every test that needs no real model and takes under ~2 s (CONTRIBUTING.md), under 3 minutes on 2 cores
 test-fast: $(STAMP)

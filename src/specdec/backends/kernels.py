@@ -158,9 +158,10 @@ class PackedLinear(nn.Module):
 
 
 class PackedBf16Linear(nn.Module):
-    """y = x W^T + b with a bf16 W packed once at load (CPUs with native bf16), in one of two layouts:
+    """y = x W^T + b with a bf16 W packed once at load (CPUs where bf16 is fast: `fast_bf16`), in one
+    of two layouts:
 
-    - tiles for our kernel (`native.linear`, where it is built: AVX512-BF16): a row's result is the
+    - tiles for our kernel (`native.linear`, where it is built: AVX512, with or without BF16): a row's result is the
       same in a call of any number of rows by construction, and a few-row call streams the weight
       at the memory's speed (docs/kernels.md#tiled-bf16-linears);
     - else oneDNN's blocked layout, the way vLLM's CPU backend runs its linears. `F.linear` on a
@@ -536,8 +537,9 @@ def packed_bf16_label() -> str:
 
 def tiled_bf16_supported() -> bool:
     """Whether `PackedBf16Linear` packs its weight in tiles for our kernel (`native.linear`): where
-    it is built (AVX512, with or without its BF16 extension), and on a CPU with AMX where its AMX kernel runs too (a prompt's GEMMs
-    run several times faster on AMX's tiles than on the dot-product instruction)."""
+    it is built (AVX512, with or without its BF16 extension), and on a CPU with AMX where its AMX
+    kernel runs too (a prompt's GEMMs run several times faster on AMX's tiles than on the
+    dot-product instruction)."""
     if native.linear_kernel() is None:
         return False
     return not cpu_has_amx() or native.linear_amx_kernel() is not None
