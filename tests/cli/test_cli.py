@@ -27,16 +27,18 @@ def _json(args):
 
 
 def test_generate_json_sd_equals_ar(need_smollm2):
-    common = ["generate", "def add(a, b):", "--target", "smollm2-135m", "--max-new-tokens", "12", "--json"]
-    # a fixed γ: with the target drafting for itself the cost schedule would rightly draft nothing
-    sd = _json(common + ["--drafter", "smollm2-135m", "--gamma", "3", "--schedule", "fixed"])
+    common = ["generate", "def add(a, b):", "--target", "smollm2-135m", "--max-new-tokens", "12", "--json",
+              "--dtype", "fp32"]
+    # a fixed γ: with the target drafting for itself the cost schedule would rightly draft nothing;
+    # the drafter on the target's own weights (auto would give it int8 ones, which may disagree)
+    sd = _json(common + ["--drafter", "smollm2-135m", "--drafter-dtype", "fp32", "--gamma", "3", "--schedule", "fixed"])
     ar = _json(common + ["--method", "ar"])
     assert sd["tokens"] == ar["tokens"] and len(sd["tokens"]) == 12
     assert sd["text"] == ar["text"] and sd["text"]
     for key in ("target_passes", "drafter_passes", "drafted", "accepted", "acceptance_rate", "wall_seconds",
                 "tokens_per_second"):
         assert key in sd["stats"]
-    assert sd["stats"]["acceptance_rate"] == 1.0  # the drafter is the target itself
+    assert sd["stats"]["acceptance_rate"] == 1.0  # the drafter is the target itself, weights and all
     assert ar["stats"]["acceptance_rate"] is None and ar["stats"]["target_passes"] == 12
 
 
