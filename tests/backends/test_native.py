@@ -14,7 +14,7 @@ from specdec.backends.kernels import tiled_bf16_supported
 from specdec.errors import SpecdecError
 
 built = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the kernels are not built")
-tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512")
+tiled = pytest.mark.skipif(not tiled_bf16_supported(), reason="the tiled bf16 kernel needs AVX512 or AVX2 with FMA")
 amx = pytest.mark.skipif(native.library() is None or native.linear_amx_kernel() is None,
                          reason="the AMX linear kernel needs a CPU with AMX")
 
@@ -244,16 +244,18 @@ def test_tiled_linear_matches_float64_and_a_row_alone(n, k, bias):
 
 
 @built
-@pytest.mark.skipif(not native.linear_widens(), reason="the fused multiply-add path runs on AVX512 without BF16")
-@pytest.mark.parametrize("n,k,bias", [(20, 64, True), (40, 2050, False), (17, 70, True)])
-def test_without_bf16_dot_products_a_row_is_its_products_summed_in_order(n, k, bias):
-    """On AVX512 without BF16 each output is its k products (exact in float32: bf16 times bf16)
-    added one by one in input order from zero, the bias added and the sum rounded to bf16, bit for
-    bit, past a block of pairs too; NaN and infinity pass through the rounding as they should."""
+@pytest.mark.skipif(not native.linear_widens(), reason="the fused multiply-add path runs on AVX512 without BF16 and on AVX2")
+@pytest.mark.parametrize("n,k,bias,rows", [(20, 64, True, 9), (40, 2050, False, 9), (17, 70, True, 9),
+                                           (40, 2050, True, 30)])
+def test_without_bf16_dot_products_a_row_is_its_products_summed_in_order(n, k, bias, rows):
+    """On AVX512 without BF16 and on AVX2 each output is its k products (exact in float32: bf16
+    times bf16) added one by one in input order from zero, the bias added and the sum rounded to
+    bf16, bit for bit, past a block of pairs too, and in a call long enough that AVX2 widens each
+    block of weights once for all rows; NaN and infinity pass through the rounding as they should."""
     generator = torch.Generator().manual_seed(n * k)
     weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
     b = torch.randn(n, generator=generator).bfloat16() if bias else None
-    x = torch.randn(9, k, generator=generator).bfloat16()
+    x = torch.randn(rows, k, generator=generator).bfloat16()
     x[7, 3], x[8, 5] = float("nan"), float("inf")
     acc = torch.zeros(x.shape[0], n)
     for i in range(k):

@@ -291,11 +291,12 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
     # its long path: bf16 packed (in tiles for our kernel, else for oneDNN) where this build and CPU run it
-    long_path = packed_bf16_label() if packed_bf16_supported() else "bfloat16"
+    packs = tiled or packed_bf16_supported()
+    long_path = packed_bf16_label() if packs else "bfloat16"
     # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs over packed bf16 without AMX
     # (every int8 layer runs our kernel where it is built: "int8/vnni")
     int8 = "int8/vnni" if vnni else \
-        "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packed_bf16_supported() else "int8"
+        "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packs else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.short_rows == (short if native_bf16 else 16) for m in layers)

@@ -12,8 +12,9 @@
   instruction (AVX512-VNNI), streaming half of bf16's bytes at the memory's speed. Not exact (only
   drafts go through it), but a row's result depends on that row alone.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
-  read by the CPU's bf16 dot-product instruction (AVX512-BF16; on AVX512 without it, each pair
-  widened to fp32 and summed by fused multiply-adds: `linear_widens`). Every output sums over its inputs
+  read by the CPU's bf16 dot-product instruction (AVX512-BF16; on AVX512 without it and on AVX2,
+  each pair widened to fp32 and summed by fused multiply-adds, the same sums on both: `linear_widens`).
+  Every output sums over its inputs
   in one order whatever the call's rows, so a decode step's one row and a verification pass's
   rows meet without padding or cutting (backends/rows.py), and a 1..4-row call streams the
   weights at the memory's speed, where oneDNN's blocked kernel reached about two thirds of it
@@ -31,8 +32,8 @@ every pass kind agrees.
 
 Both are C, built at first use with the machine's C compiler (`cc`, or $CC) for this CPU, and kept
 under specdec's home (kernels/). Where they cannot be built or loaded, or with SPECDEC_NATIVE=0,
-attention stays sdpa a row at a time and linears oneDNN's (exact too, slower); without
-AVX512-BF16 the linears stay oneDNN's. CPU only; attention in bf16 and fp32, linears in bf16.
+attention stays sdpa a row at a time and linears oneDNN's (exact too, slower); on CPUs without
+AVX2 and FMA the linears stay oneDNN's. CPU only; attention in bf16 and fp32, linears in bf16.
 """
 
 from __future__ import annotations
@@ -183,9 +184,9 @@ def _built_with(flag: str) -> bool:
 
 @functools.cache
 def linear_kernel():
-    """The compiled `specdec_linear_bf16`, or None where the library is not built or the CPU has no
-    AVX512 (the library was built without it): on AVX512-BF16 its dot-product instruction, else
-    fused multiply-adds on pairs widened to fp32 (`linear_widens`)."""
+    """The compiled `specdec_linear_bf16`, or None where the library is not built or the CPU has
+    neither AVX512 nor AVX2 with FMA (the library was built without it): on AVX512-BF16 its
+    dot-product instruction, else fused multiply-adds on pairs widened to fp32 (`linear_widens`)."""
     if not _built_with("specdec_linear_available"):
         return None
     return _function("specdec_linear_bf16", ctypes.c_int,
@@ -196,9 +197,10 @@ def linear_kernel():
 @functools.cache
 def linear_widens() -> bool:
     """Whether `linear` sums with fused multiply-adds on bf16 pairs widened to fp32 (AVX512 without
-    its BF16 extension), not the CPU's bf16 dot-product instruction."""
+    its BF16 extension, 2; AVX2, 3: the same sums, 8 lanes at a time), not the CPU's bf16
+    dot-product instruction."""
     lib = library()
-    return lib is not None and lib["specdec_linear_available"]() == 2
+    return lib is not None and lib["specdec_linear_available"]() in (2, 3)
 
 
 @functools.cache
@@ -261,14 +263,14 @@ def huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     return copy.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
-def _scratch(rows: int, k: int, threads: int) -> int:
-    """Floats of scratch space `specdec_linear_bf16` needs for `rows` rows of `k` inputs."""
-    return _scratch_function()(rows, k, threads)
+def _scratch(rows: int, k: int, n: int, threads: int) -> int:
+    """Floats of scratch space `specdec_linear_bf16` needs for `rows` rows of `k` inputs and `n` outputs."""
+    return _scratch_function()(rows, k, n, threads)
 
 
 @functools.cache
 def _scratch_function():
-    return _function("specdec_linear_scratch", ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+    return _function("specdec_linear_scratch", ctypes.c_int64, [ctypes.c_int64] * 3 + [ctypes.c_int])
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -291,7 +293,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     if amx is not None:
         scratch = torch.empty(_amx_scratch(rows, k, threads), dtype=torch.float32)
     else:
-        scratch = torch.empty(_scratch(rows, k, threads), dtype=torch.float32)
+        scratch = torch.empty(_scratch(rows, k, n, threads), dtype=torch.float32)
     if rows:
         with _traced("specdec::linear_bf16"):
             done = (amx or linear_kernel())(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k,

@@ -17,7 +17,7 @@ from .heads import check_output_transform, max_row_norm, output_transform
 from .kernels import (PACKED_BF16_LABELS, TILED_LABELS, Int8Linear, PackedBf16Linear, PackedLinear, bf16_rows_exact,
                        fast_bf16, fix_norm_rows, fp32_matmul, has_onednn, int8_fits, int8_label, int8_short_rows, int8_supported, pack_bf16_linears,
                        pack_linears, packed_bf16_label, packed_bf16_least_rows, packed_bf16_supported, pad_single_rows, quantize_linears,
-                       row_stable, row_stable_linear)
+                       row_stable, row_stable_linear, tiled_bf16_supported)
 from .merged import merge_projections
 from .layer_ops import fuse_norms
 from .rows import PREFIX, Causal, install_attention, key_spans, row_exact, segmented, widen_and_refine
@@ -96,10 +96,10 @@ class TransformersModel:
             # emulated bf16 beats packed fp32 only up to 2
             pack_linears(self._decoder, dense_rows=0 if int8 else 2, int8_rows=16 if int8 else 0)
             self.kernels = f"{int8_label(self._decoder)}+onednn-packed-fp32" if int8 else "bf16+onednn-packed-fp32"
-        elif on_cpu and self._dtype == torch.bfloat16 and fast_bf16() and packed_bf16_supported():
+        elif on_cpu and self._dtype == torch.bfloat16 and fast_bf16() and (tiled_bf16_supported() or packed_bf16_supported()):
             # bf16 weights reordered once for oneDNN (vLLM's CPU linears): the same results as
             # F.linear's, faster (docs/kernels.md#packed-bf16-linears); a drafter's int8 short path stays in front.
-            # In tiles for our kernel wherever it runs, AVX512 without BF16 too (docs/kernels.md#tiled-bf16-linears)
+            # In tiles for our kernel wherever it runs, AVX512 without BF16 and AVX2 too (docs/kernels.md#tiled-bf16-linears)
             pack_bf16_linears(self._decoder, int8_rows=int8_short_rows() if int8 else 0)
             # q/k/v and gate/up each one GEMM where that changes no bit (an int8 drafter's where our kernel runs them),
             # else apart behind one merged output where the fused rotation or SwiGLU middle reads it

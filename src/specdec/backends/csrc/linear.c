@@ -24,15 +24,20 @@
    rows, 1.03x at 128, the same at 1-4, EPYC-BF16) */
 #define PAIRS 1024
 
-/* the floats of scratch space specdec_linear_bf16 needs for `rows` rows of `k` inputs on `threads`
-   threads: each thread's sums, and the rows widened to fp32 where the CPU has no bf16 dot product */
-int64_t specdec_linear_scratch(int64_t rows, int64_t k, int threads) {
+/* the floats of scratch space specdec_linear_bf16 needs for `rows` rows of `k` inputs and `n` outputs
+   on `threads` threads: the rows widened to fp32 where the CPU has no bf16 dot product, and the
+   sums (AVX512: each thread's in registers' blocks; AVX2: the whole call's, [rows][n in tiles]) */
+int64_t specdec_linear_scratch(int64_t rows, int64_t k, int64_t n, int threads) {
     rows = rows > 0 ? rows : 1;
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+    (void)k; (void)n;
+    return rows * GROUP * TILE * threads;
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    (void)n;
     return rows * GROUP * TILE * threads + rows * k;
 #else
-    (void)k;
-    return rows * GROUP * TILE * threads;
+    (void)threads;
+    return rows * k + rows * ((n + TILE - 1) / TILE * TILE);
 #endif
 }
 
@@ -208,6 +213,182 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
                     out = _mm512_add_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
                 }
                 _mm256_mask_storeu_epi16(y + m * y_stride + column, mask, round_bf16(out));
+            }
+    }
+    return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "vec16.h"
+
+/* 3: AVX2's 8-lane fused multiply-adds on the pairs widened to fp32, the even input first: every
+   output's sum is the one the AVX512 widening kernel (2) computes, so rows come out with its bits.
+
+   Sixteen registers hold A_ROWS rows' sums of one tile (two halves of 8 outputs) at a time. A call
+   of a few rows streams each thread's tiles (one contiguous stretch of memory) once, fetching
+   ahead; a longer one is blocked as a GEMM is: A_PAIRS input pairs of a tile, widened to fp32 once
+   (16 KiB, in L1), meet A_BLOCK rows (in L2) at a time, the partial sums kept in fp32 between
+   input blocks, so neither the weights nor the rows are read from memory more than once a block. */
+int specdec_linear_available(void) { return 3; }
+
+#define A_ROWS 6
+#define A_PAIRS 128
+#define A_BLOCK 192
+#define A_WIDE 24  /* rows from which a call widens each block of weights once */
+#define A_AHEAD 1024  /* bytes fetched ahead of a few-row stream */
+
+/* rows [rows, k] bf16 (x_stride apart) -> out [rows, k] fp32, exactly */
+static void widen(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k, float *out) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = 0; i < k; i++) {
+            const uint32_t bits = (uint32_t)x[m * x_stride + i] << 16;
+            memcpy(out + m * k + i, &bits, sizeof bits);
+        }
+}
+
+/* `height` rows from x (k floats apart) of one tile (its pairs at `tile`) over pairs start..end-1,
+   into sums (`stride` floats between rows; carried in from them unless start is 0). Inlined with
+   height a constant (`tile_rows_H`), the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_rows(const float *x, int64_t k, const uint16_t *tile,
+                                                            int64_t start, int64_t end, float *sums, int64_t stride,
+                                                            int ahead, const int64_t height) {
+    __m256 lo[A_ROWS], hi[A_ROWS];
+    _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+        lo[m] = start ? _mm256_loadu_ps(sums + m * stride) : _mm256_setzero_ps();
+        hi[m] = start ? _mm256_loadu_ps(sums + m * stride + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t p = start; p < end; p++) {
+        const uint16_t *at = tile + p * TILE * 2;  /* one cache line */
+        if (ahead) _mm_prefetch((const char *)at + A_AHEAD, _MM_HINT_T0);
+        const __m256i w_lo = _mm256_loadu_si256((const __m256i *)at);
+        const __m256i w_hi = _mm256_loadu_si256((const __m256i *)(at + TILE));
+        const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(w_lo, 16));
+        const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(w_hi, 16));
+        _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+            const __m256 xs = _mm256_broadcast_ss(x + m * k + 2 * p);
+            lo[m] = _mm256_fmadd_ps(xs, even_lo, lo[m]);
+            hi[m] = _mm256_fmadd_ps(xs, even_hi, hi[m]);
+        }
+        const __m256 odd_lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w_lo, 16), 16));
+        const __m256 odd_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w_hi, 16), 16));
+        _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+            const __m256 xs = _mm256_broadcast_ss(x + m * k + 2 * p + 1);
+            lo[m] = _mm256_fmadd_ps(xs, odd_lo, lo[m]);
+            hi[m] = _mm256_fmadd_ps(xs, odd_hi, hi[m]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+        _mm256_storeu_ps(sums + m * stride, lo[m]);
+        _mm256_storeu_ps(sums + m * stride + 8, hi[m]);
+    }
+}
+
+/* The same sums from a tile's block of pairs already widened to fp32 (`wide` [pairs][2][16], the
+   even input's 16 weights, then the odd one's), read straight into the multiply-adds: a long call
+   widens each block once for all its rows. */
+static inline __attribute__((always_inline)) void wide_rows(const float *x, int64_t k, const float *wide,
+                                                            int64_t start, int64_t end, float *sums, int64_t stride,
+                                                            const int64_t height) {
+    __m256 lo[A_ROWS], hi[A_ROWS];
+    _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+        lo[m] = start ? _mm256_loadu_ps(sums + m * stride) : _mm256_setzero_ps();
+        hi[m] = start ? _mm256_loadu_ps(sums + m * stride + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t i = 2 * start; i < 2 * end; i++) {  /* input i: pair i / 2, even then odd */
+        const __m256 w_lo = _mm256_load_ps(wide + (i - 2 * start) * TILE);
+        const __m256 w_hi = _mm256_load_ps(wide + (i - 2 * start) * TILE + 8);
+        _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+            const __m256 xs = _mm256_broadcast_ss(x + m * k + i);
+            lo[m] = _mm256_fmadd_ps(xs, w_lo, lo[m]);
+            hi[m] = _mm256_fmadd_ps(xs, w_hi, hi[m]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+        _mm256_storeu_ps(sums + m * stride, lo[m]);
+        _mm256_storeu_ps(sums + m * stride + 8, hi[m]);
+    }
+}
+
+/* a tile's pairs start..end-1 -> wide [pairs][2][16] fp32, exactly */
+static void widen_tile(const uint16_t *tile, int64_t start, int64_t end, float *wide) {
+    for (int64_t p = start; p < end; p++) {
+        const uint16_t *at = tile + p * TILE * 2;
+        float *out = wide + (p - start) * 2 * TILE;
+        for (int half = 0; half < 2; half++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(at + half * TILE));
+            _mm256_store_ps(out + half * 8, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            _mm256_store_ps(out + TILE + half * 8,
+                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w, 16), 16)));
+        }
+    }
+}
+
+#define WIDE_ROWS(H) static void wide_rows_##H(const float *x, int64_t k, const float *wide, int64_t start, \
+    int64_t end, float *sums, int64_t stride) { wide_rows(x, k, wide, start, end, sums, stride, H); }
+WIDE_ROWS(1) WIDE_ROWS(2) WIDE_ROWS(3) WIDE_ROWS(4) WIDE_ROWS(5) WIDE_ROWS(6)
+typedef void (*wide_rows_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+static const wide_rows_fn wide_by_height[] = {NULL, wide_rows_1, wide_rows_2, wide_rows_3, wide_rows_4, wide_rows_5,
+                                              wide_rows_6};
+
+#define TILE_ROWS_ARGS const float *x, int64_t k, const uint16_t *tile, int64_t start, int64_t end, float *sums, \
+    int64_t stride, int ahead
+#define TILE_ROWS(H) static void tile_rows_##H(TILE_ROWS_ARGS) { \
+    tile_rows(x, k, tile, start, end, sums, stride, ahead, H); }
+TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
+typedef void (*tile_rows_fn)(TILE_ROWS_ARGS);
+static const tile_rows_fn by_height[] = {NULL, tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4, tile_rows_5,
+                                         tile_rows_6};
+
+int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *packed, int64_t n,
+                        int64_t k, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads, float *scratch) {
+    const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE, stride = tiles * TILE;
+    float *in = scratch, *sums = scratch + rows * k;  /* sums [rows][tiles * 16] */
+    widen(x, rows, x_stride, k, in);
+    const int few = rows <= A_ROWS, widened = rows >= A_WIDE;
+    const int64_t block = few ? pairs : A_PAIRS;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tiles > 1)
+    {
+        int thread = 0, count = 1;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+        count = omp_get_num_threads();
+#endif
+        const int64_t first = tiles * thread / count, last = tiles * (thread + 1) / count;
+        float wide[A_PAIRS * 2 * TILE] __attribute__((aligned(32)));
+        for (int64_t start = 0; start < pairs; start += block) {
+            const int64_t end = start + block < pairs ? start + block : pairs;
+            for (int64_t mb = 0; mb < rows; mb += A_BLOCK)
+                for (int64_t t = first; t < last; t++) {
+                    const uint16_t *tile = packed + t * pairs * TILE * 2;
+                    if (widened) widen_tile(tile, start, end, wide);
+                    const int64_t top = mb + A_BLOCK < rows ? mb + A_BLOCK : rows;
+                    for (int64_t m0 = mb, height; m0 < top; m0 += height) {
+                        /* blocks of even height (7 rows: 4 and 3), not A_ROWS and a short one
+                           whose few sums chain their multiply-adds with nothing to interleave */
+                        const int64_t left = top - m0, blocks = (left + A_ROWS - 1) / A_ROWS;
+                        height = (left + blocks - 1) / blocks;
+                        float *at = sums + m0 * stride + t * TILE;
+                        if (!widened)
+                            by_height[height](in + m0 * k, k, tile, start, end, at, stride, few);
+                        else
+                            wide_by_height[height](in + m0 * k, k, wide, start, end, at, stride);
+                    }
+                }
+        }
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t column = first * TILE; column < last * TILE && column < n; column++) {
+                float out = sums[m * stride + column];
+                if (bias) {
+                    const uint32_t bits = (uint32_t)bias[column] << 16;
+                    float b;
+                    memcpy(&b, &bits, sizeof b);
+                    out += b;
+                }
+                y[m * y_stride + column] = to_bf16(out);
             }
     }
     return 0;
