@@ -230,7 +230,7 @@ def test_gradients_pass_through_every_kind_of_drafter_linear():
     from torch import nn
 
     from specdec.backends.kernels import (Int8Linear, PackedBf16Linear, differentiable_linears, dynamic_int8_supported,
-                                         int8_supported, packed_bf16_supported, vnni_int8_supported)
+                                         int8_supported, packed_bf16_supported, int8_kernel_supported)
 
     if not int8_supported(torch.device("cpu")):
         pytest.skip("no CPU int8 kernel in this torch")
@@ -241,7 +241,7 @@ def test_gradients_pass_through_every_kind_of_drafter_linear():
     layers = [Int8Linear(dense.weight, dense.bias, long, short_rows=8, vnni=False)]
     if dynamic_int8_supported():
         layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, dynamic=True, vnni=False))
-    if vnni_int8_supported():
+    if int8_kernel_supported():
         layers.append(Int8Linear(dense.weight, dense.bias, long, short_rows=8, vnni=True))
     for layer in layers:
         model = nn.Sequential(layer)
@@ -256,7 +256,7 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
     from torch import nn
 
     from specdec.backends.kernels import (Int8Linear, PackedLinear, dense_weight, dynamic_int8_supported, int8_supported,
-                                         set_dense_weight, vnni_int8_supported)
+                                         set_dense_weight, int8_kernel_supported)
 
     torch.manual_seed(0)
     old, new, x = torch.randn(32, 64), torch.randn(32, 64), torch.randn(3, 64)
@@ -275,7 +275,7 @@ def test_set_dense_weight_rebuilds_each_kind_of_linear_in_place():
         bias = torch.full((32,), 5.0)  # fbgemm packs the bias with the weight: packed anew, it must stay
         kinds.append(lambda w: Int8Linear(w.bfloat16(), bias, linear(w.bfloat16()), short_rows=8, dynamic=True,
                                           vnni=False))
-    if vnni_int8_supported():  # our kernel: weights packed anew in its tiles
+    if int8_kernel_supported():  # our kernel: weights packed anew in its tiles
         kinds.append(lambda w: Int8Linear(w.bfloat16(), None, linear(w.bfloat16()), short_rows=8, vnni=True))
     for made in kinds:
         layer = made(old)

@@ -373,7 +373,7 @@ def test_rotary_has_transformers_bits(rows, heads, kv_heads, dim):
         native.rotary(stacked.float(), cos, sin, heads, kv_heads, dim)
 
 
-vnni = pytest.mark.skipif(native.linear_i8_kernel() is None, reason="the int8 kernel needs AVX512-VNNI")
+vnni = pytest.mark.skipif(native.linear_i8_kernel() is None, reason="the int8 kernel needs AVX512-VNNI or AVX2")
 
 
 def _i8_reference(x: torch.Tensor, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

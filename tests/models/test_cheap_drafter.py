@@ -13,7 +13,7 @@ from specdec.errors import SpecdecError
 from specdec.backends import native
 from specdec.backends.kernels import (NORMED_INPUTS, Int8Linear, dynamic_int8_supported, int8_fits, int8_label, int8_supported,
                                      pack_bf16_linears, pack_linears, packed_bf16_label, packed_bf16_supported, quantize_int8,
-                                     quantize_linears, vnni_int8_supported)
+                                     quantize_linears, int8_kernel_supported)
 from specdec.models.vocab import count_tokens, frequent_ids, rank_ids, token_counts
 
 from conftest import TEST_DEVICE, cpu_only, tiny_model
@@ -21,7 +21,7 @@ from test_sampling_exactness import ALPHA, chi_square_pvalue, exact_joint
 
 needs_int8 = pytest.mark.skipif(not int8_supported(torch.device("cpu")) or TEST_DEVICE != "cpu",
                                 reason="no CPU int8 kernel in this torch, or models on CUDA")
-needs_vnni = pytest.mark.skipif(not vnni_int8_supported() or TEST_DEVICE != "cpu",
+needs_vnni = pytest.mark.skipif(not int8_kernel_supported() or TEST_DEVICE != "cpu",
                                 reason="our int8 kernel needs AVX512-VNNI and a C compiler, and models on the CPU")
 needs_dynamic = pytest.mark.skipif(not dynamic_int8_supported() or TEST_DEVICE != "cpu",
                                    reason="no fbgemm int8 GEMM here (not x86), or models on CUDA")
@@ -98,7 +98,7 @@ def test_only_layers_fed_by_a_norm_round_their_inputs_and_only_over_packed_bf16(
             self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 128), nn.Linear(64, 128), nn.Linear(128, 64)
 
     monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)  # an AVX512-BF16 CPU, the kind measured
-    monkeypatch.setattr(kernels, "vnni_int8_supported", lambda: False)  # where our int8 kernel is not built
+    monkeypatch.setattr(kernels, "int8_kernel_supported", lambda: False)  # where our int8 kernel is not built
     block = Block().bfloat16()
     assert pack_bf16_linears(block, int8_rows=2) == 5
     kinds = {name: layer.dynamic for name, layer in block.named_children()}
@@ -284,9 +284,10 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
 
     monkeypatch.setattr(specdec.backends.transformers, "fast_bf16", lambda: native_bf16)
     monkeypatch.setattr(specdec.backends.kernels, "cpu_has_amx", lambda: amx)
-    vnni = vnni_int8_supported()
+    vnni = int8_kernel_supported()
     tiled = native.linear_kernel() is not None and not amx
-    short = 2 if amx else 8 if vnni and tiled else (4 if dynamic_int8_supported() else 2) if packed_bf16_supported() else 8
+    short = 2 if amx else (2 if native.linear_i8_on_avx2() else 8) if vnni and tiled else \
+        (4 if dynamic_int8_supported() else 2) if packed_bf16_supported() else 8
     hf = tiny_model(0, vocab=32, logit_scale=0.2, kernels="stock").hf
     target = TransformersModel(copy.deepcopy(hf), None, "tiny-target")
     drafter = TransformersModel(copy.deepcopy(hf).to(torch.bfloat16), None, "tiny-drafter", role="drafter", int8=True)
@@ -294,8 +295,8 @@ def test_every_cpu_kind_builds_an_int8_drafter_that_keeps_greedy_output(monkeypa
     packs = tiled or packed_bf16_supported()
     long_path = packed_bf16_label() if packs else "bfloat16"
     # tiny_model is a Llama: its q/k/v/gate/up layers round their inputs over packed bf16 without AMX
-    # (every int8 layer runs our kernel where it is built: "int8/vnni")
-    int8 = "int8/vnni" if vnni else \
+    # (every int8 layer runs our kernel where it is built: "int8/vnni", "int8/avx2" on AVX2)
+    int8 = ("int8/avx2" if native.linear_i8_on_avx2() else "int8/vnni") if vnni else \
         "int8/fbgemm" if dynamic_int8_supported() and native_bf16 and not amx and packs else "int8"
     assert drafter.kernels == (f"{int8}+{long_path}" if native_bf16 else f"{int8}+onednn-packed-fp32")
     layers = [m for m in drafter.hf.modules() if isinstance(m, Int8Linear)]
@@ -322,10 +323,12 @@ def test_amx_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
         assert specdec.backends.kernels.cpu_has_amx() is expected
         # without AMX: 8 rows where our int8 kernel runs in front of tiled bf16; 4 where the bf16 path is
         # packed for oneDNN and fbgemm runs (else 2), 8 over plain bf16
-        packed = 8 if vnni_int8_supported() and native.linear_kernel() is not None else 4 if dynamic_int8_supported() else 2
-        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else packed if packed_bf16_supported() else 8)
+        # (2 where both kernels run on AVX2)
+        ours = int8_kernel_supported() and native.linear_kernel() is not None
+        packed = (2 if native.linear_i8_on_avx2() else 8) if ours else 4 if dynamic_int8_supported() else 2
+        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else packed if ours or packed_bf16_supported() else 8)
         monkeypatch.setattr(specdec.backends.kernels, "packed_bf16_supported", lambda: False)
-        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else 8)
+        assert specdec.backends.kernels.int8_short_rows() == (2 if expected else packed if ours else 8)
         monkeypatch.undo()
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no such file")))
     assert specdec.backends.kernels.cpu_has_amx() is False

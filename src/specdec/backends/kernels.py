@@ -101,15 +101,16 @@ def cpu_has_amx() -> bool:
 
 def int8_short_rows() -> int:
     """The most rows a drafter's int8 layers and head take before its bf16 path does, where bf16 is
-    native: 2 on AMX; 8 where our int8 kernel runs them (`vnni_int8_supported`) in front of tiled
-    bf16 (the 0.5B drafter's pass cost the same at 16 rows either way); where the bf16 path is
+    native: 2 on AMX; 8 where our int8 kernel runs them (`int8_kernel_supported`) in front of tiled
+    bf16 (the 0.5B drafter's pass cost the same at 16 rows either way), 2 where both run on AVX2
+    (docs/kernels.md#on-avx2); where the bf16 path is
     packed for oneDNN (`PackedBf16Linear`), 4 if the layers
     fed by a norm run fbgemm's int8 GEMM (`dynamic_int8_supported`), else 2; else 8 (plain bf16):
     the break-evens probed (docs/kernels.md#the-drafter-int8-weights-and-a-frequent-token-head)."""
     if cpu_has_amx():
         return 2
-    if vnni_int8_supported() and tiled_bf16_supported():
-        return 8
+    if int8_kernel_supported() and tiled_bf16_supported():
+        return 2 if native.linear_i8_on_avx2() else 8
     if packed_bf16_supported():
         return 4 if dynamic_int8_supported() else 2
     return 8
@@ -245,10 +246,10 @@ class Int8Linear(nn.Module):
     (`dynamic_int8_supported`). Only for layers whose input an RMSNorm has just scaled
     (`NORMED_INPUTS`): where the input has outlier channels one scale would flatten the rest.
 
-    vnni: the short path runs our kernel (`native.linear_i8`, AVX512-VNNI), which rounds each input
-    row in groups of `native.I8_GROUP` (an outlier flattens only its group, so every layer can take
-    it) and streams the int8 weight at the memory's speed; it replaces both paths above. None: where
-    the kernel is built and the input width fits its groups (`vnni_int8_supported`).
+    vnni: the short path runs our kernel (`native.linear_i8`, AVX512-VNNI or AVX2), which rounds each
+    input row in groups of `native.I8_GROUP` (an outlier flattens only its group, so every layer can
+    take it) and streams the int8 weight at the memory's speed; it replaces both paths above. None: where
+    the kernel is built and the input width fits its groups (`int8_kernel_supported`).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, long: nn.Module, short_rows: int,
@@ -259,7 +260,7 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear needs in_features divisible by {INT8_K_MULTIPLE}, got {self.in_features}")
         self.short_rows = short_rows
         self.long = long
-        self.vnni = (vnni_int8_supported() if vnni is None else bool(vnni)) and self.in_features % native.I8_GROUP == 0 \
+        self.vnni = (int8_kernel_supported() if vnni is None else bool(vnni)) and self.in_features % native.I8_GROUP == 0 \
             and weight.device.type == "cpu"
         self.dynamic = bool(dynamic) and not self.vnni
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone(),
@@ -337,9 +338,9 @@ def dynamic_int8_supported() -> bool:
     return bool(torch.allclose(y, torch.full((1, 8), 32.0), rtol=0.05))
 
 
-def vnni_int8_supported() -> bool:
+def int8_kernel_supported() -> bool:
     """Whether a drafter's int8 layers run our kernel (`native.linear_i8`): where it is built, on
-    CPUs with AVX512-VNNI."""
+    CPUs with AVX512-VNNI or AVX2."""
     return native.linear_i8_kernel() is not None
 
 
@@ -602,18 +603,18 @@ def quantize_linears(module: nn.Module, short_rows: int) -> int:
 
 def int8_label(module: nn.Module) -> str:
     """What the int8 layers inside `module` run, for its `kernels` name (and the pass-cost cache's
-    key): "int8/vnni" where they run our kernel, "int8/fbgemm" where some of them round their inputs
-    through fbgemm, else "int8" (weight-only)."""
+    key): "int8/vnni" where they run our kernel ("int8/avx2" on AVX2), "int8/fbgemm" where some of
+    them round their inputs through fbgemm, else "int8" (weight-only)."""
     layers = [m for m in module.modules() if isinstance(m, Int8Linear)]
     if any(m.vnni for m in layers):
-        return "int8/vnni"
+        return "int8/avx2" if native.linear_i8_on_avx2() else "int8/vnni"
     return "int8/fbgemm" if any(m.dynamic for m in layers) else "int8"
 
 
 def _dynamic(name: str) -> bool:
     """Whether the int8 layer standing in for the linear `name` in front of a packed bf16 layer
-    rounds its inputs too (`Int8Linear`): on AVX512 and AVX2 CPUs (on AVX2 the 0.5B drafter's
-    layers ran in 0.64x the weight-only op's time at 1 row, 0.51x at 8); AMX keeps the weight-only op."""
+    rounds its inputs too (`Int8Linear`, where our int8 kernel does not run): on AVX512-BF16 CPUs,
+    the kind measured; AMX keeps the weight-only op."""
     return name in NORMED_INPUTS and not cpu_has_amx() and dynamic_int8_supported()
 
 

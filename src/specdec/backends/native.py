@@ -9,8 +9,9 @@
   stacked q/k/v GEMM's output, rounded as transformers' eager bf16 ops round it.
 - `linear_i8` (csrc/linear_i8.c): a drafter's int8 linear layers (`pack_i8`): each call rounds
   its input rows to int8 in groups of `I8_GROUP` and sums with the CPU's int8 dot-product
-  instruction (AVX512-VNNI), streaming half of bf16's bytes at the memory's speed. Not exact (only
-  drafts go through it), but a row's result depends on that row alone.
+  instruction (AVX512-VNNI; on AVX2, the same sums by multiply-adds of bytes and of 16-bit pairs),
+  streaming half of bf16's bytes at the memory's speed. Not exact (only drafts go through it), but
+  a row's result depends on that row alone.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16; on AVX512 without it and on AVX2,
   each pair widened to fp32 and summed by fused multiply-adds, the same sums on both: `linear_widens`).
@@ -204,6 +205,13 @@ def linear_widens() -> bool:
 
 
 @functools.cache
+def linear_on_avx2() -> bool:
+    """Whether `linear` runs on AVX2's 8-lane fused multiply-adds (a CPU without AVX512)."""
+    lib = library()
+    return lib is not None and lib["specdec_linear_available"]() == 3
+
+
+@functools.cache
 def linear_amx_kernel():
     """The compiled `specdec_linear_amx_bf16` (csrc/linear_amx.c: the tiled layout's sums rounded as
     AMX rounds them, on AMX tiles for many rows and on FMAs for a few), or None where the CPU has
@@ -316,8 +324,8 @@ def _amx_scratch_function():
 
 @functools.cache
 def linear_i8_kernel():
-    """The compiled `specdec_linear_i8`, or None where the library is not built or the CPU has no
-    AVX512-VNNI (the library was built without it)."""
+    """The compiled `specdec_linear_i8`, or None where the library is not built or the CPU has
+    neither AVX512-VNNI nor AVX2 (the library was built without it)."""
     if not _built_with("specdec_linear_i8_available"):
         return None
     _function("specdec_linear_i8_scratch", ctypes.c_int64, [ctypes.c_int64] * 3)  # typed for `linear_i8`
@@ -325,6 +333,14 @@ def linear_i8_kernel():
                      [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                       ctypes.c_void_p])
+
+
+@functools.cache
+def linear_i8_on_avx2() -> bool:
+    """Whether `linear_i8` sums on AVX2 (the same sums as AVX512-VNNI's dot products, by more
+    instructions a weight byte: it beats bf16 tiles there for 1-2 rows only)."""
+    lib = library()
+    return lib is not None and lib["specdec_linear_i8_available"]() == 2
 
 
 # inputs a call of `linear_i8` rounds with one scale (per row): an outlier channel flattens only its
@@ -362,7 +378,8 @@ def linear_i8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: in
         raise SpecdecError(f"an int8 layer's bias must be bf16 [{n}], contiguous")
     kernel = linear_i8_kernel()
     if kernel is None:
-        raise SpecdecError("the int8 kernel is not built here (no C compiler, SPECDEC_NATIVE=0, or no AVX512-VNNI)")
+        raise SpecdecError("the int8 kernel is not built here (no C compiler, SPECDEC_NATIVE=0, or neither "
+                           "AVX512-VNNI nor AVX2)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.bfloat16)

@@ -107,8 +107,8 @@ KERNELS_HELP = ("auto (transformers' layers, picked per CPU kind), or captured: 
                 "passes replayed as CUDA graphs with fused kernels (bf16; chain methods; docs/kernels.md).")
 
 
-TARGET_DTYPE_HELP = ("Target weights: auto (transformers' weights: bf16 on CUDA, on CPUs with native bf16 and "
-                     "on AVX512 ones, fp32 on other CPUs; the same for every method), fp32, bf16, fp16, or gguf: the GGUF file's own "
+TARGET_DTYPE_HELP = ("Target weights: auto (transformers' weights: bf16 on CUDA and on CPUs with AVX512 or AVX2, "
+                     "fp32 where our kernels cannot be built; the same for every method), fp32, bf16, fp16, or gguf: the GGUF file's own "
                      "quantized weights on llama.cpp (the `peers` extra; AR and chain drafts only).")
 
 

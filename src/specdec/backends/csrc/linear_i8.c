@@ -143,6 +143,120 @@ int specdec_linear_i8(const uint16_t *x, int64_t rows, int64_t x_stride, const u
     return 0;
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 2: AVX2, which has no int8 dot product of four: each byte of a weight quad takes the sign of
+   the input byte it meets (the input as its magnitude, at most 127), pairs of products are summed
+   in 16 bits (at most 2 * 127 * 127, no saturation) and pairs of those in 32: the group's sum
+   exactly, as the dot-product instruction gives it, so rows come out with the AVX512-VNNI
+   kernel's bits. The weights' offset of 128 comes off by flipping each byte's top bit. */
+int specdec_linear_i8_available(void) { return 2; }
+
+#define A_ROWS 4  /* rows whose int32 sums (two registers a tile) stay in registers at once */
+
+static inline float bf16_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Row x [k] bf16 -> q [k] int8 and per group of `group` inputs its scale (max |x| / 127), as the
+   AVX512 kernel rounds it; `offsets` unused here (the weights lose their offset on loading). */
+static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q, float *scales, int32_t *offsets) {
+    for (int64_t g = 0; g < k / group; g++) {
+        const uint16_t *xg = x + g * group;
+        float most = 0.0f;
+        for (int64_t i = 0; i < group; i++) most = fmaxf(most, fabsf(bf16_float(xg[i])));
+        const float inverse = most > 0.0f ? 127.0f / most : 0.0f;
+        for (int64_t i = 0; i < group; i++) {
+            const float r = bf16_float(xg[i]) * inverse;  /* NaN where the group holds an inf or NaN */
+            q[g * group + i] = (int8_t)(r == r ? (int32_t)nearbyintf(fminf(fmaxf(r, -127.0f), 127.0f)) : 0);
+        }
+        scales[g] = most / 127.0f;
+        offsets[g] = 0;
+    }
+}
+
+/* Rows m0..m0+height-1 of tile `tile` over all of k (as the AVX512 kernel's `block`, one tile a
+   time): each group's int32 sums scaled by the row's group scale into fp32 sums, which the weights'
+   scales and the bias finish. Inlined with height a constant. */
+static inline __attribute__((always_inline)) void tile_rows(const int8_t *q, const float *scales, int64_t m0,
+                                                            const uint8_t *packed, const float *w_scales,
+                                                            const uint16_t *bias, int64_t n, int64_t k, int64_t group,
+                                                            int64_t tile, uint16_t *y, int64_t y_stride,
+                                                            const int64_t height) {
+    const int64_t quads = k / 4, groups = k / group, per_group = group / 4;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 sums[A_ROWS][2];
+    _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) sums[m][0] = sums[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[A_ROWS][2];
+        _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (int64_t p = g * per_group; p < (g + 1) * per_group; p++) {
+            const uint8_t *at = packed + (tile * quads + p) * 64;  /* one cache line */
+            _mm_prefetch((const char *)at + 1024, _MM_HINT_T0);  /* a thread's tiles are one stretch of memory */
+            const __m256i w_lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)at), flip);
+            const __m256i w_hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(at + 32)), flip);
+            _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+                int32_t four;
+                memcpy(&four, q + (m0 + m) * k + 4 * p, sizeof four);
+                const __m256i xs = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(xs);
+                acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w_lo, xs)), ones));
+                acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w_hi, xs)), ones));
+            }
+        }
+        _Pragma("GCC unroll 8") for (int64_t m = 0; m < height; m++) {
+            const __m256 scale = _mm256_set1_ps(scales[(m0 + m) * groups + g]);
+            sums[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), scale, sums[m][0]);
+            sums[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), scale, sums[m][1]);
+        }
+    }
+    const int64_t column = tile * TILE, width = n - column < TILE ? n - column : TILE;
+    float w_scale[TILE] = {0}, b[TILE] = {0};
+    for (int64_t i = 0; i < width; i++) {
+        w_scale[i] = w_scales[column + i];
+        if (bias) b[i] = bf16_float(bias[column + i]);
+    }
+    for (int64_t m = 0; m < height; m++) {
+        float out[TILE];
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(sums[m][0], _mm256_loadu_ps(w_scale), _mm256_loadu_ps(b)));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(sums[m][1], _mm256_loadu_ps(w_scale + 8), _mm256_loadu_ps(b + 8)));
+        for (int64_t i = 0; i < width; i++) y[(m0 + m) * y_stride + column + i] = to_bf16(out[i]);
+    }
+}
+
+#define TILE_ROWS_ARGS const int8_t *q, const float *scales, int64_t m0, const uint8_t *packed, const float *w_scales, \
+    const uint16_t *bias, int64_t n, int64_t k, int64_t group, int64_t tile, uint16_t *y, int64_t y_stride
+#define TILE_ROWS(H) static void tile_rows_##H(TILE_ROWS_ARGS) { \
+    tile_rows(q, scales, m0, packed, w_scales, bias, n, k, group, tile, y, y_stride, H); }
+TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4)
+typedef void (*tile_rows_fn)(TILE_ROWS_ARGS);
+
+int specdec_linear_i8(const uint16_t *x, int64_t rows, int64_t x_stride, const uint8_t *packed, const float *w_scales,
+                      int64_t n, int64_t k, int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                      int threads, void *scratch) {
+    if (group <= 0 || group % 4 || k % group) return -1;
+    const int64_t groups = k / group;
+    float *scales = (float *)scratch;
+    int32_t *offsets = (int32_t *)(scales + rows * groups);
+    int8_t *q = (int8_t *)(offsets + rows * groups);
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row(x + m * x_stride, k, group, q + m * k, scales + m * groups, offsets + m * groups);
+    static const tile_rows_fn by_height[] = {NULL, tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4};
+    const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < rows; m0 += A_ROWS) {
+            const int64_t height = m0 + A_ROWS < rows ? A_ROWS : rows - m0;
+            by_height[height](q, scales, m0, packed, w_scales, bias, n, k, group, t, y, y_stride);
+        }
+    return 0;
+}
+
 #else
 
 int specdec_linear_i8_available(void) { return 0; }
