@@ -41,6 +41,16 @@ int64_t specdec_linear_scratch(int64_t rows, int64_t k, int64_t n, int threads) 
 #endif
 }
 
+/* rows [rows, k] bf16 (x_stride apart) -> out [rows, k] fp32, exactly: the kernels without a bf16
+   dot product read their inputs widened */
+static __attribute__((unused)) void widen(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k, float *out) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = 0; i < k; i++) {
+            const uint32_t bits = (uint32_t)x[m * x_stride + i] << 16;
+            memcpy(out + m * k + i, &bits, sizeof bits);
+        }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #ifdef _OPENMP
@@ -85,15 +95,6 @@ static inline ws_t pair_w(const uint16_t *at) {
 
 static inline __m512 dot_pair(__m512 acc, xs_t xs, ws_t w) {
     return _mm512_fmadd_ps(xs.odd, w.odd, _mm512_fmadd_ps(xs.even, w.even, acc));
-}
-
-/* rows [rows, k] bf16 (x_stride apart) -> out [rows, k] fp32, exactly */
-static void widen(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k, float *out) {
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t i = 0; i < k; i++) {
-            const uint32_t bits = (uint32_t)x[m * x_stride + i] << 16;
-            memcpy(out + m * k + i, &bits, sizeof bits);
-        }
 }
 
 /* 16 sums rounded to bf16, nearest even (a NaN stays a NaN), as vec16.h's to_bf16 */
@@ -240,15 +241,6 @@ int specdec_linear_available(void) { return 3; }
 #define A_BLOCK 192
 #define A_WIDE 24  /* rows from which a call widens each block of weights once */
 #define A_AHEAD 1024  /* bytes fetched ahead of a few-row stream */
-
-/* rows [rows, k] bf16 (x_stride apart) -> out [rows, k] fp32, exactly */
-static void widen(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k, float *out) {
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t i = 0; i < k; i++) {
-            const uint32_t bits = (uint32_t)x[m * x_stride + i] << 16;
-            memcpy(out + m * k + i, &bits, sizeof bits);
-        }
-}
 
 /* `height` rows from x (k floats apart) of one tile (its pairs at `tile`) over pairs start..end-1,
    into sums (`stride` floats between rows; carried in from them unless start is 0). Inlined with

@@ -27,12 +27,7 @@ int64_t specdec_linear_i8_scratch(int64_t rows, int64_t k, int64_t group) {
     return rows * (k + 2 * (group > 0 ? k / group : 0) * 4) + 64;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-int specdec_linear_i8_available(void) { return 1; }
-
-static inline float bf16_float(uint16_t v) {
+static inline __attribute__((unused)) float bf16_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -40,8 +35,10 @@ static inline float bf16_float(uint16_t v) {
 }
 
 /* Row x [k] bf16 -> q [k] int8, and per group of `group` inputs its scale (max |x| / 127, q * scale
-   ~ x) and 128 * sum(q), which the weights' offset of 128 adds to each group's int32 sum. */
-static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q, float *scales, int32_t *offsets) {
+   ~ x) and 128 * sum(q), which the weights' offset of 128 adds to each group's int32 sum (AVX512-VNNI;
+   AVX2 takes the offset off the weights instead). */
+static __attribute__((unused)) void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q, float *scales,
+                                                 int32_t *offsets) {
     for (int64_t g = 0; g < k / group; g++) {
         const uint16_t *xg = x + g * group;
         float most = 0.0f;
@@ -58,6 +55,24 @@ static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q,
         offsets[g] = 128 * sum;
     }
 }
+
+/* Every row of x rounded into scratch (`specdec_linear_i8_scratch` bytes): scales [rows][groups],
+   offsets [rows][groups], then q [rows][k]. */
+static __attribute__((unused)) void quantize_rows(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t k,
+                                                  int64_t group, void *scratch, float **scales, int32_t **offsets,
+                                                  int8_t **q) {
+    const int64_t groups = k / group;
+    *scales = (float *)scratch;
+    *offsets = (int32_t *)(*scales + rows * groups);
+    *q = (int8_t *)(*offsets + rows * groups);
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row(x + m * x_stride, k, group, *q + m * k, *scales + m * groups, *offsets + m * groups);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+int specdec_linear_i8_available(void) { return 1; }
 
 /* Rows m0..m0+height-1 (height <= ROWS) by tiles first..first+count-1 (count <= TILES), over all of
    k: each group's int32 sums, less the offset, scaled by the row's group scale into fp32 sums, which
@@ -123,12 +138,10 @@ int specdec_linear_i8(const uint16_t *x, int64_t rows, int64_t x_stride, const u
                       int64_t n, int64_t k, int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride,
                       int threads, void *scratch) {
     if (group <= 0 || group % 4 || k % group) return -1;
-    const int64_t groups = k / group;
-    float *scales = (float *)scratch;
-    int32_t *offsets = (int32_t *)(scales + rows * groups);
-    int8_t *q = (int8_t *)(offsets + rows * groups);
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * x_stride, k, group, q + m * k, scales + m * groups, offsets + m * groups);
+    float *scales;
+    int32_t *offsets;
+    int8_t *q;
+    quantize_rows(x, rows, x_stride, k, group, scratch, &scales, &offsets, &q);
     static const block_fn full[] = {block_any, block_1, block_2, block_3, block_4};
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = (tiles + TILES - 1) / TILES;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
@@ -154,30 +167,6 @@ int specdec_linear_i8(const uint16_t *x, int64_t rows, int64_t x_stride, const u
 int specdec_linear_i8_available(void) { return 2; }
 
 #define A_ROWS 4  /* rows whose int32 sums (two registers a tile) stay in registers at once */
-
-static inline float bf16_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Row x [k] bf16 -> q [k] int8 and per group of `group` inputs its scale (max |x| / 127), as the
-   AVX512 kernel rounds it; `offsets` unused here (the weights lose their offset on loading). */
-static void quantize_row(const uint16_t *x, int64_t k, int64_t group, int8_t *q, float *scales, int32_t *offsets) {
-    for (int64_t g = 0; g < k / group; g++) {
-        const uint16_t *xg = x + g * group;
-        float most = 0.0f;
-        for (int64_t i = 0; i < group; i++) most = fmaxf(most, fabsf(bf16_float(xg[i])));
-        const float inverse = most > 0.0f ? 127.0f / most : 0.0f;
-        for (int64_t i = 0; i < group; i++) {
-            const float r = bf16_float(xg[i]) * inverse;  /* NaN where the group holds an inf or NaN */
-            q[g * group + i] = (int8_t)(r == r ? (int32_t)nearbyintf(fminf(fmaxf(r, -127.0f), 127.0f)) : 0);
-        }
-        scales[g] = most / 127.0f;
-        offsets[g] = 0;
-    }
-}
 
 /* Rows m0..m0+height-1 of tile `tile` over all of k (as the AVX512 kernel's `block`, one tile a
    time): each group's int32 sums scaled by the row's group scale into fp32 sums, which the weights'
@@ -240,12 +229,10 @@ int specdec_linear_i8(const uint16_t *x, int64_t rows, int64_t x_stride, const u
                       int64_t n, int64_t k, int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride,
                       int threads, void *scratch) {
     if (group <= 0 || group % 4 || k % group) return -1;
-    const int64_t groups = k / group;
-    float *scales = (float *)scratch;
-    int32_t *offsets = (int32_t *)(scales + rows * groups);
-    int8_t *q = (int8_t *)(offsets + rows * groups);
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * x_stride, k, group, q + m * k, scales + m * groups, offsets + m * groups);
+    float *scales;
+    int32_t *offsets;
+    int8_t *q;
+    quantize_rows(x, rows, x_stride, k, group, scratch, &scales, &offsets, &q);
     static const tile_rows_fn by_height[] = {NULL, tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4};
     const int64_t tiles = (n + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
