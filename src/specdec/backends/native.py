@@ -14,9 +14,9 @@
   a row's result depends on that row alone.
 - `linear` (csrc/linear.c): bf16 linear layers on weights packed once in tiles (`pack_tiles`),
   read by the CPU's bf16 dot-product instruction (AVX512-BF16; on AVX512 without it and on AVX2,
-  each pair widened to fp32 and summed by fused multiply-adds, the same sums on both: `linear_widens`).
-  Every output sums over its inputs
-  in one order whatever the call's rows, so a decode step's one row and a verification pass's
+  each pair widened to fp32 and summed by fused multiply-adds, the same sums on both:
+  `linear_widens`). Every output sums over its inputs in one order whatever the call's rows, so a
+  decode step's one row and a verification pass's
   rows meet without padding or cutting (backends/rows.py), and a 1..4-row call streams the
   weights at the memory's speed, where oneDNN's blocked kernel reached about two thirds of it
   (docs/kernels.md#tiled-bf16-linears). On a CPU with AMX, `linear` runs the same packed tiles

@@ -2,7 +2,8 @@
 
    y[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), W packed once at load in tiles of 16 outputs by 2
    inputs ([n / 16][k / 2][16][2]: backends/native.py, `pack_tiles`), read by the CPU's bf16
-   dot-product instruction (AVX512-BF16): one pass over the weights streams them at the memory's
+   dot-product instruction (AVX512-BF16; without it, on AVX512 or AVX2, each pair widened to fp32
+   and summed by fused multiply-adds): one pass over the weights streams them at the memory's
    speed, every row of the call reusing each tile while it is in cache.
 
    Every output's sum runs over k in one order, in one lane, whatever the number of rows, the
