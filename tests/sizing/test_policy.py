@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specdec import Sampler
-from specdec.sizing.batch_policy import JOIN_DECAY, BatchCosts
-from specdec.sizing.pass_costs import LoadCosts
+from specdec.sizing.batch_policy import FEEDING_WORTH, JOIN_DECAY, BatchCosts
+from specdec.sizing.pass_costs import WORTH, LoadCosts
 from specdec.decoding.sequence import Decoding
 from specdec.decoding.speculation import Speculation
 from specdec.sizing.schedules import CostAware, TreeCost
@@ -327,6 +327,22 @@ def test_the_catch_up_ahead_counts_in_the_profiles_best_case():
     costs = BatchCosts(prior=profile)
     assert costs.speculate(4, lag=400, remaining=256) is False and costs.ruled_out == 1
     assert costs.speculate(4, lag=40, remaining=256) is True and costs.ruled_out == 1
+
+
+def test_a_step_that_feeds_prompts_starts_drafting_only_on_a_wider_margin():
+    """Steps whose pass feeds prompts are never timed, so nothing corrects drafting started there:
+    the profile's best case must reach FEEDING_WORTH. At 4 sequences (1.30x at acceptance 0.8)
+    a decode step warms up and a feeding step stays plain; at 2 (1.41x) both draft; where drafting
+    has been the faster kind at 4, a feeding step drafts too."""
+    profile = LoadCosts(LOADED, ROUNDS)
+    assert WORTH <= profile.best_speedup(4, 0.8) < FEEDING_WORTH <= profile.best_speedup(2, 0.8)
+    costs = BatchCosts(prior=profile)
+    assert costs.speculate(4, feeding=True) is False and costs.ruled_out == 1
+    assert costs.speculate(2, feeding=True) is True
+    assert BatchCosts(prior=profile).speculate(4) is True
+    won = BatchCosts(prior=profile)
+    _simulate(won, 4, lambda width: 0.2 + 0.001 * width, drafted_tokens=2.5, steps=6)
+    assert won._won(4) and won.speculate(4, feeding=True) is True
 
 
 def test_a_low_acceptance_rules_out_a_batch_size_the_profile_allowed_at_the_prior():

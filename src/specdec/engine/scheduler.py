@@ -91,7 +91,7 @@ class Scheduler:
             return None
         ids = list(self.running)
         decodings = [self.running[i] for i in ids]
-        speculate = self.steer(decodings, lags)
+        speculate = self.steer(decodings, lags, feeding=bool(riding))
         fresh = {i: (len(d.sequence), d.remaining) for i, d in enumerate(decodings)
                  if speculate and id(d) in lags and lags[id(d)] >= len(d.sequence)}
         return StepPlan(ids, decodings, speculate, sum(d.drafter_passes for d in decodings),
@@ -224,11 +224,11 @@ class Scheduler:
                 lags[id(decoding)] = lag
         return lags
 
-    def steer(self, decodings: list[Decoding], lags: dict[int, int]) -> bool | None:
+    def steer(self, decodings: list[Decoding], lags: dict[int, int], feeding: bool = False) -> bool | None:
         """The batch-level draft-or-not decision, imposed with the batch's costs on every sequence
         whose output draft lengths cannot change and that may draft this step, but for those whose
         drafter's catch-up would cost more than drafting saves them -> the decision (None: no such
-        sequence). lags: `lags`."""
+        sequence). lags: `lags`; feeding: prompts' chunks ride in this step's pass."""
         if self.costs is None:
             return None
         # a step of first tokens only would time plain passes as drafting: it decides nothing
@@ -243,7 +243,7 @@ class Scheduler:
         lagging = [d for d in steered if id(d) in lags and id(d) not in sitting_out]
         # where every one sits out, the step is a plain one (and is timed as one)
         speculate = len(sitting_out) < len(steered) and self.costs.speculate(
-            batch, sum(lags[id(d)] for d in lagging), sum(d.remaining for d in lagging))
+            batch, sum(lags[id(d)] for d in lagging), sum(d.remaining for d in lagging), feeding)
         self.costs.steer(batch, [(d.steerable, speculate and id(d) not in sitting_out) for d in steered])
         return speculate
 

@@ -42,7 +42,8 @@ Learning that drafting loses costs drafting steps; at a batch size where no draf
 is all loss (docs/engine.md#speculation-under-load). So given the machine's batched pass costs
 (`pass_costs.LoadCosts`, measured once per pair), a batch size drafts only where they say that
 drafting could beat plain steps by 10% at the acceptance seen so far (before any,
-`ACCEPTANCE_PRIOR`), or where its own steps have shown drafting faster: elsewhere it takes plain
+`ACCEPTANCE_PRIOR`; by 30% in a step whose pass also feeds prompts, which is never timed:
+`FEEDING_WORTH`), or where its own steps have shown drafting faster: elsewhere it takes plain
 steps from the first, with no warm-up and no probes. The profile is a best case (the best draft
 length, no overheads), so where it says no, measuring would only confirm it; where it says yes,
 the steps decide as above; the catch-up the sequences would pay first is spread over the tokens
@@ -60,7 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .pass_costs import LoadCosts
+from .pass_costs import WORTH, LoadCosts
 from .schedules import CostAware, FasterOf, WidthFit
 
 # The acceptance assumed before any drafting step is measured: about the best a drafter model of
@@ -70,6 +71,12 @@ from .schedules import CostAware, FasterOf, WidthFit
 ACCEPTANCE_PRIOR = 0.8
 PRIOR_TOKENS = 16
 JOIN_DECAY = 0.95  # per join: the prompt charge follows about the last 20 requests that joined drafting
+# The least best case, by the profile, for drafting in a step whose pass also feeds prompts, where
+# drafting has not been the faster kind at that size: such steps are never timed, so no measurement
+# corrects a wrong start there. Set from one machine's profile (a 2-core AMX Xeon: best cases 1.25x
+# at 8 sequences, where drafting started in those steps lost, and ~1.4x at 4, where it paid;
+# docs/engine.md#speculation-under-load).
+FEEDING_WORTH = 1.3
 
 
 class BatchCosts:
@@ -105,12 +112,15 @@ class BatchCosts:
         self._put_off: set[int] = set()  # batch sizes whose switch to drafting waits for its catch-up
         self._joins = [0.0, 0.0]  # decayed over joins: context tokens new drafters caught up on, tokens then left
 
-    def speculate(self, batch: int, lag: int = 0, remaining: int = 0) -> bool:
+    def speculate(self, batch: int, lag: int = 0, remaining: int = 0, feeding: bool = False) -> bool:
         """Whether this step's steered sequences should draft, at `batch` running sequences whose
-        drafters lack `lag` tokens of their contexts in all, with `remaining` tokens left to make."""
-        # the profile's best case, its drafters' catch-up spread over the tokens they have left
+        drafters lack `lag` tokens of their contexts in all, with `remaining` tokens left to make;
+        `feeding`: prompts' chunks ride in the step's pass."""
+        # the profile's best case, its drafters' catch-up spread over the tokens they have left;
+        # a step that feeds prompts is never timed (`record`), so drafting there needs a wider margin
         ahead = self.catch_up_seconds(lag) / remaining if remaining > 0 else 0.0
-        if self.prior is not None and not self.prior.may_pay(batch, self.acceptance(), ahead) and \
+        margin = FEEDING_WORTH if feeding else WORTH
+        if self.prior is not None and not self.prior.may_pay(batch, self.acceptance(), ahead, margin) and \
                 not self._won(batch):
             self.ruled_out += 1
             return False

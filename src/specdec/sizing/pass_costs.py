@@ -117,14 +117,14 @@ class LoadCosts:
                     (self.target_seconds(batch, k) + (k - 1) * self.drafter_seconds(batch)) for k in rows),
                    default=0.0)
 
-    def may_pay(self, batch: int, acceptance: float, charge: float = 0.0) -> bool:
-        """Whether drafting at `batch` sequences could beat plain steps by `WORTH` (see
-        `PassCosts.never_pays`: below that margin it loses in practice) at that acceptance, each
-        drafted token also costing `charge` seconds outside the passes (the drafters' catch-up on
-        what they have not read, over the tokens left to make)."""
+    def may_pay(self, batch: int, acceptance: float, charge: float = 0.0, worth: float = WORTH) -> bool:
+        """Whether drafting at `batch` sequences could beat plain steps by `worth` (by default
+        `WORTH`; see `PassCosts.never_pays`: below that margin it loses in practice) at that
+        acceptance, each drafted token also costing `charge` seconds outside the passes (the
+        drafters' catch-up on what they have not read, over the tokens left to make)."""
         speedup = self.best_speedup(batch, acceptance)
         plain_rate = batch / max(1e-9, self.target_seconds(batch, 1))
-        return speedup / (1 + charge * speedup * plain_rate) >= WORTH
+        return speedup / (1 + charge * speedup * plain_rate) >= worth
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:
