@@ -331,7 +331,7 @@ def test_the_catch_up_ahead_counts_in_the_profiles_best_case():
 
 def test_a_step_that_feeds_prompts_starts_drafting_only_on_a_wider_margin():
     """Steps whose pass feeds prompts are never timed, so nothing corrects drafting started there:
-    the profile's best case must reach FEEDING_WORTH. At 4 sequences (1.30x at acceptance 0.8)
+    the profile's best case must reach FEEDING_WORTH. At 4 sequences (1.29x at acceptance 0.8)
     a decode step warms up and a feeding step stays plain; at 2 (1.41x) both draft; where drafting
     has been the faster kind at 4, a feeding step drafts too."""
     profile = LoadCosts(LOADED, ROUNDS)
