@@ -164,6 +164,9 @@ CORES := $(shell nproc)
 VLLM_ENV := VLLM_CPU_OMP_THREADS_BIND=0-$$(($(CORES) - 1)) OMP_NUM_THREADS=$(CORES) \
 	LD_PRELOAD=$(CURDIR)/.peers/vllm/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
 VLLM_OUT := docs/benchmarks/vllm/serve
+# vLLM's weights: bfloat16 as ours, or float32 on a CPU without AVX512 (its bf16 matmul falls back
+# to torch's emulated bf16 there): make bench-serve-vllm VLLM_DTYPE=float32
+VLLM_DTYPE := bfloat16
 # every request names the ids ours stops at (the converted config names <|im_end|> alone, and vLLM
 # ran on past an <|endoftext|> until max_tokens, counting those tokens as output)
 HF_STOPS := import json; from specdec.models import catalogue as r; print(json.dumps({"stop_token_ids": r.end_ids(r.DEFAULT_TARGET)}))
@@ -171,7 +174,7 @@ bench-serve-vllm: setup vllm
 	set -e; hf=$$($(BIN)/python -c '$(HF_TARGET)'); stops=$$($(BIN)/python -c '$(HF_STOPS)'); \
 	$(BIN)/specdec serve --max-batch 16 --port 8765 --no-prompt-cache --costs-first 2>/dev/null & ours=$$!; \
 	trap "kill $$ours 2>/dev/null || true" EXIT; $(WAIT_OURS); \
-	$(VLLM_ENV) .peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model $$hf --dtype bfloat16 \
+	$(VLLM_ENV) .peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model $$hf --dtype $(VLLM_DTYPE) \
 		--host 127.0.0.1 --port 8771 --max-num-seqs 16 --max-model-len 4096 --no-enable-prefix-caching \
 		--served-model-name vllm >/dev/null 2>&1 & \
 	trap "kill $$ours $$! 2>/dev/null || true" EXIT; \

@@ -142,6 +142,7 @@ def test_level_figures():
     (["--repeats", "2"], "--repeats goes with --concurrency"),
     (["--concurrency", "1", "--methods", "ar,vllm", "--vllm-threads", "fast"], "--vllm-threads is tuned or default"),
     (["--methods", "ar,vllm", "--vllm-threads", "fast"], "--vllm-threads is tuned or default"),
+    (["--concurrency", "1", "--methods", "ar,vllm", "--vllm-dtype", "fp16"], "--vllm-dtype is bfloat16 or float32"),
     (["--methods", "ar,vllm,vllm-ngram"], "one vLLM method a bench run without --concurrency"),
 ])
 def test_concurrency_options_are_checked_before_loading(args, message):

@@ -27,7 +27,7 @@ from ..core.samplers import Sampler
 from ..sizing.schedules import AssumedCosts
 from ..decoding.config import DEFAULT_GAMMA, SpecConfig
 from ..core.verify import Typical
-from .vllm_peer import VLLM_METHODS, check_threads
+from .vllm_peer import VLLM_METHODS, check_dtype, check_threads
 
 BENCH_ONLY = {  # ours, as their presets' configs with a drafter model of their own, and beam search
     "sd-distilled": "sd-cost with the drafter distilled towards the target (--distilled DIR from `specdec distill-drafter`)",
@@ -128,6 +128,7 @@ class Settings:
         if unknown:
             raise SpecdecError(f"bench settings: {', '.join(sorted(unknown))} not among {', '.join(RUN_OPTIONS)}")
         check_threads(self.vllm_threads)
+        check_dtype(self.vllm_dtype)
 
     def option(self, name: str):
         """The run's value of SpecConfig field `name` (one of `RUN_OPTIONS`)."""

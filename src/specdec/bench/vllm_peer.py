@@ -17,7 +17,8 @@ memory), so one is alive at a time, kept until another method's is needed:
   `--datastore` ($SPECDEC_DATASTORE).
 
 Each loads the target's converted Hugging Face folder (the same weights ours run; `bfloat16`, as
-`--dtype auto` picks on CPUs with native bf16) with prefix caching off (as our bench's prompt
+`--dtype auto` picks, or `float32` where `--vllm-dtype` asks: on an x86 CPU without AVX512 its
+bf16 linears fall back to torch's emulated bf16) with prefix caching off (as our bench's prompt
 cache is), and keeps at most `level` requests in flight. Threads: `tuned` binds vLLM's OpenMP
 threads to every core this process may use and preloads the Intel OpenMP runtime that vLLM's
 wheel ships (its docs' advice for CPUs; on 2 cores its own default reserves one core for its
@@ -51,6 +52,9 @@ PROPOSER_TOKENS = 8  # the most our proposers draft a step (their cost-aware rul
 PROPOSERS = {"vllm-specdec-suffix": "SuffixProposer", "vllm-specdec-lookup": "LookupProposer",
              "vllm-specdec-ngram": "NgramProposer", "vllm-specdec-retrieval": "RetrievalProposer"}
 THREADS = ("tuned", "default")
+# their weights' dtypes we run: bf16 as ours, fp32 where the CPU has no AVX512 (vLLM's oneDNN bf16 matmul
+# cannot be built there and falls back to torch's emulated bf16)
+DTYPES = ("bfloat16", "float32")
 LOAD_TIMEOUT = 1800  # seconds: a first load compiles the model (70-160 s a model on 2 cores)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -70,6 +74,22 @@ def vllm_python() -> Path:
 def check_threads(threads: str) -> None:
     if threads not in THREADS:
         raise SpecdecError(f"--vllm-threads is {' or '.join(THREADS)}, not {threads!r}")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise SpecdecError(f"--vllm-dtype is {' or '.join(DTYPES)}, not {dtype!r}")
+
+
+def _x86_without_avx512() -> bool:
+    """Whether this is an x86 CPU without AVX512, where vLLM cannot build its oneDNN bf16 matmul (on
+    an AVX2-only EPYC its bf16 warm-up alone ran over 17 minutes, and was stopped there)."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64") and \
+        not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def hf_folder(model: str) -> Path:
@@ -241,6 +261,9 @@ class VllmPeers:
                  dtype: str = "bfloat16") -> "VllmPeers":
         """The workers of a bench run of `methods` on `target` (and `drafter` where vllm-draft runs;
         `datastore` where vllm-specdec-retrieval does)."""
+        if dtype == "bfloat16" and _x86_without_avx512():
+            say("vLLM's bf16 matmul needs AVX512: here its linears fall back to torch's emulated bf16, minutes "
+                "a prompt; --vllm-dtype float32 runs its fast path")
         return cls(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None, threads,
                    max_num_seqs, say, datastore=datastore, eager=eager, dtype=dtype)
 

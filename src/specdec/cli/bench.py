@@ -102,6 +102,9 @@ def bench(
                                      "advise) or default (vLLM's own: one core kept for its front end on 2 cores)."),
     vllm_eager: bool = typer.Option(False, "--vllm-eager", help="The vllm methods without torch.compile: a load "
                                     "in a third of the time, passes slower (say so beside their figures)."),
+    vllm_dtype: str = typer.Option("bfloat16", "--vllm-dtype", help="The vllm methods' weights: bfloat16 (ours "
+                                   "under --dtype auto) or float32 (on a CPU without AVX512, where vLLM's bf16 "
+                                   "linears fall back to torch's emulated bf16)."),
 ):
     """Compare methods on datasets in one run: interleaved per prompt, after a warm-up."""
     from ..bench.runners import Settings
@@ -123,7 +126,7 @@ def bench(
         settings = Settings(max_new_tokens=max_new_tokens, spec=spec, flat_at16=flat_at16, heads=heads, eagle=eagle,
                             datastore=datastore, distilled=distilled, parallel=parallel, other_drafter=other_drafter,
                             skip_layers=_skip_layers(skip_layers), num_beams=num_beams, vllm_threads=vllm_threads,
-                            vllm_eager=vllm_eager)
+                            vllm_eager=vllm_eager, vllm_dtype=vllm_dtype)
         if num_beams < 1:
             raise SpecdecError(f"--num-beams must be >= 1, got {num_beams}")
         if concurrency is not None:
