@@ -230,18 +230,22 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
 /* 3: AVX2's 8-lane fused multiply-adds on the pairs widened to fp32, the even input first: every
    output's sum is the one the AVX512 widening kernel (2) computes, so rows come out with its bits.
 
-   Sixteen registers hold A_ROWS rows' sums of one tile (two halves of 8 outputs) at a time. A call
-   of a few rows streams each thread's tiles (one contiguous stretch of memory) once, fetching
-   ahead; a longer one is blocked as a GEMM is: A_PAIRS input pairs of a tile, widened to fp32 once
-   (16 KiB, in L1), meet A_BLOCK rows (in L2) at a time, the partial sums kept in fp32 between
-   input blocks, so neither the weights nor the rows are read from memory more than once a block. */
+   Sixteen registers hold A_ROWS rows' sums of one tile (two halves of 8 outputs) at a time. Each
+   thread streams its tiles (one contiguous stretch of memory) once: a tile's first A_ROWS rows
+   run over all its pairs fetching ahead from memory, its next rows read it again from L2, each
+   row's sums in registers from the first pair to the last. From A_WIDE rows a call is blocked as
+   a GEMM is: A_PAIRS input pairs of a tile, widened to fp32 once (16 KiB, in L1), meet A_BLOCK
+   rows (in L2) at a time, the partial sums kept in fp32 between input blocks. */
 int specdec_linear_available(void) { return 3; }
 
 #define A_ROWS 6
 #define A_PAIRS 128
 #define A_BLOCK 192
-#define A_WIDE 24  /* rows from which a call widens each block of weights once */
-#define A_AHEAD 1024  /* bytes fetched ahead of a few-row stream */
+/* rows from which a call widens each block of weights once. Below it, a tile's later rows read it
+   from L2 unwidened: 0.68-0.78x the 1.5B target's GEMMs at 7-20 rows and 0.77x at 64 against
+   blocking from 7 rows and widening from 24, the same at 128-256 (EPYC-AVX2) */
+#define A_WIDE 128
+#define A_AHEAD 1024  /* bytes fetched ahead by the rows that stream a tile from memory */
 
 /* `height` rows from x (k floats apart) of one tile (its pairs at `tile`) over pairs start..end-1,
    into sums (`stride` floats between rows; carried in from them unless start is 0). Inlined with
@@ -341,8 +345,8 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
     const int64_t pairs = k / 2, tiles = (n + TILE - 1) / TILE, stride = tiles * TILE;
     float *in = scratch, *sums = scratch + rows * k;  /* sums [rows][tiles * 16] */
     widen(x, rows, x_stride, k, in);
-    const int few = rows <= A_ROWS, widened = rows >= A_WIDE;
-    const int64_t block = few ? pairs : A_PAIRS;
+    const int widened = rows >= A_WIDE;
+    const int64_t block = widened ? A_PAIRS : pairs;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tiles > 1)
     {
         int thread = 0, count = 1;
@@ -366,7 +370,7 @@ int specdec_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
                         height = (left + blocks - 1) / blocks;
                         float *at = sums + m0 * stride + t * TILE;
                         if (!widened)
-                            by_height[height](in + m0 * k, k, tile, start, end, at, stride, few);
+                            by_height[height](in + m0 * k, k, tile, start, end, at, stride, m0 == mb);
                         else
                             wide_by_height[height](in + m0 * k, k, wide, start, end, at, stride);
                     }
