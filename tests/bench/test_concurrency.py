@@ -157,3 +157,18 @@ def test_a_jsonl_datasets_rows_may_ask_for_the_chat_template(tmp_path):
     path.write_text(json.dumps({"prompt": "hi", "chat": "yes"}) + "\n")
     with pytest.raises(Exception, match="'chat' must be true or false"):
         load_prompts(str(path))
+
+
+@pytest.mark.parametrize("without_avx512,dtype,warned", [(True, "bfloat16", True), (True, "float32", False),
+                                                        (False, "bfloat16", False)])
+def test_vllm_in_bf16_on_a_cpu_without_avx512_is_pointed_to_fp32(monkeypatch, tmp_path, without_avx512, dtype,
+                                                                   warned):
+    """vLLM builds no oneDNN bf16 matmul without AVX512: a run asking bf16 there is told to take fp32."""
+    from specdec.backends import kernels
+    from specdec.bench.vllm_peer import VllmPeers
+
+    monkeypatch.setattr(kernels, "x86_without_avx512", lambda: without_avx512)
+    (tmp_path / "config.json").write_text("{}")
+    said = []
+    peers = VllmPeers.for_run(["vllm"], str(tmp_path), str(tmp_path), "tuned", 1, said.append, dtype=dtype)
+    assert peers.dtype == dtype and any("--vllm-dtype float32" in line for line in said) == warned

@@ -78,6 +78,14 @@ def bf16_rows_exact() -> bool:
     return cpu_has_native_bf16() or "avx512f" not in flags
 
 
+def x86_without_avx512() -> bool:
+    """True on an x86 CPU whose flags (Linux's /proc/cpuinfo) lack AVX512F: AVX2-only ones, where
+    oneDNN builds no bf16 matmul (vLLM's CPU build then falls back to torch's emulated bf16).
+    Elsewhere, or where the flags cannot be read, False."""
+    flags = _cpu_flags()
+    return flags is not None and platform.machine().lower() in ("x86_64", "amd64") and "avx512f" not in flags
+
+
 def _cpu_flags() -> set[str] | None:
     """The CPU's feature flags (Linux's /proc/cpuinfo), or None where they cannot be read."""
     try:

@@ -81,17 +81,6 @@ def check_dtype(dtype: str) -> None:
         raise SpecdecError(f"--vllm-dtype is {' or '.join(DTYPES)}, not {dtype!r}")
 
 
-def _x86_without_avx512() -> bool:
-    """Whether this is an x86 CPU without AVX512, where vLLM cannot build its oneDNN bf16 matmul (on
-    an AVX2-only EPYC its bf16 warm-up alone ran over 17 minutes, and was stopped there)."""
-    import platform
-
-    import torch
-
-    return platform.machine().lower() in ("x86_64", "amd64") and \
-        not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
 def hf_folder(model: str) -> Path:
     """The Hugging Face folder a model name or path loads from (what vLLM's workers load)."""
     from ..models import catalogue as registry
@@ -261,7 +250,9 @@ class VllmPeers:
                  dtype: str = "bfloat16") -> "VllmPeers":
         """The workers of a bench run of `methods` on `target` (and `drafter` where vllm-draft runs;
         `datastore` where vllm-specdec-retrieval does)."""
-        if dtype == "bfloat16" and _x86_without_avx512():
+        from ..backends.kernels import x86_without_avx512
+
+        if dtype == "bfloat16" and x86_without_avx512():  # on EPYC-AVX2 its bf16 warm-up ran over 17 min
             say("vLLM's bf16 matmul needs AVX512: here its linears fall back to torch's emulated bf16, minutes "
                 "a prompt; --vllm-dtype float32 runs its fast path")
         return cls(str(hf_folder(target)), str(hf_folder(drafter)) if "vllm-draft" in methods else None, threads,
